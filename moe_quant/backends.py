@@ -1,0 +1,83 @@
+"""Backend selection, in one place.
+
+Two independent choices:
+
+* quantization: the CuTe-DSL kernels on CUDA devices of compute capability 9.0+ when
+  ``nvidia-cutlass-dsl`` imports; the pure-PyTorch reference everywhere else.
+* GEMM: ``"scaled"`` (``torch._scaled_grouped_mm`` with e8m0 blocked scales, SM100+ only)
+  or ``"emulated"`` (dequantize to bf16, ``torch._grouped_mm``; any device).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+
+import torch
+
+
+class GemmBackend(str, enum.Enum):
+    AUTO = "auto"
+    EMULATED = "emulated"
+    SCALED = "scaled"
+
+    @classmethod
+    def parse(cls, value: "GemmBackend | str", argname: str = "backend") -> "GemmBackend":
+        if isinstance(value, GemmBackend):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        raise ValueError(f"{argname} must be one of {[b.value for b in cls]}, got {value!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device, None for any other device."""
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def cutedsl_importable() -> bool:
+    if os.environ.get("MOE_QUANT_DISABLE_KERNELS", "0") == "1":
+        return False
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_quant_kernels(x: torch.Tensor) -> bool:
+    """True where the CuTe-DSL quantization kernels serve ``x`` (Hopper or newer, cutlass-dsl present)."""
+    cap = device_capability(x.device)
+    return cap is not None and cap >= (9, 0) and cutedsl_importable()
+
+
+def supports_scaled_grouped_mm(device: torch.device) -> bool:
+    """MXFP8 block-scaled grouped GEMM exists on SM100+ only."""
+    cap = device_capability(device)
+    return cap is not None and cap >= (10, 0)
+
+
+def resolve_gemm_backend(requested: GemmBackend | str, device: torch.device) -> GemmBackend:
+    """``auto`` -> ``scaled`` on SM100+, else ``emulated``; an explicit ``scaled`` elsewhere is an error."""
+    backend = GemmBackend.parse(requested)
+    if backend is GemmBackend.AUTO:
+        return GemmBackend.SCALED if supports_scaled_grouped_mm(device) else GemmBackend.EMULATED
+    if backend is GemmBackend.SCALED and not supports_scaled_grouped_mm(device):
+        raise ValueError(
+            f"backend='scaled' needs a CUDA device of compute capability 10.0+ (MXFP8 tensor cores); "
+            f"got device {device} (capability {device_capability(device)}); use backend='emulated' or 'auto'"
+        )
+    return backend

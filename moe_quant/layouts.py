@@ -1,0 +1,258 @@
+"""Scale layouts of DESIGN.md section 3: the one home of the blocked-offset math.
+
+``blocked_offset`` is plain integer arithmetic, so the same function serves Python
+ints, torch index tensors (the reference below) and CuTe-DSL integers (the kernels).
+
+Grouped layouts take ``offs``: int32 cumulative *end* offsets of each group, as
+``torch._grouped_mm`` takes them. All shapes are static upper bounds computed from
+tensor shapes alone; nothing here reads ``offs`` on the host. Offsets are sanitized
+(clamped to ``[0, total]`` and made non-decreasing) before use, so that whatever
+``offs`` holds nothing is written outside the output buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .numerics import BLOCK_SIZE
+
+TILE_ROWS = 128  # rows of one blocked scale tile
+TILE_COLS = 4  # scale columns of one tile
+TILE_BYTES = TILE_ROWS * TILE_COLS  # 512
+M_GROUP_ALIGN = TILE_ROWS  # M-groups: each group's scale rows padded to 128
+K_GROUP_ALIGN = BLOCK_SIZE  # K-groups: each group's tokens padded to 32
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def round_up(a, b):
+    return ceil_div(a, b) * b
+
+
+def blocked_offset(r, c, n_col_tiles):
+    """Byte offset of scale ``(r, c)`` inside a blocked matrix with ``n_col_tiles`` tiles per row-tile.
+
+    128x4 tiles of 512 bytes, row-tile-major; in a tile, rows b, 32+b, 64+b, 96+b share one
+    16-byte line.
+    """
+    return (
+        TILE_BYTES * (n_col_tiles * (r // TILE_ROWS) + c // TILE_COLS)
+        + 16 * (r % 32)
+        + 4 * ((r // 32) % 4)
+        + (c % TILE_COLS)
+    )
+
+
+def blocked_shape(rows: int, cols: int) -> tuple[int, int]:
+    """Padded ``(128*ceil(rows/128), 4*ceil(cols/4))`` shape of a blocked scale matrix."""
+    return round_up(rows, TILE_ROWS), round_up(cols, TILE_COLS)
+
+
+def m_groups_blocked_shape(m: int, cols: int, n_groups: int) -> tuple[int, int]:
+    """Static upper-bound shape of the M-groups blocked scale buffer: ``(M + 128 G, 4 nc)``."""
+    return m + TILE_ROWS * n_groups, round_up(cols, TILE_COLS)
+
+
+def k_groups_padded_len(m: int, n_groups: int) -> int:
+    """Static upper bound of the per-group-padded token count: ``round_up(M, 32) + 32 G``."""
+    return round_up(m, K_GROUP_ALIGN) + K_GROUP_ALIGN * n_groups
+
+
+def k_groups_blocked_shape(rows: int, m: int, n_groups: int) -> tuple[int, int]:
+    """Static upper-bound shape of the K-groups blocked scale buffer: ``(Rp, ceil(M/32) + 4 G)``."""
+    return round_up(rows, TILE_ROWS), ceil_div(m, BLOCK_SIZE) + TILE_COLS * n_groups
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def group_bounds(offs: torch.Tensor, total: int, align: int):
+    """Per-group ``(starts, sizes, padded_starts, padded_ends)`` as int64 device tensors.
+
+    ``offs`` is sanitized: clamped to ``[0, total]`` and made non-decreasing. Padded sizes
+    are ``round_up(size, align)``; padded starts are their exclusive prefix sum.
+    """
+    ends = offs.to(torch.int64).clamp(0, total).cummax(0).values
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    sizes = ends - starts
+    padded = round_up(sizes, align)
+    padded_ends = torch.cumsum(padded, 0)
+    return starts, sizes, padded_ends - padded, padded_ends
+
+
+def group_of(index: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Group id of each index (``len(ends)`` where past the last group)."""
+    return torch.searchsorted(ends, index, right=True)
+
+
+def padded_group_offsets(offs: torch.Tensor, total: int, align: int = K_GROUP_ALIGN) -> torch.Tensor:
+    """int32 end offsets of the groups after padding each to a multiple of ``align``."""
+    return group_bounds(offs, total, align)[3].to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- plain <-> blocked
+
+
+def _flat_index_2d(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.arange(rows, device=device).unsqueeze(1).expand(rows, cols)
+    c = torch.arange(cols, device=device).unsqueeze(0).expand(rows, cols)
+    return r, c
+
+
+def _scatter_bytes(numel: int, dest: torch.Tensor, src: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Zero uint8 buffer of ``numel`` bytes with ``src[keep]`` written at ``dest[keep]``.
+
+    Dropped elements go to one trash byte past the end, so no host sync is needed.
+    """
+    out = torch.zeros(numel + 1, dtype=torch.uint8, device=src.device)
+    dest = torch.where(keep, dest, numel)
+    out.scatter_(0, dest.reshape(-1), src.reshape(-1))
+    return out[:numel]
+
+
+def _as_bytes(scales: torch.Tensor) -> torch.Tensor:
+    if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise TypeError(f"scales must be uint8 or float8_e8m0fnu, got {scales.dtype}")
+    return scales.view(torch.uint8)
+
+
+def _like(out: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return out.view(scales.dtype)
+
+
+def to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """Plain ``(R, C)`` scales -> blocked, as a ``(128 nr, 4 nc)`` tensor whose bytes are in blocked order."""
+    s = _as_bytes(scales)
+    rows, cols = s.shape
+    rp, cp = blocked_shape(rows, cols)
+    r, c = _flat_index_2d(rows, cols, s.device)
+    dest = blocked_offset(r, c, cp // TILE_COLS)
+    out = _scatter_bytes(rp * cp, dest, s, torch.ones_like(dest, dtype=torch.bool))
+    return _like(out.view(rp, cp), scales)
+
+
+def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked`: the plain ``(rows, cols)`` scales."""
+    b = _as_bytes(blocked).reshape(-1)
+    r, c = _flat_index_2d(rows, cols, b.device)
+    out = b[blocked_offset(r, c, blocked_shape(rows, cols)[1] // TILE_COLS)]
+    return _like(out, blocked)
+
+
+def to_blocked_3d(scales: torch.Tensor) -> torch.Tensor:
+    """Per-expert scales ``(E, R, C)`` -> ``(E, 128 nr * 4 nc)``: ``out[e] = blocked(scales[e])``."""
+    s = _as_bytes(scales)
+    e, rows, cols = s.shape
+    rp, cp = blocked_shape(rows, cols)
+    r, c = _flat_index_2d(rows, cols, s.device)
+    dest = blocked_offset(r, c, cp // TILE_COLS)
+    dest = dest.unsqueeze(0) + rp * cp * torch.arange(e, device=s.device).view(e, 1, 1)
+    out = _scatter_bytes(e * rp * cp, dest, s, torch.ones_like(dest, dtype=torch.bool))
+    return _like(out.view(e, rp * cp), scales)
+
+
+def from_blocked_3d(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked_3d`: ``(E, rows, cols)``."""
+    b = _as_bytes(blocked)
+    e = b.shape[0]
+    r, c = _flat_index_2d(rows, cols, b.device)
+    idx = blocked_offset(r, c, blocked_shape(rows, cols)[1] // TILE_COLS).reshape(-1)
+    return _like(b[:, idx].view(e, rows, cols), blocked)
+
+
+# ----------------------------------------------------------------------------- M groups
+
+
+def _m_groups_dest(m: int, cols: int, offs: torch.Tensor):
+    """Destination byte and validity of every plain scale ``(r, c)`` in the M-groups buffer."""
+    starts, sizes, pstarts, _ = group_bounds(offs, m, M_GROUP_ALIGN)
+    r, c = _flat_index_2d(m, cols, offs.device)
+    g = group_of(torch.arange(m, device=offs.device), starts + sizes)
+    keep = (g < offs.numel()).unsqueeze(1).expand(m, cols)
+    g = g.clamp(max=offs.numel() - 1).unsqueeze(1)
+    cp = round_up(cols, TILE_COLS)
+    dest = pstarts[g] * cp + blocked_offset(r - starts[g], c, cp // TILE_COLS)
+    return dest, keep
+
+
+def to_blocked_m_groups(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rowwise scales ``(M, C)`` with token groups along M -> M-groups blocked buffer ``(M + 128 G, 4 nc)``.
+
+    Group g's rows are blocked on their own and placed at padded row
+    ``P_g = sum_{j<g} 128 ceil(m_j/128)``. Rows past the last offset are not stored; every
+    other byte of the buffer is zero.
+    """
+    s = _as_bytes(scales)
+    m, cols = s.shape
+    shape = m_groups_blocked_shape(m, cols, offs.numel())
+    if offs.numel() == 0:
+        return _like(torch.zeros(shape, dtype=torch.uint8, device=s.device), scales)
+    dest, keep = _m_groups_dest(m, cols, offs)
+    out = _scatter_bytes(shape[0] * shape[1], dest, s, keep)
+    return _like(out.view(shape), scales)
+
+
+def from_blocked_m_groups(blocked: torch.Tensor, offs: torch.Tensor, m: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked_m_groups`; rows outside every group read as zero."""
+    b = _as_bytes(blocked).reshape(-1)
+    if offs.numel() == 0:
+        return _like(torch.zeros(m, cols, dtype=torch.uint8, device=b.device), blocked)
+    dest, keep = _m_groups_dest(m, cols, offs)
+    out = torch.where(keep, b[torch.where(keep, dest, 0)], 0)
+    return _like(out, blocked)
+
+
+# ----------------------------------------------------------------------------- K groups
+
+
+def _k_groups_dest(rows: int, m: int, offs: torch.Tensor):
+    """Destination byte and validity of every scale ``(r, j)`` of per-group-padded data.
+
+    Scale column ``j`` covers padded tokens ``[32 j, 32 j + 32)``; group g owns columns
+    ``[P_g/32, P_g/32 + c_g)`` with ``c_g = ceil(m_g/32)``, blocked on its own with
+    ``ceil(c_g/4)`` column tiles at byte ``S_g * Rp``, ``S_g = sum_{j<g} 4 ceil(c_j/4)``.
+    """
+    n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
+    _, sizes, pstarts, pends = group_bounds(offs, m, K_GROUP_ALIGN)
+    c_g = ceil_div(sizes, BLOCK_SIZE)
+    tiles_g = ceil_div(c_g, TILE_COLS)
+    s_g = torch.cumsum(tiles_g, 0) - tiles_g  # in column tiles
+    r, j = _flat_index_2d(rows, n_cols, offs.device)
+    g = group_of(torch.arange(n_cols, device=offs.device) * BLOCK_SIZE, pends)
+    keep = g < offs.numel()
+    g = g.clamp(max=offs.numel() - 1)
+    local = torch.arange(n_cols, device=offs.device) - pstarts[g] // BLOCK_SIZE
+    keep = (keep & (local < c_g[g])).unsqueeze(0).expand(rows, n_cols)
+    rp = round_up(rows, TILE_ROWS)
+    dest = (s_g[g] * TILE_COLS * rp).unsqueeze(0) + blocked_offset(r, local.unsqueeze(0), tiles_g[g].unsqueeze(0))
+    return dest, keep
+
+
+def to_blocked_k_groups(scales: torch.Tensor, offs: torch.Tensor, m: int) -> torch.Tensor:
+    """Colwise scales of per-group-padded data -> K-groups blocked buffer ``(Rp, ceil(M/32) + 4 G)``.
+
+    ``scales`` is ``(R, k_groups_padded_len(m, G) / 32)``: scale column j covers padded tokens
+    ``[32 j, 32 j + 32)`` (see :func:`quantize_colwise_k_groups` in ``reference``). ``m`` is the
+    unpadded token count and ``offs`` the unpadded group ends.
+    """
+    s = _as_bytes(scales)
+    rows = s.shape[0]
+    shape = k_groups_blocked_shape(rows, m, offs.numel())
+    if offs.numel() == 0:
+        return _like(torch.zeros(shape, dtype=torch.uint8, device=s.device), scales)
+    dest, keep = _k_groups_dest(rows, m, offs)
+    out = _scatter_bytes(shape[0] * shape[1], dest, s, keep)
+    return _like(out.view(shape), scales)
+
+
+def from_blocked_k_groups(blocked: torch.Tensor, offs: torch.Tensor, rows: int, m: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked_k_groups`: ``(rows, k_groups_padded_len(m, G) / 32)``, zero outside groups."""
+    b = _as_bytes(blocked).reshape(-1)
+    n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
+    if offs.numel() == 0:
+        return _like(torch.zeros(rows, n_cols, dtype=torch.uint8, device=b.device), blocked)
+    dest, keep = _k_groups_dest(rows, m, offs)
+    out = torch.where(keep, b[torch.where(keep, dest, 0)], 0)
+    return _like(out, blocked)

@@ -1,0 +1,124 @@
+"""MXFP8 numerics (OCP MX v1.0): the one definition of scale math, element cast and
+dequantization. Everything else (layouts, reference quantizers, kernels) builds on
+these functions; DESIGN.md section 2 is the contract.
+
+A scale is an e8m0 byte ``s`` meaning ``2**(s - 127)``; 255 is NaN. One scale covers
+``BLOCK_SIZE`` consecutive elements along the contraction dimension.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+BLOCK_SIZE = 32
+E4M3_MAX = 448.0
+E4M3_MAX_POW2 = 8  # floor(log2(448))
+E8M0_BIAS = 127
+E8M0_NAN = 255
+RCP_E4M3_MAX = 1.0 / E4M3_MAX  # rounded to fp32 where used (torch.float32 scalar multiply)
+
+_F32_EXP_MASK = 0xFF
+_F32_MANT_MASK = 0x7FFFFF
+
+
+class ScaleMode(str, enum.Enum):
+    """How a block's e8m0 scale is derived from its amax."""
+
+    RCEIL = "rceil"  # round amax/448 up to a power of two (Blackwell cvt.rp.satfinite.ue8m0)
+    FLOOR = "floor"  # floor(log2(amax)) - 8; the element cast saturates to +-448
+
+    @classmethod
+    def parse(cls, value: "ScaleMode | str", argname: str = "scale_mode") -> "ScaleMode":
+        if isinstance(value, ScaleMode):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        raise ValueError(f"{argname} must be one of {[m.value for m in cls]}, got {value!r}")
+
+
+def e8m0_from_amax(amax: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
+    """Scale byte (uint8) of each block from its fp32 amax.
+
+    RCEIL: the e8m0 byte of ``amax * fp32(1/448)`` rounded up to a power of two:
+    the fp32 exponent field, plus one if any mantissa bit is set (an fp32
+    subnormal therefore rounds up only above 2**-127).
+    FLOOR: ``floor(log2(amax)) - 8`` from the exponent field, clamped to [0, 254].
+    Non-finite amax gives 255 in both modes.
+    """
+    amax = amax.to(torch.float32)
+    if mode is ScaleMode.RCEIL:
+        descale = amax * torch.tensor(RCP_E4M3_MAX, dtype=torch.float32)
+        bits = descale.view(torch.int32)
+        exp = (bits >> 23) & _F32_EXP_MASK
+        exp = exp + ((bits & _F32_MANT_MASK) != 0).to(torch.int32)
+        exp = exp.clamp(max=254)
+    else:
+        bits = amax.view(torch.int32)
+        exp = ((bits >> 23) & _F32_EXP_MASK) - E4M3_MAX_POW2
+        exp = exp.clamp(min=0, max=254)
+    finite = torch.isfinite(amax)
+    return torch.where(finite, exp, E8M0_NAN).to(torch.uint8)
+
+
+def e8m0_to_fp32(scale: torch.Tensor) -> torch.Tensor:
+    """``2**(s - 127)`` as fp32 (exact, 2**-127 included); NaN for byte 255."""
+    s = scale.view(torch.uint8).to(torch.int32)
+    normal = (s << 23).view(torch.float32)
+    value = torch.where(s == 0, torch.full_like(normal, 2.0**-127), normal)
+    return torch.where(s == E8M0_NAN, torch.full_like(value, float("nan")), value)
+
+
+def e8m0_reciprocal_fp32(scale: torch.Tensor) -> torch.Tensor:
+    """``2**(127 - s)`` as fp32 (exact for every byte up to 254); NaN for 255.
+
+    Byte 0 needs 2**127 and byte 254 needs 2**-127 (an fp32 subnormal): both exact.
+    """
+    s = scale.view(torch.uint8).to(torch.int32)
+    e = 254 - s  # biased exponent field of 2**(127-s)
+    normal = (e.clamp(min=1) << 23).view(torch.float32)
+    value = torch.where(e == 0, torch.full_like(normal, 2.0**-127), normal)
+    return torch.where(s == E8M0_NAN, torch.full_like(value, float("nan")), value)
+
+
+def cast_to_e4m3(x_scaled_fp32: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even, saturating cast of fp32 values to float8_e4m3fn (NaN stays NaN)."""
+    return x_scaled_fp32.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_blocks(x: torch.Tensor, mode: ScaleMode) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize along the last dim in blocks of 32.
+
+    Returns ``(data float8_e4m3fn, same shape as x; scales uint8, (..., K/32))``.
+    A block holding NaN or Inf gets scale 255 and all-NaN data.
+    """
+    k = x.shape[-1]
+    blocks = x.reshape(*x.shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
+    amax = blocks.abs().amax(dim=-1)
+    # amax of a block holding both NaN and Inf must be non-finite: abs().amax propagates NaN.
+    scale = e8m0_from_amax(amax, mode)
+    rcp = e8m0_reciprocal_fp32(scale).unsqueeze(-1)  # NaN for non-finite blocks poisons them
+    data = cast_to_e4m3(blocks * rcp)
+    return data.reshape(x.shape), scale
+
+
+def dequantize_blocks(
+    data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``float(q) * 2**(s-127)`` in fp32, then rounded to ``out_dtype`` (last dim blocked by 32)."""
+    k = data.shape[-1]
+    q = data.reshape(*data.shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
+    value = q * e8m0_to_fp32(scale).unsqueeze(-1)
+    return value.reshape(data.shape).to(out_dtype)
+
+
+def fake_quantize_blocks(
+    x: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``dequantize_blocks(*quantize_blocks(x))``: what an MXFP8 GEMM sees of ``x``."""
+    data, scale = quantize_blocks(x, mode)
+    return dequantize_blocks(data, scale, out_dtype)
