@@ -21,6 +21,7 @@ RCP_E4M3_MAX = 1.0 / E4M3_MAX  # rounded to fp32 where used (torch.float32 scala
 
 _F32_EXP_MASK = 0xFF
 _F32_MANT_MASK = 0x7FFFFF
+_F32_HALF_SUBNORMAL = 0x400000  # mantissa bits of 2**-127 in an fp32 subnormal
 
 
 class ScaleMode(str, enum.Enum):
@@ -55,8 +56,10 @@ def e8m0_from_amax(amax: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
         descale = amax * torch.tensor(RCP_E4M3_MAX, dtype=torch.float32)
         bits = descale.view(torch.int32)
         exp = (bits >> 23) & _F32_EXP_MASK
-        exp = exp + ((bits & _F32_MANT_MASK) != 0).to(torch.int32)
-        exp = exp.clamp(max=254)
+        mant = bits & _F32_MANT_MASK
+        # normal: round up if any mantissa bit is set; subnormal (< 2**-126): to 2**-126 only above 2**-127
+        round_up = torch.where(exp == 0, mant > _F32_HALF_SUBNORMAL, mant != 0)
+        exp = (exp + round_up.to(torch.int32)).clamp(max=254)
     else:
         bits = amax.view(torch.int32)
         exp = ((bits >> 23) & _F32_EXP_MASK) - E4M3_MAX_POW2
@@ -94,26 +97,34 @@ def quantize_blocks(x: torch.Tensor, mode: ScaleMode) -> tuple[torch.Tensor, tor
     """Quantize along the last dim in blocks of 32.
 
     Returns ``(data float8_e4m3fn, same shape as x; scales uint8, (..., K/32))``.
-    A block holding NaN or Inf gets scale 255 and all-NaN data.
+    A block holding NaN or Inf gets scale 255 and all its data bytes 0x7F (canonical NaN).
     """
     k = x.shape[-1]
     blocks = x.reshape(*x.shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
     amax = blocks.abs().amax(dim=-1)
     # amax of a block holding both NaN and Inf must be non-finite: abs().amax propagates NaN.
     scale = e8m0_from_amax(amax, mode)
-    rcp = e8m0_reciprocal_fp32(scale).unsqueeze(-1)  # NaN for non-finite blocks poisons them
-    data = cast_to_e4m3(blocks * rcp)
+    rcp = e8m0_reciprocal_fp32(scale).unsqueeze(-1)
+    nan_block = (scale == E8M0_NAN).unsqueeze(-1)
+    # canonical positive NaN (e4m3 0x7F) for every element of a non-finite block
+    scaled = torch.where(nan_block, torch.full_like(blocks, float("nan")), blocks * rcp)
+    data = cast_to_e4m3(scaled)
     return data.reshape(x.shape), scale
 
 
 def dequantize_blocks(
     data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """``float(q) * 2**(s-127)`` in fp32, then rounded to ``out_dtype`` (last dim blocked by 32)."""
+    """``float(q) * 2**(s-127)`` in fp32, then rounded to ``out_dtype`` (last dim blocked by 32).
+
+    NaN data or a NaN scale (255) gives the canonical positive NaN (bf16 0x7FC0).
+    """
     k = data.shape[-1]
     q = data.reshape(*data.shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
-    value = q * e8m0_to_fp32(scale).unsqueeze(-1)
-    return value.reshape(data.shape).to(out_dtype)
+    value = (q * e8m0_to_fp32(scale).unsqueeze(-1)).to(out_dtype)
+    # set NaN after the cast: vectorized fp32->bf16 casts pick their own NaN bits (0xFFFF on x86)
+    value = torch.where(value.isnan(), torch.full((), float("nan"), dtype=out_dtype, device=value.device), value)
+    return value.reshape(data.shape)
 
 
 def fake_quantize_blocks(

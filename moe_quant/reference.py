@@ -55,6 +55,8 @@ def pad_token_groups(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     ``(round_up(M, 32) + 32 G, R)``. Rows past the last offset are dropped."""
     m = x.shape[0]
     total = layouts.k_groups_padded_len(m, offs.numel())
+    if m == 0 or offs.numel() == 0:  # static shapes: nothing to gather
+        return x.new_zeros(total, x.shape[1])
     starts, sizes, pstarts, pends = layouts.group_bounds(offs, m, layouts.K_GROUP_ALIGN)
     t = torch.arange(total, device=x.device)
     g = layouts.group_of(t, pends)
@@ -67,6 +69,8 @@ def pad_token_groups(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 def unpad_token_groups(xp: torch.Tensor, offs: torch.Tensor, m: int) -> torch.Tensor:
     """Inverse of :func:`pad_token_groups`: ``(m, R)``, rows past the last offset zero."""
+    if m == 0 or offs.numel() == 0:
+        return xp.new_zeros(m, xp.shape[1])
     starts, sizes, pstarts, _ = layouts.group_bounds(offs, m, layouts.K_GROUP_ALIGN)
     t = torch.arange(m, device=xp.device)
     g = layouts.group_of(t, starts + sizes)

@@ -1,0 +1,58 @@
+"""moe_quant: MXFP8 training for the routed experts of Mixture-of-Experts models.
+
+Public API:
+
+* :func:`mxfp8_grouped_mm` -- differentiable MXFP8 drop-in for ``torch._grouped_mm``.
+* :func:`to_mxfp8` / :func:`from_mxfp8` -- quantize / dequantize along the last dim.
+* Scale layouts (DESIGN.md section 3): :func:`to_blocked`, :func:`from_blocked`,
+  :func:`to_blocked_m_groups`, :func:`from_blocked_m_groups`, :func:`to_blocked_k_groups`,
+  :func:`from_blocked_k_groups`, :func:`to_blocked_3d`, :func:`from_blocked_3d`.
+* Operand quantizers for the three GEMMs: :func:`quantize_rowwise`,
+  :func:`quantize_colwise_k_groups`, :func:`quantize_3d` (kernels where available).
+"""
+
+from .autograd import mxfp8_grouped_mm
+from .backends import GemmBackend
+from .layouts import (
+    blocked_offset,
+    from_blocked,
+    from_blocked_3d,
+    from_blocked_k_groups,
+    from_blocked_m_groups,
+    padded_group_offsets,
+    to_blocked,
+    to_blocked_3d,
+    to_blocked_k_groups,
+    to_blocked_m_groups,
+)
+from .numerics import BLOCK_SIZE, ScaleMode
+from .quantize import (
+    fake_quantize_rowwise,
+    quantize_3d,
+    quantize_colwise_k_groups,
+    quantize_rowwise,
+)
+from .reference import from_mxfp8, to_mxfp8
+
+__all__ = [
+    "BLOCK_SIZE",
+    "GemmBackend",
+    "ScaleMode",
+    "blocked_offset",
+    "fake_quantize_rowwise",
+    "from_blocked",
+    "from_blocked_3d",
+    "from_blocked_k_groups",
+    "from_blocked_m_groups",
+    "from_mxfp8",
+    "mxfp8_grouped_mm",
+    "padded_group_offsets",
+    "quantize_3d",
+    "quantize_colwise_k_groups",
+    "quantize_rowwise",
+    "to_blocked",
+    "to_blocked_3d",
+    "to_blocked_k_groups",
+    "to_blocked_m_groups",
+    "to_mxfp8",
+]

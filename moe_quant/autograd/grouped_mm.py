@@ -1,0 +1,141 @@
+"""Differentiable MXFP8 grouped GEMM: ``out = A @ W_t`` per token group (DESIGN.md section 4).
+
+=======  ==========================================  ===========================================
+GEMM     operand 1                                   operand 2
+=======  ==========================================  ===========================================
+fwd      A (M, K) rowwise 1x32 along K, M-groups      W along K, 3D per-expert scales
+dgrad    grad_out (M, N) rowwise along N, M-groups    W along N, 3D per-expert scales
+wgrad    grad_out colwise 32x1 along tokens, K-groups  A colwise 32x1 along tokens, K-groups
+=======  ==========================================  ===========================================
+
+Two GEMM backends with the same numerics (``backends.py`` picks one):
+
+* ``scaled`` (SM100+): real fp8 operands and e8m0 blocked scales to ``torch._scaled_grouped_mm``.
+* ``emulated`` (anywhere): the same quantization, dequantized to bf16 (exact), then
+  ``torch._grouped_mm``. The dequantized operands are produced in one pass (fake quantization).
+
+Both GEMMs accumulate in fp32 and round the result to bf16 (PyTorch's grouped GEMMs emit bf16);
+``out_dtype=torch.float32`` widens that result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import quantize as q
+from ..backends import GemmBackend, resolve_gemm_backend
+from ..numerics import ScaleMode
+from ..validation import check_grouped_mm_args
+
+_GEMM_DTYPE = torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- emulated
+
+
+def emulated_fwd(A, W_t, offs, mode: ScaleMode):
+    a = q.fake_quantize_rowwise(A, mode)
+    w = q.fake_quantize_3d(W_t, mode, along_dim=-2)  # blocks along K, W_t (E, K, N)
+    return torch._grouped_mm(a, w, offs=offs)
+
+
+def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode):
+    g = q.fake_quantize_rowwise(grad_out, mode)
+    w = q.fake_quantize_3d(W_t, mode, along_dim=-1)  # blocks along N
+    return torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
+
+
+def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
+    """dW (E, N, K): per group, grad_out[g]^T @ A[g] with 32x1 blocks along tokens, per group."""
+    g = q.fake_quantize_colwise_k_groups(grad_out, offs, mode)
+    a = q.fake_quantize_colwise_k_groups(A, offs, mode)
+    return torch._grouped_mm(g.t(), a, offs=offs)
+
+
+# ----------------------------------------------------------------------------- scaled (SM100+)
+
+
+def scaled_fwd(A, W_t, offs, mode: ScaleMode):
+    a, a_s = q.quantize_rowwise(A, mode, offs)
+    w, w_s = q.quantize_3d(W_t.transpose(-2, -1), mode, along="k")  # (E, N, K), scales (E, N x K/32)
+    return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
+
+
+def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode):
+    g, g_s = q.quantize_rowwise(grad_out, mode, offs)
+    w, w_s = q.quantize_3d(W_t.transpose(-2, -1), mode, along="n")  # (E, K, N), scales (E, K x N/32)
+    return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
+
+
+def scaled_wgrad(grad_out, A, offs, mode: ScaleMode):
+    g_t, g_s, padded_offs = q.quantize_colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
+    a_t, a_s, _ = q.quantize_colwise_k_groups(A, offs, mode)  # (K, Mp)
+    return torch._scaled_grouped_mm(g_t, a_t.t(), g_s, a_s, offs=padded_offs, out_dtype=_GEMM_DTYPE)
+
+
+_GEMMS = {
+    GemmBackend.EMULATED: (emulated_fwd, emulated_dgrad, emulated_wgrad),
+    GemmBackend.SCALED: (scaled_fwd, scaled_dgrad, scaled_wgrad),
+}
+
+
+def _zero_empty_experts(dW: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """An expert without tokens gets an exact zero gradient, whatever the GEMM leaves there."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.where((sizes > 0).view(-1, 1, 1), dW, 0)
+
+
+class _MXFP8GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
+        fwd, _, _ = _GEMMS[backend]
+        ctx.save_for_backward(A, W_t, offs)
+        ctx.mode, ctx.backend = mode, backend
+        return fwd(A, W_t, offs, mode).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        A, W_t, offs = ctx.saved_tensors
+        _, dgrad, wgrad = _GEMMS[ctx.backend]
+        grad_out = grad_out.contiguous()
+        grad_A = grad_W_t = None
+        if ctx.needs_input_grad[0]:
+            grad_A = dgrad(grad_out, W_t, offs, ctx.mode).to(A.dtype)
+        if ctx.needs_input_grad[1]:
+            dW = _zero_empty_experts(wgrad(grad_out, A, offs, ctx.mode), offs)
+            grad_W_t = dW.to(W_t.dtype).transpose(-2, -1)
+        return grad_A, grad_W_t, None, None, None, None
+
+
+def mxfp8_grouped_mm(
+    A: torch.Tensor,
+    W_t: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    scale_mode: ScaleMode | str = ScaleMode.RCEIL,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: GemmBackend | str = GemmBackend.AUTO,
+    validate_offsets: bool | None = None,
+) -> torch.Tensor:
+    """MXFP8 grouped GEMM, a differentiable drop-in for ``torch._grouped_mm(A, W_t, offs=offs)``.
+
+    Args:
+        A: ``(M, K)`` bf16 or fp32 activations, tokens grouped by expert.
+        W_t: ``(E, K, N)`` bf16, normally ``W.transpose(-2, -1)`` of an ``(E, N, K)`` expert parameter.
+        offs: ``(E,)`` int32 cumulative end offsets of each expert's tokens (any sizes, 0 included).
+            Rows past ``offs[-1]`` are not computed (their output is unspecified, as in
+            ``torch._grouped_mm``) and get zero gradient.
+        scale_mode: ``"rceil"`` (default) or ``"floor"``.
+        out_dtype: ``torch.bfloat16`` or ``torch.float32`` (the bf16 GEMM result, widened).
+        backend: ``"auto"`` (scaled on SM100+ when out_dtype is bf16, else emulated), ``"emulated"``, ``"scaled"``.
+        validate_offsets: check ``offs`` values (monotone, <= M). Default: only when ``offs`` is on
+            the CPU, since reading a GPU tensor synchronizes. Bad values never cause out-of-bounds
+            accesses either way: offsets are clamped to [0, M] and made monotone internally.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``.
+    """
+    mode = ScaleMode.parse(scale_mode)
+    check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets)
+    gemm = resolve_gemm_backend(backend, A.device)
+    return _MXFP8GroupedMM.apply(A.contiguous(), W_t, offs, mode, out_dtype, gemm)

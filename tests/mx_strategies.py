@@ -1,0 +1,68 @@
+"""Hypothesis strategies shared by the numerics, layout and kernel tests.
+
+Values come from a seeded torch generator (hypothesis draws the seed, the shape and the
+distribution), so large tensors stay cheap to generate and every failure replays.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+DISTRIBUTIONS = ("normal", "wide", "zero_blocks", "subnormal", "nan_inf", "amax_band")
+
+# group sizes that stress the layouts: empty, single, around 32 and 128
+SPECIAL_GROUP_SIZES = (0, 1, 31, 32, 33, 127, 128, 129)
+
+
+def make_values(shape, dist: str, seed: int, dtype=torch.bfloat16, inject_inf: bool = True) -> torch.Tensor:
+    """A tensor of ``shape`` with blocks of 32 along the last dim drawn from ``dist``."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.Size(shape).numel())
+    if dist == "normal":
+        x = torch.randn(n, generator=g)
+    elif dist == "wide":  # magnitudes 2^-140 .. 2^127
+        e = torch.randint(-140, 127, (n,), generator=g).float()
+        x = torch.randn(n, generator=g).sign() * torch.rand(n, generator=g).add(1) * torch.exp2(e)
+    elif dist == "zero_blocks":
+        x = torch.randn(n, generator=g)
+        blocks = x.view(-1, 32) if n % 32 == 0 else x.view(1, -1)
+        blocks[torch.rand(blocks.shape[0], generator=g) < 0.4] = 0
+    elif dist == "subnormal":  # bf16 subnormals: below 2^-126
+        x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-133, -120, (n,), generator=g).float())
+    elif dist == "nan_inf":
+        x = torch.randn(n, generator=g)
+        specials = [float("nan"), float("inf"), float("-inf")] if inject_inf else [float("nan")]
+        idx = torch.randint(0, max(n, 1), (max(1, n // 97),), generator=g)
+        which = torch.randint(0, len(specials), idx.shape, generator=g)
+        x[idx] = torch.tensor(specials)[which]
+    elif dist == "amax_band":  # block amax in (448 * 2^k, 512 * 2^k)
+        x = torch.randn(n, generator=g)
+        if n % 32 == 0 and n > 0:
+            blocks = x.view(-1, 32)
+            k = torch.randint(-120, 110, (blocks.shape[0],), generator=g).float()
+            blocks.mul_(torch.exp2(k - 8).unsqueeze(1))
+            peak = 448 * torch.exp2(k) * (1 + torch.rand(blocks.shape[0], generator=g) * (64 / 448))
+            blocks[:, 0] = peak.clamp(max=3e38)
+    else:
+        raise ValueError(dist)
+    return x.view(shape).to(dtype)
+
+
+@st.composite
+def group_sizes(draw, max_groups: int = 6, max_size: int = 300, allow_tail: bool = True):
+    """A list of group sizes (mixing special sizes and random ones) plus a tail of rows past the last group."""
+    g = draw(st.integers(1, max_groups))
+    sizes = draw(
+        st.lists(st.one_of(st.sampled_from(SPECIAL_GROUP_SIZES), st.integers(0, max_size)), min_size=g, max_size=g)
+    )
+    tail = draw(st.integers(0, 40)) if allow_tail else 0
+    return sizes, tail
+
+
+def offsets_from_sizes(sizes, device="cpu") -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def to_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)

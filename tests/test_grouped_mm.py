@@ -1,0 +1,265 @@
+"""mxfp8_grouped_mm: accuracy vs bf16, equality with an independent per-expert loop, autograd,
+validation, torch.compile, and the SM100 (scaled) path's arguments against PyTorch's own checks."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from mx_strategies import group_sizes, offsets_from_sizes
+
+from moe_quant import from_blocked_3d, from_blocked_k_groups, from_blocked_m_groups, mxfp8_grouped_mm, to_mxfp8
+from moe_quant.autograd import grouped_mm as gm
+from moe_quant.backends import GemmBackend
+from moe_quant.numerics import ScaleMode, dequantize_blocks
+from moe_quant import quantize as q
+from moe_quant import reference
+
+
+def sqnr(x, ref):
+    x, ref = x.double(), ref.double()
+    return (20 * torch.log10(ref.norm() / (x - ref).norm().clamp_min(1e-30))).item()
+
+
+def make_problem(sizes, tail, k, n, seed, a_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    m = sum(sizes) + tail
+    A = torch.randn(m, k, generator=g).to(a_dtype).requires_grad_()
+    W = (torch.randn(len(sizes), n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16).requires_grad_()
+    return A, W, offsets_from_sizes(sizes), torch.randn(m, n, generator=g).to(torch.bfloat16)
+
+
+def run(A, W, offs, grad_out, **kw):
+    A.grad = W.grad = None
+    out = mxfp8_grouped_mm(A, W.transpose(-2, -1), offs, **kw)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), A.grad.clone(), W.grad.clone()
+
+
+def bf16_reference(A, W, offs, grad_out):
+    A.grad = W.grad = None
+    out = torch._grouped_mm(A.to(torch.bfloat16), W.transpose(-2, -1), offs=offs)
+    out.backward(grad_out)
+    return out.detach(), A.grad.clone(), W.grad.clone()
+
+
+@given(
+    groups=group_sizes(max_groups=5, max_size=200),
+    kn=st.sampled_from([(64, 96), (160, 64), (256, 128)]),
+    seed=st.integers(0, 2**31 - 1),
+    mode=st.sampled_from(list(ScaleMode)),
+)
+def test_sqnr_vs_bf16(groups, kn, seed, mode):
+    sizes, tail = groups
+    total = sum(sizes)
+    if total < 64:  # SQNR is a statistic: keep enough tokens
+        sizes = sizes[:-1] + [sizes[-1] + 64]
+        total += 64
+    A, W, offs, go = make_problem(sizes, tail, *kn, seed)
+    out, dA, dW = run(A, W, offs, go, scale_mode=mode)
+    r_out, r_dA, r_dW = bf16_reference(A, W, offs, go)
+    assert sqnr(out[:total], r_out[:total]) >= 27
+    assert sqnr(dA[:total], r_dA[:total]) >= 25
+    assert sqnr(dW, r_dW) >= 24
+    for e, size in enumerate(sizes):
+        if size == 0:
+            assert bool((dW[e] == 0).all())  # exact zero weight gradient of an expert without tokens
+
+
+def dq_rows(x, mode):
+    """Per-row 1x32 quantize + dequantize via the public to_mxfp8/from_mxfp8 (fp32 result)."""
+    d, s = to_mxfp8(x, scale_mode=mode)
+    return dequantize_blocks(d, s, torch.float32)
+
+
+def loop_grouped_mm(A, W, offs_list, grad_out, mode):
+    """Independent per-expert loop: quantize each operand the DESIGN.md section 4 way, fp32 matmul."""
+    m, k = A.shape
+    e, n, _ = W.shape
+    out = torch.zeros(m, n)
+    dA = torch.zeros(m, k)
+    dW = torch.zeros(e, n, k)
+    start = 0
+    for i, end in enumerate(offs_list):
+        a, g = A[start:end], grad_out[start:end]
+        out[start:end] = dq_rows(a, mode) @ dq_rows(W[i], mode).t()
+        dA[start:end] = dq_rows(g, mode) @ dq_rows(W[i].t().contiguous(), mode).t()
+        if end > start:  # tokens padded with zeros to a multiple of 32, blocks along tokens
+            pad = (-(end - start)) % 32
+            a_t = torch.nn.functional.pad(a.t().float(), (0, pad))
+            g_t = torch.nn.functional.pad(g.t().float(), (0, pad))
+            dW[i] = dq_rows(g_t, mode) @ dq_rows(a_t, mode).t()
+        start = end
+    return out, dA, dW
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+@pytest.mark.parametrize("a_dtype", [torch.bfloat16, torch.float32])
+def test_equals_independent_per_expert_loop(mode, a_dtype):
+    sizes, tail = [0, 1, 31, 33, 127, 129, 0, 70], 5
+    A, W, offs, go = make_problem(sizes, tail, 96, 64, seed=3, a_dtype=a_dtype)
+    out, dA, dW = run(A, W, offs, go, scale_mode=mode)
+    l_out, l_dA, l_dW = loop_grouped_mm(A.detach(), W.detach(), offs.tolist(), go, mode)
+    t = sum(sizes)
+    # same operands; only the fp32 accumulation order and the final bf16 rounding differ
+    tol = dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out[:t].float(), l_out[:t], **tol)
+    torch.testing.assert_close(dA[:t].float(), l_dA[:t], **tol)
+    torch.testing.assert_close(dW.float(), l_dW, **tol)
+    assert dA.dtype == a_dtype and dW.dtype == torch.bfloat16
+
+
+def test_out_dtype_fp32_widens_the_bf16_result():
+    A, W, offs, go = make_problem([40, 0, 88], 0, 64, 32, seed=1)
+    out16 = mxfp8_grouped_mm(A, W.transpose(-2, -1), offs)
+    out32 = mxfp8_grouped_mm(A, W.transpose(-2, -1), offs, out_dtype=torch.float32)
+    assert out32.dtype == torch.float32 and torch.equal(out32, out16.float())
+
+
+def test_no_tokens_at_all():
+    A, W, offs, go = make_problem([0, 0, 0], 0, 64, 32, seed=1)
+    out, dA, dW = run(A, W, offs, go)
+    assert out.shape == (0, 32) and dA.shape == (0, 64) and bool((dW == 0).all())
+
+
+@pytest.mark.parametrize(
+    "case, exc, match",
+    [
+        ("a_int", TypeError, "A must have dtype"),
+        ("a_3d", ValueError, "A must be 2-D"),
+        ("w_fp32", TypeError, "W_t must have dtype"),
+        ("k_mismatch", ValueError, "contraction"),
+        ("k_not_32", ValueError, "multiple of 32"),
+        ("n_not_32", ValueError, "N .W_t.shape.2.. = 48"),
+        ("offs_int64", TypeError, "offs must have dtype torch.int32"),
+        ("offs_2d", ValueError, "offs must be 1-D"),
+        ("offs_len", ValueError, "one entry per expert"),
+        ("offs_decreasing", ValueError, "non-decreasing"),
+        ("offs_past_m", ValueError, "past the number of rows"),
+        ("offs_negative", ValueError, "non-negative"),
+        ("out_dtype", TypeError, "out_dtype"),
+        ("scale_mode", ValueError, "scale_mode"),
+        ("backend", ValueError, "backend"),
+        ("scaled_on_cpu", ValueError, "capability 10.0"),
+    ],
+)
+def test_bad_input_raises_clear_errors(case, exc, match):
+    A = torch.randn(64, 64, dtype=torch.bfloat16)
+    W_t = torch.randn(2, 64, 32, dtype=torch.bfloat16)
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    kw = {}
+    if case == "a_int":
+        A = A.to(torch.int32)
+    elif case == "a_3d":
+        A = A.view(1, 64, 64)
+    elif case == "w_fp32":
+        W_t = W_t.float()
+    elif case == "k_mismatch":
+        W_t = torch.randn(2, 96, 32, dtype=torch.bfloat16)
+    elif case == "k_not_32":
+        A, W_t = torch.randn(64, 48, dtype=torch.bfloat16), torch.randn(2, 48, 32, dtype=torch.bfloat16)
+    elif case == "n_not_32":
+        W_t = torch.randn(2, 64, 48, dtype=torch.bfloat16)
+    elif case == "offs_int64":
+        offs = offs.long()
+    elif case == "offs_2d":
+        offs = offs.view(1, 2)
+    elif case == "offs_len":
+        offs = torch.tensor([64], dtype=torch.int32)
+    elif case == "offs_decreasing":
+        offs = torch.tensor([40, 20], dtype=torch.int32)
+    elif case == "offs_past_m":
+        offs = torch.tensor([32, 65], dtype=torch.int32)
+    elif case == "offs_negative":
+        offs = torch.tensor([-1, 64], dtype=torch.int32)
+    elif case == "out_dtype":
+        kw["out_dtype"] = torch.float16
+    elif case == "scale_mode":
+        kw["scale_mode"] = "round"
+    elif case == "backend":
+        kw["backend"] = "cublas"
+    elif case == "scaled_on_cpu":
+        kw["backend"] = "scaled"
+    with pytest.raises(exc, match=match):
+        mxfp8_grouped_mm(A, W_t, offs, **kw)
+
+
+def test_unvalidated_bad_offsets_stay_in_bounds():
+    """With validation off (as on a GPU), garbage offsets are sanitized: no crash, finite output."""
+    A, W, offs, go = make_problem([16, 16, 32], 0, 64, 32, seed=2)
+    for bad in ([50, 10, 64], [-5, 1000, 7], [64, 64, 10_000]):
+        o = torch.tensor(bad, dtype=torch.int32)
+        out, dA, dW = run(A, W, o, go, validate_offsets=False)
+        assert out.shape == (64, 32) and bool(dW.isfinite().all())
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def test_compile_fullgraph_fwd_bwd_no_recompiles():
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(A, W, offs):
+        return mxfp8_grouped_mm(A, W.transpose(-2, -1), offs).float().square().mean()
+
+    A, W, _, _ = make_problem([64, 64, 64], 0, 64, 32, seed=0)
+    results = []
+    for sizes in ([64, 64, 64], [0, 100, 92], [192, 0, 0], [1, 31, 160]):
+        offs = offsets_from_sizes(sizes)
+        A.grad = W.grad = None
+        loss = step(A, W, offs)
+        loss.backward()
+        eager = mxfp8_grouped_mm(A, W.transpose(-2, -1), offs).float().square().mean()
+        torch.testing.assert_close(loss, eager, rtol=1e-3, atol=1e-5)
+        results.append(W.grad.clone())
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+    assert all(bool(r.isfinite().all()) for r in results)
+
+
+# ----------------------------------------------------------------------------- SM100 scaled path
+
+
+def test_scaled_path_arguments_pass_pytorch_meta_checks():
+    """fwd, dgrad and wgrad of the scaled backend on meta tensors: every torch._scaled_grouped_mm call
+    goes through PyTorch's own shape/dtype/stride/scale-size checks (its meta kernel)."""
+    m, k, n, e = 300, 256, 128, 4
+    A = torch.randn(m, k, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    W = torch.randn(e, n, k, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    offs = torch.empty(e, dtype=torch.int32, device="meta")
+    out = gm._MXFP8GroupedMM.apply(A, W.transpose(-2, -1), offs, ScaleMode.RCEIL, torch.bfloat16, GemmBackend.SCALED)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    out.backward(torch.empty_like(out))
+    assert A.grad.shape == (m, k) and W.grad.shape == (e, n, k)
+
+
+def test_scaled_path_operands_dequantize_to_the_emulated_operands():
+    """The real fp8 data + blocked scales the SM100 path feeds the GEMM hold exactly the values the
+    emulated path multiplies (checked on CPU through the layout inverses)."""
+    sizes, tail = [0, 33, 129, 31, 90], 3
+    A, W, offs, go = make_problem(sizes, tail, 96, 64, seed=5)
+    A, W = A.detach(), W.detach()
+    m, k = A.shape
+    e, n, _ = W.shape
+    t = sum(sizes)
+    mode = ScaleMode.RCEIL
+    # fwd operand A: rowwise, M-groups scales
+    a, a_s = q.quantize_rowwise(A, mode, offs)
+    deq = dequantize_blocks(a, from_blocked_m_groups(a_s, offs, m, k // 32))
+    assert torch.equal(deq[:t], q.fake_quantize_rowwise(A, mode)[:t])
+    # weights along K and along N, 3D scales
+    w, w_s = q.quantize_3d(W, mode, along="k")
+    assert torch.equal(dequantize_blocks(w, from_blocked_3d(w_s, n, k // 32)), q.fake_quantize_3d(W, mode, -1))
+    w, w_s = q.quantize_3d(W, mode, along="n")
+    deq = dequantize_blocks(w, from_blocked_3d(w_s, k, n // 32)).transpose(-2, -1)
+    assert torch.equal(deq, q.fake_quantize_3d(W, mode, -2))
+    # wgrad operand: colwise along tokens, per-group padded, K-groups scales
+    g_t, g_s, padded_offs = q.quantize_colwise_k_groups(go, offs, mode)
+    plain = from_blocked_k_groups(g_s, offs, n, m)
+    deq = reference.unpad_token_groups(dequantize_blocks(g_t, plain).t(), offs, m)
+    assert torch.equal(deq, q.fake_quantize_colwise_k_groups(go, offs, mode))
+    assert padded_offs.tolist() == torch.tensor([32 * math.ceil(s / 32) for s in sizes]).cumsum(0).tolist()
