@@ -23,11 +23,16 @@ SHAPES = {  # name: (M tokens, K in, N out, G experts)
 }
 
 
-def ragged_offsets(m: int, g: int, seed: int = 0) -> torch.Tensor:
-    """Uneven group sizes (router-like imbalance) summing to m."""
+def ragged_offsets(m: int, g: int, seed: int = 0, align: int = 32) -> torch.Tensor:
+    """Uneven group sizes (router-like imbalance) summing to m, each a multiple of ``align``.
+
+    PyTorch's bf16 grouped GEMM backward needs 16-byte-aligned token groups (a device assert
+    otherwise), so the baseline gets aligned groups, as torchtitan pads them; moe_quant itself
+    takes any sizes.
+    """
     gen = torch.Generator().manual_seed(seed)
     w = torch.rand(g, generator=gen) + 0.5
-    sizes = (w / w.sum() * m).floor().long()
+    sizes = (w / w.sum() * m / align).floor().long() * align
     sizes[-1] += m - sizes.sum()
     return sizes.cumsum(0).to(torch.int32).cuda()
 

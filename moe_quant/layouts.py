@@ -68,13 +68,22 @@ def k_groups_blocked_shape(rows: int, m: int, n_groups: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- groups
 
 
+def sanitize_offsets(offs: torch.Tensor, total: int) -> torch.Tensor:
+    """Group ends clamped to ``[0, total]`` and made non-decreasing (int64, on ``offs``' device, no sync).
+
+    Valid offsets come back unchanged; whatever garbage ``offs`` holds, the result describes
+    groups inside ``[0, total)``, which is what every kernel and GEMM is given.
+    """
+    return offs.to(torch.int64).clamp(0, total).cummax(0).values
+
+
 def group_bounds(offs: torch.Tensor, total: int, align: int):
     """Per-group ``(starts, sizes, padded_starts, padded_ends)`` as int64 device tensors.
 
-    ``offs`` is sanitized: clamped to ``[0, total]`` and made non-decreasing. Padded sizes
-    are ``round_up(size, align)``; padded starts are their exclusive prefix sum.
+    ``offs`` is sanitized first (:func:`sanitize_offsets`). Padded sizes are
+    ``round_up(size, align)``; padded starts are their exclusive prefix sum.
     """
-    ends = offs.to(torch.int64).clamp(0, total).cummax(0).values
+    ends = sanitize_offsets(offs, total)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     sizes = ends - starts
     padded = round_up(sizes, align)

@@ -97,11 +97,10 @@ def quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMo
 def fake_quantize_colwise_k_groups(
     x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype = torch.bfloat16
 ):
-    """What the wgrad MXFP8 GEMM sees of ``x (M, R)``, back in the unpadded ``(M, R)`` layout
-    (rows past the last offset zero)."""
+    """What the wgrad MXFP8 GEMM sees of ``x (M, R)``, in the layout of
+    :func:`quantize_colwise_k_groups`: ``(values_t (R, Mp) out_dtype, padded_offs int32 (G,))``."""
     xp_t = pad_token_groups(x, offs).t()
-    fq = fake_quantize_blocks(xp_t, mode, out_dtype).t()
-    return unpad_token_groups(fq, offs, x.shape[0])
+    return fake_quantize_blocks(xp_t, mode, out_dtype), layouts.padded_group_offsets(offs, x.shape[0])
 
 
 # ----------------------------------------------------------------------------- 3D expert weights

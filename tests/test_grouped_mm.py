@@ -260,6 +260,8 @@ def test_scaled_path_operands_dequantize_to_the_emulated_operands():
     # wgrad operand: colwise along tokens, per-group padded, K-groups scales
     g_t, g_s, padded_offs = q.quantize_colwise_k_groups(go, offs, mode)
     plain = from_blocked_k_groups(g_s, offs, n, m)
-    deq = reference.unpad_token_groups(dequantize_blocks(g_t, plain).t(), offs, m)
-    assert torch.equal(deq, q.fake_quantize_colwise_k_groups(go, offs, mode))
+    fq_t, fq_offs = q.fake_quantize_colwise_k_groups(go, offs, mode)
+    assert torch.equal(dequantize_blocks(g_t, plain), fq_t) and torch.equal(fq_offs, padded_offs)
+    # and the padded layout holds exactly the tokens of each group, zeros between
+    assert torch.equal(reference.pad_token_groups(reference.unpad_token_groups(fq_t.t(), offs, m), offs), fq_t.t())
     assert padded_offs.tolist() == torch.tensor([32 * math.ceil(s / 32) for s in sizes]).cumsum(0).tolist()

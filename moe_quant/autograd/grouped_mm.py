@@ -24,6 +24,7 @@ import torch
 
 from .. import quantize as q
 from ..backends import GemmBackend, resolve_gemm_backend
+from ..layouts import sanitize_offsets
 from ..numerics import ScaleMode
 from ..validation import check_grouped_mm_args
 
@@ -46,10 +47,14 @@ def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode):
 
 
 def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
-    """dW (E, N, K): per group, grad_out[g]^T @ A[g] with 32x1 blocks along tokens, per group."""
-    g = q.fake_quantize_colwise_k_groups(grad_out, offs, mode)
-    a = q.fake_quantize_colwise_k_groups(A, offs, mode)
-    return torch._grouped_mm(g.t(), a, offs=offs)
+    """dW (E, N, K): per group, grad_out[g]^T @ A[g] with 32x1 blocks along tokens, per group.
+
+    Operands in the K-groups layout (tokens contiguous, each group padded with zeros to a
+    multiple of 32), as the scaled path: no block mixes two experts, every group is aligned.
+    """
+    g_t, padded_offs = q.fake_quantize_colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
+    a_t, _ = q.fake_quantize_colwise_k_groups(A, offs, mode)  # (K, Mp)
+    return torch._grouped_mm(g_t, a_t.t(), offs=padded_offs)
 
 
 # ----------------------------------------------------------------------------- scaled (SM100+)
@@ -138,4 +143,6 @@ def mxfp8_grouped_mm(
     mode = ScaleMode.parse(scale_mode)
     check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets)
     gemm = resolve_gemm_backend(backend, A.device)
+    # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
+    offs = sanitize_offsets(offs, A.shape[0]).to(torch.int32)
     return _MXFP8GroupedMM.apply(A.contiguous(), W_t, offs, mode, out_dtype, gemm)
