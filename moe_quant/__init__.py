@@ -9,10 +9,13 @@ Public API:
   :func:`from_blocked_k_groups`, :func:`to_blocked_3d`, :func:`from_blocked_3d`.
 * Operand quantizers for the three GEMMs: :func:`quantize_rowwise`,
   :func:`quantize_colwise_k_groups`, :func:`quantize_3d` (kernels where available).
+* Model conversion: :class:`MXFP8MoEConfig` for torchao's ``quantize_``, the weight wrapper
+  :class:`MXFP8ExpertWeight`, :func:`fallback_counts`; a reference MoE block in :mod:`moe_quant.moe`.
 """
 
 from .autograd import mxfp8_grouped_mm
 from .backends import GemmBackend
+from .conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
 from .layouts import (
     blocked_offset,
     from_blocked,
@@ -37,6 +40,10 @@ from .reference import from_mxfp8, to_mxfp8
 __all__ = [
     "BLOCK_SIZE",
     "GemmBackend",
+    "MXFP8ExpertWeight",
+    "MXFP8MoEConfig",
+    "fallback_counts",
+    "reset_fallback_counts",
     "ScaleMode",
     "blocked_offset",
     "fake_quantize_rowwise",

@@ -1,0 +1,452 @@
+"""Drop-in model conversion: ``quantize_(model, MXFP8MoEConfig(), filter_fn=...)``.
+
+The handler registered with torchao's ``quantize_`` replaces every 3-D floating-point
+parameter of the matched modules (the stacked expert weights ``(E, N, K)``) by an
+:class:`MXFP8ExpertWeight`: a tensor subclass that wraps the original high-precision
+tensor and changes exactly one thing. A ``torch._grouped_mm`` /
+``torch.nn.functional.grouped_mm`` call whose ``mat_b`` is such a weight (normally
+``w.transpose(-2, -1)``) runs :func:`moe_quant.mxfp8_grouped_mm` (MXFP8 forward, dgrad
+and wgrad); every other op runs as the plain op on the wrapped tensor.
+
+How the pieces fit:
+
+* ``__torch_function__`` intercepts the grouped-mm call, above autograd, so the MXFP8
+  ``autograd.Function`` owns the backward. Dynamo traces it, so it works under
+  ``torch.compile(fullgraph=True)``. Any other function goes straight to dispatch.
+* ``__torch_dispatch__`` (below autograd) runs every aten op on the wrapped tensor.
+  Views, ``detach``, ``clone``, ``_to_copy`` and the factory ops FSDP2 / ``to_empty``
+  use return the wrapper again; in-place ops (``copy_``, optimizer updates, fused and
+  foreach AdamW included) mutate the wrapped tensor (PyTorch hands back the wrapper
+  argument itself); everything else returns plain tensors.
+* ``__tensor_flatten__`` / ``__tensor_unflatten__`` make it a traceable wrapper subclass
+  (torch.compile, AOTAutograd); ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` let
+  FSDP2 all-gather the plain (optionally mixed-precision-cast) data and rebuild the wrapper.
+* ``state_dict()`` holds plain tensors (a state-dict hook unwraps); ``load_state_dict``
+  copies into the wrapped tensor, and with ``assign=True`` re-wraps the assigned tensor.
+
+A grouped-mm call MXFP8 cannot serve (3D x 3D, no ``offs``, dtype or shape it does not
+support) runs the plain op; each reason is counted in :func:`fallback_counts` and logged
+once (``logging.WARNING``), or raises when ``MXFP8MoEConfig(allow_fallback=False)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+from torchao.core.config import AOBaseConfig
+from torchao.quantization.transform_module import register_quantize_module_handler
+
+from .backends import GemmBackend
+from .numerics import BLOCK_SIZE, ScaleMode
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
+_IN_DTYPES = (torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8MoEConfig(AOBaseConfig):
+    """Train the converted expert weights' grouped GEMMs in MXFP8.
+
+    Args:
+        scale_mode: e8m0 scale rounding, ``"rceil"`` (default) or ``"floor"``.
+        backend: GEMM backend, ``"auto"`` (``scaled`` on SM100+, else ``emulated``),
+            ``"emulated"`` (dequantize + bf16 ``torch._grouped_mm``, any device) or
+            ``"scaled"`` (``torch._scaled_grouped_mm``, SM100+ only).
+        out_dtype: output dtype of the MXFP8 grouped GEMM when the call passes no
+            ``out_dtype``: ``None`` (default: the dtype of ``mat_a``, as the plain op),
+            ``torch.bfloat16`` or ``torch.float32``.
+        allow_fallback: when True (default) a call MXFP8 cannot serve runs the plain op
+            and is counted and logged once; when False it raises ``ValueError``.
+    """
+
+    scale_mode: ScaleMode = ScaleMode.RCEIL
+    backend: GemmBackend = GemmBackend.AUTO
+    out_dtype: Optional[torch.dtype] = None
+    allow_fallback: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "scale_mode", ScaleMode.parse(self.scale_mode, "scale_mode"))
+        object.__setattr__(self, "backend", GemmBackend.parse(self.backend, "backend"))
+        if self.out_dtype is not None and self.out_dtype not in _OUT_DTYPES:
+            raise ValueError(
+                f"out_dtype must be None, torch.bfloat16 or torch.float32, got {self.out_dtype!r}"
+            )
+        if not isinstance(self.allow_fallback, bool):
+            raise TypeError(f"allow_fallback must be a bool, got {type(self.allow_fallback).__name__}")
+
+
+# ----------------------------------------------------------------------------- fallback accounting
+
+_FALLBACKS: collections.Counter = collections.Counter()
+
+
+def fallback_counts() -> dict[str, int]:
+    """Grouped-mm calls on converted weights that ran the plain op, by reason.
+
+    Eager calls are counted one by one; under torch.compile the count grows while the graph
+    is traced (once per tracing pass), not on each call of the compiled graph.
+    """
+    return dict(_FALLBACKS)
+
+
+def reset_fallback_counts() -> None:
+    _FALLBACKS.clear()
+
+
+@torch._dynamo.assume_constant_result
+def _note_fallback(reason: str) -> bool:
+    # Runs in Python even while dynamo traces (once per trace), so it never breaks a graph.
+    if reason not in _FALLBACKS:
+        logger.warning("mxfp8 grouped_mm fallback to the plain op: %s (logged once per reason)", reason)
+    _FALLBACKS[reason] += 1
+    return True
+
+
+# ----------------------------------------------------------------------------- the wrapper
+
+
+_PRESERVE = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.permute.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    aten.as_strided.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.expand.default,
+    aten.clone.default,
+    aten._to_copy.default,  # .to(dtype / device), .float(), .cuda()
+    aten._pin_memory.default,
+    aten.empty_like.default,  # Module.to_empty
+    aten.new_zeros.default,  # FSDP2 sharding
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+
+
+class _Unwrap(torch.autograd.Function):
+    """The wrapped tensor, differentiably (the gradient flows through unchanged)."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w._data
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _plain(t):
+    return _Unwrap.apply(t) if isinstance(t, MXFP8ExpertWeight) else t
+
+
+class MXFP8ExpertWeight(torch.Tensor):
+    """A stacked expert weight whose grouped-mm calls run in MXFP8 (see the module doc)."""
+
+    _data: torch.Tensor
+    config: MXFP8MoEConfig
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, config: MXFP8MoEConfig):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            layout=data.layout,
+            device=data.device,
+            requires_grad=data.requires_grad,
+        )
+
+    def __init__(self, data: torch.Tensor, config: MXFP8MoEConfig):
+        if isinstance(data, MXFP8ExpertWeight):
+            raise TypeError("MXFP8ExpertWeight cannot wrap another MXFP8ExpertWeight")
+        if not isinstance(config, MXFP8MoEConfig):
+            raise TypeError(f"config must be an MXFP8MoEConfig, got {type(config).__name__}")
+        self._data = data
+        self.config = config
+
+    def __repr__(self):
+        return f"MXFP8ExpertWeight(config={self.config}, data={self._data})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], self.config
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, config, outer_size, outer_stride):
+        return cls(inner_tensors["_data"], config)
+
+    def _stable_hash_for_caching(self) -> str:
+        """AOTAutograd cache key: everything a compiled graph depends on (metadata, no values)."""
+        d = self._data
+        key = (
+            tuple(self.shape), self.stride(), str(self.dtype), self.device.type, self.requires_grad,
+            tuple(d.shape), d.stride(), d.storage_offset(), str(d.dtype), repr(self.config),
+        )
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
+    # -- function level: the grouped-mm override
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GROUPED_MM_FUNCS:
+            return _grouped_mm(func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    # -- dispatch level: everything else on the wrapped tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        config = None
+
+        def unwrap(t):
+            nonlocal config
+            config = config or t.config
+            return t._data
+
+        u_args, u_kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs))
+        if func is aten._grouped_mm.default:
+            # Only reachable with torch-function handling disabled: no MXFP8 autograd here.
+            _fallback("aten._grouped_mm reached __torch_dispatch__ (torch function disabled)", config)
+        # In-place ops mutate the wrapped tensor; PyTorch returns the (wrapper) argument itself.
+        out = func(*u_args, **u_kwargs)
+        if func in _PRESERVE:
+            return pytree.tree_map_only(
+                torch.Tensor, lambda t: cls(t, config) if t.is_floating_point() else t, out
+            )
+        return out
+
+    # -- FSDP2 all-gather extension
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        data = self._data
+        # Uneven sharding on dim 0: FSDP2 wants the padded shard size from every rank.
+        padded_rows = math.ceil(outer_size[0] / mesh.size())
+        if data.shape[0] != padded_rows:
+            padded = data.new_zeros((padded_rows, *data.shape[1:]))
+            padded[: data.shape[0]].copy_(data)
+            data = padded
+        if mp_policy.param_dtype is not None:
+            data = data.to(mp_policy.param_dtype)
+        return (data.contiguous(),), None
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (data,) = all_gather_outputs
+        if out is not None:  # step 1+: refill the unsharded parameter allocated at step 0
+            local = out._local_tensor if hasattr(out, "_local_tensor") else out
+            if not isinstance(local, MXFP8ExpertWeight):
+                raise RuntimeError(f"expected an MXFP8ExpertWeight unsharded parameter, got {type(local).__name__}")
+            if local._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+                local._data.copy_(data)
+            return None
+        return MXFP8ExpertWeight(data, self.config), (data,)
+
+
+# ----------------------------------------------------------------------------- grouped-mm override
+
+_GROUPED_MM_FUNCS = {torch._grouped_mm, aten._grouped_mm, aten._grouped_mm.default}
+if hasattr(F, "grouped_mm"):  # today a Python function calling torch._grouped_mm; also catch it directly
+    _GROUPED_MM_FUNCS.add(F.grouped_mm)
+_ARG_NAMES = (("input", "self", "mat_a"), ("mat2", "mat_b"), ("offs",), ("bias",), ("out_dtype",))
+
+
+def _bind(args, kwargs):
+    values = list(args) + [None] * (len(_ARG_NAMES) - len(args))
+    for i, names in enumerate(_ARG_NAMES):
+        for name in names:
+            if name in kwargs:
+                values[i] = kwargs[name]
+    unknown = set(kwargs) - {n for names in _ARG_NAMES for n in names}
+    if unknown:
+        raise TypeError(f"grouped_mm got unexpected keyword arguments {sorted(unknown)}")
+    return values
+
+
+def _unsupported_reason(mat_a, mat_b, offs, out_dtype) -> Optional[str]:
+    if isinstance(mat_a, MXFP8ExpertWeight) or not isinstance(mat_b, MXFP8ExpertWeight):
+        return "the converted weight is not mat_b (the second operand)"
+    if mat_a.ndim != 2 or mat_b.ndim != 3:
+        return f"{mat_a.ndim}D x {mat_b.ndim}D operands (MXFP8 serves 2D x 3D with offs)"
+    if offs is None:
+        return "2D x 3D without offs"
+    if mat_a.dtype not in _IN_DTYPES or mat_b.dtype not in _IN_DTYPES:
+        return f"dtypes {mat_a.dtype} x {mat_b.dtype} (MXFP8 serves bfloat16 / float32)"
+    if out_dtype not in _OUT_DTYPES:
+        return f"out_dtype {out_dtype} (MXFP8 serves bfloat16 / float32)"
+    k, n = mat_b.shape[-2], mat_b.shape[-1]
+    if k % BLOCK_SIZE or n % BLOCK_SIZE:
+        return f"K={k} / N={n} not multiples of {BLOCK_SIZE}"
+    return None
+
+
+def _fallback(reason: str, config: Optional[MXFP8MoEConfig]) -> None:
+    if config is not None and not config.allow_fallback:
+        raise ValueError(f"MXFP8 grouped_mm cannot serve this call ({reason}) and allow_fallback=False")
+    _note_fallback(reason)
+
+
+def _add_bias(out: torch.Tensor, bias: torch.Tensor, offs: Optional[torch.Tensor], n_groups: int) -> torch.Tensor:
+    """``bias`` (N,) / (1, N): added to every row; (E, N) with E > 1: one row per group."""
+    if bias.ndim == 2 and bias.shape[0] == n_groups and n_groups > 1:
+        if out.ndim == 3:  # (E, M, N) from 3D operands
+            return out + bias.unsqueeze(1).to(out.dtype)
+        if offs is None:
+            raise ValueError("a per-group bias (E, N) needs offs")
+        rows = torch.arange(out.shape[0], device=out.device, dtype=offs.dtype)
+        group = torch.searchsorted(offs, rows, right=True).clamp(max=n_groups - 1)
+        return out + bias.to(out.dtype)[group]
+    return out + bias.to(out.dtype)
+
+
+def _grouped_mm(func, args, kwargs):
+    from .autograd import mxfp8_grouped_mm
+
+    mat_a, mat_b, offs, bias, out_dtype = _bind(args, kwargs)
+    weight = mat_b if isinstance(mat_b, MXFP8ExpertWeight) else mat_a
+    config: MXFP8MoEConfig = weight.config
+    n_groups = weight.shape[0] if weight.ndim == 3 else (offs.numel() if offs is not None else 1)
+    resolved = out_dtype if out_dtype is not None else (config.out_dtype or mat_a.dtype)
+    reason = _unsupported_reason(mat_a, mat_b, offs, resolved)
+    if reason is None:
+        w_t = _plain(mat_b)
+        if w_t.dtype != torch.bfloat16:  # fp32 master weights: the GEMM reads them as bf16
+            w_t = w_t.to(torch.bfloat16)
+        out = mxfp8_grouped_mm(
+            mat_a, w_t, offs, scale_mode=config.scale_mode, out_dtype=resolved, backend=config.backend
+        )
+    else:
+        _fallback(reason, config)
+        out = torch._grouped_mm(_plain(mat_a), _plain(mat_b), offs=offs, out_dtype=out_dtype)
+    if bias is not None:
+        out = _add_bias(out, bias, offs, n_groups)
+    return out
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def _unwrap_for_checkpoint(t):
+    if isinstance(t, MXFP8ExpertWeight):
+        return t._data
+    local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2) around a wrapper
+    if isinstance(local, MXFP8ExpertWeight):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            local._data, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return t
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata):
+    for name in getattr(module, "_mxfp8_converted", ()):
+        key = prefix + name
+        value = state_dict.get(key)
+        if value is not None and not isinstance(value, nn.Parameter):  # keep_vars=True keeps parameters
+            state_dict[key] = _unwrap_for_checkpoint(value)
+
+
+def _load_state_dict_post_hook(module, incompatible_keys):
+    # load_state_dict(assign=True) replaces the parameter by the checkpoint's plain tensor: re-wrap it.
+    for name in getattr(module, "_mxfp8_converted", ()):
+        param = getattr(module, name, None)
+        if isinstance(param, torch.Tensor) and not _is_converted(param):
+            wrapped = MXFP8ExpertWeight(param.detach(), module._mxfp8_config)
+            setattr(module, name, nn.Parameter(wrapped, requires_grad=param.requires_grad))
+
+
+def _is_converted(t) -> bool:
+    return isinstance(t, MXFP8ExpertWeight) or isinstance(getattr(t, "_local_tensor", None), MXFP8ExpertWeight)
+
+
+def convert_parameters(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[str] = None) -> nn.Module:
+    """Wrap each 3-D floating-point parameter of ``module`` and its submodules (or only
+    ``parameter_name``) in :class:`MXFP8ExpertWeight`, in place; returns ``module``."""
+    if not isinstance(config, MXFP8MoEConfig):
+        raise TypeError(f"config must be an MXFP8MoEConfig, got {type(config).__name__}")
+    found = False
+    for mod in module.modules():
+        converted = []
+        for name, param in list(mod.named_parameters(recurse=False)):
+            if parameter_name is not None and name != parameter_name:
+                continue
+            if _is_converted(param):
+                found = True
+                continue
+            if param.ndim != 3 or not param.is_floating_point():
+                continue
+            if getattr(param, "_local_tensor", None) is not None:
+                raise ValueError(
+                    f"parameter {name!r} is already a DTensor (sharded); call quantize_ before fully_shard"
+                )
+            wrapped = MXFP8ExpertWeight(param.detach(), config)
+            setattr(mod, name, nn.Parameter(wrapped, requires_grad=param.requires_grad))
+            converted.append(name)
+            found = True
+            logger.info("converted %s.%s %s to MXFP8ExpertWeight", type(mod).__name__, name, tuple(param.shape))
+        if converted:
+            if not getattr(mod, "_mxfp8_hooked", False):
+                mod.register_state_dict_post_hook(_state_dict_hook)
+                mod.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+                mod._mxfp8_hooked = True
+            mod._mxfp8_converted = tuple(sorted(set(getattr(mod, "_mxfp8_converted", ())) | set(converted)))
+            mod._mxfp8_config = config
+    if not found:
+        logger.warning(
+            "MXFP8MoEConfig matched %s, which has no 3-D floating-point parameter (stacked expert "
+            "weights); nothing converted. Check quantize_'s filter_fn.", type(module).__name__,
+        )
+    return module
+
+
+@register_quantize_module_handler(MXFP8MoEConfig)
+def _mxfp8_moe_transform(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[str] = None) -> nn.Module:
+    return convert_parameters(module, config, parameter_name)
+
+
+def unwrap_parameters(module: nn.Module) -> nn.Module:
+    """Undo the conversion in place: converted parameters become plain parameters again."""
+    for mod in module.modules():
+        for name in getattr(mod, "_mxfp8_converted", ()):
+            param = getattr(mod, name)
+            if isinstance(param, MXFP8ExpertWeight):
+                setattr(mod, name, nn.Parameter(param._data.detach(), requires_grad=param.requires_grad))
+        mod.__dict__.pop("_mxfp8_converted", None)
+    return module
+
+
+__all__ = [
+    "MXFP8MoEConfig",
+    "MXFP8ExpertWeight",
+    "convert_parameters",
+    "unwrap_parameters",
+    "fallback_counts",
+    "reset_fallback_counts",
+]
