@@ -32,7 +32,7 @@ def quantize_rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor | None
     if backends.use_quant_kernels(x):
         from .kernels import ops
 
-        return ops.quantize_1x32(x, mode, offs)
+        return ops.quantize_1x32(x, mode, offs, scale_layout="blocked" if offs is not None else "plain")
     return _reference(reference.quantize_rowwise, x)(x, mode, offs)
 
 

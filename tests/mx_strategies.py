@@ -32,6 +32,8 @@ def make_values(shape, dist: str, seed: int, dtype=torch.bfloat16, inject_inf: b
         x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-133, -120, (n,), generator=g).float())
     elif dist == "nan_inf":
         x = torch.randn(n, generator=g)
+        if n == 0:
+            return x.view(shape).to(dtype)
         specials = [float("nan"), float("inf"), float("-inf")] if inject_inf else [float("nan")]
         idx = torch.randint(0, max(n, 1), (max(1, n // 97),), generator=g)
         which = torch.randint(0, len(specials), idx.shape, generator=g)

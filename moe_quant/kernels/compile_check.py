@@ -1,0 +1,105 @@
+"""Compile every 1x32 kernel variant for one GPU arch without a GPU (CI), and report ptxas resources.
+
+    python -m moe_quant.kernels.compile_check sm_90a [sm_100a ...]
+
+Each arch is compiled in its own subprocess with ``CUTE_DSL_ARCH`` set before cutlass is
+imported (CuTe DSL 4.8.1 cross-compiles for the arch named there when no GPU is present).
+ptxas' resource report (``remarks{ptx}``) is parsed for registers, spills and stack frame.
+Prints one JSON object per variant: ``{"arch", "variant", "seconds", "registers", "spill_bytes",
+"stack_bytes", "smem_bytes", "tvm_ffi"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+_MARK = "@@compile_check@@"
+
+
+def _worker(arch: str) -> None:
+    os.environ["CUTE_DSL_ARCH"] = arch
+    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # really compile, every time
+    from .quantize_1x32 import all_variants, compile_variant
+
+    try:
+        import tvm_ffi  # noqa: F401
+
+        tvm = True
+    except Exception:
+        tvm = False
+    for v in all_variants():
+        print(f"{_MARK} begin {v.key}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        compile_variant(v, tvm_ffi=tvm, extra_options="remarks{ptx}")
+        dt = time.perf_counter() - t0
+        print(f"{_MARK} end {v.key} {dt:.3f} {int(tvm)}", file=sys.stderr, flush=True)
+
+
+def _parse(arch: str, stderr: str) -> list[dict]:
+    out = []
+    cur = []
+    for line in stderr.splitlines():
+        if line.startswith(_MARK):
+            parts = line.split()
+            if parts[1] == "begin":
+                cur = []
+            else:
+                text = "\n".join(cur)
+                regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
+                spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)]
+                stack = [int(s) for s in re.findall(r"(\d+) bytes stack frame", text)]
+                smem = [int(s) for s in re.findall(r"(\d+) bytes smem", text)]
+                out.append(
+                    dict(
+                        arch=arch,
+                        variant=parts[2],
+                        seconds=float(parts[3]),
+                        tvm_ffi=bool(int(parts[4])),
+                        registers=max(regs) if regs else None,
+                        spill_bytes=sum(spills) if spills else None,
+                        stack_bytes=max(stack) if stack else None,
+                        smem_bytes=max(smem) if smem else 0,
+                    )
+                )
+        else:
+            cur.append(line)
+    return out
+
+
+def run(archs: list[str], timeout: float = 900) -> list[dict]:
+    """Compile all variants for each arch, one subprocess per arch, in parallel."""
+    procs = {}
+    for arch in archs:
+        env = dict(os.environ, CUTE_DSL_ARCH=arch)
+        procs[arch] = subprocess.Popen(
+            [sys.executable, "-m", "moe_quant.kernels.compile_check", "--worker", arch],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    results = []
+    for arch, p in procs.items():
+        out, err = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"compile for {arch} failed (rc={p.returncode}):\n{err[-6000:]}")
+        results += _parse(arch, err)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--worker"]:
+        _worker(argv[1])
+        return 0
+    for r in run(argv or ["sm_90a", "sm_100a"]):
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,267 @@
+"""Device helpers shared by the CuTe-DSL quantization kernels.
+
+Everything here is traced inside a ``@cute.kernel`` (straight-line code: no Python
+control flow on device values). The numeric constants come from
+:mod:`moe_quant.numerics` and the blocked-layout math from :mod:`moe_quant.layouts`,
+so the kernels and the reference share one definition of each.
+
+Bit-exactness notes (DESIGN.md section 2):
+
+* amax is taken on the magnitude *bit patterns* (``bits & 0x7fffffff`` compared as
+  integers): for non-negative IEEE floats integer order is value order, NaN sorts
+  above Inf, and subnormals are kept exactly (no flush, no NaN-dropping ``max.f32``).
+* every float multiply is an explicit ``mul.rn.f32`` (IEEE, no FTZ, no FMA
+  contraction); every fp8/bf16 conversion an explicit ``cvt`` with the rounding the
+  contract names.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint8, Uint32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm, vector
+from cutlass.cutlass_dsl import T
+
+from ..layouts import TILE_BYTES, TILE_COLS, TILE_ROWS, blocked_offset  # noqa: F401  (re-exported)
+from ..numerics import _F32_HALF_SUBNORMAL, E4M3_MAX_POW2, E8M0_BIAS, E8M0_NAN, RCP_E4M3_MAX
+
+# fp32 bit patterns used by the scale math.
+F32_ABS_MASK = 0x7FFFFFFF
+F32_EXP_INF = 0x7F800000  # magnitude bits >= this: Inf or NaN
+F32_MANT_MASK = 0x007FFFFF
+F32_2POW_M127 = 0x00400000  # 2**-127, an fp32 subnormal
+# fp32(1/448) exactly as the reference multiplies by it (torch.float32 scalar).
+RCP_E4M3_MAX_F32_BITS = struct.unpack("<I", struct.pack("<f", RCP_E4M3_MAX))[0]
+
+# Canonical NaN patterns written for a block whose scale is E8M0_NAN.
+E4M3_NAN_X4 = 0x7F7F7F7F
+BF16_NAN_X2 = 0x7FC07FC0
+F32_NAN = 0x7FC00000
+
+
+def _i32(v) -> ir.Value:
+    return Int32(v).ir_value()
+
+
+def _asm(ret_types, args, text: str, constraints: str):
+    """Inline PTX; returns one Int32 or a tuple of Int32 (``ret_types`` = number of b32 results)."""
+    operands = [Int32(a).ir_value() for a in args]
+    if ret_types == 1:
+        res = llvm.inline_asm(T.i32(), operands, text, constraints, has_side_effects=False)
+        return Int32(res)
+    st = llvm.StructType.get_literal([T.i32()] * ret_types)
+    res = llvm.inline_asm(st, operands, text, constraints, has_side_effects=False)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(ret_types))
+
+
+# ----------------------------------------------------------------------------- global memory
+
+
+def ld_global_v4(ptr) -> tuple:
+    """16-byte load (``ld.global.v4.b32``); ``ptr`` must be 16-byte aligned."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], T.i32()))
+    return tuple(Int32(vector.extract(vec, [], [i])) for i in range(4))
+
+
+def st_global_v4(ptr, a, b, c, d) -> None:
+    vec = vector.from_elements(ir.VectorType.get([4], T.i32()), [_i32(a), _i32(b), _i32(c), _i32(d)])
+    cute.arch.store(ptr, vec)
+
+
+def st_global_v2(ptr, a, b) -> None:
+    vec = vector.from_elements(ir.VectorType.get([2], T.i32()), [_i32(a), _i32(b)])
+    cute.arch.store(ptr, vec)
+
+
+def st_global_u32(ptr, a) -> None:
+    cute.arch.store(ptr, Int32(a))
+
+
+def st_global_u8(ptr, a) -> None:
+    cute.arch.store(ptr, Uint8(Int32(a)))
+
+
+# ----------------------------------------------------------------------------- amax and scale
+
+
+def bf16x2_to_f32_bits(w):
+    """The two bf16 of a packed word as fp32 bit patterns (exact: bf16 is the top half of fp32)."""
+    w = Int32(w)
+    return w << 16, w & Int32(-65536)  # 0xFFFF0000
+
+
+def absmax_bits(words) -> Int32:
+    """Largest magnitude bit pattern (``bits & 0x7fffffff``) over fp32 bit patterns."""
+    m = Int32(words[0]) & F32_ABS_MASK
+    for w in words[1:]:
+        m = cutlass.max(m, Int32(w) & F32_ABS_MASK)
+    return m
+
+
+def absmax_bits_bf16(words) -> Int32:
+    """Largest magnitude over packed bf16x2 words, as an fp32 bit pattern."""
+    m = Int32(words[0]) & 0x7FFF7FFF
+    # Per-half max would need 16-bit SIMD; instead compare the two halves of every word
+    # separately (magnitudes are non-negative, so signed compares are fine).
+    hi = m & Int32(-65536)
+    lo = m << 16
+    best = cutlass.max(hi, lo)
+    for w in words[1:]:
+        mw = Int32(w) & 0x7FFF7FFF
+        best = cutlass.max(best, cutlass.max(mw & Int32(-65536), mw << 16))
+    return best
+
+
+def quad_max(v) -> Int32:
+    """Max over the 4 consecutive lanes that hold one 32-element block."""
+    v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=1))
+    v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=2))
+    return v
+
+
+def mul_f32_bits(a, b) -> Int32:
+    """IEEE fp32 ``a * b`` (round to nearest even, subnormals kept) on bit patterns."""
+    return _asm(1, [a, b], "mul.rn.f32 $0, $1, $2;", "=r,r,r")
+
+
+def e8m0_from_amax_bits(amax_bits, rceil: bool) -> Int32:
+    """Scale byte (as Int32) from the block's fp32 amax bit pattern (non-negative).
+
+    Same definition as :func:`moe_quant.numerics.e8m0_from_amax`.
+    """
+    amax_bits = Int32(amax_bits)
+    nonfinite = amax_bits >= F32_EXP_INF
+    if cutlass.const_expr(rceil):
+        d = mul_f32_bits(amax_bits, Int32(RCP_E4M3_MAX_F32_BITS))
+        e = (d >> 23) & 0xFF
+        mant = d & F32_MANT_MASK
+        # normal: round up if any mantissa bit is set; subnormal: up to 2**-126 only above 2**-127
+        up = cutlass.select_(e == 0, mant > _F32_HALF_SUBNORMAL, mant != 0)
+        e = e + Int32(cutlass.select_(up, Int32(1), Int32(0)))
+        e = cutlass.min(e, Int32(254))
+    else:
+        e = ((amax_bits >> 23) & 0xFF) - E4M3_MAX_POW2
+        e = cutlass.min(cutlass.max(e, Int32(0)), Int32(254))
+    return Int32(cutlass.select_(nonfinite, Int32(E8M0_NAN), e))
+
+
+def e8m0_reciprocal_bits(s) -> Int32:
+    """``2**(127 - s)`` as an fp32 bit pattern for s in [0, 254] (2**-127 is a subnormal)."""
+    e = Int32(2 * E8M0_BIAS) - Int32(s)
+    return Int32(cutlass.select_(e > 0, e << 23, Int32(F32_2POW_M127)))
+
+
+def e8m0_value_bits(s) -> Int32:
+    """``2**(s - 127)`` as an fp32 bit pattern for s in [0, 254]."""
+    s = Int32(s)
+    return Int32(cutlass.select_(s > 0, s << 23, Int32(F32_2POW_M127)))
+
+
+# ----------------------------------------------------------------------------- element conversion
+
+_Q4_BODY = """{
+.reg .b16 lo, hi;
+.reg .f32 a, b, c, d, r;
+mov.b32 r, $5;
+mov.b32 a, $1;
+mov.b32 b, $2;
+mov.b32 c, $3;
+mov.b32 d, $4;
+mul.rn.f32 a, a, r;
+mul.rn.f32 b, b, r;
+mul.rn.f32 c, c, r;
+mul.rn.f32 d, d, r;
+cvt.rn.satfinite.e4m3x2.f32 lo, b, a;
+cvt.rn.satfinite.e4m3x2.f32 hi, d, c;
+mov.b32 $0, {lo, hi};
+}"""
+
+
+def quantize4(x0, x1, x2, x3, rcp_bits) -> Int32:
+    """Four fp32 (bit patterns) times ``rcp`` -> four e4m3 bytes (RNE, saturating), packed little-endian."""
+    return _asm(1, [x0, x1, x2, x3, rcp_bits], _Q4_BODY, "=r,r,r,r,r,r")
+
+
+_DQ4_BF16_BODY = """{
+.reg .b16 lo, hi, h0, h1, h2, h3;
+.reg .b32 p, q;
+.reg .f32 a, b, c, d, s;
+mov.b32 s, $3;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 p, lo;
+cvt.rn.f16x2.e4m3x2 q, hi;
+mov.b32 {h0, h1}, p;
+mov.b32 {h2, h3}, q;
+cvt.f32.f16 a, h0;
+cvt.f32.f16 b, h1;
+cvt.f32.f16 c, h2;
+cvt.f32.f16 d, h3;
+mul.rn.f32 a, a, s;
+mul.rn.f32 b, b, s;
+mul.rn.f32 c, c, s;
+mul.rn.f32 d, d, s;
+cvt.rn.bf16x2.f32 $0, b, a;
+cvt.rn.bf16x2.f32 $1, d, c;
+}"""
+
+
+def dequantize4_bf16(word, scale_bits):
+    """Four packed e4m3 bytes times ``2**(s-127)`` -> two bf16x2 words (fp32 product, RNE to bf16)."""
+    return _asm(2, [word, scale_bits], _DQ4_BF16_BODY, "=r,=r,r,r")
+
+
+_DQ4_F32_BODY = """{
+.reg .b16 lo, hi, h0, h1, h2, h3;
+.reg .b32 p, q;
+.reg .f32 a, b, c, d, s;
+mov.b32 s, $5;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 p, lo;
+cvt.rn.f16x2.e4m3x2 q, hi;
+mov.b32 {h0, h1}, p;
+mov.b32 {h2, h3}, q;
+cvt.f32.f16 a, h0;
+cvt.f32.f16 b, h1;
+cvt.f32.f16 c, h2;
+cvt.f32.f16 d, h3;
+mul.rn.f32 $0, a, s;
+mul.rn.f32 $1, b, s;
+mul.rn.f32 $2, c, s;
+mul.rn.f32 $3, d, s;
+}"""
+
+
+def dequantize4_f32(word, scale_bits):
+    """Four packed e4m3 bytes times ``2**(s-127)`` -> four fp32 bit patterns (exact)."""
+    return _asm(4, [word, scale_bits], _DQ4_F32_BODY, "=r,=r,=r,=r,r,r")
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def warp_inclusive_max(v, lane) -> Int32:
+    """Inclusive prefix max over the lanes of a warp (lane 0 first)."""
+    for d in (1, 2, 4, 8, 16):
+        v = cutlass.max(v, cute.arch.shuffle_sync_up(v, offset=d))  # lanes < d get their own value
+    return v
+
+
+def warp_inclusive_sum(v, lane) -> Int32:
+    """Inclusive prefix sum over the lanes of a warp."""
+    for d in (1, 2, 4, 8, 16):
+        y = cute.arch.shuffle_sync_up(v, offset=d)
+        v = v + Int32(cutlass.select_(lane >= d, y, Int32(0)))
+    return v
+
+
+def round_up_tile_rows(n) -> Int32:
+    """``round_up(n, 128)`` for non-negative Int32 ``n`` (the M-groups per-group padding)."""
+    return (Int32(n) + (TILE_ROWS - 1)) & Int32(-TILE_ROWS)
+
+
+def as_i64(v) -> Int64:
+    return Int64(v)

@@ -1,0 +1,407 @@
+"""Torch ops over the CuTe-DSL quantization kernels.
+
+``quantize_1x32`` / ``fake_quantize_1x32`` validate their arguments, allocate the
+outputs and launch a compiled kernel. They are registered as ``torch.library`` custom
+ops (``torch.ops.moe_quant.*``) with fake implementations, so ``torch.compile(fullgraph=True)``
+keeps them in the graph; in eager mode the Python wrappers call the implementation
+directly (no dispatcher round trip), which keeps the host overhead of a call small.
+
+Compiled kernels are cached by :class:`~moe_quant.kernels.quantize_1x32.Variant` (what
+changes the code: input dtype, scale mode, output kind, out dtype, tile config) and the
+GPU arch -- never by M, K, G or the values of ``offs``. With ``apache-tvm-ffi`` present,
+kernels are called through TVM-FFI (torch tensors passed straight to the compiled host
+stub, the current torch stream taken from the environment) and exported to disk: an
+object file, linked into a shared library where a C compiler is found, so another process
+loads them with ``tvm_ffi.load_module`` -- no tracing, no compiling, no cutlass import.
+The directory is ``$MOE_QUANT_CACHE_DIR`` or ``~/.cache/moe_quant/cutedsl``; file names carry
+a hash of the kernel sources and the cutlass-dsl / tvm-ffi versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .. import layouts
+from ..numerics import BLOCK_SIZE, ScaleMode
+
+_IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_FAKE_OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+SCALE_LAYOUTS = ("blocked", "plain")
+_INT32_MAX = 2**31 - 1
+
+# Tests set this to fill every output with 0xFF bytes before the launch, so that a byte the
+# kernel fails to write shows up as a mismatch.
+POISON_OUTPUTS = False
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        t.view(torch.uint8).fill_(0xFF)
+    return t
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_x(x, fn: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"{fn}: x must be bfloat16 or float32, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{fn}: x must be 2D (M, K), got shape {tuple(x.shape)}")
+    if x.shape[1] % BLOCK_SIZE:
+        raise ValueError(f"{fn}: x.shape[1] (K={x.shape[1]}) must be a multiple of {BLOCK_SIZE}")
+    if not x.is_contiguous():
+        raise ValueError(f"{fn}: x must be contiguous (row-major), got strides {x.stride()}")
+
+
+def _check_device(x, fn: str) -> None:
+    if not x.is_cuda:
+        raise ValueError(f"{fn}: x must be on a CUDA device, got {x.device}")
+
+
+def _check_offs(offs, x: torch.Tensor, fn: str) -> None:
+    if not isinstance(offs, torch.Tensor):
+        raise TypeError(f"{fn}: offs must be a torch.Tensor or None, got {type(offs).__name__}")
+    if offs.dtype != torch.int32:
+        raise TypeError(f"{fn}: offs must be int32, got {offs.dtype}")
+    if offs.dim() != 1:
+        raise ValueError(f"{fn}: offs must be 1D (G,), got shape {tuple(offs.shape)}")
+    if offs.device != x.device and x.device.type != "cpu":
+        raise ValueError(f"{fn}: offs must be on the same device as x ({x.device}), got {offs.device}")
+
+
+def _scale_shape(m: int, k: int, offs, scale_layout: str) -> tuple[int, int]:
+    kb = k // BLOCK_SIZE
+    if offs is not None:
+        return layouts.m_groups_blocked_shape(m, kb, offs.shape[0])
+    if scale_layout == "blocked":
+        return layouts.blocked_shape(m, kb)
+    return m, kb
+
+
+# ----------------------------------------------------------------------------- compile cache
+
+
+_SRC_HASH = None
+
+
+def _src_hash() -> str:
+    """Hash of every source that shapes the generated code, plus the cutlass-dsl / tvm-ffi versions."""
+    global _SRC_HASH
+    if _SRC_HASH is not None:
+        return _SRC_HASH
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in (here / "quantize_1x32.py", here / "cute_utils.py", here.parent / "layouts.py", here.parent / "numerics.py"):
+        h.update(p.read_bytes())
+    try:
+        from importlib.metadata import version
+
+        h.update(version("nvidia-cutlass-dsl").encode())
+    except Exception:  # pragma: no cover - metadata missing
+        h.update(b"cutlass-dsl-unknown")
+    try:
+        import tvm_ffi
+
+        h.update(str(getattr(tvm_ffi, "__version__", "tvm")).encode())
+    except Exception:
+        pass
+    _SRC_HASH = h.hexdigest()[:16]
+    return _SRC_HASH
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("MOE_QUANT_CACHE_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "moe_quant" / "cutedsl"
+
+
+def _tvm_ffi_available() -> bool:
+    if os.environ.get("MOE_QUANT_NO_TVM_FFI", "0") == "1":
+        return False
+    try:
+        import tvm_ffi  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _arch_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+class _Compiled:
+    """A compiled variant and how to call it."""
+
+    __slots__ = ("fn", "tvm", "source", "owner")
+
+    def __init__(self, fn, tvm: bool, source: str, owner=None):
+        self.fn = fn  # with TVM-FFI: the positional-only tvm_ffi.Function (x, out, scales, offs)
+        self.tvm = tvm
+        self.source = source  # "compiled" | "disk"
+        self.owner = owner  # keeps the compiled module (and its engine) alive
+
+    def __call__(self, x, out, scales, offs):
+        if self.tvm:
+            self.fn(x, out, scales, offs)
+            return
+        import cuda.bindings.driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+
+        def conv(t, align):
+            return None if t is None else from_dlpack(t, assumed_align=align).mark_layout_dynamic()
+
+        stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+        self.fn(conv(x, 16), conv(out, 16), conv(scales, 16), conv(offs, 4), stream)
+
+
+_LOCK = threading.Lock()
+_KERNELS: dict = {}
+STATS = {"compiled": 0, "disk_hits": 0, "compile_s": 0.0, "load_s": 0.0}
+
+
+def get_kernel(variant, arch: str) -> _Compiled:
+    """The compiled kernel of ``variant`` for ``arch`` (memory cache, then disk, then compile)."""
+    key = (variant, arch)
+    k = _KERNELS.get(key)
+    if k is not None:
+        return k
+    with _LOCK:
+        k = _KERNELS.get(key)
+        if k is None:
+            k = _build(variant, arch)
+            _KERNELS[key] = k
+    return k
+
+
+def _disk_ok() -> bool:
+    return os.environ.get("MOE_QUANT_NO_DISK_CACHE", "0") != "1"
+
+
+def _load_from_disk(stem: Path, name: str):
+    """A cached kernel: the linked ``.so`` through tvm_ffi alone (no cutlass import), else the ``.o``
+    through cutlass' loader. None if neither loads."""
+    so, obj = stem.with_suffix(".so"), stem.with_suffix(".o")
+    if so.exists():
+        try:
+            import tvm_ffi
+
+            mod = tvm_ffi.load_module(str(so))
+            return mod[name], mod
+        except Exception:
+            pass
+    if obj.exists():
+        try:
+            from cutlass.runtime import load_module
+
+            mod = load_module(str(obj), enable_tvm_ffi=True)
+            return getattr(mod, name), mod
+        except Exception:
+            pass
+    return None
+
+
+def _save_to_disk(fn, stem: Path, name: str) -> None:
+    """Export the compiled kernel (object file) and, where a C compiler is found, link it into a shared
+    library that tvm_ffi loads without the DSL. Writes go through temporary names, then rename."""
+    import shutil
+    import subprocess
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    tag = f".{os.getpid()}.tmp"
+    obj = stem.with_suffix(".o")
+    tmp_obj = stem.parent / (stem.name + tag + ".o")
+    fn.export_to_c(str(tmp_obj), function_name=name)
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc:
+        try:
+            from cutlass.runtime import find_runtime_libraries
+
+            libs = find_runtime_libraries(enable_tvm_ffi=True)
+            tmp_so = stem.parent / (stem.name + tag + ".so")
+            cmd = [cc, "-shared", "-o", str(tmp_so), str(tmp_obj)]
+            for lib in libs:
+                cmd += [lib, f"-Wl,-rpath,{os.path.dirname(lib)}"]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+            os.replace(tmp_so, stem.with_suffix(".so"))
+        except Exception:
+            pass  # the object file alone still serves (through cutlass' loader)
+    os.replace(tmp_obj, obj)
+
+
+def _build(variant, arch: str) -> _Compiled:
+    tvm = _tvm_ffi_available()
+    name = f"mq_q1x32_{variant.key.replace('-', '_')}"
+    stem = cache_dir() / f"{variant.key}-{arch}-{_src_hash()}"
+    if tvm and _disk_ok():
+        t0 = time.perf_counter()
+        hit = _load_from_disk(stem, name)
+        if hit is not None:
+            STATS["disk_hits"] += 1
+            STATS["load_s"] += time.perf_counter() - t0
+            return _Compiled(hit[0], True, "disk", owner=hit[1])
+    from .quantize_1x32 import compile_variant
+
+    t0 = time.perf_counter()
+    fn = compile_variant(variant, tvm_ffi=tvm, extra_options=f"--gpu-arch {arch}")
+    STATS["compiled"] += 1
+    STATS["compile_s"] += time.perf_counter() - t0
+    if not tvm:
+        return _Compiled(fn, False, "compiled")
+    if _disk_ok():
+        try:
+            _save_to_disk(fn, stem, name)
+        except Exception:
+            pass  # a read-only cache dir only costs the next process a compile
+    raw = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else None
+    if raw is None:  # no execution engine (cross-compiled for another arch): the wrapper says so on call
+        raw = fn
+    return _Compiled(raw, True, "compiled", owner=fn)
+
+
+# ----------------------------------------------------------------------------- implementations
+
+_ARCH_CACHE: dict = {}
+
+
+def _arch(device: torch.device) -> str:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    a = _ARCH_CACHE.get(idx)
+    if a is None:
+        a = _ARCH_CACHE[idx] = _arch_of(torch.device("cuda", idx))
+    return a
+
+
+def _variant(in_dtype, mode: ScaleMode, kind: str, out_dtype: str = "float8_e4m3fn"):
+    from .config_1x32 import Variant
+
+    key = (in_dtype, mode, kind, out_dtype)
+    v = _VARIANTS.get(key)
+    if v is None:
+        v = _VARIANTS[key] = Variant(_IN_DTYPES[in_dtype], mode.value, kind, out_dtype)
+    return v
+
+
+_VARIANTS: dict = {}
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+_FAST: dict = {}  # (dtype, mode, kind, out, device index) -> _Compiled: one dict lookup per call
+
+
+def _kernel_for(x: torch.Tensor, mode: str, kind: str, out: str) -> _Compiled:
+    key = (x.dtype, mode, kind, out, x.get_device())
+    k = _FAST.get(key)
+    if k is None:
+        k = _FAST[key] = get_kernel(_variant(x.dtype, ScaleMode(mode), kind, out), _arch(x.device))
+    return k
+
+
+def _launch(kernel: _Compiled, x, out, scales, offs) -> None:
+    if x.get_device() != torch._C._cuda_getDevice():
+        with torch.cuda.device(x.device):
+            kernel(x, out, scales, offs)
+    else:
+        kernel(x, out, scales, offs)
+
+
+def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str):
+    m, k = x.shape
+    kind = "mgroups" if offs is not None else ("blocked" if scale_layout == "blocked" else "plain")
+    srows, scols = _scale_shape(m, k, offs, scale_layout)
+    data = _empty((m, k), torch.float8_e4m3fn, x.device)
+    scales = _empty((srows, scols), torch.uint8, x.device)
+    if scales.numel() > _INT32_MAX:
+        raise ValueError(f"quantize_1x32: scale buffer of {scales.numel()} bytes exceeds the int32 index range")
+    if x.numel() or scales.numel():
+        _launch(_kernel_for(x, mode, kind, "float8_e4m3fn"), _aligned(x), data, scales, offs)
+    return data, scales.view(torch.float8_e8m0fnu)
+
+
+def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype):
+    out = _empty(x.shape, out_dtype, x.device)
+    if x.numel():
+        _launch(_kernel_for(x, mode, "fake", _FAKE_OUT_DTYPES[out_dtype]), _aligned(x), out, None, None)
+    return out
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+
+
+@torch.library.custom_op("moe_quant::quantize_1x32", mutates_args=(), device_types="cuda")
+def _quantize_1x32_op(
+    x: torch.Tensor, mode: str, offs: torch.Tensor | None, scale_layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_impl(x, mode, offs, scale_layout)
+
+
+@_quantize_1x32_op.register_fake
+def _(x, mode, offs, scale_layout):
+    m, k = x.shape
+    srows, scols = _scale_shape(m, k, offs, scale_layout)
+    data = x.new_empty((m, k), dtype=torch.float8_e4m3fn)
+    scales = x.new_empty((srows, scols), dtype=torch.float8_e8m0fnu)
+    return data, scales
+
+
+@torch.library.custom_op("moe_quant::fake_quantize_1x32", mutates_args=(), device_types="cuda")
+def _fake_quantize_1x32_op(x: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
+    return _fake_impl(x, mode, out_dtype)
+
+
+@_fake_quantize_1x32_op.register_fake
+def _(x, mode, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def quantize_1x32(
+    x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor | None = None, scale_layout: str = "blocked"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise 1x32 MXFP8: ``(data float8_e4m3fn (M, K), scales float8_e8m0fnu)``.
+
+    Scales: with ``offs`` the M-groups blocked buffer ``layouts.m_groups_blocked_shape(M, K/32, G)``;
+    without, ``scale_layout="blocked"`` gives ``layouts.to_blocked`` of the whole matrix and
+    ``"plain"`` gives ``(M, K/32)``. Bit-identical to :func:`moe_quant.reference.quantize_rowwise`.
+    """
+    fn = "quantize_1x32"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_x(x, fn)
+    if offs is not None:
+        _check_offs(offs, x, fn)
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"{fn}: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    _check_device(x, fn)
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_quant.quantize_1x32(x, mode.value, offs, scale_layout)
+    return _quantize_impl(x, mode.value, offs, scale_layout)
+
+
+def fake_quantize_1x32(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantized rowwise 1x32 MXFP8 of ``x`` as ``out_dtype`` (bf16 or fp32), in one pass.
+
+    Bit-identical to :func:`moe_quant.reference.fake_quantize_rowwise` (NaN blocks are the
+    canonical NaN: bf16 0x7FC0, fp32 0x7FC00000).
+    """
+    fn = "fake_quantize_1x32"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_x(x, fn)
+    if out_dtype not in _FAKE_OUT_DTYPES:
+        raise TypeError(f"{fn}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    _check_device(x, fn)
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_quant.fake_quantize_1x32(x, mode.value, out_dtype)
+    return _fake_impl(x, mode.value, out_dtype)

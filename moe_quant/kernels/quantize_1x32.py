@@ -1,0 +1,416 @@
+"""CuTe-DSL kernel: rowwise (1x32) MXFP8 quantization of ``x (M, K)``, optional jagged M groups.
+
+One source for SM90 (Hopper) and SM100 (Blackwell). Memory-bound streaming design:
+
+* The input is viewed as a flat array of 8-element chunks (16 bytes of bf16); a
+  32-element scale block is 4 consecutive chunks held by 4 consecutive lanes (a
+  "quad"), so every warp load is 512 contiguous bytes, whatever K is (K % 128 != 0
+  and tiny K included). A CTA owns ``iters * threads`` consecutive chunks and issues
+  all of its 16-byte loads before the first use.
+* amax: integer max of magnitude bit patterns in each lane, then 2 butterfly shuffles
+  in the quad. Scale, reciprocal, saturating e4m3 cast: exact bit recipes in
+  :mod:`moe_quant.kernels.cute_utils` (same definition as :mod:`moe_quant.numerics`).
+* Scales go straight to their final byte: plain ``(M, K/32)``, the blocked layout of
+  the whole matrix, or the M-groups blocked layout (each group's scale rows blocked
+  on their own at padded row ``P_g``). Group lookup: while its loads are in flight, each
+  CTA rebuilds the sanitized group table (``clamp(offs, 0, M)``, running max, padded
+  prefix sums -- the same definition as :func:`moe_quant.layouts.group_bounds`) with warp
+  scans into shared memory, ``table`` groups per pass (any G), and binary-searches it for
+  the row of each of its blocks.
+* Padding (the "fused per-group padding"): extra CTAs at the front of the grid, one
+  per 128-row tile of the scale buffer, zero every byte that holds no real scale:
+  rows past a group's end inside its last tile, and the tail after the last group.
+  Pad columns (``K/32 % 4 != 0``) of real rows are zeroed by the lane that writes the
+  row's last scale. Real and padding bytes are disjoint, so no ordering is needed.
+* Fake-quant mode writes ``bf16(q * 2**(s-127))`` (or fp32) in the same pass; no fp8
+  is materialized.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ..layouts import TILE_ROWS, blocked_offset
+from ..numerics import BLOCK_SIZE, E8M0_NAN
+from . import cute_utils as cu
+from .config_1x32 import (  # noqa: F401  (re-exported: the kernel's config dataclasses)
+    CHUNK,
+    DEFAULT_TILE,
+    LANES_PER_BLOCK,
+    TileConfig,
+    Variant,
+    all_variants,
+)
+
+_CUTLASS_DTYPES = {
+    "bfloat16": cutlass.BFloat16,
+    "float32": cutlass.Float32,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+}
+
+
+class Quantize1x32Kernel:
+    """Rowwise 1x32 MXFP8 quantization; see the module docstring.
+
+    Host entry ``__call__(x, out, scales, offs, stream)``: ``x (M, K)``; ``out (M, K)``
+    (e4m3, or bf16/fp32 for ``fake``); ``scales`` uint8 (``None`` for ``fake``): plain
+    ``(M, K/32)``, blocked ``(128 ceil(M/128), 4 ceil(K/128))`` or M-groups
+    ``(M + 128 G, 4 ceil(K/128))``; ``offs`` int32 ``(G,)`` for ``mgroups`` else ``None``.
+    """
+
+    def __init__(self, variant: Variant):
+        self.v = variant
+        self.rceil = variant.mode == "rceil"
+        self.in_f32 = variant.in_dtype == "float32"
+        self.kind = variant.kind
+        self.fake_f32 = variant.kind == "fake" and variant.out_dtype == "float32"
+        self.threads = variant.tile.threads
+        self.iters = variant.tile.iters
+        self.table = variant.tile.table
+        self.has_pad = variant.kind in ("blocked", "mgroups")
+        self.prefetch_offs = variant.tile.prefetch_offs
+        self.leader_search = variant.tile.leader_search
+
+    # ------------------------------------------------------------------ host
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, out: cute.Tensor, scales, offs, stream):
+        m = x.shape[0]
+        k = x.shape[1]
+        kb = k // BLOCK_SIZE
+        nc = (kb + 3) // 4
+        n_chunks = Int64(m) * Int64(k) // CHUNK
+        per_cta = self.threads * self.iters
+        n_data = Int32((n_chunks + (per_cta - 1)) // per_cta)
+        n_pad = Int32(0)
+        pad_tile0 = Int32(0)
+        n_groups = Int32(0)
+        buf_rows = Int32(0)
+        if cutlass.const_expr(self.kind == "mgroups"):
+            n_groups = Int32(offs.shape[0])
+            buf_rows = Int32(scales.shape[0])
+            n_pad = (buf_rows + (TILE_ROWS - 1)) // TILE_ROWS
+        if cutlass.const_expr(self.kind == "blocked"):
+            # Only the last row tile can hold padding rows; pad columns are written by the data CTAs.
+            buf_rows = Int32(scales.shape[0])
+            pad_tile0 = Int32(m) // TILE_ROWS
+            n_pad = buf_rows // TILE_ROWS - pad_tile0
+        self.kernel(
+            x, out, scales, offs, Int32(m), Int32(kb), Int32(nc), n_chunks, n_pad, pad_tile0, n_groups, buf_rows
+        ).launch(grid=[n_pad + n_data, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------ device
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: cute.Tensor,
+        out: cute.Tensor,
+        scales,
+        offs,
+        m: Int32,
+        kb: Int32,
+        nc: Int32,
+        n_chunks: Int64,
+        n_pad: Int32,
+        pad_tile0: Int32,
+        n_groups: Int32,
+        buf_rows: Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        bid = Int32(bid)
+        t_end = None
+        t_shift = None
+        t_pend = None
+        if cutlass.const_expr(self.kind == "mgroups"):
+            layout = cute.make_layout(self.table)
+            t_end = cute.make_tensor(cute.arch.alloc_smem(Int32, self.table, alignment=16), layout)
+            t_shift = cute.make_tensor(cute.arch.alloc_smem(Int32, self.table, alignment=16), layout)
+            t_pend = cute.make_tensor(cute.arch.alloc_smem(Int32, self.table, alignment=16), layout)
+        if cutlass.const_expr(self.has_pad):
+            if bid < n_pad:
+                self.pad_tile(scales, offs, m, nc, pad_tile0 + bid, n_groups, buf_rows, tid, t_end, t_shift, t_pend)
+            else:
+                self.data_tile(x, out, scales, offs, m, kb, nc, n_chunks, bid - n_pad, n_groups, tid,
+                               t_end, t_shift, t_pend)
+        else:
+            self.data_tile(x, out, scales, offs, m, kb, nc, n_chunks, bid, n_groups, tid, t_end, t_shift, t_pend)
+
+    @cute.jit
+    def build_table(self, offs, m: Int32, g0: Int32, n: Int32, n_groups: Int32, lane: Int32,
+                    carry_end: Int32, carry_pend: Int32, t_end, t_shift, t_pend, pre: Int32):
+        """Warp-wide: sanitized ends, row shift ``P_g - start_g`` and padded end of groups
+        ``[g0, g0 + n)`` into the table; returns the carries for the next groups.
+
+        ``end_g = max_{j<=g} clamp(offs[j], 0, M)``; ``P_g = sum_{j<g} round_up(size_j, 128)``.
+        ``pre`` is ``offs[lane]`` loaded early (used for groups 0..31).
+        """
+        for sub in cutlass.range(0, (n + 31) // 32, 1):
+            i = sub * 32 + lane
+            g = g0 + i
+            raw = pre
+            if cutlass.const_expr(self.prefetch_offs):
+                if g >= 32:
+                    raw = Int32(0)
+                    if g < n_groups:
+                        raw = Int32(offs[g])
+            else:
+                raw = Int32(0)
+                if g < n_groups:
+                    raw = Int32(offs[g])
+            e = cutlass.min(cutlass.max(raw, Int32(0)), m)
+            e = cutlass.max(cu.warp_inclusive_max(e, lane), carry_end)
+            prev = cute.arch.shuffle_sync_up(e, offset=1)
+            prev = Int32(cutlass.select_(lane == 0, carry_end, prev))
+            pad = cu.round_up_tile_rows(e - prev)
+            pend = carry_pend + cu.warp_inclusive_sum(pad, lane)
+            if i < n:
+                t_end[i] = e
+                t_shift[i] = pend - pad - prev
+                t_pend[i] = pend
+            carry_end = cute.arch.shuffle_sync(e, offset=31)
+            carry_pend = cute.arch.shuffle_sync(pend, offset=31)
+        return carry_end, carry_pend
+
+    @cute.jit
+    def search(self, t, n: Int32, key: Int32) -> Int32:
+        """Smallest i in [0, n) with ``t[i] > key``; the caller guarantees ``t[n-1] > key``."""
+        lo = Int32(0)
+        hi = n - 1
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if Int32(t[mid]) > key:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    @cute.jit
+    def pad_tile(self, scales, offs, m: Int32, nc: Int32, tile: Int32, n_groups: Int32, buf_rows: Int32,
+                 tid: Int32, t_end, t_shift, t_pend):
+        """Zero the bytes of scale-buffer row tile ``tile`` that hold no real scale."""
+        p0 = tile * TILE_ROWS
+        nreal = Int32(0)
+        in_group = Int32(0)
+        if cutlass.const_expr(self.kind == "blocked"):
+            nreal = m - p0
+            in_group = Int32(1)
+        else:
+            lane = tid % 32
+            warp = tid // 32
+            pre = Int32(0)
+            if cutlass.const_expr(self.prefetch_offs):
+                if warp == 0:
+                    if lane < n_groups:
+                        pre = Int32(offs[lane])
+            carry_end = Int32(0)
+            carry_pend = Int32(0)
+            for pas in cutlass.range(0, (n_groups + (self.table - 1)) // self.table, 1):
+                g0 = pas * self.table
+                n = cutlass.min(Int32(self.table), n_groups - g0)
+                if warp == 0:
+                    carry_end, carry_pend = self.build_table(
+                        offs, m, g0, n, n_groups, lane, carry_end, carry_pend, t_end, t_shift, t_pend, pre
+                    )
+                cute.arch.sync_threads()
+                if in_group == 0:
+                    if p0 < Int32(t_pend[n - 1]):
+                        j = self.search(t_pend, n, p0)
+                        nreal = cutlass.min(cutlass.max(Int32(t_end[j]) - (p0 - Int32(t_shift[j])), Int32(0)),
+                                            Int32(TILE_ROWS))
+                        in_group = Int32(1)
+                cute.arch.sync_threads()
+        base = scales.iterator + Int64(p0) * Int64(nc * 4)
+        if in_group == 0:
+            # Tail after the last group: rows [p0, min(p0 + 128, buf_rows)) are all zero; contiguous.
+            n_words = (cutlass.min(p0 + TILE_ROWS, buf_rows) - p0) * nc
+            for w in cutlass.range(tid, n_words, self.threads):
+                cu.st_global_u32(base + w * 4, 0)
+        elif nreal < TILE_ROWS:
+            # Group tile: local rows q >= nreal are padding. Word wi = 128 j + 4 l + w holds
+            # rows q = 32 w + l of column tile j (DESIGN.md section 3).
+            n_words = nc * TILE_ROWS
+            for wi in cutlass.range(tid, n_words, self.threads):
+                q = (wi % 4) * 32 + (wi // 4) % 32
+                if q >= nreal:
+                    cu.st_global_u32(base + wi * 4, 0)
+
+    @cute.jit
+    def data_tile(self, x, out, scales, offs, m: Int32, kb: Int32, nc: Int32, n_chunks: Int64, dbid: Int32,
+                  n_groups: Int32, tid: Int32, t_end, t_shift, t_pend):
+        threads = self.threads
+        iters = self.iters
+        lane = tid % 32
+        warp = tid // 32
+        base = Int64(dbid) * Int64(threads * iters)
+        last = n_chunks - 1
+
+        # ---- issue every load of this CTA first (and warp 0's first offsets, for the group table)
+        pre = Int32(0)
+        if cutlass.const_expr(self.kind == "mgroups" and self.prefetch_offs):
+            if warp == 0:
+                if lane < n_groups:
+                    pre = Int32(offs[lane])
+        xw = []
+        for u in cutlass.range_constexpr(iters):
+            ch = cutlass.min(base + (u * threads) + Int64(tid), last)
+            src = x.iterator + ch * CHUNK
+            if cutlass.const_expr(self.in_f32):
+                a0, a1, a2, a3 = cu.ld_global_v4(src)
+                a4, a5, a6, a7 = cu.ld_global_v4(src + 4)
+                xw.append((a0, a1, a2, a3, a4, a5, a6, a7))
+            else:
+                w0, w1, w2, w3 = cu.ld_global_v4(src)
+                xw.append((w0, w1, w2, w3))
+
+        # ---- M groups: while the loads are in flight, warp 0 builds the group table and the
+        # scale-writing lanes look up their row's group (row shift P_g - start_g)
+        rows = []
+        cols = []
+        found = None
+        shift = None
+        if cutlass.const_expr(self.kind == "mgroups"):
+            for u in cutlass.range_constexpr(iters):
+                row_u, col_u = self.row_col(base, u, tid, kb)
+                rows.append(row_u)
+                cols.append(col_u)
+            found = cute.make_rmem_tensor(cute.make_layout(iters), Int32)
+            shift = cute.make_rmem_tensor(cute.make_layout(iters), Int32)
+            for u in cutlass.range_constexpr(iters):
+                found[u] = Int32(0)
+                shift[u] = Int32(0)
+            carry_end = Int32(0)
+            carry_pend = Int32(0)
+            for pas in cutlass.range(0, (n_groups + (self.table - 1)) // self.table, 1):
+                g0 = pas * self.table
+                n = cutlass.min(Int32(self.table), n_groups - g0)
+                if warp == 0:
+                    carry_end, carry_pend = self.build_table(
+                        offs, m, g0, n, n_groups, lane, carry_end, carry_pend, t_end, t_shift, t_pend, pre
+                    )
+                cute.arch.sync_threads()
+                last_end = Int32(t_end[n - 1])
+                searcher = Int32(1)
+                if cutlass.const_expr(self.leader_search):
+                    searcher = Int32(cutlass.select_(lane % LANES_PER_BLOCK == 0, Int32(1), Int32(0)))
+                if searcher != 0:
+                    for u in cutlass.range_constexpr(iters):
+                        if found[u] == 0:
+                            if rows[u] < last_end:
+                                j = self.search(t_end, n, rows[u])
+                                shift[u] = Int32(t_shift[j])
+                                found[u] = Int32(1)
+                cute.arch.sync_threads()
+
+        # ---- quantize; store data and scales
+        for u in cutlass.range_constexpr(iters):
+            ch = base + (u * threads) + Int64(tid)
+            if cutlass.const_expr(self.in_f32):
+                xs = xw[u]
+            else:
+                w0, w1, w2, w3 = xw[u]
+                l0, h0 = cu.bf16x2_to_f32_bits(w0)
+                l1, h1 = cu.bf16x2_to_f32_bits(w1)
+                l2, h2 = cu.bf16x2_to_f32_bits(w2)
+                l3, h3 = cu.bf16x2_to_f32_bits(w3)
+                xs = (l0, h0, l1, h1, l2, h2, l3, h3)
+            amax = cu.quad_max(cu.absmax_bits(xs))
+            s = cu.e8m0_from_amax_bits(amax, self.rceil)
+            is_nan = s == E8M0_NAN
+            rcp = cu.e8m0_reciprocal_bits(s)
+            q0 = cu.quantize4(xs[0], xs[1], xs[2], xs[3], rcp)
+            q1 = cu.quantize4(xs[4], xs[5], xs[6], xs[7], rcp)
+            q0 = Int32(cutlass.select_(is_nan, Int32(cu.E4M3_NAN_X4), q0))
+            q1 = Int32(cutlass.select_(is_nan, Int32(cu.E4M3_NAN_X4), q1))
+            valid = ch < n_chunks
+            if cutlass.const_expr(self.kind == "fake"):
+                sv = cu.e8m0_value_bits(s)
+                if cutlass.const_expr(self.fake_f32):
+                    f0, f1, f2, f3 = cu.dequantize4_f32(q0, sv)
+                    f4, f5, f6, f7 = cu.dequantize4_f32(q1, sv)
+                    nanf = Int32(cu.F32_NAN)
+                    if valid:
+                        po = out.iterator + ch * CHUNK
+                        cu.st_global_v4(po,
+                                        cutlass.select_(is_nan, nanf, f0), cutlass.select_(is_nan, nanf, f1),
+                                        cutlass.select_(is_nan, nanf, f2), cutlass.select_(is_nan, nanf, f3))
+                        cu.st_global_v4(po + 4,
+                                        cutlass.select_(is_nan, nanf, f4), cutlass.select_(is_nan, nanf, f5),
+                                        cutlass.select_(is_nan, nanf, f6), cutlass.select_(is_nan, nanf, f7))
+                else:
+                    b0, b1 = cu.dequantize4_bf16(q0, sv)
+                    b2, b3 = cu.dequantize4_bf16(q1, sv)
+                    nanb = Int32(cu.BF16_NAN_X2)
+                    if valid:
+                        cu.st_global_v4(out.iterator + ch * CHUNK,
+                                        cutlass.select_(is_nan, nanb, b0), cutlass.select_(is_nan, nanb, b1),
+                                        cutlass.select_(is_nan, nanb, b2), cutlass.select_(is_nan, nanb, b3))
+            else:
+                if valid:
+                    cu.st_global_v2(out.iterator + ch * CHUNK, q0, q1)
+                    if lane % LANES_PER_BLOCK == 0:
+                        if cutlass.const_expr(self.kind == "mgroups"):
+                            if found[u] != 0:
+                                self.store_blocked_scale(scales, rows[u] + shift[u], cols[u], kb, nc, s)
+                        else:
+                            rw, cl = self.row_col(base, u, tid, kb)
+                            if cutlass.const_expr(self.kind == "plain"):
+                                cu.st_global_u8(scales.iterator + (Int64(rw) * Int64(kb) + Int64(cl)), s)
+                            else:
+                                self.store_blocked_scale(scales, rw, cl, kb, nc, s)
+
+    @cute.jit
+    def row_col(self, base: Int64, u: cutlass.Constexpr, tid: Int32, kb: Int32):
+        """(row, scale column) of the 32-element block of chunk ``base + u * threads + tid``."""
+        blk0 = base // LANES_PER_BLOCK  # first block of the CTA (CTA-uniform)
+        r0 = Int32(blk0 // Int64(kb))
+        c0 = Int32(blk0 - Int64(r0) * Int64(kb))
+        t = c0 + (u * self.threads + tid) // LANES_PER_BLOCK
+        dr = t // kb
+        return r0 + dr, t - dr * kb
+
+    @cute.jit
+    def store_blocked_scale(self, scales, r: Int32, c: Int32, kb: Int32, nc: Int32, s: Int32):
+        """Scale byte of buffer row ``r``, column ``c``; the row's last scale also zeroes the pad columns."""
+        sp = scales.iterator
+        dest = blocked_offset(r, c, nc)
+        cu.st_global_u8(sp + dest, s)
+        if c == kb - 1:
+            # pad columns [kb, 4 nc) of this row live in the same 4-byte word
+            for j in cutlass.range_constexpr(1, 4):
+                if c + j < nc * 4:
+                    cu.st_global_u8(sp + (dest + j), 0)
+
+
+def make_fake_args(variant: Variant, tvm_ffi: bool):
+    """Placeholder arguments for ``cute.compile``: dynamic M, K (K % 32 == 0), rows, G."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    m = cute.sym_int32(symbol="M")
+    k = cute.sym_int32(divisibility=BLOCK_SIZE, symbol="K")
+    x = make_fake_compact_tensor(_CUTLASS_DTYPES[variant.in_dtype], (m, k), stride_order=(1, 0), assumed_align=16)
+    out_dtype = _CUTLASS_DTYPES[variant.out_dtype]
+    out = make_fake_compact_tensor(out_dtype, (m, k), stride_order=(1, 0), assumed_align=16)
+    scales = None
+    offs = None
+    if variant.kind != "fake":
+        rows = cute.sym_int32(symbol="S_rows")
+        cols = cute.sym_int32(symbol="S_cols")
+        scales = make_fake_compact_tensor(cutlass.Uint8, (rows, cols), stride_order=(1, 0), assumed_align=16)
+    if variant.kind == "mgroups":
+        g = cute.sym_int32(symbol="G")
+        offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()
+    return x, out, scales, offs, stream
+
+
+def compile_variant(variant: Variant, tvm_ffi: bool, extra_options: str = ""):
+    """``cute.compile`` one variant for the arch in ``CUTE_DSL_ARCH`` (or the local GPU)."""
+    kernel = Quantize1x32Kernel(variant)
+    args = make_fake_args(variant, tvm_ffi)
+    opts = " ".join(o for o in (("--enable-tvm-ffi" if tvm_ffi else ""), extra_options) if o)
+    return cute.compile(kernel, *args, options=opts)

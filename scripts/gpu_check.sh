@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+set -o pipefail
+# Run on the GPU machine from the repo root: the 1x32 kernel's GPU tests, compute-sanitizer, benchmark.
+#   bash scripts/gpu_check.sh [smoke] [tests] [sanitize] [cachetime] [bench] [bench-quick]
+# Logs go to $OUT (or ./out). HYPOTHESIS_PROFILE defaults to "gpu" (200 examples).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-}
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
+stages=${*:-smoke tests sanitize cachetime bench}
+rc=0
+step() { echo "=== $1 ($(date +%T))"; }
+for s in $stages; do
+  case $s in
+    smoke)
+      step smoke
+      nvidia-smi -L | tee "$OUT/device.txt"
+      python3 - <<'PY' 2>&1 | tee "$OUT/smoke.log" || rc=1
+import time, torch
+t0 = time.perf_counter()
+from moe_quant.kernels import ops
+from moe_quant import reference
+from moe_quant.numerics import ScaleMode
+x = torch.randn(1000, 224, device="cuda", dtype=torch.bfloat16)
+offs = torch.tensor([100, 229, 900], dtype=torch.int32, device="cuda")
+d, s = ops.quantize_1x32(x, ScaleMode.RCEIL, offs)
+torch.cuda.synchronize()
+print("first call (compile) s:", round(time.perf_counter() - t0, 2), ops.STATS)
+rd, rs = reference.quantize_rowwise(x.cpu(), ScaleMode.RCEIL, offs.cpu())
+print("data equal:", torch.equal(d.cpu().view(torch.uint8), rd.view(torch.uint8)),
+      "scales equal:", torch.equal(s.cpu().view(torch.uint8), rs.view(torch.uint8)))
+# NaN bytes of the reference when run on CUDA vs on the CPU (diagnostic for numerics owners)
+xn = torch.randn(4, 64, dtype=torch.bfloat16); xn[0, 3] = float("nan"); xn[1, 40] = -float("nan"); xn[2, 5] = float("inf")
+for dev in ("cpu", "cuda"):
+    dd, ss = reference.quantize_rowwise(xn.to(dev), ScaleMode.RCEIL)
+    ff = reference.fake_quantize_rowwise(xn.to(dev), ScaleMode.RCEIL)
+    print(f"reference on {dev}: e4m3 NaN-block bytes", sorted(set(dd.view(torch.uint8)[:3, :32].flatten().tolist()) & {0x7f, 0xff}),
+          "bf16 NaN-block words", sorted({hex(v & 0xffff) for v in ff.view(torch.int16)[:3, :32].flatten().tolist()}))
+PY
+      ;;
+    tests)
+      step tests
+      timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_1x32_gpu.py -x -rs --durations=5 2>&1 | tee "$OUT/tests.log" || rc=1
+      ;;
+    sanitize)
+      step memcheck
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+        python3 scripts/sanitize_1x32.py 2>&1 | tail -40 | tee "$OUT/memcheck.log" || rc=1
+      step racecheck
+      timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
+        python3 scripts/sanitize_1x32.py --quick 2>&1 | tail -20 | tee "$OUT/racecheck.log" || rc=1
+      ;;
+    cachetime)
+      step cachetime
+      python3 scripts/cache_timing.py 2>&1 | tee "$OUT/cachetime.log" || rc=1
+      ;;
+    bench)
+      step bench
+      timeout 580 python3 -m benchmarks.bench_quantize 2>&1 | tee "$OUT/bench.log" || rc=1
+      ;;
+    bench-quick)
+      step bench-quick
+      timeout 580 python3 -m benchmarks.bench_quantize --m 8192,32768 --k 2048,7168 --no-compile-ref --tiles 128x4,256x8,512x2,512x4 2>&1 | tee "$OUT/bench.log" || rc=1
+      ;;
+  esac
+done
+echo "=== done rc=$rc ($(date +%T))"
+exit $rc

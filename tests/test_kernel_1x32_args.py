@@ -1,0 +1,54 @@
+"""CPU checks of the 1x32 kernel ops: argument errors before any launch, fake (meta) shapes."""
+
+import pytest
+import torch
+
+from moe_quant import layouts
+from moe_quant.kernels import ops
+from moe_quant.numerics import ScaleMode
+
+
+def test_bad_x():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        ops.quantize_1x32([[1.0]], ScaleMode.RCEIL)
+    with pytest.raises(TypeError, match="x must be bfloat16 or float32"):
+        ops.quantize_1x32(torch.zeros(4, 32, dtype=torch.float16), ScaleMode.RCEIL)
+    with pytest.raises(ValueError, match="2D"):
+        ops.quantize_1x32(torch.zeros(2, 4, 32), ScaleMode.RCEIL)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.quantize_1x32(torch.zeros(4, 48), ScaleMode.RCEIL)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.fake_quantize_1x32(torch.zeros(64, 64).t(), ScaleMode.RCEIL)
+    with pytest.raises(ValueError, match="CUDA"):
+        ops.quantize_1x32(torch.zeros(4, 64), ScaleMode.RCEIL)
+    with pytest.raises(ValueError, match="scale_mode|mode"):
+        ops.quantize_1x32(torch.zeros(4, 64), "nearest")
+
+
+def test_bad_offs_and_options():
+    x = torch.zeros(4, 64)
+    with pytest.raises(TypeError, match="offs must be int32"):
+        ops.quantize_1x32(x, ScaleMode.RCEIL, torch.tensor([4]))
+    with pytest.raises(ValueError, match="offs must be 1D"):
+        ops.quantize_1x32(x, ScaleMode.RCEIL, torch.tensor([[4]], dtype=torch.int32))
+    with pytest.raises(TypeError, match="offs must be a torch.Tensor"):
+        ops.quantize_1x32(x, ScaleMode.RCEIL, [4])
+    with pytest.raises(ValueError, match="scale_layout"):
+        ops.quantize_1x32(x.to("meta"), ScaleMode.RCEIL, None, scale_layout="swizzled")
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.fake_quantize_1x32(x, ScaleMode.RCEIL, torch.float16)
+
+
+@pytest.mark.parametrize("m,k,g", [(0, 32, 3), (300, 224, 4), (1, 7168, 8)])
+def test_meta_shapes(m, k, g):
+    x = torch.empty(m, k, device="meta", dtype=torch.bfloat16)
+    offs = torch.empty(g, device="meta", dtype=torch.int32)
+    d, s = torch.ops.moe_quant.quantize_1x32(x, "rceil", offs, "blocked")
+    assert d.shape == (m, k) and d.dtype == torch.float8_e4m3fn
+    assert tuple(s.shape) == layouts.m_groups_blocked_shape(m, k // 32, g) and s.dtype == torch.float8_e8m0fnu
+    _, s = torch.ops.moe_quant.quantize_1x32(x, "floor", None, "blocked")
+    assert tuple(s.shape) == layouts.blocked_shape(m, k // 32)
+    _, s = torch.ops.moe_quant.quantize_1x32(x, "floor", None, "plain")
+    assert tuple(s.shape) == (m, k // 32)
+    f = torch.ops.moe_quant.fake_quantize_1x32(x, "rceil", torch.float32)
+    assert f.shape == (m, k) and f.dtype == torch.float32
