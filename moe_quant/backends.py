@@ -58,11 +58,6 @@ def cutedsl_importable() -> bool:
     return True
 
 
-def compile_reference_on_cuda() -> bool:
-    """Fuse the pure-PyTorch quantizers with inductor on CUDA (default on; MOE_QUANT_COMPILE_REFERENCE=0: eager)."""
-    return os.environ.get("MOE_QUANT_COMPILE_REFERENCE", "1") != "0"
-
-
 def use_quant_kernels(x: torch.Tensor) -> bool:
     """True where the CuTe-DSL quantization kernels serve ``x`` (Hopper or newer, cutlass-dsl present)."""
     cap = device_capability(x.device)

@@ -1,30 +1,17 @@
 """Operand quantization entry points used by the autograd functions.
 
 Each function runs the CuTe-DSL kernel where ``backends.use_quant_kernels`` says so, and the
-pure-PyTorch reference otherwise. On CUDA the reference is fused by inductor (one compiled
-graph per function, dynamic shapes) unless a ``torch.compile`` is already tracing the caller;
-``MOE_QUANT_COMPILE_REFERENCE=0`` turns that off. All paths give bit-identical results.
+pure-PyTorch reference otherwise; both give bit-identical results. (Fusing the reference with
+inductor on CUDA was tried and dropped: torch 2.11's inductor asserts in its tiling pass on
+these graphs with dynamic shapes, seen on an H100 on 2026-11-22.)
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from . import backends, reference
 from .numerics import ScaleMode
-
-
-@functools.cache
-def _inductor(fn):
-    return torch.compile(fn, dynamic=True, fullgraph=True)
-
-
-def _reference(fn, x: torch.Tensor):
-    if x.is_cuda and backends.compile_reference_on_cuda() and not torch.compiler.is_compiling():
-        return _inductor(fn)
-    return fn
 
 
 def quantize_rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor | None = None):
@@ -33,7 +20,7 @@ def quantize_rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor | None
         from .kernels import ops
 
         return ops.quantize_1x32(x, mode, offs, scale_layout="blocked" if offs is not None else "plain")
-    return _reference(reference.quantize_rowwise, x)(x, mode, offs)
+    return reference.quantize_rowwise(x, mode, offs)
 
 
 def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype = torch.bfloat16):
@@ -42,24 +29,24 @@ def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode, out_dtype: torch.dty
         from .kernels import ops
 
         return ops.fake_quantize_1x32(x, mode, out_dtype)
-    return _reference(reference.fake_quantize_rowwise, x)(x, mode, out_dtype)
+    return reference.fake_quantize_rowwise(x, mode, out_dtype)
 
 
 def quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode):
     """32x1 blocks along tokens per group: ``(data_t (R, Mp), K-groups blocked scales, padded_offs)``."""
-    return _reference(reference.quantize_colwise_k_groups, x)(x, offs, mode)
+    return reference.quantize_colwise_k_groups(x, offs, mode)
 
 
 def fake_quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode, out_dtype=torch.bfloat16):
     """Dequantized 32x1 K-groups MXFP8 of ``x (M, R)``: ``(values_t (R, Mp), padded_offs)``."""
-    return _reference(reference.fake_quantize_colwise_k_groups, x)(x, offs, mode, out_dtype)
+    return reference.fake_quantize_colwise_k_groups(x, offs, mode, out_dtype)
 
 
 def quantize_3d(w: torch.Tensor, mode: ScaleMode, along: str):
     """Expert weights ``(E, N, K)`` along ``"k"`` or ``"n"``: ``(data, (E, blocked) scales)``."""
-    return _reference(reference.quantize_3d, w)(w, mode, along)
+    return reference.quantize_3d(w, mode, along)
 
 
 def fake_quantize_3d(w: torch.Tensor, mode: ScaleMode, along_dim: int, out_dtype=torch.bfloat16):
     """Dequantized 3D weights, blocks of 32 along ``along_dim`` (-1 or -2), same shape as ``w``."""
-    return _reference(reference.fake_quantize_3d, w)(w, mode, along_dim, out_dtype)
+    return reference.fake_quantize_3d(w, mode, along_dim, out_dtype)
