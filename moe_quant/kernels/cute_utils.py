@@ -186,21 +186,26 @@ def quantize4(x0, x1, x2, x3, rcp_bits) -> Int32:
     return _asm(1, [x0, x1, x2, x3, rcp_bits], _Q4_BODY, "=r,r,r,r,r,r")
 
 
-_DQ4_BF16_BODY = """{
+def _dq4_decode(word: str, scale: str) -> str:
+    """PTX prologue shared by the dequantizers: four e4m3 bytes in ``word`` -> fp32 a, b, c, d; ``scale`` -> s."""
+    return f"""{{
 .reg .b16 lo, hi, h0, h1, h2, h3;
 .reg .b32 p, q;
 .reg .f32 a, b, c, d, s;
-mov.b32 s, $3;
-mov.b32 {lo, hi}, $2;
+mov.b32 s, {scale};
+mov.b32 {{lo, hi}}, {word};
 cvt.rn.f16x2.e4m3x2 p, lo;
 cvt.rn.f16x2.e4m3x2 q, hi;
-mov.b32 {h0, h1}, p;
-mov.b32 {h2, h3}, q;
+mov.b32 {{h0, h1}}, p;
+mov.b32 {{h2, h3}}, q;
 cvt.f32.f16 a, h0;
 cvt.f32.f16 b, h1;
 cvt.f32.f16 c, h2;
 cvt.f32.f16 d, h3;
-mul.rn.f32 a, a, s;
+"""
+
+
+_DQ4_BF16_BODY = _dq4_decode("$2", "$3") + """mul.rn.f32 a, a, s;
 mul.rn.f32 b, b, s;
 mul.rn.f32 c, c, s;
 mul.rn.f32 d, d, s;
@@ -214,21 +219,7 @@ def dequantize4_bf16(word, scale_bits):
     return _asm(2, [word, scale_bits], _DQ4_BF16_BODY, "=r,=r,r,r")
 
 
-_DQ4_F32_BODY = """{
-.reg .b16 lo, hi, h0, h1, h2, h3;
-.reg .b32 p, q;
-.reg .f32 a, b, c, d, s;
-mov.b32 s, $5;
-mov.b32 {lo, hi}, $4;
-cvt.rn.f16x2.e4m3x2 p, lo;
-cvt.rn.f16x2.e4m3x2 q, hi;
-mov.b32 {h0, h1}, p;
-mov.b32 {h2, h3}, q;
-cvt.f32.f16 a, h0;
-cvt.f32.f16 b, h1;
-cvt.f32.f16 c, h2;
-cvt.f32.f16 d, h3;
-mul.rn.f32 $0, a, s;
+_DQ4_F32_BODY = _dq4_decode("$4", "$5") + """mul.rn.f32 $0, a, s;
 mul.rn.f32 $1, b, s;
 mul.rn.f32 $2, c, s;
 mul.rn.f32 $3, d, s;
