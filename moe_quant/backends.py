@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib
 import os
 
 import torch
@@ -46,16 +47,21 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
-def cutedsl_importable() -> bool:
-    if os.environ.get("MOE_QUANT_DISABLE_KERNELS", "0") == "1":
+def importable(module: str, disable_env: str) -> bool:
+    """``module`` imports and the environment variable ``disable_env`` is not ``"1"``."""
+    if os.environ.get(disable_env, "0") == "1":
         return False
     try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401
+        importlib.import_module(module)
     except Exception:
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def cutedsl_importable() -> bool:
+    """nvidia-cutlass-dsl is installed (``MOE_QUANT_DISABLE_KERNELS=1`` forces the reference)."""
+    return importable("cutlass.cute", "MOE_QUANT_DISABLE_KERNELS")
 
 
 def use_quant_kernels(x: torch.Tensor) -> bool:

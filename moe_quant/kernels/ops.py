@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .. import layouts
+from ..backends import importable
 from ..numerics import BLOCK_SIZE, ScaleMode
 
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -124,13 +125,7 @@ def cache_dir() -> Path:
 
 
 def _tvm_ffi_available() -> bool:
-    if os.environ.get("MOE_QUANT_NO_TVM_FFI", "0") == "1":
-        return False
-    try:
-        import tvm_ffi  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return importable("tvm_ffi", "MOE_QUANT_NO_TVM_FFI")
 
 
 def _arch_of(device: torch.device) -> str:
