@@ -128,11 +128,11 @@ def mxfp8_grouped_mm(
         A: ``(M, K)`` bf16 or fp32 activations, tokens grouped by expert.
         W_t: ``(E, K, N)`` bf16, normally ``W.transpose(-2, -1)`` of an ``(E, N, K)`` expert parameter.
         offs: ``(E,)`` int32 cumulative end offsets of each expert's tokens (any sizes, 0 included).
-            Rows past ``offs[-1]`` are not computed (their output is unspecified, as in
-            ``torch._grouped_mm``) and get zero gradient.
+            Rows past ``offs[-1]`` are not computed: their output and input gradient are
+            unspecified, as in ``torch._grouped_mm``.
         scale_mode: ``"rceil"`` (default) or ``"floor"``.
         out_dtype: ``torch.bfloat16`` or ``torch.float32`` (the bf16 GEMM result, widened).
-        backend: ``"auto"`` (scaled on SM100+ when out_dtype is bf16, else emulated), ``"emulated"``, ``"scaled"``.
+        backend: ``"auto"`` (scaled on SM100+, else emulated), ``"emulated"``, ``"scaled"``.
         validate_offsets: check ``offs`` values (monotone, <= M). Default: only when ``offs`` is on
             the CPU, since reading a GPU tensor synchronizes. Bad values never cause out-of-bounds
             accesses either way: offsets are clamped to [0, M] and made monotone internally.

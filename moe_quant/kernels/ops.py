@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .. import layouts
-from ..backends import importable
+from ..backends import device_capability, importable
 from ..numerics import BLOCK_SIZE, ScaleMode
 
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -126,11 +126,6 @@ def cache_dir() -> Path:
 
 def _tvm_ffi_available() -> bool:
     return importable("tvm_ffi", "MOE_QUANT_NO_TVM_FFI")
-
-
-def _arch_of(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
 class _Compiled:
@@ -264,15 +259,10 @@ def _build(variant, arch: str) -> _Compiled:
 
 # ----------------------------------------------------------------------------- implementations
 
-_ARCH_CACHE: dict = {}
-
-
 def _arch(device: torch.device) -> str:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    a = _ARCH_CACHE.get(idx)
-    if a is None:
-        a = _ARCH_CACHE[idx] = _arch_of(torch.device("cuda", idx))
-    return a
+    """CuTe-DSL target of a CUDA device, e.g. ``sm_90a`` (capability cached in ``backends``)."""
+    major, minor = device_capability(device)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
 def _variant(in_dtype, mode: ScaleMode, kind: str, out_dtype: str = "float8_e4m3fn"):

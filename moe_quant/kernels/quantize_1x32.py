@@ -141,6 +141,20 @@ class Quantize1x32Kernel:
             self.data_tile(x, out, scales, offs, m, kb, nc, n_chunks, bid, n_groups, tid, t_end, t_shift, t_pend)
 
     @cute.jit
+    def table_pass(self, pas: Int32, offs, m: Int32, n_groups: Int32, lane: Int32, warp: Int32,
+                   carry_end: Int32, carry_pend: Int32, t_end, t_shift, t_pend, pre: Int32):
+        """Pass ``pas`` over the groups: warp 0 fills the table with groups ``[g0, g0 + n)``, then the
+        CTA syncs. Returns ``(n, carry_end, carry_pend)``."""
+        g0 = pas * self.table
+        n = cutlass.min(Int32(self.table), n_groups - g0)
+        if warp == 0:
+            carry_end, carry_pend = self.build_table(
+                offs, m, g0, n, n_groups, lane, carry_end, carry_pend, t_end, t_shift, t_pend, pre
+            )
+        cute.arch.sync_threads()
+        return n, carry_end, carry_pend
+
+    @cute.jit
     def build_table(self, offs, m: Int32, g0: Int32, n: Int32, n_groups: Int32, lane: Int32,
                     carry_end: Int32, carry_pend: Int32, t_end, t_shift, t_pend, pre: Int32):
         """Warp-wide: sanitized ends, row shift ``P_g - start_g`` and padded end of groups
@@ -210,13 +224,9 @@ class Quantize1x32Kernel:
             carry_end = Int32(0)
             carry_pend = Int32(0)
             for pas in cutlass.range(0, (n_groups + (self.table - 1)) // self.table, 1):
-                g0 = pas * self.table
-                n = cutlass.min(Int32(self.table), n_groups - g0)
-                if warp == 0:
-                    carry_end, carry_pend = self.build_table(
-                        offs, m, g0, n, n_groups, lane, carry_end, carry_pend, t_end, t_shift, t_pend, pre
-                    )
-                cute.arch.sync_threads()
+                n, carry_end, carry_pend = self.table_pass(
+                    pas, offs, m, n_groups, lane, warp, carry_end, carry_pend, t_end, t_shift, t_pend, pre
+                )
                 if in_group == 0:
                     if p0 < Int32(t_pend[n - 1]):
                         j = self.search(t_pend, n, p0)
@@ -286,13 +296,9 @@ class Quantize1x32Kernel:
             carry_end = Int32(0)
             carry_pend = Int32(0)
             for pas in cutlass.range(0, (n_groups + (self.table - 1)) // self.table, 1):
-                g0 = pas * self.table
-                n = cutlass.min(Int32(self.table), n_groups - g0)
-                if warp == 0:
-                    carry_end, carry_pend = self.build_table(
-                        offs, m, g0, n, n_groups, lane, carry_end, carry_pend, t_end, t_shift, t_pend, pre
-                    )
-                cute.arch.sync_threads()
+                n, carry_end, carry_pend = self.table_pass(
+                    pas, offs, m, n_groups, lane, warp, carry_end, carry_pend, t_end, t_shift, t_pend, pre
+                )
                 last_end = Int32(t_end[n - 1])
                 searcher = Int32(1)
                 if cutlass.const_expr(self.leader_search):
