@@ -73,6 +73,8 @@ class Variant:
     out_dtype: str = "float8_e4m3fn"  # fake: "bfloat16" | "float32"
     tile: TileConfig = DEFAULT_TILE
 
+    family = "q1x32"
+
     def __post_init__(self):
         if self.in_dtype not in IN_DTYPES:
             raise ValueError(f"in_dtype must be one of {IN_DTYPES}, got {self.in_dtype!r}")
@@ -92,6 +94,11 @@ class Variant:
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
+
+    def compile(self, tvm_ffi: bool, extra_options: str = ""):
+        from .quantize_1x32 import compile_variant
+
+        return compile_variant(self, tvm_ffi=tvm_ffi, extra_options=extra_options)
 
 
 def all_variants(tile: TileConfig = DEFAULT_TILE) -> list[Variant]:

@@ -27,7 +27,7 @@ from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T
 
 from ..layouts import TILE_BYTES, TILE_COLS, TILE_ROWS, blocked_offset  # noqa: F401  (re-exported)
-from ..numerics import _F32_HALF_SUBNORMAL, E4M3_MAX_POW2, E8M0_BIAS, E8M0_NAN, RCP_E4M3_MAX
+from ..numerics import _F32_HALF_SUBNORMAL, BLOCK_SIZE, E4M3_MAX_POW2, E8M0_BIAS, E8M0_NAN, RCP_E4M3_MAX
 
 # fp32 bit patterns used by the scale math.
 F32_ABS_MASK = 0x7FFFFFFF
@@ -249,9 +249,29 @@ def warp_inclusive_sum(v, lane) -> Int32:
     return v
 
 
+def sanitized_group_ends(raw, m, lane, carry_end):
+    """One warp-wide step of the group table, 32 groups (one per lane) at a time.
+
+    ``raw`` is this lane's ``offs[g]`` (0 past the last group). Returns ``(end, prev)``: the
+    sanitized end ``max_{j<=g} clamp(offs[j], 0, M)`` and the previous group's end (the start of
+    group g), continuing from ``carry_end`` -- the same definition as
+    :func:`moe_quant.layouts.sanitize_offsets`. Both kernels build their group tables on it.
+    """
+    e = cutlass.min(cutlass.max(Int32(raw), Int32(0)), Int32(m))
+    e = cutlass.max(warp_inclusive_max(e, lane), Int32(carry_end))
+    prev = cute.arch.shuffle_sync_up(e, offset=1)
+    prev = Int32(cutlass.select_(lane == 0, Int32(carry_end), prev))
+    return e, prev
+
+
 def round_up_tile_rows(n) -> Int32:
     """``round_up(n, 128)`` for non-negative Int32 ``n`` (the M-groups per-group padding)."""
     return (Int32(n) + (TILE_ROWS - 1)) & Int32(-TILE_ROWS)
+
+
+def round_up_block(n) -> Int32:
+    """``round_up(n, 32)`` for non-negative Int32 ``n`` (the K-groups per-group token padding)."""
+    return (Int32(n) + (BLOCK_SIZE - 1)) & Int32(-BLOCK_SIZE)
 
 
 def as_i64(v) -> Int64:

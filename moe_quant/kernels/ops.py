@@ -101,7 +101,8 @@ def _src_hash() -> str:
         return _SRC_HASH
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for p in (here / "quantize_1x32.py", here / "cute_utils.py", here.parent / "layouts.py", here.parent / "numerics.py"):
+    for p in (here / "quantize_1x32.py", here / "quantize_32x1.py", here / "cute_utils.py", here.parent / "layouts.py",
+              here.parent / "numerics.py"):
         h.update(p.read_bytes())
     try:
         from importlib.metadata import version
@@ -134,23 +135,26 @@ class _Compiled:
     __slots__ = ("fn", "tvm", "source", "owner")
 
     def __init__(self, fn, tvm: bool, source: str, owner=None):
-        self.fn = fn  # with TVM-FFI: the positional-only tvm_ffi.Function (x, out, scales, offs)
+        self.fn = fn  # with TVM-FFI: the positional-only tvm_ffi.Function (the kernel's tensors, in order)
         self.tvm = tvm
         self.source = source  # "compiled" | "disk"
         self.owner = owner  # keeps the compiled module (and its engine) alive
 
-    def __call__(self, x, out, scales, offs):
+    def __call__(self, *tensors):
         if self.tvm:
-            self.fn(x, out, scales, offs)
+            self.fn(*tensors)
             return
         import cuda.bindings.driver as cuda
         from cutlass.cute.runtime import from_dlpack
 
-        def conv(t, align):
-            return None if t is None else from_dlpack(t, assumed_align=align).mark_layout_dynamic()
+        def conv(t):
+            if t is None:
+                return None
+            align = 4 if t.dtype == torch.int32 else 16
+            return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
 
-        stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
-        self.fn(conv(x, 16), conv(out, 16), conv(scales, 16), conv(offs, 4), stream)
+        stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
+        self.fn(*(conv(t) for t in tensors), stream)
 
 
 _LOCK = threading.Lock()
@@ -229,8 +233,8 @@ def _save_to_disk(fn, stem: Path, name: str) -> None:
 
 def _build(variant, arch: str) -> _Compiled:
     tvm = _tvm_ffi_available()
-    name = f"mq_q1x32_{variant.key.replace('-', '_')}"
-    stem = cache_dir() / f"{variant.key}-{arch}-{_src_hash()}"
+    name = f"mq_{variant.family}_{variant.key.replace('-', '_')}"
+    stem = cache_dir() / f"{variant.family}-{variant.key}-{arch}-{_src_hash()}"
     if tvm and _disk_ok():
         t0 = time.perf_counter()
         hit = _load_from_disk(stem, name)
@@ -238,10 +242,8 @@ def _build(variant, arch: str) -> _Compiled:
             STATS["disk_hits"] += 1
             STATS["load_s"] += time.perf_counter() - t0
             return _Compiled(hit[0], True, "disk", owner=hit[1])
-    from .quantize_1x32 import compile_variant
-
     t0 = time.perf_counter()
-    fn = compile_variant(variant, tvm_ffi=tvm, extra_options=f"--gpu-arch {arch}")
+    fn = variant.compile(tvm_ffi=tvm, extra_options=f"--gpu-arch {arch}")
     STATS["compiled"] += 1
     STATS["compile_s"] += time.perf_counter() - t0
     if not tvm:
@@ -293,12 +295,12 @@ def _kernel_for(x: torch.Tensor, mode: str, kind: str, out: str) -> _Compiled:
     return k
 
 
-def _launch(kernel: _Compiled, x, out, scales, offs) -> None:
+def _launch(kernel: _Compiled, x, *tensors) -> None:
     if x.get_device() != torch._C._cuda_getDevice():
         with torch.cuda.device(x.device):
-            kernel(x, out, scales, offs)
+            kernel(x, *tensors)
     else:
-        kernel(x, out, scales, offs)
+        kernel(x, *tensors)
 
 
 def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str):
@@ -390,3 +392,223 @@ def fake_quantize_1x32(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.
     if torch.compiler.is_compiling():
         return torch.ops.moe_quant.fake_quantize_1x32(x, mode.value, out_dtype)
     return _fake_impl(x, mode.value, out_dtype)
+
+
+# ----------------------------------------------------------------------------- colwise 32x1 (wgrad operands, 3D along N)
+
+_OUT_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def _variant_32x1(in_dtype, mode: str, groups: str, out_dtype: torch.dtype):
+    from .config_32x1 import Variant
+
+    key = ("32x1", in_dtype, mode, groups, out_dtype)
+    v = _VARIANTS.get(key)
+    if v is None:
+        v = _VARIANTS[key] = Variant(_IN_DTYPES[in_dtype], mode, groups, _OUT_NAMES[out_dtype])
+    return v
+
+
+def _kernel_32x1(x: torch.Tensor, mode: str, groups: str, out_dtype: torch.dtype) -> _Compiled:
+    key = ("32x1", x.dtype, mode, groups, out_dtype, x.get_device())
+    k = _FAST.get(key)
+    if k is None:
+        k = _FAST[key] = get_kernel(_variant_32x1(x.dtype, mode, groups, out_dtype), _arch(x.device))
+    return k
+
+
+def _k_groups_shapes(m: int, r: int, g: int):
+    mp = layouts.k_groups_padded_len(m, g)
+    return (r, mp), layouts.k_groups_blocked_shape(r, m, g)
+
+
+def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor, out_dtype: torch.dtype):
+    m, r = x.shape
+    data_shape, scale_shape = _k_groups_shapes(m, r, offs.shape[0])
+    fp8 = out_dtype == torch.float8_e4m3fn
+    data = _empty(data_shape, out_dtype, x.device)
+    scales = _empty(scale_shape, torch.uint8, x.device) if fp8 else None
+    if scales is not None and scales.numel() > _INT32_MAX:
+        raise ValueError(f"quantize_32x1: scale buffer of {scales.numel()} bytes exceeds the int32 index range")
+    poffs = _empty((offs.shape[0],), torch.int32, x.device)
+    if data.numel():
+        _launch(_kernel_32x1(x, mode, "kgroups", out_dtype), _aligned(x), data, scales, offs, poffs)
+    else:  # R = 0, or M = G = 0: no CTA, but the padded offsets still follow from offs
+        poffs.copy_(layouts.padded_group_offsets(offs, m))
+    return data, (scales.view(torch.float8_e8m0fnu) if fp8 else None), poffs
+
+
+def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype):
+    e, n, k = w.shape
+    fp8 = out_dtype == torch.float8_e4m3fn
+    data = _empty((e, k, n), out_dtype, w.device)
+    scales = None
+    if fp8:
+        rp, cp = layouts.blocked_shape(k, n // BLOCK_SIZE)
+        scales = _empty((e, rp * cp), torch.uint8, w.device)
+    if w.numel():
+        _launch(_kernel_32x1(w, mode, "uniform", out_dtype), _aligned(w.view(e * n, k)), data, scales, None, None)
+    elif scales is not None:
+        scales.zero_()
+    return data, (scales.view(torch.float8_e8m0fnu) if fp8 else None)
+
+
+@torch.library.custom_op("moe_quant::quantize_32x1_k_groups", mutates_args=(), device_types="cuda")
+def _quantize_32x1_k_groups_op(
+    x: torch.Tensor, mode: str, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    data, scales, poffs = _quantize_32x1_k_groups_impl(x, mode, offs, torch.float8_e4m3fn)
+    return data, scales, poffs
+
+
+@_quantize_32x1_k_groups_op.register_fake
+def _(x, mode, offs):
+    data_shape, scale_shape = _k_groups_shapes(x.shape[0], x.shape[1], offs.shape[0])
+    return (x.new_empty(data_shape, dtype=torch.float8_e4m3fn), x.new_empty(scale_shape, dtype=torch.float8_e8m0fnu),
+            offs.new_empty(offs.shape))
+
+
+@torch.library.custom_op("moe_quant::fake_quantize_32x1_k_groups", mutates_args=(), device_types="cuda")
+def _fake_quantize_32x1_k_groups_op(
+    x: torch.Tensor, mode: str, offs: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    data, _, poffs = _quantize_32x1_k_groups_impl(x, mode, offs, out_dtype)
+    return data, poffs
+
+
+@_fake_quantize_32x1_k_groups_op.register_fake
+def _(x, mode, offs, out_dtype):
+    data_shape, _ = _k_groups_shapes(x.shape[0], x.shape[1], offs.shape[0])
+    return x.new_empty(data_shape, dtype=out_dtype), offs.new_empty(offs.shape)
+
+
+@torch.library.custom_op("moe_quant::quantize_32x1_3d", mutates_args=(), device_types="cuda")
+def _quantize_32x1_3d_op(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    data, scales = _quantize_32x1_3d_impl(w, mode, torch.float8_e4m3fn)
+    return data, scales
+
+
+@_quantize_32x1_3d_op.register_fake
+def _(w, mode):
+    e, n, k = w.shape
+    rp, cp = layouts.blocked_shape(k, n // BLOCK_SIZE)
+    return w.new_empty((e, k, n), dtype=torch.float8_e4m3fn), w.new_empty((e, rp * cp), dtype=torch.float8_e8m0fnu)
+
+
+@torch.library.custom_op("moe_quant::fake_quantize_32x1_3d", mutates_args=(), device_types="cuda")
+def _fake_quantize_32x1_3d_op(w: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
+    return _quantize_32x1_3d_impl(w, mode, out_dtype)[0]
+
+
+@_fake_quantize_32x1_3d_op.register_fake
+def _(w, mode, out_dtype):
+    e, n, k = w.shape
+    return w.new_empty((e, k, n), dtype=out_dtype)
+
+
+def _check_out_dtype(fn: str, out_dtype) -> None:
+    if out_dtype not in _FAKE_OUT_DTYPES:
+        raise TypeError(f"{fn}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+
+
+def _check_w(w, fn: str) -> None:
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{fn}: w must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 3:
+        raise ValueError(f"{fn}: w must be 3D (E, N, K), got shape {tuple(w.shape)}")
+    if w.dtype not in _IN_DTYPES:
+        raise TypeError(f"{fn}: w must be bfloat16 or float32, got {w.dtype}")
+    for dim, name in ((1, "N"), (2, "K")):
+        if w.shape[dim] % BLOCK_SIZE:
+            raise ValueError(f"{fn}: w.shape[{dim}] ({name}={w.shape[dim]}) must be a multiple of {BLOCK_SIZE}")
+    if not w.is_contiguous():
+        raise ValueError(f"{fn}: w must be contiguous (E, N, K), got strides {w.stride()}")
+    if not w.is_cuda:
+        raise ValueError(f"{fn}: w must be on a CUDA device, got {w.device}")
+
+
+def quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor):
+    """Colwise 32x1 MXFP8 of a wgrad operand ``x (M, R)`` with token groups ``offs``.
+
+    Returns ``(data_t float8_e4m3fn (R, Mp), scales float8_e8m0fnu (round_up(R, 128), ceil(M/32) + 4 G),
+    padded_offs int32 (G,))``, ``Mp = round_up(M, 32) + 32 G``: each group's tokens start at a multiple
+    of 32, gaps and tail zero. Bit-identical to :func:`moe_quant.reference.quantize_colwise_k_groups`.
+    """
+    fn = "quantize_32x1_k_groups"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_x(x, fn)
+    _check_offs(offs, x, fn)
+    _check_device(x, fn)
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_quant.quantize_32x1_k_groups(x, mode.value, offs)
+    return _quantize_32x1_k_groups_impl(x, mode.value, offs, torch.float8_e4m3fn)
+
+
+def fake_quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor,
+                                out_dtype: torch.dtype = torch.bfloat16):
+    """Dequantized colwise 32x1 MXFP8 of ``x (M, R)`` in the layout of :func:`quantize_32x1_k_groups`:
+    ``(values_t out_dtype (R, Mp), padded_offs int32 (G,))``, in one pass. Bit-identical to
+    :func:`moe_quant.reference.fake_quantize_colwise_k_groups`."""
+    fn = "fake_quantize_32x1_k_groups"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_x(x, fn)
+    _check_offs(offs, x, fn)
+    _check_out_dtype(fn, out_dtype)
+    _check_device(x, fn)
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_quant.fake_quantize_32x1_k_groups(x, mode.value, offs, out_dtype)
+    data, _, poffs = _quantize_32x1_k_groups_impl(x, mode.value, offs, out_dtype)
+    return data, poffs
+
+
+def quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str):
+    """Expert weights ``w (E, N, K)`` in blocks of 32 along N: ``(data (E, K, N) e4m3, scales (E, blocked
+    K x N/32) e8m0)``. Bit-identical to ``reference.quantize_3d(w, mode, "n")``."""
+    fn = "quantize_3d_along_n"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_w(w, fn)
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_quant.quantize_32x1_3d(w, mode.value)
+    return _quantize_32x1_3d_impl(w, mode.value, torch.float8_e4m3fn)
+
+
+def fake_quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
+    """Dequantized ``w (E, N, K)`` in blocks of 32 along N, written ``(E, K, N)`` (N contiguous)."""
+    fn = "fake_quantize_3d_along_n"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_w(w, fn)
+    _check_out_dtype(fn, out_dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_quant.fake_quantize_32x1_3d(w, mode.value, out_dtype)
+    return _quantize_32x1_3d_impl(w, mode.value, out_dtype)[0]
+
+
+# ----------------------------------------------------------------------------- 3D along K: the 1x32 kernel
+
+
+def _uniform_offsets(e: int, n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(1, e + 1, dtype=torch.int32, device=device) * n
+
+
+def quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str):
+    """Expert weights ``w (E, N, K)`` in blocks of 32 along K: ``(data (E, N, K) e4m3, scales (E, blocked
+    N x K/32) e8m0)``: the 1x32 kernel on ``(E*N, K)`` with E groups of N rows, whose M-groups layout is
+    the per-expert blocked layout (the whole-matrix blocked layout when N % 128 == 0)."""
+    fn = "quantize_3d_along_k"
+    _check_w(w, fn)
+    e, n, k = w.shape
+    rp, cp = layouts.blocked_shape(n, k // BLOCK_SIZE)
+    x = w.view(e * n, k)
+    if n % layouts.TILE_ROWS == 0:
+        data, scales = quantize_1x32(x, mode, None, scale_layout="blocked")
+    else:
+        data, scales = quantize_1x32(x, mode, _uniform_offsets(e, n, w.device))
+        scales = scales[: e * rp]
+    return data.view(e, n, k), scales.reshape(e, rp * cp)
+
+
+def fake_quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
+    """Dequantized ``w (E, N, K)`` in blocks of 32 along K (same shape), in one pass."""
+    _check_w(w, "fake_quantize_3d_along_k")
+    e, n, k = w.shape
+    return fake_quantize_1x32(w.view(e * n, k), mode, out_dtype).view(e, n, k)

@@ -176,10 +176,7 @@ class Quantize1x32Kernel:
                 raw = Int32(0)
                 if g < n_groups:
                     raw = Int32(offs[g])
-            e = cutlass.min(cutlass.max(raw, Int32(0)), m)
-            e = cutlass.max(cu.warp_inclusive_max(e, lane), carry_end)
-            prev = cute.arch.shuffle_sync_up(e, offset=1)
-            prev = Int32(cutlass.select_(lane == 0, carry_end, prev))
+            e, prev = cu.sanitized_group_ends(raw, m, lane, carry_end)
             pad = cu.round_up_tile_rows(e - prev)
             pend = carry_pend + cu.warp_inclusive_sum(pad, lane)
             if i < n:

@@ -1,0 +1,67 @@
+"""Configuration of the colwise 32x1 kernel (no cutlass import: the ops' hot path and the on-disk
+cache key use it without loading the DSL).
+
+Two group kinds, one kernel (DESIGN.md sections 3 and 4):
+
+* ``kgroups`` -- a wgrad operand ``x (M, R)``: jagged token groups given by ``offs``, each padded
+  with zeros to a multiple of 32 tokens; data written transposed ``(R, Mp)``, scales in the
+  K-groups blocked layout, the padded group ends written to ``poffs``.
+* ``uniform`` -- an expert weight ``W (E, N, K)`` quantized along N, seen as ``x (E*N, K)`` with E
+  equal groups of N rows: data written transposed ``(E, K, N)``, scales ``(E, blocked K x N/32)``.
+
+Output kinds: ``float8_e4m3fn`` (MXFP8 data + e8m0 scales) or the dequantized values in one pass
+(``bfloat16`` / ``float32``, "fake quantization", for the emulated GEMM), in the same transposed layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GROUPS = ("kgroups", "uniform")
+IN_DTYPES = ("bfloat16", "float32")
+OUT_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
+MODES = ("rceil", "floor")
+
+TILE_TOKENS = 128  # tokens of one CTA tile: four 32-token blocks, one 512-byte scale tile
+TILE_COLS = 128  # columns of x (rows of the transposed output / of the scale matrix) per CTA
+THREADS = 256
+COLS_PER_THREAD = 8  # one 16-byte bf16 load per token row
+TOKENS_PER_THREAD = 8  # consecutive tokens of one column: one 8/16/32-byte transposed store
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Everything that changes the generated code of the 32x1 kernel (the compile-cache key, with the arch)."""
+
+    in_dtype: str  # "bfloat16" | "float32"
+    mode: str  # "rceil" | "floor"
+    groups: str  # "kgroups" | "uniform"
+    out_dtype: str = "float8_e4m3fn"  # or "bfloat16" | "float32": dequantized values, no scales
+
+    family = "q32x1"
+
+    def __post_init__(self):
+        for name, allowed in (("in_dtype", IN_DTYPES), ("mode", MODES), ("groups", GROUPS), ("out_dtype", OUT_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def fake(self) -> bool:
+        return self.out_dtype != "float8_e4m3fn"
+
+    @property
+    def key(self) -> str:
+        return f"{self.in_dtype}-{self.mode}-{self.groups}-{self.out_dtype}"
+
+    def replace(self, **kw) -> "Variant":
+        return dataclasses.replace(self, **kw)
+
+    def compile(self, tvm_ffi: bool, extra_options: str = ""):
+        from .quantize_32x1 import compile_variant
+
+        return compile_variant(self, tvm_ffi=tvm_ffi, extra_options=extra_options)
+
+
+def all_variants() -> list[Variant]:
+    return [Variant(i, m, g, o) for i in IN_DTYPES for m in MODES for g in GROUPS for o in OUT_DTYPES]

@@ -1,0 +1,334 @@
+"""CuTe-DSL kernel: colwise (32x1) MXFP8 quantization of ``x (M, R)`` along dim 0, in token groups.
+
+One source for SM90 (Hopper) and SM100 (Blackwell); plain 16-byte loads, no TMA. The two
+group kinds and output kinds are described in :mod:`moe_quant.kernels.config_32x1`.
+
+Work split. A CTA owns one tile of 128 tokens x 128 columns: tokens ``[128 k, 128 k + 128)`` of
+one group (aligned to the group's start, so the tile's four 32-token blocks are exactly four
+scale columns of that group), columns ``[128 y, 128 y + 128)``. Its scales are then one whole
+512-byte tile of the blocked layout (128 scale rows x 4 scale columns), and every transposed
+output row gets 128 consecutive tokens.
+
+* Warp ``w`` takes block ``b = w // 2`` (tokens ``32 b ..``) and column half ``w % 2``; lane
+  ``l`` takes 8 columns (``l // 4``) and 8 consecutive tokens (``8 (l % 4) ..``) of the block.
+  Every warp load instruction reads 4 rows x 128 contiguous bytes; all 8 (16 for fp32) loads of a
+  thread are issued before the first use.
+* amax per column: integer max of magnitude bit patterns over the thread's 8 tokens, then two
+  butterfly shuffles across the 4 lanes of the block. Scale, reciprocal and saturating cast are
+  the exact recipes of :mod:`moe_quant.kernels.cute_utils` (one definition with ``numerics.py``).
+* A thread's 8 tokens of one column are contiguous in the transposed output: one 8-byte (e4m3),
+  16-byte (bf16) or 2x16-byte (fp32) store per column.
+* Padding is fused: tokens past a group's end up to its 32-aligned end are quantized as zeros
+  (they are never loaded), so their data bytes and scales come out 0 exactly as the reference's
+  zero padding does (a NaN block stays NaN, padding included). Columns past R get scale 0.
+* ``kgroups``: each CTA resolves its tile from the group table, built by warp 0 from the
+  sanitized offsets (``clamp(offs, 0, M)`` and a running max, :func:`cute_utils.sanitized_group_ends`,
+  as :func:`moe_quant.layouts.group_bounds`); chunk prefix sums map the CTA index to (group,
+  chunk). CTAs past the last real chunk zero the tail of the data buffer (tokens past the last
+  padded group end) and the scale bytes past the last group's tiles. CTA (0, 0) also writes the
+  padded group ends ``poffs``. Whatever ``offs`` holds, every write stays inside the buffers.
+* ``uniform``: tile ``(e, k)`` of expert e, no table.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ..layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
+from ..numerics import BLOCK_SIZE, E8M0_NAN
+from . import cute_utils as cu
+from .config_32x1 import (  # noqa: F401  (re-exported: the kernel's config)
+    COLS_PER_THREAD,
+    THREADS,
+    TILE_COLS,
+    TILE_TOKENS,
+    TOKENS_PER_THREAD,
+    Variant,
+    all_variants,
+)
+
+_CUTLASS_DTYPES = {
+    "bfloat16": cutlass.BFloat16,
+    "float32": cutlass.Float32,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+}
+_INFO = 8  # shared-memory words: start, size, padded start, chunk start, -, chunk total, padded total
+
+
+class Quantize32x1Kernel:
+    """Colwise 32x1 MXFP8 quantization in token groups; see the module docstring.
+
+    Host entry ``__call__(x, out, scales, offs, poffs, stream)``:
+
+    * ``kgroups``: ``x (M, R)``, ``out (R, Mp)`` with ``Mp = round_up(M, 32) + 32 G``, ``scales``
+      uint8 ``(round_up(R, 128), ceil(M/32) + 4 G)`` (``None`` for fake outputs), ``offs`` int32
+      ``(G,)``, ``poffs`` int32 ``(G,)`` (written: padded group ends).
+    * ``uniform``: ``x (E*N, K)``, ``out (E, K, N)``, ``scales`` uint8 ``(E, round_up(K, 128) *
+      4 ceil(N/128))`` (or ``None``), ``offs`` and ``poffs`` ``None``.
+    """
+
+    def __init__(self, variant: Variant):
+        self.v = variant
+        self.rceil = variant.mode == "rceil"
+        self.in_f32 = variant.in_dtype == "float32"
+        self.kgroups = variant.groups == "kgroups"
+        self.fake = variant.fake
+        self.fake_f32 = variant.out_dtype == "float32"
+
+    # ------------------------------------------------------------------ host
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, out: cute.Tensor, scales, offs, poffs, stream):
+        r = x.shape[1]
+        ny = (r + (TILE_COLS - 1)) // TILE_COLS
+        nx = Int32(0)
+        n_groups = Int32(0)
+        row_stride = Int32(0)
+        rp = Int32(0)
+        sw = Int32(0)
+        if cutlass.const_expr(self.kgroups):
+            n_groups = Int32(offs.shape[0])
+            row_stride = Int32(out.shape[1])  # Mp
+            # real chunks + tail chunks <= (Mp + 127 G + 127) / 128; one more so a tail CTA always exists
+            nx = (row_stride + (TILE_TOKENS - 1) * n_groups + (TILE_TOKENS - 1)) // TILE_TOKENS + 1
+            if cutlass.const_expr(not self.fake):
+                rp = Int32(scales.shape[0])
+                sw = Int32(scales.shape[1])
+        else:
+            n_groups = Int32(out.shape[0])  # E
+            row_stride = Int32(out.shape[2])  # N
+            nx = n_groups * ((row_stride + (TILE_TOKENS - 1)) // TILE_TOKENS)
+            rp = (Int32(r) + (TILE_ROWS - 1)) // TILE_ROWS * TILE_ROWS
+        self.kernel(x, out, scales, offs, poffs, Int32(x.shape[0]), Int32(r), n_groups, row_stride, rp, sw, nx,
+                    Int32(ny)).launch(grid=[nx, ny, 1], block=[THREADS, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------ device
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, out: cute.Tensor, scales, offs, poffs, m: Int32, r: Int32, n_groups: Int32,
+               row_stride: Int32, rp: Int32, sw: Int32, nx: Int32, ny: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        bx = Int32(bx)
+        by = Int32(by)
+        lane = tid % 32
+        warp = tid // 32
+
+        # ---- which tile: source rows, how many are real, where the output and scales go
+        src0 = Int64(0)  # first source row of the tile
+        n_real = Int32(0)  # real tokens in the tile (<= 0: none)
+        n_out = Int32(0)  # tokens of the tile to write (real + zero padding; multiple of 32)
+        out_base = Int64(0)  # output element of (column 0, token 0) of the tile
+        scale_base = Int64(0)  # byte of the tile's 512-byte scale block
+        tail = Int32(0)
+        chunk_total = Int32(0)
+        if cutlass.const_expr(self.kgroups):
+            info = cute.make_tensor(cute.arch.alloc_smem(Int32, _INFO, alignment=16), cute.make_layout(_INFO))
+            if warp == 0:
+                self.scan_groups(offs, poffs, m, n_groups, lane, bx, by, info)
+            cute.arch.sync_threads()
+            chunk_total = Int32(info[5])
+            if bx < chunk_total:
+                start = Int32(info[0])
+                size = Int32(info[1])
+                k = bx - Int32(info[3])
+                src0 = Int64(start) + Int64(k * TILE_TOKENS)
+                n_real = size - k * TILE_TOKENS
+                n_out = cutlass.min(cu.round_up_block(size) - k * TILE_TOKENS, Int32(TILE_TOKENS))
+                out_base = Int64(info[2]) + Int64(k * TILE_TOKENS)
+                tiles = (size + (TILE_TOKENS - 1)) // TILE_TOKENS
+                scale_base = (Int64(info[3]) * Int64(4) * Int64(rp)
+                              + Int64(TILE_BYTES) * Int64(tiles * by + k))
+            else:
+                tail = Int32(1)
+                first = Int32(info[6]) + (bx - chunk_total) * TILE_TOKENS
+                n_out = cutlass.min(row_stride - first, Int32(TILE_TOKENS))
+                out_base = Int64(first)
+        else:
+            nch = (row_stride + (TILE_TOKENS - 1)) // TILE_TOKENS
+            e = bx // nch
+            k = bx - e * nch
+            src0 = Int64(e) * Int64(row_stride) + Int64(k * TILE_TOKENS)
+            n_real = cutlass.min(row_stride - k * TILE_TOKENS, Int32(TILE_TOKENS))
+            n_out = n_real
+            out_base = Int64(e) * Int64(r) * Int64(row_stride) + Int64(k * TILE_TOKENS)
+            scale_base = Int64(e) * Int64(rp) * Int64(4 * nch) + Int64(TILE_BYTES) * Int64(nch * by + k)
+
+        # ---- this thread's 8 columns and 8 tokens
+        blk = warp // 2
+        quad = lane % 4
+        tile_col = (warp % 2) * (TILE_COLS // 2) + (lane // 4) * COLS_PER_THREAD
+        col0 = by * TILE_COLS + tile_col
+        t0 = blk * BLOCK_SIZE + quad * TOKENS_PER_THREAD
+        col_ok = col0 < r
+        vals = self.load_tile(x, src0, n_real, r, col0, col_ok, t0)
+
+        # ---- per column: scale, quantize 8 tokens, store transposed
+        write = col_ok & (blk * BLOCK_SIZE < n_out)
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            col = [vals[i][c] for i in range(TOKENS_PER_THREAD)]
+            amax = cu.quad_max(cu.absmax_bits(col))
+            s = cu.e8m0_from_amax_bits(amax, self.rceil)
+            is_nan = s == E8M0_NAN
+            rcp = cu.e8m0_reciprocal_bits(s)
+            q0 = cu.quantize4(col[0], col[1], col[2], col[3], rcp)
+            q1 = cu.quantize4(col[4], col[5], col[6], col[7], rcp)
+            q0 = Int32(cutlass.select_(is_nan, Int32(cu.E4M3_NAN_X4), q0))
+            q1 = Int32(cutlass.select_(is_nan, Int32(cu.E4M3_NAN_X4), q1))
+            dst = out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)
+            if write:
+                self.store_tokens(out, dst, q0, q1, s, is_nan)
+            if cutlass.const_expr(not self.fake):
+                if tail == 0:
+                    # lane q of the block's quad writes columns 2q, 2q+1: rows 128 y + tile_col + c of the tile
+                    if quad == c // 2:
+                        rr = tile_col + c
+                        byte = 16 * (rr % 32) + 4 * ((rr // 32) % 4) + blk
+                        cu.st_global_u8(scales.iterator + (scale_base + Int64(byte)), s)
+
+        if cutlass.const_expr(self.kgroups and not self.fake):
+            if tail != 0:
+                self.zero_scale_tail(scales, chunk_total, rp, sw, (bx - chunk_total) * ny + by,
+                                     (nx - chunk_total) * ny, tid)
+
+    @cute.jit
+    def scan_groups(self, offs, poffs, m: Int32, n_groups: Int32, lane: Int32, bx: Int32, by: Int32, info):
+        """Warp 0: walk the groups 32 at a time; the lane whose group owns chunk ``bx`` records it.
+
+        Group g (sanitized end ``e``, start ``prev``, size ``sz``) has ``ceil(sz/128)`` chunks and
+        ``round_up(sz, 32)`` padded tokens; their prefix sums place its chunks and padded tokens.
+        """
+        carry_end = Int32(0)
+        carry_ch = Int32(0)
+        carry_pad = Int32(0)
+        for sub in cutlass.range(0, (n_groups + 31) // 32, 1):
+            g = sub * 32 + lane
+            raw = Int32(0)
+            if g < n_groups:
+                raw = Int32(offs[g])
+            e, prev = cu.sanitized_group_ends(raw, m, lane, carry_end)
+            sz = e - prev
+            ch = (sz + (TILE_TOKENS - 1)) // TILE_TOKENS
+            pad = cu.round_up_block(sz)
+            ch_end = carry_ch + cu.warp_inclusive_sum(ch, lane)
+            pad_end = carry_pad + cu.warp_inclusive_sum(pad, lane)
+            if g < n_groups:
+                if bx == 0:
+                    if by == 0:
+                        poffs[g] = pad_end
+                if bx >= ch_end - ch:
+                    if bx < ch_end:
+                        info[0] = prev
+                        info[1] = sz
+                        info[2] = pad_end - pad
+                        info[3] = ch_end - ch
+            carry_end = cute.arch.shuffle_sync(e, offset=31)
+            carry_ch = cute.arch.shuffle_sync(ch_end, offset=31)
+            carry_pad = cute.arch.shuffle_sync(pad_end, offset=31)
+        if lane == 0:
+            info[5] = carry_ch
+            info[6] = carry_pad
+
+    @cute.jit
+    def load_tile(self, x, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32):
+        """8 tokens x 8 columns of fp32 bit patterns (zeros where the token or column is not real).
+
+        Every load is issued before any value is used."""
+        words = []
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            ok = col_ok & (t0 + i < n_real)
+            src = x.iterator + ((src0 + Int64(t0 + i)) * Int64(r) + Int64(col0))
+            if cutlass.const_expr(self.in_f32):
+                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = Int32(0)
+                if ok:
+                    a0, a1, a2, a3 = cu.ld_global_v4(src)
+                    a4, a5, a6, a7 = cu.ld_global_v4(src + 4)
+                words.append([a0, a1, a2, a3, a4, a5, a6, a7])
+            else:
+                a0 = a1 = a2 = a3 = Int32(0)
+                if ok:
+                    a0, a1, a2, a3 = cu.ld_global_v4(src)
+                words.append([a0, a1, a2, a3])
+        vals = []
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            if cutlass.const_expr(self.in_f32):
+                vals.append(words[i])
+            else:
+                row = []
+                for wd in words[i]:
+                    lo, hi = cu.bf16x2_to_f32_bits(wd)
+                    row += [lo, hi]
+                vals.append(row)
+        return vals
+
+    @cute.jit
+    def store_tokens(self, out, dst: Int64, q0, q1, s, is_nan):
+        """8 consecutive tokens of one output row: e4m3 bytes, or their dequantized values."""
+        if cutlass.const_expr(not self.fake):
+            cu.st_global_v2(out.iterator + dst, q0, q1)
+        else:
+            sv = cu.e8m0_value_bits(s)
+            if cutlass.const_expr(self.fake_f32):
+                f0, f1, f2, f3 = cu.dequantize4_f32(q0, sv)
+                f4, f5, f6, f7 = cu.dequantize4_f32(q1, sv)
+                nanf = Int32(cu.F32_NAN)
+                po = out.iterator + dst
+                cu.st_global_v4(po, cutlass.select_(is_nan, nanf, f0), cutlass.select_(is_nan, nanf, f1),
+                                cutlass.select_(is_nan, nanf, f2), cutlass.select_(is_nan, nanf, f3))
+                cu.st_global_v4(po + 4, cutlass.select_(is_nan, nanf, f4), cutlass.select_(is_nan, nanf, f5),
+                                cutlass.select_(is_nan, nanf, f6), cutlass.select_(is_nan, nanf, f7))
+            else:
+                b0, b1 = cu.dequantize4_bf16(q0, sv)
+                b2, b3 = cu.dequantize4_bf16(q1, sv)
+                nanb = Int32(cu.BF16_NAN_X2)
+                cu.st_global_v4(out.iterator + dst, cutlass.select_(is_nan, nanb, b0),
+                                cutlass.select_(is_nan, nanb, b1), cutlass.select_(is_nan, nanb, b2),
+                                cutlass.select_(is_nan, nanb, b3))
+
+    @cute.jit
+    def zero_scale_tail(self, scales, chunk_total: Int32, rp: Int32, sw: Int32, q: Int32, n_tail: Int32,
+                        tid: Int32):
+        """Zero the scale bytes past the last group's tiles: ``[4 Rp S_end, Rp W)``, 16 bytes a store,
+        shared by the ``n_tail`` tail CTAs (``q`` is this CTA's rank among them)."""
+        start = Int64(chunk_total) * Int64(4) * Int64(rp)
+        n16 = Int32((Int64(rp) * Int64(sw) - start) // 16)
+        for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
+            cu.st_global_v4(scales.iterator + (start + Int64(w) * Int64(16)), 0, 0, 0, 0)
+
+
+def make_fake_args(variant: Variant, tvm_ffi: bool):
+    """Placeholder arguments for ``cute.compile``: dynamic M, R (R % 32 == 0), Mp, G, E, N."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    m = cute.sym_int32(symbol="M")
+    r = cute.sym_int32(divisibility=BLOCK_SIZE, symbol="R")
+    x = make_fake_compact_tensor(_CUTLASS_DTYPES[variant.in_dtype], (m, r), stride_order=(1, 0), assumed_align=16)
+    out_dtype = _CUTLASS_DTYPES[variant.out_dtype]
+    scales = offs = poffs = None
+    if variant.groups == "kgroups":
+        mp = cute.sym_int32(divisibility=K_GROUP_ALIGN, symbol="Mp")
+        out = make_fake_compact_tensor(out_dtype, (r, mp), stride_order=(1, 0), assumed_align=16)
+        g = cute.sym_int32(symbol="G")
+        offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
+        poffs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
+    else:
+        e = cute.sym_int32(symbol="E")
+        n = cute.sym_int32(divisibility=BLOCK_SIZE, symbol="N")
+        out = make_fake_compact_tensor(out_dtype, (e, r, n), stride_order=(2, 1, 0), assumed_align=16)
+    if not variant.fake:
+        rows = cute.sym_int32(symbol="S_rows")
+        cols = cute.sym_int32(symbol="S_cols")
+        scales = make_fake_compact_tensor(cutlass.Uint8, (rows, cols), stride_order=(1, 0), assumed_align=16)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()
+    return x, out, scales, offs, poffs, stream
+
+
+def compile_variant(variant: Variant, tvm_ffi: bool, extra_options: str = ""):
+    """``cute.compile`` one variant for the arch in ``CUTE_DSL_ARCH`` (or the local GPU)."""
+    kernel = Quantize32x1Kernel(variant)
+    args = make_fake_args(variant, tvm_ffi)
+    opts = " ".join(o for o in (("--enable-tvm-ffi" if tvm_ffi else ""), extra_options) if o)
+    return cute.compile(kernel, *args, options=opts)

@@ -1,0 +1,220 @@
+"""CuTe-DSL colwise 32x1 MXFP8 kernel (wgrad K-groups operands, 3D weights along N) and the 3D-along-K
+path over the 1x32 kernel, vs the pure-PyTorch reference, byte for byte (CUDA only).
+
+The reference runs on the CPU; every output buffer is filled with 0xFF bytes before the launch, so a
+byte the kernel does not write (padding between groups, the tail, scale padding) shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from mx_strategies import DISTRIBUTIONS, group_sizes, make_values, offsets_from_sizes
+
+from moe_quant import layouts, reference
+from moe_quant.kernels import ops
+from moe_quant.numerics import BLOCK_SIZE, ScaleMode
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(ops, "POISON_OUTPUTS", True)
+    yield
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str):
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} vs {want.dtype}"
+    g, w = as_bytes(got).reshape(-1), as_bytes(want).reshape(-1)
+    bad = (g != w).nonzero().flatten()
+    if bad.numel():
+        i = bad[:8].tolist()
+        raise AssertionError(f"{what}: {bad.numel()} of {g.numel()} bytes differ; first at {i}: "
+                             f"got {g[i].tolist()} want {w[i].tolist()}")
+
+
+def colwise_values(m: int, r: int, dist: str, seed: int, dtype) -> torch.Tensor:
+    """``(M, R)`` values whose 32-element runs *along tokens* follow ``dist`` (the strategies block the last dim)."""
+    if m * r == 0:
+        return torch.zeros(m, r, dtype=dtype)
+    return make_values((r, m), dist, seed, dtype).t().contiguous()
+
+
+def check_k_groups(x_cpu: torch.Tensor, offs_cpu: torch.Tensor, mode: ScaleMode):
+    x, offs = x_cpu.cuda(), offs_cpu.cuda()
+    d, s, p = ops.quantize_32x1_k_groups(x, mode, offs)
+    rd, rs, rp = reference.quantize_colwise_k_groups(x_cpu, offs_cpu, mode)
+    assert_bytes_equal(d, rd, "data_t")
+    assert_bytes_equal(s, rs, "scales")
+    assert_bytes_equal(p, rp, "padded offs")
+    for out_dtype in (torch.bfloat16, torch.float32):
+        v, p2 = ops.fake_quantize_32x1_k_groups(x, mode, offs, out_dtype)
+        rv, _ = reference.fake_quantize_colwise_k_groups(x_cpu, offs_cpu, mode, out_dtype)
+        assert_bytes_equal(v, rv, f"fake {out_dtype}")
+        assert_bytes_equal(p2, rp, "padded offs (fake)")
+
+
+def check_3d(w_cpu: torch.Tensor, mode: ScaleMode):
+    w = w_cpu.cuda()
+    for along, quant, fake in (("n", ops.quantize_3d_along_n, ops.fake_quantize_3d_along_n),
+                               ("k", ops.quantize_3d_along_k, ops.fake_quantize_3d_along_k)):
+        d, s = quant(w, mode)
+        rd, rs = reference.quantize_3d(w_cpu, mode, along)
+        assert_bytes_equal(d, rd, f"3d along {along} data")
+        assert_bytes_equal(s, rs, f"3d along {along} scales")
+        src = w_cpu.transpose(-2, -1) if along == "n" else w_cpu
+        for out_dtype in (torch.bfloat16, torch.float32):
+            assert_bytes_equal(fake(w, mode, out_dtype), reference.fake_quantize_3d(src, mode, -1, out_dtype),
+                               f"3d along {along} fake {out_dtype}")
+
+
+dims_r = st.one_of(st.sampled_from([32, 64, 96, 128, 160, 224, 256, 544]), st.integers(1, 24).map(lambda n: 32 * n))
+modes = st.sampled_from(list(ScaleMode))
+dtypes = st.sampled_from([torch.bfloat16, torch.float32])
+dists = st.sampled_from(DISTRIBUTIONS)
+seeds = st.integers(0, 2**31 - 1)
+
+
+@given(groups=group_sizes(max_groups=8, max_size=300), r=dims_r, mode=modes, dtype=dtypes, dist=dists, seed=seeds)
+def test_k_groups(groups, r, mode, dtype, dist, seed):
+    sizes, tail = groups
+    m = sum(sizes) + tail
+    check_k_groups(colwise_values(m, r, dist, seed, dtype), offsets_from_sizes(sizes), mode)
+
+
+@given(m=st.integers(0, 500), g=st.integers(0, 12), r=dims_r, mode=modes, seed=seeds)
+def test_k_groups_adversarial_offsets(m, g, r, mode, seed):
+    """Offsets past M, negative, decreasing: sanitized exactly as layouts.group_bounds does."""
+    gen = torch.Generator().manual_seed(seed)
+    offs = torch.randint(-64, m + 300, (g,), generator=gen, dtype=torch.int32)
+    check_k_groups(colwise_values(m, r, "normal", seed, torch.bfloat16), offs, mode)
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+@pytest.mark.parametrize(
+    "sizes,r",
+    [
+        ([0, 1, 31, 33, 127, 129, 0, 300], 2048),  # special sizes
+        ([4000, 0, 5, 4191], 7168),  # large; R % 1024 != 0
+        ([1] * 40 + [0] * 10 + [77] * 40, 160),  # G = 90: several warp passes of the group scan
+        ([3] * 1000, 64),  # G = 1000
+        ([0, 0, 0], 96),  # only empty groups: data and scales are all padding
+        ([], 64),  # G = 0
+    ],
+)
+def test_k_groups_fixed(sizes, r, mode):
+    m = sum(sizes) + 17
+    x = colwise_values(m, r, "wide", 1234, torch.bfloat16)
+    check_k_groups(x, offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32), mode)
+
+
+@given(e=st.integers(1, 5), n=st.integers(1, 10).map(lambda v: 32 * v), k=st.integers(1, 10).map(lambda v: 32 * v),
+       mode=modes, dtype=dtypes, dist=dists, seed=seeds)
+def test_3d(e, n, k, mode, dtype, dist, seed):
+    check_3d(make_values((e, n, k), dist, seed, dtype), mode)
+
+
+@pytest.mark.parametrize("shape", [(8, 256, 512), (3, 160, 96), (2, 2048, 7168)])
+def test_3d_fixed(shape):
+    for mode in ScaleMode:
+        check_3d(make_values(shape, "normal", 5, torch.bfloat16), mode)
+
+
+def test_empty_inputs():
+    for m, r, sizes in [(0, 64, [0, 0]), (40, 0, [10, 30]), (0, 0, [0]), (0, 64, [])]:
+        check_k_groups(torch.zeros(m, r, dtype=torch.bfloat16),
+                       offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32), ScaleMode.RCEIL)
+    for shape in [(0, 64, 32), (2, 0, 64), (2, 32, 0)]:
+        check_3d(torch.zeros(shape, dtype=torch.bfloat16), ScaleMode.RCEIL)
+
+
+def test_specials_bitwise():
+    """Largest finite input, bf16 subnormals, zeros, NaN/Inf blocks along tokens; the NaN block's padding is NaN."""
+    x = torch.zeros(100, 64, dtype=torch.float32)
+    x[:32, 0] = torch.finfo(torch.float32).max
+    x[:32, 1] = 2.0**-133  # smallest bf16 subnormal
+    x[40, 2] = float("nan")
+    x[97, 3] = -float("inf")  # group 1's last block: real tokens 64..67 of 68, padding 68..95
+    x[64:, 4] = -(2.0**-149)
+    offs = torch.tensor([32, 100], dtype=torch.int32)  # group 1: 68 tokens, padded to 96
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode in ScaleMode:
+            check_k_groups(x.to(dtype), offs, mode)
+    d, s, _ = ops.quantize_32x1_k_groups(x.cuda(), ScaleMode.RCEIL, offs.cuda())
+    plain = as_bytes(layouts.from_blocked_k_groups(s.cpu(), offs, 64, 100))  # column j: padded tokens 32j..
+    assert plain[0, 0] == 247 and plain[1, 0] == 0 and plain[2, 1] == 255 and plain[3, 3] == 255
+    assert as_bytes(d)[3, 32 + 64 + 10] == 0x7F  # padding token (68..95) of group 1's NaN block
+
+
+def test_offsets_not_read_past_g_and_any_g():
+    """The group scan reads exactly G offsets; a CTA count far above the work exits cleanly."""
+    x = colwise_values(5000, 96, "normal", 3, torch.bfloat16)
+    base = torch.tensor([100, 100, 4000, 5000, 5000], dtype=torch.int32)
+    storage = torch.cat([base, torch.full((7,), -(2**31), dtype=torch.int32)])
+    offs = storage[:5]
+    check_k_groups(x, offs, ScaleMode.FLOOR)
+
+
+def test_torch_compile_fullgraph():
+    x = colwise_values(300, 224, "normal", 7, torch.bfloat16).cuda()
+    w = make_values((4, 96, 160), "normal", 8, torch.bfloat16).cuda()
+    offs = offsets_from_sizes([100, 0, 129, 71], "cuda")
+
+    def f(x, w, offs):
+        d, s, p = ops.quantize_32x1_k_groups(x, ScaleMode.RCEIL, offs)
+        v, _ = ops.fake_quantize_32x1_k_groups(x, ScaleMode.FLOOR, offs)
+        wd, ws = ops.quantize_3d_along_n(w, ScaleMode.RCEIL)
+        wk, wks = ops.quantize_3d_along_k(w, ScaleMode.RCEIL)
+        return d, s, p, v, wd, ws, ops.fake_quantize_3d_along_n(w, ScaleMode.RCEIL), wk, wks
+
+    cf = torch.compile(f, fullgraph=True)
+    for a, b in zip(cf(x, w, offs), f(x, w, offs)):
+        assert_bytes_equal(a, b, "compiled vs eager")
+
+
+def test_index_math_past_int32():
+    """M * R > 2**31: the last group sits at input rows and output columns past the int32 range."""
+    r = 7168
+    m = (2**31) // r + 1200
+    tail = 4000
+    x = torch.empty(m, r, dtype=torch.bfloat16, device="cuda").normal_()
+    offs_cpu = torch.tensor([m - tail, m], dtype=torch.int32)
+    assert m * r > 2**31
+    d, s, p = ops.quantize_32x1_k_groups(x, ScaleMode.RCEIL, offs_cpu.cuda())
+    x_last = x[m - tail:].cpu()
+    rd, rs, _ = reference.quantize_colwise_k_groups(x_last, torch.tensor([tail], dtype=torch.int32), ScaleMode.RCEIL)
+    p0 = layouts.round_up(m - tail, BLOCK_SIZE)
+    assert_bytes_equal(d[:, p0:p0 + layouts.round_up(tail, BLOCK_SIZE)], rd[:, : layouts.round_up(tail, BLOCK_SIZE)],
+                       "last group data")
+    rp = layouts.round_up(r, layouts.TILE_ROWS)
+    s0 = layouts.ceil_div(m - tail, layouts.TILE_ROWS) * 4 * rp  # byte where group 1's scale tiles start
+    n_bytes = layouts.ceil_div(tail, layouts.TILE_ROWS) * 4 * rp
+    got = s.view(torch.uint8).reshape(-1)[s0:s0 + n_bytes]
+    assert_bytes_equal(got, rs.view(torch.uint8).reshape(-1)[:n_bytes], "last group scales")
+    assert p.cpu().tolist() == [p0, p0 + layouts.round_up(tail, BLOCK_SIZE)]
+
+
+def test_argument_errors():
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([64], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="offs"):
+        ops.quantize_32x1_k_groups(x, ScaleMode.RCEIL, offs.cpu())
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.quantize_32x1_k_groups(x.t(), ScaleMode.RCEIL, offs)
+    with pytest.raises(ValueError, match="mode"):
+        ops.quantize_32x1_k_groups(x, "garbage", offs)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.quantize_3d_along_n(torch.randn(2, 48, 64, device="cuda", dtype=torch.bfloat16), "rceil")
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.quantize_3d_along_n(torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2), "rceil")
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.fake_quantize_3d_along_n(torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16), "rceil",
+                                     torch.float16)
