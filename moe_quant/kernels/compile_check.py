@@ -1,11 +1,13 @@
-"""Compile every 1x32 kernel variant for one GPU arch without a GPU (CI), and report ptxas resources.
+"""Compile every kernel variant (1x32 and 32x1 families) for one GPU arch without a GPU (CI), and report
+ptxas resources.
 
     python -m moe_quant.kernels.compile_check sm_90a [sm_100a ...]
 
 Each arch is compiled in its own subprocess with ``CUTE_DSL_ARCH`` set before cutlass is
 imported (CuTe DSL 4.8.1 cross-compiles for the arch named there when no GPU is present).
 ptxas' resource report (``remarks{ptx}``) is parsed for registers, spills and stack frame.
-Prints one JSON object per variant: ``{"arch", "variant", "seconds", "registers", "spill_bytes",
+Prints one JSON object per variant (``variant`` is ``family/key``): ``{"arch", "variant", "seconds",
+"registers", "spill_bytes",
 "stack_bytes", "smem_bytes", "tvm_ffi"}``.
 """
 
@@ -24,8 +26,6 @@ _MARK = "@@compile_check@@"
 def _worker(arch: str) -> None:
     os.environ["CUTE_DSL_ARCH"] = arch
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # really compile, every time
-    from .quantize_1x32 import all_variants, compile_variant
-
     try:
         import tvm_ffi  # noqa: F401
 
@@ -33,11 +33,23 @@ def _worker(arch: str) -> None:
     except Exception:
         tvm = False
     for v in all_variants():
-        print(f"{_MARK} begin {v.key}", file=sys.stderr, flush=True)
+        name = variant_name(v)
+        print(f"{_MARK} begin {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        compile_variant(v, tvm_ffi=tvm, extra_options="remarks{ptx}")
+        v.compile(tvm_ffi=tvm, extra_options="remarks{ptx}")
         dt = time.perf_counter() - t0
-        print(f"{_MARK} end {v.key} {dt:.3f} {int(tvm)}", file=sys.stderr, flush=True)
+        print(f"{_MARK} end {name} {dt:.3f} {int(tvm)}", file=sys.stderr, flush=True)
+
+
+def all_variants() -> list:
+    """Every variant the package can launch, both kernel families."""
+    from . import config_1x32, config_32x1
+
+    return config_1x32.all_variants() + config_32x1.all_variants()
+
+
+def variant_name(v) -> str:
+    return f"{v.family}/{v.key}"
 
 
 def _parse(arch: str, stderr: str) -> list[dict]:

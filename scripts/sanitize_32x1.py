@@ -1,0 +1,80 @@
+"""Cases for compute-sanitizer (memcheck / racecheck) over the colwise 32x1 kernel and the 3D paths;
+each also checked byte for byte against the reference.
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_32x1.py [--quick]
+
+Ragged K-groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000, R % 128 != 0,
+fake outputs, fp32 input, 3D weights along N and K (N % 128 != 0).
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from mx_strategies import make_values, offsets_from_sizes  # noqa: E402
+
+from moe_quant import reference  # noqa: E402
+from moe_quant.kernels import ops  # noqa: E402
+from moe_quant.numerics import ScaleMode  # noqa: E402
+
+ops.POISON_OUTPUTS = True
+
+
+def same(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.cpu().contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def k_groups_case(name, m, r, offs_list, dtype=torch.bfloat16, mode=ScaleMode.RCEIL):
+    x_cpu = torch.zeros(m, r, dtype=dtype) if m * r == 0 else make_values((m, r), "wide", m + r, dtype)
+    offs_cpu = torch.tensor(offs_list, dtype=torch.int32)
+    x, offs = x_cpu.cuda(), offs_cpu.cuda()
+    d, s, p = ops.quantize_32x1_k_groups(x, mode, offs)
+    rd, rs, rp = reference.quantize_colwise_k_groups(x_cpu, offs_cpu, mode)
+    ok = same(d, rd) and same(s, rs) and same(p, rp)
+    v, _ = ops.fake_quantize_32x1_k_groups(x, mode, offs, torch.float32)
+    ok &= same(v, reference.fake_quantize_colwise_k_groups(x_cpu, offs_cpu, mode, torch.float32)[0])
+    torch.cuda.synchronize()
+    print(f"{name:44s} {'ok' if ok else 'MISMATCH'}", flush=True)
+    return ok
+
+
+def w_case(name, e, n, k, dtype=torch.bfloat16, mode=ScaleMode.FLOOR):
+    w_cpu = make_values((e, n, k), "nan_inf", e * n + k, dtype)
+    w = w_cpu.cuda()
+    ok = True
+    for along, q in (("n", ops.quantize_3d_along_n), ("k", ops.quantize_3d_along_k)):
+        d, s = q(w, mode)
+        rd, rs = reference.quantize_3d(w_cpu, mode, along)
+        ok &= same(d, rd) and same(s, rs)
+    ok &= same(ops.fake_quantize_3d_along_n(w, mode), reference.fake_quantize_3d(w_cpu.transpose(-2, -1), mode, -1))
+    torch.cuda.synchronize()
+    print(f"{name:44s} {'ok' if ok else 'MISMATCH'}", flush=True)
+    return ok
+
+
+def main():
+    quick = "--quick" in sys.argv
+    cases = [
+        ("ragged groups", 1000, 224, offsets_from_sizes([0, 1, 31, 33, 127, 129, 300, 200]).tolist()),
+        ("offs past M, decreasing, negative", 500, 96, [100, 700, 50, -5, 10**6, 499]),
+        ("G=0", 300, 64, []),
+        ("M=0 with groups", 0, 128, [0, 0, 0]),
+        ("G=1000", 3100, 160, offsets_from_sizes([3] * 1000).tolist()),
+    ]
+    if quick:
+        cases = [cases[1], cases[4]]
+    ok = True
+    for name, m, r, offs in cases:
+        ok &= k_groups_case(name, m, r, offs)
+    if not quick:
+        ok &= k_groups_case("fp32 input, floor", 400, 544, [150, 151, 399], torch.float32, ScaleMode.FLOOR)
+        ok &= w_case("3D E=3 N=160 K=96 (N % 128 != 0)", 3, 160, 96)
+        ok &= w_case("3D fp32 E=2 N=256 K=64", 2, 256, 64, torch.float32, ScaleMode.RCEIL)
+    print("ALL OK" if ok else "FAILURES", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
