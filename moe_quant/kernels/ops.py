@@ -511,14 +511,15 @@ def _check_out_dtype(fn: str, out_dtype) -> None:
         raise TypeError(f"{fn}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
 
 
-def _check_w(w, fn: str) -> None:
+def _check_w(w, fn: str, dims=((1, "N"), (2, "K"))) -> None:
+    """``w (E, N, K)``: bf16/fp32, contiguous, on CUDA, ``dims`` multiples of 32."""
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{fn}: w must be a torch.Tensor, got {type(w).__name__}")
     if w.dim() != 3:
         raise ValueError(f"{fn}: w must be 3D (E, N, K), got shape {tuple(w.shape)}")
     if w.dtype not in _IN_DTYPES:
         raise TypeError(f"{fn}: w must be bfloat16 or float32, got {w.dtype}")
-    for dim, name in ((1, "N"), (2, "K")):
+    for dim, name in dims:
         if w.shape[dim] % BLOCK_SIZE:
             raise ValueError(f"{fn}: w.shape[{dim}] ({name}={w.shape[dim]}) must be a multiple of {BLOCK_SIZE}")
     if not w.is_contiguous():
@@ -595,7 +596,7 @@ def quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str):
     N x K/32) e8m0)``: the 1x32 kernel on ``(E*N, K)`` with E groups of N rows, whose M-groups layout is
     the per-expert blocked layout (the whole-matrix blocked layout when N % 128 == 0)."""
     fn = "quantize_3d_along_k"
-    _check_w(w, fn)
+    _check_w(w, fn, dims=((2, "K"),))
     e, n, k = w.shape
     rp, cp = layouts.blocked_shape(n, k // BLOCK_SIZE)
     x = w.view(e * n, k)
@@ -609,6 +610,6 @@ def quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str):
 
 def fake_quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
     """Dequantized ``w (E, N, K)`` in blocks of 32 along K (same shape), in one pass."""
-    _check_w(w, "fake_quantize_3d_along_k")
+    _check_w(w, "fake_quantize_3d_along_k", dims=((2, "K"),))
     e, n, k = w.shape
     return fake_quantize_1x32(w.view(e * n, k), mode, out_dtype).view(e, n, k)
