@@ -136,11 +136,14 @@ def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:
     out = []
     if cuda:
         # CPU ops and ranges (not the runtime API calls, which carry a linked id of their own)
-        ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+        def link(e):
+            return getattr(e, "linked_correlation_id", 0)
+
+        ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and link(e) == 0}
         for e in events:
             if e.device_type != DeviceType.CUDA:
                 continue
-            op = ops.get(e.linked_correlation_id)
+            op = ops.get(link(e)) if link(e) else None
             out.append(
                 {
                     "name": e.name,

@@ -128,3 +128,44 @@ def test_plot_layer_time(tmp_path):
     src.write_text(json.dumps(dict(record, device="cpu")))
     with pytest.raises(SystemExit, match="refusing"):
         plot.main([str(src)])
+
+
+def test_profile_device_ops_links_gpu_kernels_to_their_cpu_ranges(monkeypatch):
+    # The CUDA branch on a synthetic event list shaped like torch.profiler's: CPU ops and ranges
+    # (linked id 0), a runtime launch event (linked to its op, and sharing its id), kernels.
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from benchmarks import timing
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    rng = NS(id=1, name="moe_quant.quantize.fake_quantize_3d", device_type=cpu, linked_correlation_id=0, cpu_parent=None)
+    op = NS(id=2, name="aten::mul", device_type=cpu, linked_correlation_id=0, cpu_parent=rng)
+    launch = NS(id=2, name="cudaLaunchKernel", device_type=cpu, linked_correlation_id=2, cpu_parent=op)
+    k1 = NS(id=9, name=ELEMENTWISE, device_type=gpu, linked_correlation_id=2, time_range=NS(start=10.0, end=15.0))
+    k2 = NS(id=0, name="Memset (Device)", device_type=gpu, linked_correlation_id=0, time_range=NS(start=20.0, end=21.0))
+
+    class FakeProfile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [rng, op, launch, k1, k2]
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+    ops = timing.profile_device_ops(lambda: calls.append(1), "cuda", iters=2)
+    assert calls == [1, 1]
+    assert ops == [
+        {"name": ELEMENTWISE, "us": 5.0, "scopes": ("aten::mul", "moe_quant.quantize.fake_quantize_3d"), "linked": True},
+        {"name": "Memset (Device)", "us": 1.0, "scopes": (), "linked": False},
+    ]
+    assert bgm.categorize(ops[0]["name"], ops[0]["scopes"], True) == bgm.CAT_REF
