@@ -131,6 +131,7 @@ CAT_REF = "quantization: reference (eager elementwise/reduction)"
 CAT_GEMM = "GEMM (grouped mm)"
 CAT_OTHER = "other"
 CATEGORIES = (CAT_CUTE, CAT_REF, CAT_GEMM, CAT_OTHER)
+SHORT = {CAT_CUTE: "quant CuTe", CAT_REF: "quant ref", CAT_GEMM: "GEMM", CAT_OTHER: "other"}
 GEMM_MARKS = ("gemm", "grouped", "cutlass", "nvjet", "sm90")
 GEMM_OPS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")  # e.g. the CPU grouped mm's aten::mm calls
 ELEMENTWISE_MARKS = ("elementwise", "reduce", "scatter", "gather", "index", "catarray", "fill", "copy", "scan", "sort")
@@ -184,7 +185,8 @@ def breakdown(fn, device, iters: int) -> dict:
     for op in ops:
         cat = categorize(op["name"], op["scopes"], scopes_known)
         cats[cat] += op["us"]
-        k = kernels.setdefault(op["name"], {"name": op["name"], "category": cat, "us": 0.0, "calls": 0})
+        # by name and category: one kernel (a copy, say) can run inside and outside the quantization
+        k = kernels.setdefault((op["name"], cat), {"name": op["name"], "category": cat, "us": 0.0, "calls": 0})
         k["us"] += op["us"]
         k["calls"] += 1
     top = sorted(kernels.values(), key=lambda k: -k["us"])
@@ -224,7 +226,7 @@ def print_breakdown(shape_label, device, mq: dict, bf16: dict | None, wall_ms: f
     elif mq["unlinked_ms_per_iter"] > 0:
         print(f"note: {mq['unlinked_ms_per_iter']:.3g} ms per iteration of kernels had no launching op "
               "(counted as 'other' unless their names say quantization or GEMM)")
-    top = [[k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "...", k["category"].split(":")[0],
+    top = [[k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "...", SHORT[k["category"]],
             k["ms_per_iter"], k["calls_per_iter"]] for k in mq["kernels"][:10]]
     print_table(f"{shape_label}: top 10 moe_quant kernels by time", ["kernel", "category", "ms/iter", "calls/iter"], top)
 

@@ -169,3 +169,56 @@ def test_profile_device_ops_links_gpu_kernels_to_their_cpu_ranges(monkeypatch):
         {"name": "Memset (Device)", "us": 1.0, "scopes": (), "linked": False},
     ]
     assert bgm.categorize(ops[0]["name"], ops[0]["scopes"], True) == bgm.CAT_REF
+
+
+def test_bench_grouped_mm_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
+    # the whole flow at toy sizes: every implementation, a failing peer, targets, breakdown, JSON
+    monkeypatch.setitem(bgm.TINY_FAMILIES, "dsv3", (64, 32, 2))
+    monkeypatch.setitem(bgm.TINY_M, "dsv3", 128)
+
+    def broken_torchao():
+        def f(A, W_t, offs):
+            raise RuntimeError("peer broke")
+
+        return f
+
+    monkeypatch.setattr(bgm, "torchao_emulated", broken_torchao)
+    out = tmp_path / "layer.json"
+    args = argparse.Namespace(shapes="dsv3", m="", compile=False, no_torchao=False, breakdown=True,
+                              breakdown_iters=1, json=str(out), device="cpu", tiny=True)
+    bgm.run(args)
+    record = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in record["rows"]}
+    assert set(rows) == {"bf16", "moe_quant", "moe_quant_ref", "torchao"}
+    assert rows["torchao"]["ms"] is None and "peer broke" in rows["torchao"]["error"]
+    for impl in ("bf16", "moe_quant", "moe_quant_ref"):
+        r = rows[impl]
+        assert r["ms"] > 0 and r["error"] is None and r["peak_gib"] is None and (r["m"], r["k"], r["n"]) == (128, 64, 32)
+    assert rows["moe_quant"]["sqnr_db"] > 25 and rows["bf16"]["sqnr_db"] is None  # exact: inf -> null in JSON
+    assert [t["target"] for t in record["targets"]] == ["time vs bf16", "peak memory over inputs"]
+    (bd,) = record["breakdown"]
+    assert bd["moe_quant"]["categories_ms_per_iter"][bgm.CAT_REF] > 0
+    text = capsys.readouterr().out
+    assert "layer targets" in text and "top 10 moe_quant kernels" in text and "peer broke" in text
+
+
+def test_bench_moe_reports_a_failing_compile_and_goes_on(tmp_path, monkeypatch):
+    def failing_compile(model, **kwargs):
+        def fn(x):
+            raise RuntimeError("inductor said no\nsecond line")
+
+        return fn
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    out = tmp_path / "moe.json"
+    args = argparse.Namespace(tokens="64", dim=64, hidden=32, experts=4, top_k=2, routing="balanced",
+                              variants="bf16,mxfp8", no_compile=False, fullgraph=False, compile_mode=None,
+                              json=str(out), device="cpu", tiny=False)
+    bench_moe.run(args)
+    rows = {(r["model"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("bf16", "eager"), ("bf16", "compile"), ("mxfp8", "eager"), ("mxfp8", "compile")}
+    for model in ("bf16", "mxfp8"):
+        assert rows[(model, "compile")]["error"] == "compile failed: RuntimeError: inductor said no"
+        assert rows[(model, "eager")]["ms"] > 0 and rows[(model, "eager")]["error"] is None
+    assert rows[("bf16", "eager")]["tokens_per_expert"] == [32, 32, 32, 32]
+    assert rows[("mxfp8", "eager")]["x_bf16_eager"] > 0
