@@ -61,3 +61,102 @@ def print_table(title: str, header: list[str], rows: list[list], file=None) -> s
 
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def bench_ms(fn, device="cuda", *, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median time of ``fn()`` in milliseconds on ``device``.
+
+    CUDA: ``triton.testing.do_bench`` (CUDA events), as :func:`bench_us`. Any other device: a
+    wall-clock median of at least 3 calls after one warm-up call, for smoke runs only (a CPU
+    number says nothing about the GPU targets).
+    """
+    if torch.device(device).type == "cuda":
+        return bench_us(fn, warmup_ms=warmup_ms, rep_ms=rep_ms) / 1e3
+    import statistics
+    import time
+
+    fn()
+    times = []
+    stop = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or (len(times) < 50 and time.perf_counter() < stop):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def peak_memory_bytes(fn, device="cuda") -> int | None:
+    """Peak CUDA memory one call of ``fn()`` allocates on top of what was allocated before it.
+
+    Resets the peak statistics, reads ``torch.cuda.memory_allocated()``, runs ``fn()`` once and
+    returns ``torch.cuda.max_memory_allocated() - before`` (bytes; what ``fn`` returns is dropped).
+    None on any other device.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:
+    """Run ``fn()`` ``iters`` times under ``torch.profiler``; one dict per device op executed.
+
+    CUDA: one entry per kernel / memcpy / memset on the GPU, ``us`` its GPU duration. Other
+    devices: one entry per ``aten::`` (or custom ``ns::op``) CPU op, ``us`` its self CPU time.
+    ``scopes``: names of the CPU op that launched it and of every range around that op
+    (``record_function`` ranges, autograd nodes), innermost first; empty when the profiler did
+    not link the kernel to a launching op (``linked`` False).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+
+    def chain(evt):
+        names = []
+        while evt is not None:
+            names.append(evt.name)
+            evt = evt.cpu_parent
+        return tuple(names)
+
+    out = []
+    if cuda:
+        # CPU ops and ranges (not the runtime API calls, which carry a linked id of their own)
+        def link(e):
+            return getattr(e, "linked_correlation_id", 0)
+
+        ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and link(e) == 0}
+        for e in events:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            op = ops.get(link(e)) if link(e) else None
+            out.append(
+                {
+                    "name": e.name,
+                    "us": float(e.time_range.end - e.time_range.start),
+                    "scopes": chain(op) if op is not None else (),
+                    "linked": op is not None,
+                }
+            )
+    else:
+        for e in events:
+            if e.device_type != DeviceType.CPU or "::" not in e.name or e.name.startswith("autograd::"):
+                continue
+            out.append(
+                {"name": e.name, "us": float(e.self_cpu_time_total), "scopes": chain(e), "linked": True}
+            )
+    return out

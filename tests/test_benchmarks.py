@@ -1,0 +1,224 @@
+"""CPU checks of the benchmark helpers whose real use is on the GPU: kernel categories of the
+layer breakdown, aligned ragged offsets, the MoE benchmark's balanced routing, the layer plot."""
+
+import argparse
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import bench_grouped_mm as bgm
+from benchmarks import bench_moe
+from moe_quant.moe import MoE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ELEMENTWISE = "void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float, float>>"
+REDUCE = "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxNanFunctor<float>>>"
+BWD = "autograd::engine::evaluate_function: _MXFP8GroupedMMBackward"
+
+
+@pytest.mark.parametrize(
+    "name, scopes, category",
+    [
+        # CuTe-DSL kernels: by name, by the custom op, or launched from a quantize range directly
+        ("kernel_cutlass_kernel_moe_quantkernelsquantize_1x32Quantize1x32Kernel_object_at_0", (), bgm.CAT_CUTE),
+        ("kernel_0", ("moe_quant::fake_quantize_1x32", "moe_quant.quantize.fake_quantize_rowwise"), bgm.CAT_CUTE),
+        ("kernel_0", ("moe_quant.quantize.fake_quantize_rowwise", BWD), bgm.CAT_CUTE),
+        # reference quantization: aten kernels inside a quantize range
+        (ELEMENTWISE, ("aten::mul", "moe_quant.quantize.fake_quantize_3d", BWD), bgm.CAT_REF),
+        (REDUCE, ("aten::amax", "aten::max", "moe_quant.quantize.fake_quantize_colwise_k_groups"), bgm.CAT_REF),
+        # GEMMs, by kernel name or by the grouped-mm op that launched them
+        ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<>>", ("aten::_grouped_mm",), bgm.CAT_GEMM),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_TNT", (), bgm.CAT_GEMM),
+        ("aten::mm", ("aten::mm", "aten::_grouped_mm"), bgm.CAT_GEMM),  # CPU: the grouped mm's loop
+        # everything else
+        (ELEMENTWISE, ("aten::where", BWD), bgm.CAT_OTHER),
+        ("Memset (Device)", (), bgm.CAT_OTHER),
+    ],
+)
+def test_kernel_categories(name, scopes, category):
+    assert bgm.categorize(name, scopes, scopes_known=True) == category
+
+
+def test_kernel_categories_without_profiler_links_fall_back_to_names():
+    assert bgm.categorize(ELEMENTWISE, (), scopes_known=False) == bgm.CAT_REF
+    assert bgm.categorize("nvjet_tst_128x256", (), scopes_known=False) == bgm.CAT_GEMM
+    assert bgm.categorize("Memset (Device)", (), scopes_known=False) == bgm.CAT_OTHER
+
+
+def test_breakdown_on_cpu_attributes_quantization_and_gemm():
+    torch.manual_seed(0)
+    A = torch.randn(128, 64, dtype=torch.bfloat16, requires_grad=True)
+    W = (torch.randn(2, 32, 64) / 8).to(torch.bfloat16).requires_grad_()
+    offs = bgm.ragged_offsets(128, 2, device="cpu")
+    go = torch.randn(128, 32, dtype=torch.bfloat16)
+
+    def step():
+        out = bgm.moe_quant_emulated(A, W.transpose(-2, -1), offs)
+        torch.autograd.grad(out, (A, W), go)
+
+    bd = bgm.breakdown(step, "cpu", iters=1)
+    cats = bd["categories_ms_per_iter"]
+    assert bd["scopes_known"] and set(cats) == set(bgm.CATEGORIES)
+    assert cats[bgm.CAT_REF] > 0 and cats[bgm.CAT_GEMM] > 0 and cats[bgm.CAT_CUTE] == 0
+    assert bd["kernels"] and all(k["category"] in bgm.CATEGORIES for k in bd["kernels"])
+    import moe_quant.quantize as q
+
+    assert not hasattr(q.fake_quantize_3d, "__wrapped__")  # the profiler ranges are gone again
+
+
+def test_ragged_offsets_are_aligned_and_cover_m():
+    for m in (256, 1024, 131072):
+        offs = bgm.ragged_offsets(m, 8, device="cpu")
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+        assert offs[-1] == m and bool((sizes % bgm.ALIGN == 0).all()) and bool((sizes >= 0).all())
+
+
+def test_shapes_to_run():
+    ns = argparse.Namespace(shapes="dsv3,llama4,dsv3_small", m="", tiny=False)
+    assert bgm.shapes_to_run(ns) == [("dsv3", "dsv3", 131072), ("llama4", "llama4", 131072), ("dsv3_small", "dsv3", 16384)]
+    ns = argparse.Namespace(shapes="dsv3,dsv3_small", m="16384,32768", tiny=False)
+    assert bgm.shapes_to_run(ns) == [("dsv3 M=16384", "dsv3", 16384), ("dsv3 M=32768", "dsv3", 32768)]
+    with pytest.raises(SystemExit, match="multiple of 32"):
+        bgm.shapes_to_run(argparse.Namespace(shapes="dsv3", m="1000", tiny=False))
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(256, 8, 2), (96, 4, 3), (64, 8, 1)])
+def test_balanced_routing_goes_through_the_router(tokens, experts, top_k):
+    moe = MoE(64, 32, experts, top_k).to(torch.bfloat16)
+    x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+    bench_moe.balanced_routing_(moe, x)
+    scores, selected, counts = moe.router(x)
+    assert counts.tolist() == [tokens * top_k // experts] * experts
+    t = torch.arange(tokens)
+    for j in range(top_k):
+        assert torch.equal(selected[:, j], (t + j) % experts)
+
+
+def load_plot_script():
+    spec = importlib.util.spec_from_file_location("plot_layer_time", ROOT / "scripts" / "plot_layer_time.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_plot_layer_time(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = load_plot_script()
+    rows = []
+    for fam, (k, n) in {"dsv3": (7168, 2048), "llama4": (5120, 8192)}.items():
+        for m in (16384, 32768, 65536, 131072):
+            for impl, factor in (("bf16", 1.0), ("moe_quant", 1.2), ("torchao", 5.0)):
+                rows.append({"family": fam, "m": m, "k": k, "n": n, "g": 8, "impl": impl,
+                             "ms": factor * 6 * m * k * n / 600e12 * 1e3})
+    rows.append({"family": "dsv3", "m": 65536, "k": 7168, "n": 2048, "g": 8, "impl": "torchao", "ms": None})
+    record = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.x", "rows": rows}
+    src = tmp_path / "layer.json"
+    src.write_text(json.dumps(record))
+    out = tmp_path / "layer_time.png"
+    plot.main([str(src), "--out", str(out)])
+    assert out.stat().st_size > 10_000
+    data = plot.series(record)
+    assert set(data) == {"dsv3", "llama4"} and math.isclose(data["dsv3"]["moe_quant"][16384] / data["dsv3"]["bf16"][16384], 1.2)
+    # CPU / tiny numbers never go to docs/ by default
+    src.write_text(json.dumps(dict(record, device="cpu")))
+    with pytest.raises(SystemExit, match="refusing"):
+        plot.main([str(src)])
+
+
+def test_profile_device_ops_links_gpu_kernels_to_their_cpu_ranges(monkeypatch):
+    # The CUDA branch on a synthetic event list shaped like torch.profiler's: CPU ops and ranges
+    # (linked id 0), a runtime launch event (linked to its op, and sharing its id), kernels.
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from benchmarks import timing
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    rng = NS(id=1, name="moe_quant.quantize.fake_quantize_3d", device_type=cpu, linked_correlation_id=0, cpu_parent=None)
+    op = NS(id=2, name="aten::mul", device_type=cpu, linked_correlation_id=0, cpu_parent=rng)
+    launch = NS(id=2, name="cudaLaunchKernel", device_type=cpu, linked_correlation_id=2, cpu_parent=op)
+    k1 = NS(id=9, name=ELEMENTWISE, device_type=gpu, linked_correlation_id=2, time_range=NS(start=10.0, end=15.0))
+    k2 = NS(id=0, name="Memset (Device)", device_type=gpu, linked_correlation_id=0, time_range=NS(start=20.0, end=21.0))
+
+    class FakeProfile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [rng, op, launch, k1, k2]
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+    ops = timing.profile_device_ops(lambda: calls.append(1), "cuda", iters=2)
+    assert calls == [1, 1]
+    assert ops == [
+        {"name": ELEMENTWISE, "us": 5.0, "scopes": ("aten::mul", "moe_quant.quantize.fake_quantize_3d"), "linked": True},
+        {"name": "Memset (Device)", "us": 1.0, "scopes": (), "linked": False},
+    ]
+    assert bgm.categorize(ops[0]["name"], ops[0]["scopes"], True) == bgm.CAT_REF
+
+
+def test_bench_grouped_mm_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
+    # the whole flow at toy sizes: every implementation, a failing peer, targets, breakdown, JSON
+    monkeypatch.setitem(bgm.TINY_FAMILIES, "dsv3", (64, 32, 2))
+    monkeypatch.setitem(bgm.TINY_M, "dsv3", 128)
+
+    def broken_torchao():
+        def f(A, W_t, offs):
+            raise RuntimeError("peer broke")
+
+        return f
+
+    monkeypatch.setattr(bgm, "torchao_emulated", broken_torchao)
+    out = tmp_path / "layer.json"
+    args = argparse.Namespace(shapes="dsv3", m="", compile=False, no_torchao=False, breakdown=True,
+                              breakdown_iters=1, json=str(out), device="cpu", tiny=True)
+    bgm.run(args)
+    record = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in record["rows"]}
+    assert set(rows) == {"bf16", "moe_quant", "moe_quant_ref", "torchao"}
+    assert rows["torchao"]["ms"] is None and "peer broke" in rows["torchao"]["error"]
+    for impl in ("bf16", "moe_quant", "moe_quant_ref"):
+        r = rows[impl]
+        assert r["ms"] > 0 and r["error"] is None and r["peak_gib"] is None and (r["m"], r["k"], r["n"]) == (128, 64, 32)
+    assert rows["moe_quant"]["sqnr_db"] > 25 and rows["bf16"]["sqnr_db"] is None  # exact: inf -> null in JSON
+    assert [t["target"] for t in record["targets"]] == ["time vs bf16", "peak memory over inputs"]
+    (bd,) = record["breakdown"]
+    assert bd["moe_quant"]["categories_ms_per_iter"][bgm.CAT_REF] > 0
+    text = capsys.readouterr().out
+    assert "layer targets" in text and "top 10 moe_quant kernels" in text and "peer broke" in text
+
+
+def test_bench_moe_reports_a_failing_compile_and_goes_on(tmp_path, monkeypatch):
+    def failing_compile(model, **kwargs):
+        def fn(x):
+            raise RuntimeError("inductor said no\nsecond line")
+
+        return fn
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    out = tmp_path / "moe.json"
+    args = argparse.Namespace(tokens="64", dim=64, hidden=32, experts=4, top_k=2, routing="balanced",
+                              variants="bf16,mxfp8", no_compile=False, fullgraph=False, compile_mode=None,
+                              json=str(out), device="cpu", tiny=False)
+    bench_moe.run(args)
+    rows = {(r["model"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("bf16", "eager"), ("bf16", "compile"), ("mxfp8", "eager"), ("mxfp8", "compile")}
+    for model in ("bf16", "mxfp8"):
+        assert rows[(model, "compile")]["error"] == "compile failed: RuntimeError: inductor said no"
+        assert rows[(model, "eager")]["ms"] > 0 and rows[(model, "eager")]["error"] is None
+    assert rows[("bf16", "eager")]["tokens_per_expert"] == [32, 32, 32, 32]
+    assert rows[("mxfp8", "eager")]["x_bf16_eager"] > 0
