@@ -87,3 +87,11 @@ def resolve_gemm_backend(requested: GemmBackend | str, device: torch.device) -> 
             f"got device {device} (capability {device_capability(device)}); use backend='emulated' or 'auto'"
         )
     return backend
+
+
+def grouped_mm_zero_fills_empty_groups(device: torch.device) -> bool:
+    """``torch._grouped_mm``'s 2D x 2D (weight-gradient) form writes exact zeros for a group with no
+    tokens on Hopper (its SM90 CUTLASS kernel; pinned by ``tests/test_grouped_mm_gpu.py`` after poisoning
+    the allocator), so the emulated wgrad needs no extra pass over dW there. Elsewhere (CPU, SM100's
+    scaled GEMM, which is known to leave garbage, other GPUs) the plugin zeroes empty experts itself."""
+    return device_capability(device) == (9, 0)
