@@ -11,11 +11,19 @@ from __future__ import annotations
 import torch
 
 from . import backends, reference
+from . import validation as v
 from .numerics import ScaleMode
 
 
-def quantize_rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor | None = None):
-    """1x32 blocks along the last dim: ``(data e4m3 (M, K), scales e8m0)``, scales M-groups blocked with ``offs``."""
+def quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor | None = None):
+    """1x32 blocks along the last dim: ``(data e4m3 (M, K), scales e8m0)``, scales M-groups blocked with ``offs``.
+
+    ``x`` (M, K) bf16/fp32 with K a multiple of 32; ``mode`` ``"rceil"``/``"floor"``; ``offs`` int32 (G,)
+    group ends on ``x``'s device (values are sanitized as in :mod:`moe_quant.layouts`, not checked).
+    """
+    mode = ScaleMode.parse(mode, "mode")
+    v.check_operand_2d("x", x, blocked_last_dim=True)
+    v.check_group_offsets(offs, x, required=False)
     if backends.use_quant_kernels(x):
         from .kernels import ops
 
@@ -23,8 +31,14 @@ def quantize_rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor | None
     return reference.quantize_rowwise(x, mode, offs)
 
 
-def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype = torch.bfloat16):
-    """Dequantized 1x32 MXFP8 of ``x (M, K)`` in one pass (no fp8 round trip through memory)."""
+def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
+    """Dequantized 1x32 MXFP8 of ``x (M, K)`` in one pass (no fp8 round trip through memory).
+
+    ``x`` bf16/fp32 with K a multiple of 32; ``out_dtype`` ``torch.bfloat16`` or ``torch.float32``.
+    """
+    mode = ScaleMode.parse(mode, "mode")
+    v.check_operand_2d("x", x, blocked_last_dim=True)
+    v.check_dtype_choice("out_dtype", out_dtype, v.OPERAND_DTYPES)
     if backends.use_quant_kernels(x):
         from .kernels import ops
 
@@ -32,21 +46,39 @@ def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode, out_dtype: torch.dty
     return reference.fake_quantize_rowwise(x, mode, out_dtype)
 
 
-def quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode):
-    """32x1 blocks along tokens per group: ``(data_t (R, Mp), K-groups blocked scales, padded_offs)``."""
+def quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode | str):
+    """32x1 blocks along tokens per group: ``(data_t (R, Mp), K-groups blocked scales, padded_offs)``.
+
+    ``x`` (M, R) bf16/fp32 (tokens along dim 0, R any size); ``offs`` int32 (G,) group ends on
+    ``x``'s device (values sanitized, not checked); ``mode`` ``"rceil"``/``"floor"``.
+    """
+    mode = ScaleMode.parse(mode, "mode")
+    v.check_operand_2d("x", x, blocked_last_dim=False)
+    v.check_group_offsets(offs, x, required=True)
     return reference.quantize_colwise_k_groups(x, offs, mode)
 
 
-def fake_quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode, out_dtype=torch.bfloat16):
+def fake_quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode | str, out_dtype=torch.bfloat16):
     """Dequantized 32x1 K-groups MXFP8 of ``x (M, R)``: ``(values_t (R, Mp), padded_offs)``."""
+    mode = ScaleMode.parse(mode, "mode")
+    v.check_operand_2d("x", x, blocked_last_dim=False)
+    v.check_group_offsets(offs, x, required=True)
+    v.check_dtype_choice("out_dtype", out_dtype, v.OPERAND_DTYPES)
     return reference.fake_quantize_colwise_k_groups(x, offs, mode, out_dtype)
 
 
-def quantize_3d(w: torch.Tensor, mode: ScaleMode, along: str):
-    """Expert weights ``(E, N, K)`` along ``"k"`` or ``"n"``: ``(data, (E, blocked) scales)``."""
+def quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along: str):
+    """Expert weights ``(E, N, K)`` along ``"k"`` or ``"n"``: ``(data, (E, blocked) scales)``.
+
+    ``w`` bf16/fp32; the quantized dim (K for ``"k"``, N for ``"n"``) a multiple of 32.
+    """
+    mode = ScaleMode.parse(mode, "mode")
+    along = v.parse_along(along)
+    v.check_weight_3d("w", w, along)
     return reference.quantize_3d(w, mode, along)
 
 
-def fake_quantize_3d(w: torch.Tensor, mode: ScaleMode, along_dim: int, out_dtype=torch.bfloat16):
+def fake_quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along_dim: int, out_dtype=torch.bfloat16):
     """Dequantized 3D weights, blocks of 32 along ``along_dim`` (-1 or -2), same shape as ``w``."""
+    mode = ScaleMode.parse(mode, "mode")
     return reference.fake_quantize_3d(w, mode, along_dim, out_dtype)
