@@ -45,6 +45,7 @@ from torch import nn
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
+from . import validation as v
 from .backends import GemmBackend
 from .numerics import BLOCK_SIZE, ScaleMode
 
@@ -164,13 +165,20 @@ def _plain(t):
 
 
 class MXFP8ExpertWeight(torch.Tensor):
-    """A stacked expert weight whose grouped-mm calls run in MXFP8 (see the module doc)."""
+    """A stacked expert weight whose grouped-mm calls run in MXFP8 (see the module doc).
+
+    ``MXFP8ExpertWeight(data, config)``: ``data`` a 3-D floating-point tensor ``(E, N, K)`` (not
+    itself a wrapper), ``config`` an :class:`MXFP8MoEConfig`. Views of a wrapper (any shape) are
+    wrappers too; they are built internally without these checks.
+    """
 
     _data: torch.Tensor
     config: MXFP8MoEConfig
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, config: MXFP8MoEConfig):
+    def __new__(cls, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False):
+        if not _view:
+            _check_wrapper_args(data, config)
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
@@ -182,11 +190,7 @@ class MXFP8ExpertWeight(torch.Tensor):
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data: torch.Tensor, config: MXFP8MoEConfig):
-        if isinstance(data, MXFP8ExpertWeight):
-            raise TypeError("MXFP8ExpertWeight cannot wrap another MXFP8ExpertWeight")
-        if not isinstance(config, MXFP8MoEConfig):
-            raise TypeError(f"config must be an MXFP8MoEConfig, got {type(config).__name__}")
+    def __init__(self, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False):
         self._data = data
         self.config = config
 
@@ -198,7 +202,7 @@ class MXFP8ExpertWeight(torch.Tensor):
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, config, outer_size, outer_stride):
-        return cls(inner_tensors["_data"], config)
+        return cls(inner_tensors["_data"], config, _view=True)
 
     def _stable_hash_for_caching(self) -> str:
         """AOTAutograd cache key: everything a compiled graph depends on (metadata, no values)."""
@@ -239,7 +243,7 @@ class MXFP8ExpertWeight(torch.Tensor):
         out = func(*u_args, **u_kwargs)
         if func in _PRESERVE:
             return pytree.tree_map_only(
-                torch.Tensor, lambda t: cls(t, config) if t.is_floating_point() else t, out
+                torch.Tensor, lambda t: cls(t, config, _view=True) if t.is_floating_point() else t, out
             )
         return out
 
@@ -266,7 +270,20 @@ class MXFP8ExpertWeight(torch.Tensor):
             if local._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
                 local._data.copy_(data)
             return None
-        return MXFP8ExpertWeight(data, self.config), (data,)
+        return MXFP8ExpertWeight(data, self.config, _view=True), (data,)
+
+
+def _check_wrapper_args(data, config) -> None:
+    if isinstance(data, MXFP8ExpertWeight):
+        raise TypeError("data must be a plain tensor: MXFP8ExpertWeight cannot wrap another MXFP8ExpertWeight")
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"data must be a torch.Tensor (stacked expert weights (E, N, K)), got {type(data).__name__}")
+    if not data.is_floating_point():
+        raise TypeError(f"data must be a floating-point tensor, got {data.dtype}")
+    if data.ndim != 3:
+        raise ValueError(f"data must be 3-D stacked expert weights (E, N, K), got shape {tuple(data.shape)}")
+    if not isinstance(config, MXFP8MoEConfig):
+        raise TypeError(f"config must be an MXFP8MoEConfig, got {type(config).__name__}")
 
 
 # ----------------------------------------------------------------------------- grouped-mm override
@@ -333,6 +350,8 @@ def _grouped_mm(func, args, kwargs):
     config: MXFP8MoEConfig = weight.config
     n_groups = weight.shape[0] if weight.ndim == 3 else (offs.numel() if offs is not None else 1)
     resolved = out_dtype if out_dtype is not None else (config.out_dtype or mat_a.dtype)
+    if bias is not None:  # checked before any work, MXFP8 or fallback
+        v.check_bias(bias, mat_b.shape[-1], n_groups)
     reason = _unsupported_reason(mat_a, mat_b, offs, resolved)
     if reason is None:
         w_t = _plain(mat_b)

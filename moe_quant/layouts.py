@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from . import validation as v
 from .numerics import BLOCK_SIZE
 
 TILE_ROWS = 128  # rows of one blocked scale tile
@@ -97,7 +98,16 @@ def group_of(index: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 def padded_group_offsets(offs: torch.Tensor, total: int, align: int = K_GROUP_ALIGN) -> torch.Tensor:
-    """int32 end offsets of the groups after padding each to a multiple of ``align``."""
+    """int32 end offsets of the groups after padding each to a multiple of ``align``.
+
+    ``offs``: int32 (G,) group ends (sanitized against ``total``, the unpadded row count);
+    ``align``: a positive int.
+    """
+    total = v.check_size("total", total)
+    align = v.check_size("align", align)
+    if not isinstance(align, torch.SymInt) and align == 0:
+        raise ValueError("align must be a positive int, got 0")
+    v.check_offsets(offs, n_groups=None, total=total, device=getattr(offs, "device", None), validate=False)
     return group_bounds(offs, total, align)[3].to(torch.int32)
 
 
@@ -121,10 +131,28 @@ def _scatter_bytes(numel: int, dest: torch.Tensor, src: torch.Tensor, keep: torc
     return out[:numel]
 
 
-def _as_bytes(scales: torch.Tensor) -> torch.Tensor:
+def _as_bytes(scales: torch.Tensor, name: str = "scales", ndim: int | None = None) -> torch.Tensor:
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of uint8 or float8_e8m0fnu, got {type(scales).__name__}")
     if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-        raise TypeError(f"scales must be uint8 or float8_e8m0fnu, got {scales.dtype}")
+        raise TypeError(f"{name} must be uint8 or float8_e8m0fnu, got {scales.dtype}")
+    if ndim is not None and scales.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(scales.shape)}")
     return scales.view(torch.uint8)
+
+
+def _check_blocked_size(blocked: torch.Tensor, expected: tuple, what: str) -> None:
+    """A blocked buffer is either the ``expected`` 2-D shape or the same bytes flattened."""
+    numel = 1
+    for d in expected:
+        numel *= d
+    if blocked.ndim == 1 and blocked.numel() == numel:
+        return
+    v.check_shape("blocked", blocked, expected, what)
+
+
+def _group_offsets(offs, scales: torch.Tensor, total) -> None:
+    v.check_offsets(offs, n_groups=None, total=total, device=scales.device, validate=False)
 
 
 def _like(out: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -133,7 +161,7 @@ def _like(out: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def to_blocked(scales: torch.Tensor) -> torch.Tensor:
     """Plain ``(R, C)`` scales -> blocked, as a ``(128 nr, 4 nc)`` tensor whose bytes are in blocked order."""
-    s = _as_bytes(scales)
+    s = _as_bytes(scales, ndim=2)
     rows, cols = s.shape
     rp, cp = blocked_shape(rows, cols)
     r, c = _flat_index_2d(rows, cols, s.device)
@@ -143,8 +171,15 @@ def to_blocked(scales: torch.Tensor) -> torch.Tensor:
 
 
 def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`to_blocked`: the plain ``(rows, cols)`` scales."""
-    b = _as_bytes(blocked).reshape(-1)
+    """Inverse of :func:`to_blocked`: the plain ``(rows, cols)`` scales.
+
+    ``blocked`` must be the ``(128 ceil(rows/128), 4 ceil(cols/4))`` buffer :func:`to_blocked` returns
+    for that ``rows``/``cols`` (or its bytes flattened).
+    """
+    _as_bytes(blocked, "blocked")
+    rows, cols = v.check_size("rows", rows), v.check_size("cols", cols)
+    _check_blocked_size(blocked, blocked_shape(rows, cols), f"the blocked layout of rows={rows}, cols={cols}")
+    b = _as_bytes(blocked, "blocked").reshape(-1)
     r, c = _flat_index_2d(rows, cols, b.device)
     out = b[blocked_offset(r, c, blocked_shape(rows, cols)[1] // TILE_COLS)]
     return _like(out, blocked)
@@ -152,7 +187,7 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def to_blocked_3d(scales: torch.Tensor) -> torch.Tensor:
     """Per-expert scales ``(E, R, C)`` -> ``(E, 128 nr * 4 nc)``: ``out[e] = blocked(scales[e])``."""
-    s = _as_bytes(scales)
+    s = _as_bytes(scales, ndim=3)
     e, rows, cols = s.shape
     rp, cp = blocked_shape(rows, cols)
     r, c = _flat_index_2d(rows, cols, s.device)
@@ -163,8 +198,11 @@ def to_blocked_3d(scales: torch.Tensor) -> torch.Tensor:
 
 
 def from_blocked_3d(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`to_blocked_3d`: ``(E, rows, cols)``."""
-    b = _as_bytes(blocked)
+    """Inverse of :func:`to_blocked_3d`: ``(E, rows, cols)``; ``blocked`` is ``(E, 128 nr * 4 nc)``."""
+    b = _as_bytes(blocked, "blocked", ndim=2)
+    rows, cols = v.check_size("rows", rows), v.check_size("cols", cols)
+    rp, cp = blocked_shape(rows, cols)
+    v.check_shape("blocked", blocked, (b.shape[0], rp * cp), f"(E, blocked bytes of rows={rows}, cols={cols})")
     e = b.shape[0]
     r, c = _flat_index_2d(rows, cols, b.device)
     idx = blocked_offset(r, c, blocked_shape(rows, cols)[1] // TILE_COLS).reshape(-1)
@@ -191,10 +229,12 @@ def to_blocked_m_groups(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tenso
 
     Group g's rows are blocked on their own and placed at padded row
     ``P_g = sum_{j<g} 128 ceil(m_j/128)``. Rows past the last offset are not stored; every
-    other byte of the buffer is zero.
+    other byte of the buffer is zero. ``offs``: int32 (G,) group ends on the scales' device
+    (sanitized, see the module doc).
     """
-    s = _as_bytes(scales)
+    s = _as_bytes(scales, ndim=2)
     m, cols = s.shape
+    _group_offsets(offs, s, m)
     shape = m_groups_blocked_shape(m, cols, offs.numel())
     if offs.numel() == 0:
         return _like(torch.zeros(shape, dtype=torch.uint8, device=s.device), scales)
@@ -204,7 +244,18 @@ def to_blocked_m_groups(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tenso
 
 
 def from_blocked_m_groups(blocked: torch.Tensor, offs: torch.Tensor, m: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`to_blocked_m_groups`; rows outside every group read as zero."""
+    """Inverse of :func:`to_blocked_m_groups`; rows outside every group read as zero.
+
+    ``blocked`` is the ``(m + 128 G, 4 ceil(cols/4))`` buffer (or its bytes flattened).
+    """
+    _as_bytes(blocked, "blocked")
+    m, cols = v.check_size("m", m), v.check_size("cols", cols)
+    _group_offsets(offs, blocked, m)
+    _check_blocked_size(
+        blocked,
+        m_groups_blocked_shape(m, cols, offs.numel()),
+        f"the M-groups layout of m={m}, cols={cols}, G={offs.numel()}",
+    )
     b = _as_bytes(blocked).reshape(-1)
     if offs.numel() == 0:
         return _like(torch.zeros(m, cols, dtype=torch.uint8, device=b.device), blocked)
@@ -246,8 +297,14 @@ def to_blocked_k_groups(scales: torch.Tensor, offs: torch.Tensor, m: int) -> tor
     ``[32 j, 32 j + 32)`` (see :func:`quantize_colwise_k_groups` in ``reference``). ``m`` is the
     unpadded token count and ``offs`` the unpadded group ends.
     """
-    s = _as_bytes(scales)
+    s = _as_bytes(scales, ndim=2)
+    m = v.check_size("m", m)
+    _group_offsets(offs, s, m)
     rows = s.shape[0]
+    v.check_shape(
+        "scales", s, (rows, k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE),
+        f"(R, (round_up(m, 32) + 32 G) / 32) for m={m}, G={offs.numel()}",
+    )
     shape = k_groups_blocked_shape(rows, m, offs.numel())
     if offs.numel() == 0:
         return _like(torch.zeros(shape, dtype=torch.uint8, device=s.device), scales)
@@ -257,7 +314,18 @@ def to_blocked_k_groups(scales: torch.Tensor, offs: torch.Tensor, m: int) -> tor
 
 
 def from_blocked_k_groups(blocked: torch.Tensor, offs: torch.Tensor, rows: int, m: int) -> torch.Tensor:
-    """Inverse of :func:`to_blocked_k_groups`: ``(rows, k_groups_padded_len(m, G) / 32)``, zero outside groups."""
+    """Inverse of :func:`to_blocked_k_groups`: ``(rows, k_groups_padded_len(m, G) / 32)``, zero outside groups.
+
+    ``blocked`` is the ``(128 ceil(rows/128), ceil(m/32) + 4 G)`` buffer (or its bytes flattened).
+    """
+    _as_bytes(blocked, "blocked")
+    rows, m = v.check_size("rows", rows), v.check_size("m", m)
+    _group_offsets(offs, blocked, m)
+    _check_blocked_size(
+        blocked,
+        k_groups_blocked_shape(rows, m, offs.numel()),
+        f"the K-groups layout of rows={rows}, m={m}, G={offs.numel()}",
+    )
     b = _as_bytes(blocked).reshape(-1)
     n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
     if offs.numel() == 0:

@@ -51,6 +51,7 @@ def e8m0_from_amax(amax: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
     FLOOR: ``floor(log2(amax)) - 8`` from the exponent field, clamped to [0, 254].
     Non-finite amax gives 255 in both modes.
     """
+    mode = ScaleMode.parse(mode, "mode")  # never let a string fall through to FLOOR
     amax = amax.to(torch.float32)
     if mode is ScaleMode.RCEIL:
         descale = amax * torch.tensor(RCP_E4M3_MAX, dtype=torch.float32)

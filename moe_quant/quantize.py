@@ -3,9 +3,9 @@
 Each function runs a CuTe-DSL kernel where ``backends.use_quant_kernels`` says so (Hopper and newer:
 the 1x32 kernel for rowwise operands and 3D weights along K, the 32x1 kernel for the K-groups wgrad
 operands and 3D weights along N), and the pure-PyTorch reference otherwise; both give bit-identical
-results. (Fusing the reference with
-inductor on CUDA was tried and dropped: torch 2.11's inductor asserts in its tiling pass on
-these graphs with dynamic shapes, seen on an H100 on 2026-11-22.)
+results. Every public function here parses the mode and checks its arguments first. (Fusing the
+reference with inductor on CUDA was tried and dropped: torch 2.11's inductor asserts in its tiling
+pass on these graphs with dynamic shapes, seen on an H100 on 2026-11-22.)
 """
 
 from __future__ import annotations
@@ -13,48 +13,85 @@ from __future__ import annotations
 import torch
 
 from . import backends, reference
-from .numerics import ScaleMode
+from . import validation as v
+from .numerics import BLOCK_SIZE, ScaleMode
 
 
-def quantize_rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor | None = None):
-    """1x32 blocks along the last dim: ``(data e4m3 (M, K), scales e8m0)``, scales M-groups blocked with ``offs``."""
-    if backends.use_quant_kernels(x):
+def _kernels_serve(x: torch.Tensor, *dims: int) -> bool:
+    """A CuTe-DSL kernel serves ``x``: Hopper or newer with cutlass-dsl, and ``x.shape[d] % 32 == 0`` for
+    each of ``dims`` (the kernels read 16-byte vectors of whole 32-element blocks)."""
+    return backends.use_quant_kernels(x) and all(x.shape[d] % BLOCK_SIZE == 0 for d in dims)
+
+
+def quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor | None = None):
+    """1x32 blocks along the last dim: ``(data e4m3 (M, K), scales e8m0)``, scales M-groups blocked with ``offs``.
+
+    ``x`` (M, K) bf16/fp32 with K a multiple of 32; ``mode`` ``"rceil"``/``"floor"``; ``offs`` int32 (G,)
+    group ends on ``x``'s device (values are sanitized as in :mod:`moe_quant.layouts`, not checked).
+    """
+    mode = ScaleMode.parse(mode, "mode")
+    v.check_operand_2d("x", x, blocked_last_dim=True)
+    v.check_group_offsets(offs, x, required=False)
+    if _kernels_serve(x):
         from .kernels import ops
 
-        return ops.quantize_1x32(x, mode, offs, scale_layout="blocked" if offs is not None else "plain")
+        return ops.quantize_1x32(x.contiguous(), mode, offs, scale_layout="blocked" if offs is not None else "plain")
     return reference.quantize_rowwise(x, mode, offs)
 
 
-def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype = torch.bfloat16):
-    """Dequantized 1x32 MXFP8 of ``x (M, K)`` in one pass (no fp8 round trip through memory)."""
-    if backends.use_quant_kernels(x):
+def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
+    """Dequantized 1x32 MXFP8 of ``x (M, K)`` in one pass (no fp8 round trip through memory).
+
+    ``x`` bf16/fp32 with K a multiple of 32; ``out_dtype`` ``torch.bfloat16`` or ``torch.float32``.
+    """
+    mode = ScaleMode.parse(mode, "mode")
+    v.check_operand_2d("x", x, blocked_last_dim=True)
+    v.check_dtype_choice("out_dtype", out_dtype, v.OPERAND_DTYPES)
+    if _kernels_serve(x):
         from .kernels import ops
 
-        return ops.fake_quantize_1x32(x, mode, out_dtype)
+        return ops.fake_quantize_1x32(x.contiguous(), mode, out_dtype)
     return reference.fake_quantize_rowwise(x, mode, out_dtype)
 
 
-def quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode):
-    """32x1 blocks along tokens per group: ``(data_t (R, Mp), K-groups blocked scales, padded_offs)``."""
-    if backends.use_quant_kernels(x):
+def quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode | str):
+    """32x1 blocks along tokens per group: ``(data_t (R, Mp), K-groups blocked scales, padded_offs)``.
+
+    ``x`` (M, R) bf16/fp32 (tokens along dim 0, R any size; the kernel serves R % 32 == 0); ``offs``
+    int32 (G,) group ends on ``x``'s device (values sanitized, not checked); ``mode`` ``"rceil"``/``"floor"``.
+    """
+    mode = ScaleMode.parse(mode, "mode")
+    v.check_operand_2d("x", x, blocked_last_dim=False)
+    v.check_group_offsets(offs, x, required=True)
+    if _kernels_serve(x, 1):
         from .kernels import ops
 
-        return ops.quantize_32x1_k_groups(x, mode, offs)
+        return ops.quantize_32x1_k_groups(x.contiguous(), mode, offs)
     return reference.quantize_colwise_k_groups(x, offs, mode)
 
 
-def fake_quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode, out_dtype=torch.bfloat16):
+def fake_quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode | str, out_dtype=torch.bfloat16):
     """Dequantized 32x1 K-groups MXFP8 of ``x (M, R)``: ``(values_t (R, Mp), padded_offs)``."""
-    if backends.use_quant_kernels(x):
+    mode = ScaleMode.parse(mode, "mode")
+    v.check_operand_2d("x", x, blocked_last_dim=False)
+    v.check_group_offsets(offs, x, required=True)
+    v.check_dtype_choice("out_dtype", out_dtype, v.OPERAND_DTYPES)
+    if _kernels_serve(x, 1):
         from .kernels import ops
 
-        return ops.fake_quantize_32x1_k_groups(x, mode, offs, out_dtype)
+        return ops.fake_quantize_32x1_k_groups(x.contiguous(), mode, offs, out_dtype)
     return reference.fake_quantize_colwise_k_groups(x, offs, mode, out_dtype)
 
 
-def quantize_3d(w: torch.Tensor, mode: ScaleMode, along: str):
-    """Expert weights ``(E, N, K)`` along ``"k"`` or ``"n"``: ``(data, (E, blocked) scales)``."""
-    if along in ("k", "n") and backends.use_quant_kernels(w):
+def quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along: str):
+    """Expert weights ``(E, N, K)`` along ``"k"`` or ``"n"``: ``(data, (E, blocked) scales)``.
+
+    ``w`` bf16/fp32; the quantized dim (K for ``"k"``, N for ``"n"``) a multiple of 32.
+    """
+    mode = ScaleMode.parse(mode, "mode")
+    along = v.parse_along(along)
+    v.check_weight_3d("w", w, along)
+    if _kernels_serve(w, 1, 2):
         from .kernels import ops
 
         fn = ops.quantize_3d_along_k if along == "k" else ops.quantize_3d_along_n
@@ -62,14 +99,15 @@ def quantize_3d(w: torch.Tensor, mode: ScaleMode, along: str):
     return reference.quantize_3d(w, mode, along)
 
 
-def fake_quantize_3d(w: torch.Tensor, mode: ScaleMode, along_dim: int, out_dtype=torch.bfloat16):
+def fake_quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along_dim: int, out_dtype=torch.bfloat16):
     """Dequantized 3D weights, blocks of 32 along ``along_dim`` (-1 or -2), same shape as ``w``.
 
     On the kernels, ``w`` is normally ``W_t = W.transpose(-2, -1)`` of a contiguous ``W (E, N, K)``:
     blocks along dim -2 (K) are the 1x32 kernel on W, blocks along dim -1 (N) the 32x1 kernel on W,
     which writes ``(E, K, N)`` directly.
     """
-    if along_dim in (-1, -2) and w.ndim == 3 and backends.use_quant_kernels(w):
+    mode = ScaleMode.parse(mode, "mode")
+    if along_dim in (-1, -2) and w.ndim == 3 and _kernels_serve(w, 1, 2):
         from .kernels import ops
 
         w_nk = w.transpose(-2, -1).contiguous()  # W (E, N, K): a view when w is W_t

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import layouts
+from . import validation as v
 from .numerics import BLOCK_SIZE, ScaleMode, dequantize_blocks, fake_quantize_blocks, quantize_blocks
 
 E8M0 = torch.float8_e8m0fnu
@@ -19,14 +20,23 @@ E8M0 = torch.float8_e8m0fnu
 def to_mxfp8(x: torch.Tensor, scale_mode: ScaleMode | str = ScaleMode.RCEIL):
     """Quantize along the last dim in blocks of 32: ``(data e4m3, scales e8m0 (..., K/32))``.
 
+    ``x``: a bf16, fp16 or fp32 tensor of at least one dim whose last dim is a multiple of 32.
     Same convention as torchao's ``to_mx`` (which returns them in the other order).
     """
-    data, scale = quantize_blocks(x, ScaleMode.parse(scale_mode))
+    mode = ScaleMode.parse(scale_mode, "scale_mode")
+    v.check_to_mxfp8_args(x)
+    data, scale = quantize_blocks(x, mode)
     return data, scale.view(E8M0)
 
 
 def from_mxfp8(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
-    """Dequantize ``(data, scales)`` from :func:`to_mxfp8`."""
+    """Dequantize ``(data, scales)`` from :func:`to_mxfp8`.
+
+    ``data``: ``float8_e4m3fn`` ``(..., K)`` with K a multiple of 32; ``scales``: ``float8_e8m0fnu``
+    (or its ``uint8`` bytes) of shape exactly ``(..., K/32)`` on the same device (plain layout,
+    no broadcasting); ``out_dtype``: ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+    """
+    v.check_from_mxfp8_args(data, scales, out_dtype)
     return dequantize_blocks(data, scales, out_dtype)
 
 

@@ -8,25 +8,61 @@ out-of-bounds write.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .numerics import BLOCK_SIZE
 
 _A_DTYPES = (torch.bfloat16, torch.float32)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
+# inputs of the quantizers: the dtypes the kernels and the GEMMs take
+OPERAND_DTYPES = (torch.bfloat16, torch.float32)
+# to_mxfp8 / from_mxfp8 (reference only): any IEEE float dtype the fp32 math represents exactly
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
 
 
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def check_tensor(name: str, t, *, dtypes, ndim: int) -> None:
+def check_tensor(name: str, t, *, dtypes, ndim: int | None = None, min_ndim: int | None = None) -> None:
+    """``t`` is a tensor of one of ``dtypes`` with exactly ``ndim`` (or at least ``min_ndim``) dims."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if t.ndim != ndim:
+    if ndim is not None and t.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dim(s), got shape {tuple(t.shape)}")
+
+
+def check_dtype_choice(name: str, dtype, allowed) -> None:
+    """``dtype`` is one of ``allowed`` (a ``torch.dtype`` argument such as ``out_dtype``)."""
+    if dtype not in allowed:
+        raise TypeError(f"{name} must be one of {[str(d) for d in allowed]}, got {dtype!r}")
+
+
+def check_size(name: str, value) -> int:
+    """A non-negative integer size argument (Python or NumPy int; symbolic sizes pass through)."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a non-negative int, got {type(value).__name__}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a non-negative int, got {type(value).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value}")
+    return value
+
+
+def check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}")
 
 
 def check_block_multiple(name: str, dim_name: str, size: int) -> None:
@@ -34,7 +70,9 @@ def check_block_multiple(name: str, dim_name: str, size: int) -> None:
         raise ValueError(f"{name}: {dim_name} = {size} must be a multiple of {BLOCK_SIZE} (the MX block size)")
 
 
-def check_offsets(offs, *, n_groups: int | None, total: int, device: torch.device, validate: bool | None = None) -> None:
+def check_offsets(
+    offs, *, n_groups: int | None, total: int, device: torch.device | None, validate: bool | None = None
+) -> None:
     """``offs``: int32, 1-D, ``n_groups`` long, on ``device``; values checked where cheap (see module doc)."""
     if not isinstance(offs, torch.Tensor):
         raise TypeError(f"offs must be a torch.Tensor of int32 group end offsets, got {type(offs).__name__}")
@@ -44,26 +82,35 @@ def check_offsets(offs, *, n_groups: int | None, total: int, device: torch.devic
         raise ValueError(f"offs must be 1-D (one end offset per group), got shape {tuple(offs.shape)}")
     if n_groups is not None and offs.numel() != n_groups:
         raise ValueError(f"offs must have one entry per expert ({n_groups}), got {offs.numel()}")
-    if offs.device != device:
+    if device is not None and offs.device != device:
         raise ValueError(f"offs must be on the same device as the input ({device}), got {offs.device}")
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate_offsets must be None, True or False, got {validate!r}")
     if validate is None:
         validate = offs.device.type == "cpu"
     if validate and not _is_compiling() and offs.numel() > 0:
-        o = offs.cpu().to(torch.int64)
-        if bool((o < 0).any()):
-            raise ValueError(f"offs must be non-negative, got {o.tolist()}")
-        if bool((o[1:] < o[:-1]).any()):
-            raise ValueError(f"offs must be non-decreasing cumulative group ends, got {o.tolist()}")
-        if int(o[-1]) > total:
-            raise ValueError(f"offs[-1] = {int(o[-1])} is past the number of rows M = {total}")
+        check_offset_values(offs, total)
+
+
+def check_offset_values(offs: torch.Tensor, total: int) -> None:
+    """Group ends non-negative, non-decreasing, <= total."""
+    o = offs.detach().cpu().to(torch.int64)
+    if o.numel() == 0:
+        return
+    if bool((o < 0).any()):
+        raise ValueError(f"offs must be non-negative, got {o.tolist()}")
+    if bool((o[..., 1:] < o[..., :-1]).any()):
+        raise ValueError(f"offs must be non-decreasing cumulative group ends, got {o.tolist()}")
+    last = int(o[..., -1].max())
+    if last > total:
+        raise ValueError(f"offs[-1] = {last} is past the number of rows M = {total}")
 
 
 def check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets: bool | None) -> None:
     """Inputs of ``mxfp8_grouped_mm``: A (M, K), W_t (E, K, N), offs (E,) int32."""
     check_tensor("A", A, dtypes=_A_DTYPES, ndim=2)
     check_tensor("W_t", W_t, dtypes=(torch.bfloat16,), ndim=3)
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
+    check_dtype_choice("out_dtype", out_dtype, _OUT_DTYPES)
     m, k = A.shape
     e, k_w, n = W_t.shape
     if k_w != k:
@@ -75,3 +122,85 @@ def check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets: bool | None
     if W_t.device != A.device:
         raise ValueError(f"W_t must be on the same device as A ({A.device}), got {W_t.device}")
     check_offsets(offs, n_groups=e, total=m, device=A.device, validate=validate_offsets)
+
+
+def check_last_dim_blocks(name: str, t: torch.Tensor) -> None:
+    """The last dim of ``t`` (at least 1-D) is a whole number of MX blocks."""
+    check_block_multiple(name, f"the last dim ({name}.shape[-1])", t.shape[-1])
+
+
+def check_shape(name: str, t: torch.Tensor, expected, what: str) -> None:
+    """``t.shape == expected``; ``what`` says where the expectation comes from."""
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)} ({what}), got {tuple(t.shape)}")
+
+
+# ----------------------------------------------------------------------------- public quantizers
+
+
+def check_operand_2d(name: str, x, *, blocked_last_dim: bool) -> None:
+    """A 2-D bf16/fp32 operand; with ``blocked_last_dim`` its last dim is a multiple of 32."""
+    check_tensor(name, x, dtypes=OPERAND_DTYPES, ndim=2)
+    if blocked_last_dim:
+        check_block_multiple(name, f"K ({name}.shape[1])", x.shape[1])
+
+
+def check_group_offsets(offs, x: torch.Tensor, *, required: bool) -> None:
+    """``offs`` of a quantizer: int32 1-D group ends on ``x``'s device (values are sanitized, not checked)."""
+    if offs is None:
+        if required:
+            raise TypeError("offs must be a torch.Tensor of int32 group end offsets, got None")
+        return
+    check_offsets(offs, n_groups=None, total=x.shape[0], device=x.device, validate=False)
+
+
+def parse_along(along) -> str:
+    """``along`` of :func:`quantize_3d`: ``"k"`` or ``"n"`` (any case)."""
+    if isinstance(along, str) and along.lower() in ("k", "n"):
+        return along.lower()
+    raise ValueError(f"along must be 'k' or 'n', got {along!r}")
+
+
+def check_weight_3d(name: str, w, along: str) -> None:
+    """Expert weights ``(E, N, K)``: bf16/fp32, the quantized dim (K or N) a multiple of 32."""
+    check_tensor(name, w, dtypes=OPERAND_DTYPES, ndim=3)
+    if along == "k":
+        check_block_multiple(name, f"K ({name}.shape[2])", w.shape[2])
+    else:
+        check_block_multiple(name, f"N ({name}.shape[1])", w.shape[1])
+
+
+# ----------------------------------------------------------------------------- to_mxfp8 / from_mxfp8
+
+
+def check_to_mxfp8_args(x) -> None:
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+    check_last_dim_blocks("x", x)
+
+
+def check_from_mxfp8_args(data, scales, out_dtype) -> None:
+    check_tensor("data", data, dtypes=(torch.float8_e4m3fn,), min_ndim=1)
+    check_last_dim_blocks("data", data)
+    check_tensor("scales", scales, dtypes=SCALE_DTYPES)
+    check_shape("scales", scales, (*data.shape[:-1], data.shape[-1] // BLOCK_SIZE), "one scale per 32 elements of data")
+    check_same_device("scales", scales, "data", data)
+    check_dtype_choice("out_dtype", out_dtype, FLOAT_DTYPES)
+
+
+# ----------------------------------------------------------------------------- grouped-mm bias (conversion)
+
+
+def check_bias(bias, n_out: int, n_groups: int) -> None:
+    """``bias`` of an intercepted grouped-mm call: ``(N,)``, ``(1, N)`` or ``(E, N)`` (one row per group)."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if not bias.is_floating_point():
+        raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
+    ok = (bias.ndim == 1 and bias.shape[0] == n_out) or (
+        bias.ndim == 2 and bias.shape[1] == n_out and bias.shape[0] in (1, n_groups)
+    )
+    if not ok:
+        raise ValueError(
+            f"bias must have shape ({n_out},), (1, {n_out}) or ({n_groups}, {n_out}) (one row per group), "
+            f"got {tuple(bias.shape)}"
+        )

@@ -221,6 +221,22 @@ def test_compile_fullgraph_fwd_bwd_no_recompiles():
     assert all(bool(r.isfinite().all()) for r in results)
 
 
+# ----------------------------------------------------------------------------- K = 0, N = 0
+
+
+@pytest.mark.parametrize("k, n", [(0, 32), (64, 0), (0, 0)])
+def test_empty_contraction_or_output_dims_give_exact_zeros(k, n):
+    """torch._grouped_mm rejects K = 0 and N = 0; the answer is known: zeros, zero / empty gradients."""
+    A = torch.randn(40, k, dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(3, n, k, dtype=torch.bfloat16, requires_grad=True)
+    offs = offsets_from_sizes([10, 0, 25])
+    out = mxfp8_grouped_mm(A, W.transpose(-2, -1), offs, out_dtype=torch.float32)
+    assert out.shape == (40, n) and out.dtype == torch.float32 and bool((out == 0).all())
+    out.sum().backward()
+    assert A.grad.shape == (40, k) and bool((A.grad == 0).all())
+    assert W.grad.shape == (3, n, k) and bool((W.grad == 0).all())
+
+
 # ----------------------------------------------------------------------------- SM100 scaled path
 
 

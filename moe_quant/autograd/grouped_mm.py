@@ -90,12 +90,19 @@ def _zero_empty_experts(dW: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch.where((sizes > 0).view(-1, 1, 1), dW, 0)
 
 
+def _empty_contraction(A, W_t) -> bool:
+    """K = 0 or N = 0: every product is an empty sum (or an empty matrix), no GEMM to run."""
+    return A.shape[1] == 0 or W_t.shape[2] == 0
+
+
 class _MXFP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
-        fwd, _, _ = _GEMMS[backend]
         ctx.save_for_backward(A, W_t, offs)
         ctx.mode, ctx.backend = mode, backend
+        if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
+            return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
+        fwd, _, _ = _GEMMS[backend]
         return fwd(A, W_t, offs, mode).to(out_dtype)
 
     @staticmethod
@@ -104,6 +111,10 @@ class _MXFP8GroupedMM(torch.autograd.Function):
         _, dgrad, wgrad = _GEMMS[ctx.backend]
         grad_out = grad_out.contiguous()
         grad_A = grad_W_t = None
+        if _empty_contraction(A, W_t):  # dA (M, K) sums over N = 0 terms; dW_t (E, K, N) is zero or empty
+            grad_A = torch.zeros_like(A) if ctx.needs_input_grad[0] else None
+            grad_W_t = torch.zeros_like(W_t) if ctx.needs_input_grad[1] else None
+            return grad_A, grad_W_t, None, None, None, None
         if ctx.needs_input_grad[0]:
             grad_A = dgrad(grad_out, W_t, offs, ctx.mode).to(A.dtype)
         if ctx.needs_input_grad[1]:
@@ -125,17 +136,20 @@ def mxfp8_grouped_mm(
     """MXFP8 grouped GEMM, a differentiable drop-in for ``torch._grouped_mm(A, W_t, offs=offs)``.
 
     Args:
-        A: ``(M, K)`` bf16 or fp32 activations, tokens grouped by expert.
-        W_t: ``(E, K, N)`` bf16, normally ``W.transpose(-2, -1)`` of an ``(E, N, K)`` expert parameter.
+        A: ``(M, K)`` bf16 or fp32 activations, tokens grouped by expert; K a multiple of 32.
+        W_t: ``(E, K, N)`` bf16, normally ``W.transpose(-2, -1)`` of an ``(E, N, K)`` expert parameter;
+            N a multiple of 32. K = 0 or N = 0 give the exact answer (zeros of shape ``(M, N)``,
+            zero or empty gradients) without running a GEMM, where ``torch._grouped_mm`` raises.
         offs: ``(E,)`` int32 cumulative end offsets of each expert's tokens (any sizes, 0 included).
             Rows past ``offs[-1]`` are not computed: their output and input gradient are
             unspecified, as in ``torch._grouped_mm``.
         scale_mode: ``"rceil"`` (default) or ``"floor"``.
         out_dtype: ``torch.bfloat16`` or ``torch.float32`` (the bf16 GEMM result, widened).
         backend: ``"auto"`` (scaled on SM100+, else emulated), ``"emulated"``, ``"scaled"``.
-        validate_offsets: check ``offs`` values (monotone, <= M). Default: only when ``offs`` is on
-            the CPU, since reading a GPU tensor synchronizes. Bad values never cause out-of-bounds
-            accesses either way: offsets are clamped to [0, M] and made monotone internally.
+        validate_offsets: check ``offs`` values (non-negative, non-decreasing, ``offs[-1] <= M``)
+            and raise ``ValueError`` otherwise. Default: only when ``offs`` is on the CPU, since
+            reading a GPU tensor synchronizes. Bad values never cause out-of-bounds accesses either
+            way: offsets are clamped to [0, M] and made monotone internally.
 
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
