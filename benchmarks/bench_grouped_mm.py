@@ -53,6 +53,9 @@ def torchao_emulated():
 
 
 def main():
+    from benchmarks.timing import require_cuda
+
+    require_cuda()  # one line and exit status 2 without a GPU
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="dsv3,llama4")
     p.add_argument("--compile", action="store_true", help="add a torch.compile(mxfp8_grouped_mm) row")
