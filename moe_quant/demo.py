@@ -148,7 +148,7 @@ def loss_figure(results: dict, plt):
     fig, (ax, ax_gap) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 1))
     for name, r in results.items():
         style = CURVE_STYLES.get(name, dict(linewidth=1))
-        ax.plot(r.losses, label=f"{name} (held-out {r.eval_loss:.4f})", **style)
+        ax.plot(r.losses, label=f"{name} (held-out {r.eval_loss:.5f})", **style)
     ax.set_ylabel("training MSE loss")
     ax.set_yscale("log")
     ax.set_title("tiny MoE: bf16 vs MXFP8 experts")
