@@ -33,7 +33,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, profile_device_ops
+from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, profile_device_ops, require_cuda
 from moe_quant import backends, mxfp8_grouped_mm
 
 FAMILIES = {  # name: (K in, N out, G experts)
@@ -272,6 +272,8 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="shrunken shapes (smoke runs, e.g. with --device cpu)")
     args = p.parse_args()
+    if args.device == "cuda":
+        require_cuda()  # one line and exit status 2 without a GPU (CPU smoke runs pass --device cpu)
     run(args)
 
 

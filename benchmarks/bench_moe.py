@@ -36,7 +36,7 @@ import traceback
 
 import torch
 
-from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table
+from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, require_cuda
 from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
 from moe_quant.moe import MoE
 
@@ -90,6 +90,8 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help=f"small sizes {TINY} for smoke runs")
     args = p.parse_args()
+    if args.device == "cuda":
+        require_cuda()  # one line and exit status 2 without a GPU (CPU smoke runs pass --device cpu)
     run(args)
 
 

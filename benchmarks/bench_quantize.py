@@ -131,6 +131,9 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> dict:
 
 
 def main():
+    from benchmarks.timing import require_cuda
+
+    require_cuda()  # one line and exit status 2 without a GPU
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="8192,32768,131072")
     p.add_argument("--k", default="2048,5120,7168")

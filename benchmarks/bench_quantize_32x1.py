@@ -210,6 +210,9 @@ def run(ms, rs, g: int, shapes, no_torchao: bool, kernels=("32x1", "3d")) -> Non
 
 
 def main(argv=None):
+    from benchmarks.timing import require_cuda
+
+    require_cuda(argv)  # one line and exit status 2 without a GPU
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="8192,32768,131072")
     p.add_argument("--r", default="2048,5120,7168")

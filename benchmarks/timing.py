@@ -1,11 +1,28 @@
 """Shared timing helpers for the benchmarks: do_bench medians, a memcpy ceiling, tables.
 
-Run on a CUDA device. Bandwidth counts bytes read + bytes written once each.
+Run on a CUDA device (:func:`require_cuda` ends a benchmark with one line and exit status 2
+elsewhere). Bandwidth counts bytes read + bytes written once each.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
+
+NO_GPU_EXIT_CODE = 2
+
+
+def require_cuda(argv: list[str] | None = None) -> None:
+    """Exit with status 2 and one line on stderr unless a CUDA GPU is available (``--help`` still works)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if torch.cuda.is_available() or "-h" in argv or "--help" in argv:
+        return
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    prog = f"python -m {spec.name}" if spec is not None and spec.name else os.path.basename(sys.argv[0] or "benchmark")
+    print(f"{prog}: needs a CUDA GPU, and torch {torch.__version__} sees none (no GPU, or a CPU-only build)", file=sys.stderr)
+    raise SystemExit(NO_GPU_EXIT_CODE)
 
 
 def bench_us(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> float:

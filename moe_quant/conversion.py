@@ -42,10 +42,9 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
-from torchao.core.config import AOBaseConfig
-from torchao.quantization.transform_module import register_quantize_module_handler
 
 from . import validation as v
+from ._torchao import AOBaseConfig, register_quantize_module_handler
 from .backends import GemmBackend
 from .numerics import BLOCK_SIZE, ScaleMode
 

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from .backends import resolve_gemm_backend
+from .backends import GemmBackend, resolve_gemm_backend, use_quant_kernels
 from .conversion import MXFP8MoEConfig, fallback_counts
 from .moe import GroupedExperts, TinyMoEModel
+from .numerics import ScaleMode
 
 
 @dataclass
@@ -132,17 +135,20 @@ class _Progress:
             self.bar.close()
 
 
-def plot(results: dict, path: str) -> str:
-    try:
-        import matplotlib
+# The two training curves differ by well under 1%, so drawn alike the second hides the first:
+# bf16 is a wide translucent band, MXFP8 a thin dashed line on top of it.
+CURVE_STYLES = {
+    "bf16": dict(color="tab:blue", linewidth=3.5, alpha=0.45, zorder=2),
+    "mxfp8": dict(color="tab:red", linewidth=1.0, linestyle="--", zorder=3),
+}
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+
+def loss_figure(results: dict, plt):
+    """The loss-curve figure: both training curves, and their relative difference below."""
     fig, (ax, ax_gap) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 1))
     for name, r in results.items():
-        ax.plot(r.losses, label=f"{name} (held-out {r.eval_loss:.4f})", linewidth=1)
+        style = CURVE_STYLES.get(name, dict(linewidth=1))
+        ax.plot(r.losses, label=f"{name} (held-out {r.eval_loss:.5f})", **style)
     ax.set_ylabel("training MSE loss")
     ax.set_yscale("log")
     ax.set_title("tiny MoE: bf16 vs MXFP8 experts")
@@ -154,9 +160,51 @@ def plot(results: dict, path: str) -> str:
         ax_gap.set_ylabel("mxfp8 vs bf16 (%)")
     ax_gap.set_xlabel("step")
     fig.tight_layout()
+    return fig
+
+
+def plot(results: dict, path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    fig = loss_figure(results, plt)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return f"loss curves written to {path}"
+
+
+def check_plot_path(path: str) -> str | None:
+    """Why ``path`` cannot take the PNG (checked before training), or None if it can."""
+    if not path.lower().endswith(".png"):
+        return f"--plot {path!r}: the loss-curve file must end with .png"
+    if os.path.isdir(path):
+        return f"--plot {path!r} is a directory; give a file name ending with .png"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"--plot {path!r}: directory {os.path.dirname(path) or '.'!r} does not exist"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"--plot {path!r}: the file exists and is not writable"
+    try:  # os.access says yes to root even on read-only mounts: really create a file there
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".moe_quant_demo_", suffix=".png"):
+            pass
+    except OSError as err:
+        return f"--plot {path!r}: cannot write to directory {os.path.dirname(path) or '.'!r} ({err.strerror})"
+    return None
+
+
+def describe_mxfp8(scale_mode: str, backend: str, device: torch.device) -> str:
+    """One line: which scale mode, GEMM backend and quantizer the MXFP8 run uses on ``device``."""
+    gemm = resolve_gemm_backend(backend, device)
+    gemm_text = {
+        GemmBackend.SCALED: "scaled (torch._scaled_grouped_mm, MXFP8 tensor cores)",
+        GemmBackend.EMULATED: "emulated (dequantize to bf16, torch._grouped_mm)",
+    }[gemm]
+    quant = "CuTe-DSL kernels" if use_quant_kernels(torch.empty(0, device=device)) else "PyTorch reference"
+    return f"mxfp8 run: scale mode {ScaleMode.parse(scale_mode).value}, GEMM backend {gemm_text}, quantization {quant}"
 
 
 def main(argv=None) -> int:
@@ -167,10 +215,24 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=TaskConfig.seed)
     p.add_argument("--scale-mode", default="rceil", choices=["rceil", "floor"])
     p.add_argument("--backend", default="auto", choices=["auto", "emulated", "scaled"])
-    p.add_argument("--plot", default="loss_curves.png", help="PNG path for the loss curves")
+    p.add_argument("--plot", default="loss_curves.png", help="PNG path for the loss curves (default %(default)s)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for PyTorch (default 1: this model is too small to gain from more, and "
+        "several threads slow it down many times over on a busy machine; 0 keeps PyTorch's default)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.tokens < 1:
         p.error("--steps and --tokens must be positive")
+    if args.threads < 0:
+        p.error("--threads must be 0 (PyTorch's default) or positive")
+    plot_error = check_plot_path(args.plot)
+    if plot_error:
+        p.error(plot_error)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     try:
         device = torch.device(args.device)
@@ -184,8 +246,10 @@ def main(argv=None) -> int:
     print(
         f"tiny MoE: {cfg.n_layers} layers, dim {cfg.dim}, hidden {cfg.hidden}, "
         f"{cfg.num_experts} experts top-{cfg.top_k}, "
-        f"{cfg.tokens} tokens/step, {cfg.steps} steps, device {device}, torch {torch.__version__}"
+        f"{cfg.tokens} tokens/step, {cfg.steps} steps, device {device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} CPU thread(s)"
     )
+    print(describe_mxfp8(args.scale_mode, args.backend, device))
     results = {}
     for name, model in models.items():
         bar = _Progress(cfg.steps, name)

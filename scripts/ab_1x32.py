@@ -9,14 +9,18 @@ and writes the best config's string to --out.
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "tests")
+# Runnable as `python scripts/ab_1x32.py` from the repository root: put the root (moe_quant,
+# benchmarks) and tests/ (the shared hypothesis strategies) on the path.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from mx_strategies import make_values, offsets_from_sizes  # noqa: E402
 
 from benchmarks.bench_quantize import group_offsets, nbytes  # noqa: E402
-from benchmarks.timing import Rotating, bench_us, memcpy_tbps, print_table, tbps  # noqa: E402
+from benchmarks.timing import Rotating, bench_us, memcpy_tbps, print_table, require_cuda, tbps  # noqa: E402
 from moe_quant import layouts, reference  # noqa: E402
 from moe_quant.kernels import ops  # noqa: E402
 from moe_quant.kernels.config_1x32 import TileConfig, Variant  # noqa: E402
@@ -41,6 +45,7 @@ def main():
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("configs", nargs="*", default=["256x4:pf:leader", "256x4:leader", "256x4:pf", "256x4"])
     a = p.parse_args()
+    require_cuda()
     arch = ops._arch(torch.device("cuda"))
     kerns = {}
     for c in a.configs:

@@ -7,6 +7,12 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+# Runnable as `python scripts/cache_timing.py` from the repository root (the children import moe_quant from it too).
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.timing import require_cuda  # noqa: E402
 
 CHILD = r"""
 import time
@@ -35,8 +41,10 @@ t2 = time.perf_counter()
 print(f"import tvm_ffi {t1 - t0:.3f}s, import cutlass {t2 - t1:.3f}s (after torch)")
 """
 
+require_cuda()
 with tempfile.TemporaryDirectory() as d:
-    env = dict(os.environ, MOE_QUANT_CACHE_DIR=d)
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, MOE_QUANT_CACHE_DIR=d, PYTHONPATH=pythonpath)
     for label in ("process 1 (empty cache: compile)", "process 2 (disk cache)"):
         r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
         print(label, "->", r.stdout.strip() or r.stderr[-2000:])

@@ -21,6 +21,13 @@ of the two runs agree (``--rtol``); the loss goes down; ``state_dict()`` of the 
 holds DTensors of plain tensors. Rank 0 prints one PASS/FAIL line per case with the
 numbers and a final verdict; the exit code is 0 only if everything passed on every rank.
 
+Teardown is part of the check: after a barrier every rank destroys the process group and
+drops the references that DTensor's caches keep to it, so that the communication backend
+and its threads (gloo: ``gloo_tcp_loop``, ``pt_gloo_runloop``) end before the interpreter
+exits; each rank then prints whether any such thread is left (a left-over gloo thread is a
+failure). A backend left for interpreter shutdown to destroy used to abort the process now
+and then with ``terminate called without an active exception`` after ``PASS overall``.
+
 With expert parallelism (tokens already dispatched and permuted so that each rank holds
 only its local experts' tokens, ``offs`` over the local experts), the same conversion
 applies unchanged: the local expert weights are ``(E_local, N, K)`` and
@@ -32,15 +39,20 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
+import gc
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts
-from moe_quant.moe import GroupedExperts, TinyMoEModel
+# Runnable as `torchrun ... scripts/fsdp2_check.py` from the repository root without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts  # noqa: E402
+from moe_quant.moe import GroupedExperts, TinyMoEModel  # noqa: E402
 
 
 def parse_args():
@@ -53,6 +65,8 @@ def parse_args():
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--rtol", type=float, default=1e-3, help="max relative difference fsdp vs reference")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (default 1; the model is tiny)")
+    p.add_argument("--timeout", type=float, default=240, help="seconds a collective may wait before it fails")
     return p.parse_args()
 
 
@@ -175,6 +189,67 @@ def run_case(num_experts: int, args, device, rank: int, world: int) -> dict:
     )
 
 
+# Name prefixes (Linux thread names) of the threads a communication backend starts.
+_BACKEND_THREADS = {"gloo": ("gloo", "pt_gloo"), "nccl": ("pt_nccl", "nccl")}
+
+
+def backend_threads(backend: str) -> list[str] | None:
+    """Names of this process's threads that belong to ``backend``; None where they cannot be listed."""
+    task_dir = "/proc/self/task"
+    if not os.path.isdir(task_dir):
+        return None
+    names = []
+    for tid in os.listdir(task_dir):
+        try:
+            with open(os.path.join(task_dir, tid, "comm")) as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith(_BACKEND_THREADS.get(backend, ())))
+
+
+def release_mesh_process_groups() -> int:
+    """Drop the ProcessGroup references that outlive ``destroy_process_group``; returns how many meshes held some.
+
+    ``fully_shard`` builds a DeviceMesh, and DTensor's sharding-propagation and redistribution
+    caches keep DeviceMesh objects alive for the life of the process. Each mesh keeps its
+    ProcessGroup objects (``DeviceMesh._pg_registry`` in torch 2.13), so the backend is
+    not destroyed by ``destroy_process_group`` but only during interpreter shutdown, with its
+    threads still running. The meshes are not used after teardown, so their groups are dropped
+    here and the backend is destroyed now, while every rank is still alive.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()  # first free what is garbage already (the cases' models and their FSDP state)
+    meshes = [obj for obj in gc.get_objects() if DeviceMesh in type(obj).__mro__]
+    held, mesh = 0, None
+    for mesh in meshes:
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict) and registry:
+            registry.clear()
+            held += 1
+    del meshes, mesh  # the loop variable would keep the last mesh alive
+    gc.collect()
+    return held
+
+
+def teardown(backend: str, rank: int, clean_exit: bool) -> bool:
+    """Barrier (when every rank got here normally), destroy the process group, release it; True if no backend thread is left."""
+    if clean_exit:
+        dist.barrier()  # no rank still has a collective in flight
+    dist.destroy_process_group()
+    release_mesh_process_groups()
+    left = backend_threads(backend)
+    if left is None:
+        print(f"[fsdp2_check] rank {rank} teardown: process group destroyed (threads not listed on this OS)", flush=True)
+        return True
+    if left:
+        print(f"[fsdp2_check] rank {rank} teardown: FAILED, {backend} threads still alive: {left}", flush=True)
+        return backend != "gloo"  # checked on CPU (CI); reported only for nccl
+    print(f"[fsdp2_check] rank {rank} teardown: process group destroyed, no {backend} threads left", flush=True)
+    return True
+
+
 def main() -> int:
     args = parse_args()
     if "RANK" not in os.environ:
@@ -187,11 +262,15 @@ def main() -> int:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    torch.set_num_threads(max(1, args.threads))
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(
+        backend, device_id=device if use_cuda else None, timeout=datetime.timedelta(seconds=args.timeout)
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
 
     all_ok = True
+    finished = False
     try:
         for e in (int(v) for v in args.experts.split(",")):
             r = run_case(e, args, device, rank, world)
@@ -208,11 +287,12 @@ def main() -> int:
                 )
                 for name, passed in r["checks"].items():
                     print(f"    [{'ok' if passed else 'FAILED'}] {name}")
+        finished = True
     finally:
         if rank == 0:
-            print(f"[fsdp2_check] {'PASS' if all_ok else 'FAIL'} overall ({torch.__version__})")
-        dist.destroy_process_group()
-    return 0 if all_ok else 1
+            print(f"[fsdp2_check] {'PASS' if all_ok and finished else 'FAIL'} overall ({torch.__version__})", flush=True)
+        clean = teardown(backend, rank, clean_exit=finished)
+    return 0 if all_ok and clean else 1
 
 
 if __name__ == "__main__":

@@ -7,12 +7,17 @@ no-group blocked and plain layouts, fake-quant; bf16 and fp32 inputs.
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "tests")
+# Runnable as `python scripts/sanitize_1x32.py` from the repository root: put the root (moe_quant,
+# benchmarks) and tests/ (the shared hypothesis strategies) on the path.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from mx_strategies import make_values, offsets_from_sizes  # noqa: E402
 
+from benchmarks.timing import require_cuda  # noqa: E402
 from moe_quant import layouts, reference  # noqa: E402
 from moe_quant.kernels import ops  # noqa: E402
 from moe_quant.numerics import ScaleMode  # noqa: E402
@@ -45,6 +50,7 @@ def run_case(name, m, k, offs_list, layout="blocked", dtype=torch.bfloat16, mode
 
 
 def main():
+    require_cuda()
     quick = "--quick" in sys.argv
     cases = [
         ("ragged groups", 1000, 224, offsets_from_sizes([0, 1, 31, 33, 127, 129, 300, 200]).tolist()),

@@ -7,14 +7,17 @@ Ragged K-groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000,
 fake outputs, fp32 input, 3D weights along N and K (N % 128 != 0).
 """
 
-import os
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+# Runnable as `python scripts/sanitize_32x1.py` from the repository root (root and tests/ on the path).
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from mx_strategies import make_values, offsets_from_sizes  # noqa: E402
 
+from benchmarks.timing import require_cuda  # noqa: E402
 from moe_quant import reference  # noqa: E402
 from moe_quant.kernels import ops  # noqa: E402
 from moe_quant.numerics import ScaleMode  # noqa: E402
@@ -55,6 +58,7 @@ def w_case(name, e, n, k, dtype=torch.bfloat16, mode=ScaleMode.FLOOR):
 
 
 def main():
+    require_cuda()
     quick = "--quick" in sys.argv
     cases = [
         ("ragged groups", 1000, 224, offsets_from_sizes([0, 1, 31, 33, 127, 129, 300, 200]).tolist()),

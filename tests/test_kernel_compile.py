@@ -1,8 +1,13 @@
 """CI without a GPU: every kernel variant (1x32 and 32x1) compiles for sm_90a and sm_100a (CuTe DSL cross-compile).
 
 Runs moe_quant.kernels.compile_check (one subprocess per arch, in parallel) and checks that
-ptxas reports no register spills and no local-memory stack frame for any variant.
+ptxas reports no register spills and no local-memory stack frame for any variant. The
+per-variant report (registers, spills, compile time) goes to the log, not to the terminal:
+``pytest tests/test_kernel_compile.py --log-cli-level=INFO`` shows it, and a failure
+includes it in the assertion message.
 """
+
+import logging
 
 import pytest
 
@@ -25,13 +30,10 @@ def test_every_variant_compiles_for_each_arch(results):
         assert got == keys, f"{arch}: missing {sorted(keys - got)}"
 
 
-def test_no_spills_no_stack(results, capsys):
-    with capsys.disabled():
-        print()
-        for r in results:
-            print(f"  {r['arch']:8s} {r['variant']:48s} regs={r['registers']} spill={r['spill_bytes']}B "
-                  f"stack={r['stack_bytes']}B smem={r['smem_bytes']}B {r['seconds']:.2f}s tvm_ffi={r['tvm_ffi']}")
+def test_no_spills_no_stack(results):
+    report = compile_check.format_results(results)
+    logging.getLogger(__name__).info("ptxas resources per kernel variant:\n%s", report)
     for r in results:
-        assert r["registers"] is not None, f"no ptxas report for {r}"
-        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, r
-        assert r["registers"] <= 128, r
+        assert r["registers"] is not None, f"no ptxas report for {r}\n{report}"
+        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, f"{r}\n{report}"
+        assert r["registers"] <= 128, f"{r}\n{report}"

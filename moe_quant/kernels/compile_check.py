@@ -104,6 +104,15 @@ def run(archs: list[str], timeout: float = 900) -> list[dict]:
     return results
 
 
+def format_results(results: list[dict]) -> str:
+    """One readable line per compiled variant (registers, spills, stack, smem, compile time)."""
+    return "\n".join(
+        f"{r['arch']:8s} {r['variant']:48s} regs={r['registers']} spill={r['spill_bytes']}B "
+        f"stack={r['stack_bytes']}B smem={r['smem_bytes']}B {r['seconds']:.2f}s tvm_ffi={r['tvm_ffi']}"
+        for r in results
+    )
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
         _worker(argv[1])

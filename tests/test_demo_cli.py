@@ -1,0 +1,95 @@
+"""The demo's command line: ``--plot`` checked before training, ``--threads``, the backend line."""
+
+import os
+
+import pytest
+import torch
+
+from moe_quant import demo
+
+
+def _demo_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert "tiny MoE" not in out, "the demo started training before rejecting --plot"
+    return err
+
+
+@pytest.mark.parametrize(
+    "plot, message",
+    [
+        ("curves.jpg", "must end with .png"),
+        ("no_such_dir/curves.png", "does not exist"),
+        ("README.md/curves.png", "does not exist"),  # the "directory" is a file
+    ],
+)
+def test_demo_rejects_bad_plot_path_before_training(plot, message, capsys):
+    err = _demo_error(["--plot", plot], capsys)
+    assert message in err, err
+
+
+def test_demo_rejects_a_directory_as_plot(tmp_path, capsys):
+    target = tmp_path / "curves.png"
+    target.mkdir()
+    assert "is a directory" in _demo_error(["--plot", str(target)], capsys)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write to read-only directories")
+def test_demo_rejects_unwritable_plot_directory(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert "cannot write" in _demo_error(["--plot", str(locked / "curves.png")], capsys)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_demo_plot_path_accepted(tmp_path):
+    assert demo.check_plot_path(str(tmp_path / "curves.png")) is None
+    assert demo.check_plot_path(str(tmp_path / "curves.PNG")) is None
+    assert list(tmp_path.iterdir()) == []  # the writability probe leaves nothing behind
+
+
+def test_demo_short_run_reports_threads_backend_and_writes_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    threads = torch.get_num_threads()
+    png = tmp_path / "curves.png"
+    try:
+        assert demo.main(["--steps", "3", "--tokens", "64", "--plot", str(png), "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "1 CPU thread(s)" in out, out
+    assert "mxfp8 run: scale mode rceil, GEMM backend emulated" in out, out
+    assert "quantization PyTorch reference" in out, out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_rejects_negative_threads(capsys):
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--threads", "-1"])
+    assert exc.value.code == 2
+
+
+def test_plot_keeps_both_curves_visible_where_they_coincide():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    same = [0.5, 0.4, 0.3, 0.25]
+    results = {name: demo.RunResult(losses=list(same), eval_loss=0.2) for name in ("bf16", "mxfp8")}
+    fig = demo.loss_figure(results, plt)
+    try:
+        lines = {line.get_label().split()[0]: line for line in fig.axes[0].get_lines()}
+        bf16, mx = lines["bf16"], lines["mxfp8"]
+        # the curve drawn on top is thinner and dashed, so the one below shows around and through it
+        assert mx.get_zorder() > bf16.get_zorder()
+        assert bf16.get_linewidth() >= 2 * mx.get_linewidth()
+        assert mx.get_linestyle() != "-"
+        assert bf16.get_color() != mx.get_color()
+    finally:
+        plt.close(fig)

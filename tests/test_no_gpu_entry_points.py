@@ -1,0 +1,48 @@
+"""Benchmarks and scripts on a machine without a GPU, run from the repository root as documented."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA GPU")
+
+
+def run_python(*args, pythonpath=True, timeout=240):
+    """Run ``python *args`` from the repository root, as a user would (``PYTHONPATH`` = the root, or unset)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@no_gpu
+@pytest.mark.parametrize("bench", ["bench_quantize", "bench_quantize_32x1", "bench_grouped_mm", "bench_moe"])
+def test_benchmark_without_gpu_exits_2_with_one_line(bench):
+    proc = run_python("-m", f"benchmarks.{bench}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0], proc.stderr[-3000:]
+    assert f"python -m benchmarks.{bench}" in lines[0]
+
+
+def test_ab_script_runs_from_repo_root_without_pythonpath():
+    proc = run_python("scripts/ab_1x32.py", "--help", pythonpath=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage" in proc.stdout
+
+
+@no_gpu
+@pytest.mark.parametrize("script", ["sanitize_1x32.py", "sanitize_32x1.py", "cache_timing.py"])
+def test_gpu_scripts_run_from_repo_root_and_say_they_need_a_gpu(script):
+    proc = run_python(f"scripts/{script}", pythonpath=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [f"{script}: needs a CUDA GPU, and torch {torch.__version__} "
+                                                "sees none (no GPU, or a CPU-only build)"], proc.stderr[-3000:]

@@ -1,0 +1,49 @@
+"""`import moe_quant` writes nothing: torchao's import-time messages stay out of the terminal,
+and the registration with torchao's ``quantize_`` still works."""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(*args, pythonpath=True, timeout=240):
+    """Run ``python *args`` from the repository root, as a user would (``PYTHONPATH`` = the root, or unset)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_import_prints_nothing():
+    proc = run_python("-c", "import moe_quant")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", f"`import moe_quant` wrote to stderr:\n{proc.stderr}"
+    assert proc.stdout == ""
+
+
+def test_demo_help_prints_only_help():
+    proc = run_python("-m", "moe_quant.demo", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+    assert "--threads" in proc.stdout and "--plot" in proc.stdout
+
+
+def test_torchao_import_filters_are_removed_and_quantize_registration_works():
+    from torchao.quantization import quantize_
+
+    from moe_quant import MXFP8ExpertWeight, MXFP8MoEConfig, _torchao
+    from moe_quant.moe import MoE
+
+    for name, _ in _torchao._IMPORT_NOISE:  # the filters were scoped to torchao's import
+        assert not [f for f in logging.getLogger(name).filters if isinstance(f, _torchao._HoldBack)], name
+    model = MoE(dim=64, hidden_dim=64, num_experts=2, top_k=1)
+    quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: "experts" in fqn)
+    wrapped = [p for p in model.parameters() if isinstance(p, MXFP8ExpertWeight)]
+    assert len(wrapped) == 3, [type(p).__name__ for p in model.parameters()]
