@@ -43,8 +43,8 @@ class QuantizedWeightCache:
 
     def get(self, w: torch.Tensor, kind, compute: Callable[[], object]):
         """``compute()``'s result for ``(w, kind)``, reused while ``w`` is unchanged."""
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-            return compute()
+        if type(w) is not torch.Tensor or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return compute()  # traced (fake/functional tensors), compiled or inference: no state
         tag = self._tag(w)
         if tag is None:
             return compute()

@@ -72,3 +72,29 @@ def test_garbage_offsets_on_gpu_do_not_fault():
         torch.cuda.synchronize()
         assert bool(dW.isfinite().all())
 
+
+
+def test_empty_experts_get_exact_zero_gradient_from_recycled_memory():
+    """On Hopper the emulated wgrad relies on torch._grouped_mm writing zeros for empty groups
+    (backends.grouped_mm_zero_fills_empty_groups): check it on memory the allocator recycles from a
+    NaN-filled block, for the plain op and through mxfp8_grouped_mm."""
+    from moe_quant import backends
+
+    sizes = [0, 64, 0, 96, 32, 0]
+    A, W, go, offs = problem(sizes, 256, 128, "cuda")
+    for _ in range(3):
+        junk = torch.full((64 << 20,), float("nan"), device="cuda")  # 256 MB, then back to the cache
+        del junk
+        _, _, dW = fwd_bwd(A, W, go, offs)
+        assert dW.isfinite().all()
+        for e, size in enumerate(sizes):
+            if size == 0:
+                assert bool((dW[e] == 0).all()), f"expert {e}: {dW[e].abs().max()}"
+        junk = torch.full((64 << 20,), float("nan"), device="cuda")
+        del junk
+        a_t = A.detach().t().contiguous().t()  # (M, K) with tokens contiguous, as the wgrad operands
+        raw = torch._grouped_mm(go.t(), a_t, offs=offs)  # (E, N, K)
+        if backends.grouped_mm_zero_fills_empty_groups(A.device):
+            for e, size in enumerate(sizes):
+                if size == 0:
+                    assert bool((raw[e] == 0).all()), f"torch._grouped_mm left expert {e} unwritten"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import quantize as q
-from ..backends import GemmBackend, resolve_gemm_backend
+from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
 from ..layouts import sanitize_offsets
 from ..numerics import ScaleMode
 from ..validation import check_grouped_mm_args
@@ -118,7 +118,9 @@ class _MXFP8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_A = dgrad(grad_out, W_t, offs, ctx.mode).to(A.dtype)
         if ctx.needs_input_grad[1]:
-            dW = _zero_empty_experts(wgrad(grad_out, A, offs, ctx.mode), offs)
+            dW = wgrad(grad_out, A, offs, ctx.mode)
+            if not (ctx.backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
+                dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
             grad_W_t = dW.to(W_t.dtype).transpose(-2, -1)
         return grad_A, grad_W_t, None, None, None, None
 

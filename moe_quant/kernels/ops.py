@@ -3,7 +3,7 @@
 ``quantize_1x32`` / ``fake_quantize_1x32`` validate their arguments, allocate the
 outputs and launch a compiled kernel. They are registered as ``torch.library`` custom
 ops (``torch.ops.moe_quant.*``) with fake implementations, so ``torch.compile(fullgraph=True)``
-keeps them in the graph; in eager mode the Python wrappers call the implementation
+keeps them in the graph; in eager mode on plain tensors the Python wrappers call the implementation
 directly (no dispatcher round trip), which keeps the host overhead of a call small.
 
 Compiled kernels are cached by :class:`~moe_quant.kernels.quantize_1x32.Variant` (what
@@ -280,6 +280,13 @@ def _variant(in_dtype, mode: ScaleMode, kind: str, out_dtype: str = "float8_e4m3
 _VARIANTS: dict = {}
 
 
+def _via_dispatcher(t: torch.Tensor) -> bool:
+    """Go through the ``torch.ops.moe_quant`` op (its fake implementation under tracing) rather than
+    launching directly: while compiling, and for any tensor that is not a plain ``torch.Tensor`` (the
+    FakeTensors dynamo propagates through a subclass' ``__torch_function__``, functional tensors)."""
+    return type(t) is not torch.Tensor or torch.compiler.is_compiling()
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
@@ -372,7 +379,7 @@ def quantize_1x32(
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"{fn}: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
     _check_device(x, fn)
-    if torch.compiler.is_compiling():
+    if _via_dispatcher(x):
         return torch.ops.moe_quant.quantize_1x32(x, mode.value, offs, scale_layout)
     return _quantize_impl(x, mode.value, offs, scale_layout)
 
@@ -389,7 +396,7 @@ def fake_quantize_1x32(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.
     if out_dtype not in _FAKE_OUT_DTYPES:
         raise TypeError(f"{fn}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     _check_device(x, fn)
-    if torch.compiler.is_compiling():
+    if _via_dispatcher(x):
         return torch.ops.moe_quant.fake_quantize_1x32(x, mode.value, out_dtype)
     return _fake_impl(x, mode.value, out_dtype)
 
@@ -540,7 +547,7 @@ def quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.T
     _check_x(x, fn)
     _check_offs(offs, x, fn)
     _check_device(x, fn)
-    if torch.compiler.is_compiling():
+    if _via_dispatcher(x):
         return torch.ops.moe_quant.quantize_32x1_k_groups(x, mode.value, offs)
     return _quantize_32x1_k_groups_impl(x, mode.value, offs, torch.float8_e4m3fn)
 
@@ -556,7 +563,7 @@ def fake_quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: to
     _check_offs(offs, x, fn)
     _check_out_dtype(fn, out_dtype)
     _check_device(x, fn)
-    if torch.compiler.is_compiling():
+    if _via_dispatcher(x):
         return torch.ops.moe_quant.fake_quantize_32x1_k_groups(x, mode.value, offs, out_dtype)
     data, _, poffs = _quantize_32x1_k_groups_impl(x, mode.value, offs, out_dtype)
     return data, poffs
@@ -568,7 +575,7 @@ def quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str):
     fn = "quantize_3d_along_n"
     mode = ScaleMode.parse(mode, "mode")
     _check_w(w, fn)
-    if torch.compiler.is_compiling():
+    if _via_dispatcher(w):
         return torch.ops.moe_quant.quantize_32x1_3d(w, mode.value)
     return _quantize_32x1_3d_impl(w, mode.value, torch.float8_e4m3fn)
 
@@ -579,7 +586,7 @@ def fake_quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str, out_dtype: 
     mode = ScaleMode.parse(mode, "mode")
     _check_w(w, fn)
     _check_out_dtype(fn, out_dtype)
-    if torch.compiler.is_compiling():
+    if _via_dispatcher(w):
         return torch.ops.moe_quant.fake_quantize_32x1_3d(w, mode.value, out_dtype)
     return _quantize_32x1_3d_impl(w, mode.value, out_dtype)[0]
 
