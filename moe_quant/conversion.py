@@ -23,6 +23,10 @@ How the pieces fit:
   FSDP2 all-gather the plain (optionally mixed-precision-cast) data and rebuild the wrapper.
 * ``state_dict()`` holds plain tensors (a state-dict hook unwraps); ``load_state_dict``
   copies into the wrapped tensor, and with ``assign=True`` re-wraps the assigned tensor.
+* Under ``torch.inference_mode`` composite ops reach ``__torch_dispatch__`` undecomposed and are
+  decomposed there, and a wrapper is an inference tensor exactly when the tensor it wraps is
+  one (a view of a normal weight stays normal), so a converted model serves in
+  ``inference_mode`` as the unconverted one does.
 
 A grouped-mm call MXFP8 cannot serve (3D x 3D, no ``offs``, dtype or shape it does not
 support) runs the plain op; each reason is counted in :func:`fallback_counts` and logged
@@ -228,6 +232,13 @@ class MXFP8ExpertWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _PRESERVE and func is not aten._grouped_mm.default:
+            # Under inference_mode the autograd keys are skipped, and with them the decomposition of
+            # composite ops (.mT, .to, reshape, ...): they arrive here whole. Decompose them, so that
+            # their views come back through the ops above (wrappers) exactly as outside inference_mode.
+            out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         config = None
 
         def unwrap(t):
@@ -243,7 +254,7 @@ class MXFP8ExpertWeight(torch.Tensor):
         out = func(*u_args, **u_kwargs)
         if func in _PRESERVE:
             return pytree.tree_map_only(
-                torch.Tensor, lambda t: cls(t, config, _view=True) if t.is_floating_point() else t, out
+                torch.Tensor, lambda t: _rewrap(cls, t, config) if t.is_floating_point() else t, out
             )
         return out
 
@@ -271,6 +282,21 @@ class MXFP8ExpertWeight(torch.Tensor):
                 local._data.copy_(data)
             return None
         return MXFP8ExpertWeight(data, self.config, _view=True), (data,)
+
+
+def _rewrap(cls, t: torch.Tensor, config: MXFP8MoEConfig) -> MXFP8ExpertWeight:
+    """The wrapper around an op's output ``t``, an inference tensor exactly when ``t`` is one.
+
+    Under ``torch.inference_mode`` a view of a normal tensor is a normal tensor (it shares its
+    base's version counter), but a wrapper made there would be an inference tensor, which has
+    no version counter: autograd's view bookkeeping then fails with "Cannot set version_counter
+    for inference tensor". So the wrapper is made in the inference state of what it wraps.
+    """
+    inference = t.is_inference()
+    if inference != torch.is_inference_mode_enabled():
+        with torch.inference_mode(inference):
+            return cls(t, config, _view=True)
+    return cls(t, config, _view=True)
 
 
 def _check_wrapper_args(data, config) -> None:

@@ -132,6 +132,64 @@ def test_unmatched_filter_warns(caplog):
     assert "nothing converted" in caplog.text
 
 
+# ----------------------------------------------------------------------------- no_grad / inference_mode
+
+
+def _trained_tiny_model():
+    torch.manual_seed(0)
+    model = TinyMoEModel(32, 64, 96, 4, 2, 2, 32).to(torch.bfloat16)
+    quantize_(model, MXFP8MoEConfig(), filter_fn=EXPERTS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(64, 32, generator=g).to(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("prepare", ["as_is", "eval", "requires_grad_false"])
+def test_trained_model_evaluates_in_no_grad_and_inference_mode(prepare):
+    model, opt = _trained_tiny_model()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    if prepare == "eval":
+        model.eval()
+    elif prepare == "requires_grad_false":
+        model.requires_grad_(False)
+    with torch.no_grad():
+        ref = model(x)
+    with torch.inference_mode():
+        out = model(x)
+        w = model.layers[0].moe.experts.w1
+        views = [w.transpose(-2, -1), w.mT, w.detach(), w[1:3], w.view(4, -1), w.float(), w.clone()]
+    assert out.is_inference() and torch.equal(out, ref)
+    assert all(type(v) is MXFP8ExpertWeight for v in views)
+    assert not views[0].is_inference() and views[-1].is_inference()  # a view of a normal tensor stays normal
+    # MXFP8 still serves the call: not the plain bf16 op
+    a, offs = operands(k=w.shape[-1])
+    with torch.inference_mode():
+        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    assert torch.equal(out, mxfp8_grouped_mm(a, w._data.transpose(-2, -1), offs))
+    # and training goes on afterwards in the same process
+    model.train().requires_grad_(True)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    assert all(p.grad is not None for p in model.parameters())
+    assert not fallback_counts()
+
+
+def test_wrapper_made_in_inference_mode_works_outside_it():
+    with torch.inference_mode():
+        w = MXFP8ExpertWeight(torch.randn(E, N, K, dtype=torch.bfloat16), MXFP8MoEConfig())
+        inner = w.transpose(-2, -1)
+    outer = w.transpose(-2, -1)
+    assert inner.is_inference() and outer.is_inference() and type(outer) is MXFP8ExpertWeight
+    a, offs = operands()
+    with torch.no_grad():
+        out = torch._grouped_mm(a, outer, offs=offs)
+    assert torch.equal(out, mxfp8_grouped_mm(a, w._data.transpose(-2, -1), offs))
+
+
 def test_unwrap_parameters_restores_plain():
     mod = converted()
     data = mod.w._data
