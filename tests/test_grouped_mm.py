@@ -221,6 +221,56 @@ def test_compile_fullgraph_fwd_bwd_no_recompiles():
     assert all(bool(r.isfinite().all()) for r in results)
 
 
+BAD_OFFSETS = {
+    "decreasing": ([40, 20], "non-decreasing"),
+    "past_m": ([10, 100], "past the number of rows"),
+    "negative": ([-3, 64], "non-negative"),
+}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("validate", [True, None])
+def test_compiled_validation_raises_like_eager(backend, validate):
+    """fullgraph + dynamic, CPU offsets: the compiled call raises the eager ValueError (same text)
+    when the graph runs, for every bad offsets tensor, and good ones still give the eager result."""
+    torch._dynamo.reset()
+    A, W, _, _ = make_problem([32, 32], 0, 64, 32, seed=4)
+    A, W_t = A.detach(), W.detach().transpose(-2, -1)
+    fn = torch.compile(
+        lambda a, w, o: mxfp8_grouped_mm(a, w, o, validate_offsets=validate), fullgraph=True, dynamic=True, backend=backend
+    )
+    good = offsets_from_sizes([10, 54])
+    torch.testing.assert_close(fn(A, W_t, good), mxfp8_grouped_mm(A, W_t, good), rtol=0, atol=0)
+    for bad, match in BAD_OFFSETS.values():
+        offs = torch.tensor(bad, dtype=torch.int32)
+        with pytest.raises(ValueError, match=match) as eager:
+            mxfp8_grouped_mm(A, W_t, offs, validate_offsets=validate)
+        with pytest.raises(ValueError, match=match) as compiled:
+            fn(A, W_t, offs)
+        assert str(compiled.value) == str(eager.value)
+    # other sizes of the same graph (dynamic M) are checked against their own M
+    A2 = torch.randn(48, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="past the number of rows M = 48"):
+        fn(A2, W_t, offsets_from_sizes([10, 39]))
+
+
+def test_compiled_without_validation_sanitizes():
+    """validate_offsets=False (the GPU default): no check, the offsets are clamped, as in eager."""
+    torch._dynamo.reset()
+    A, W, _, _ = make_problem([32, 32], 0, 64, 32, seed=4)
+    A, W_t = A.detach(), W.detach().transpose(-2, -1)
+    fn = torch.compile(
+        lambda a, w, o: mxfp8_grouped_mm(a, w, o, validate_offsets=False), fullgraph=True, dynamic=True, backend="aot_eager"
+    )
+    for bad, _ in BAD_OFFSETS.values():
+        offs = torch.tensor(bad, dtype=torch.int32)
+        clean = gm.sanitize_offsets(offs, 64).to(torch.int32)
+        rows = int(clean[-1])
+        got, want = fn(A, W_t, offs), mxfp8_grouped_mm(A, W_t, offs, validate_offsets=False)
+        assert torch.equal(got[:rows], want[:rows])
+        assert torch.equal(want[:rows], mxfp8_grouped_mm(A, W_t, clean)[:rows])
+
+
 # ----------------------------------------------------------------------------- K = 0, N = 0
 
 

@@ -149,13 +149,17 @@ def mxfp8_grouped_mm(
         validate_offsets: check ``offs`` values (non-negative, non-decreasing, ``offs[-1] <= M``)
             and raise ``ValueError`` otherwise. Default: only when ``offs`` is on the CPU, since
             reading a GPU tensor synchronizes. Bad values never cause out-of-bounds accesses either
-            way: offsets are clamped to [0, M] and made monotone internally.
+            way: offsets are clamped to [0, M] and made monotone internally. Under
+            ``torch.compile`` (``fullgraph``, ``dynamic`` included) the check is the custom op
+            ``moe_quant::check_offsets`` in the graph and raises the same ``ValueError`` when the
+            compiled code runs; with ``validate_offsets=True`` on CUDA it synchronizes there too, so
+            leave it off inside CUDA graphs.
 
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
     """
     mode = ScaleMode.parse(scale_mode)
-    check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets)
+    offs = check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets)
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
     offs = sanitize_offsets(offs, A.shape[0]).to(torch.int32)
