@@ -98,12 +98,28 @@ def check_offsets(
         return offs
     if _is_compiling():
         return torch.ops.moe_quant.check_offsets(offs, total)
-    check_offset_values(offs, total)
+    check_offset_values(_unbatched(offs), total)
     return offs
 
 
+def _unbatched(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under ``torch.func`` wrappers, vmapped dims first: ``(*batch, G)``.
+
+    Under ``torch.vmap`` a batched ``offs`` cannot be read (data-dependent control flow); its
+    values are checked for every batch element at once instead.
+    """
+    from torch._C import _functorch as ft
+
+    while ft.is_functorch_wrapped_tensor(t):
+        bdim = ft.maybe_get_bdim(t) if ft.is_batchedtensor(t) else None
+        t = ft.get_unwrapped(t)
+        if bdim is not None and bdim >= 0:
+            t = t.movedim(bdim, 0)
+    return t
+
+
 def check_offset_values(offs: torch.Tensor, total: int) -> None:
-    """Group ends non-negative, non-decreasing, <= total."""
+    """Group ends (last dim; leading dims are vmapped batches) non-negative, non-decreasing, <= total."""
     o = offs.detach().cpu().to(torch.int64)
     if o.numel() == 0:
         return
