@@ -169,7 +169,7 @@ def mxfp8_grouped_mm(
             ``moe_quant::check_offsets`` in the graph and raises the same ``ValueError`` when the
             compiled code runs; with ``validate_offsets=True`` on CUDA it synchronizes there too, so
             leave it off inside CUDA graphs. Under ``torch.vmap`` a batched ``offs`` is checked for
-            every batch element.
+            every batch element. See ``docs/public_api.md``.
 
     ``torch.func`` transforms work: ``vmap`` over a batch of ``A``, ``W_t`` and/or ``offs``
     (forward and backward run batched; ``torch._grouped_mm`` has no batching rule in torch 2.13,
