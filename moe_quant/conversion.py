@@ -23,6 +23,12 @@ How the pieces fit:
   FSDP2 all-gather the plain (optionally mixed-precision-cast) data and rebuild the wrapper.
 * ``state_dict()`` holds plain tensors (a state-dict hook unwraps); ``load_state_dict``
   copies into the wrapped tensor, and with ``assign=True`` re-wraps the assigned tensor.
+* Under ``torch.inference_mode`` composite ops reach ``__torch_dispatch__`` undecomposed and are
+  decomposed there, and a wrapper is an inference tensor exactly when the tensor it wraps is
+  one (a view of a normal weight stays normal), so a converted model serves in
+  ``inference_mode`` as the unconverted one does.
+* ``quantize_`` on an already converted model re-configures the wrappers in place (see
+  :class:`MXFP8MoEConfig`).
 
 A grouped-mm call MXFP8 cannot serve (3D x 3D, no ``offs``, dtype or shape it does not
 support) runs the plain op; each reason is counted in :func:`fallback_counts` and logged
@@ -72,6 +78,26 @@ class MXFP8MoEConfig(AOBaseConfig):
             ``torch.bfloat16`` or ``torch.float32``.
         allow_fallback: when True (default) a call MXFP8 cannot serve runs the plain op
             and is counted and logged once; when False it raises ``ValueError``.
+
+    Use it as ``quantize_(model, MXFP8MoEConfig(...), filter_fn=...)``. The handler converts every
+    3-D floating-point parameter of each matched module (the stacked expert weights ``(E, N, K)``).
+
+    **filter_fn.** Match the routed-experts module itself. For torchtitan's ``GroupedExperts`` (or
+    :class:`moe_quant.moe.GroupedExperts`) the robust choice is an ``isinstance`` filter::
+
+        quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
+
+    A name filter such as ``lambda mod, fqn: "experts" in fqn`` also matches torchtitan's
+    ``shared_experts`` (a ``FeedForward`` with 2-D weights): nothing is converted there, and a
+    warning says so once per module class (not once per layer).
+
+    **Calling quantize_ again re-configures.** On a model that is already converted, ``quantize_``
+    with another ``MXFP8MoEConfig`` swaps the config of each matched wrapper in place (e.g. RCEIL
+    then FLOOR: the next grouped-mm call runs FLOOR). The wrapped weights, the ``nn.Parameter``
+    objects, optimizer state and ``state_dict`` keys are untouched; ``torch.compile`` recompiles on
+    the next call. With an equal config it is a no-op. A parameter already sharded by FSDP2
+    (``fully_shard``) cannot be re-configured (``ValueError``): call ``quantize_`` before
+    ``fully_shard``, as for the first conversion.
     """
 
     scale_mode: ScaleMode = ScaleMode.RCEIL
@@ -227,6 +253,13 @@ class MXFP8ExpertWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _PRESERVE and func is not aten._grouped_mm.default:
+            # Under inference_mode the autograd keys are skipped, and with them the decomposition of
+            # composite ops (.mT, .to, reshape, ...): they arrive here whole. Decompose them, so that
+            # their views come back through the ops above (wrappers) exactly as outside inference_mode.
+            out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         config = None
 
         def unwrap(t):
@@ -242,7 +275,7 @@ class MXFP8ExpertWeight(torch.Tensor):
         out = func(*u_args, **u_kwargs)
         if func in _PRESERVE:
             return pytree.tree_map_only(
-                torch.Tensor, lambda t: cls(t, config, _view=True) if t.is_floating_point() else t, out
+                torch.Tensor, lambda t: _rewrap(cls, t, config) if t.is_floating_point() else t, out
             )
         return out
 
@@ -270,6 +303,21 @@ class MXFP8ExpertWeight(torch.Tensor):
                 local._data.copy_(data)
             return None
         return MXFP8ExpertWeight(data, self.config, _view=True), (data,)
+
+
+def _rewrap(cls, t: torch.Tensor, config: MXFP8MoEConfig) -> MXFP8ExpertWeight:
+    """The wrapper around an op's output ``t``, an inference tensor exactly when ``t`` is one.
+
+    Under ``torch.inference_mode`` a view of a normal tensor is a normal tensor (it shares its
+    base's version counter), but a wrapper made there would be an inference tensor, which has
+    no version counter: autograd's view bookkeeping then fails with "Cannot set version_counter
+    for inference tensor". So the wrapper is made in the inference state of what it wraps.
+    """
+    inference = t.is_inference()
+    if inference != torch.is_inference_mode_enabled():
+        with torch.inference_mode(inference):
+            return cls(t, config, _view=True)
+    return cls(t, config, _view=True)
 
 
 def _check_wrapper_args(data, config) -> None:
@@ -411,12 +459,13 @@ def convert_parameters(module: nn.Module, config: MXFP8MoEConfig, parameter_name
         raise TypeError(f"config must be an MXFP8MoEConfig, got {type(config).__name__}")
     found = False
     for mod in module.modules():
-        converted = []
+        converted, reconfigured = [], False
         for name, param in list(mod.named_parameters(recurse=False)):
             if parameter_name is not None and name != parameter_name:
                 continue
             if _is_converted(param):
                 found = True
+                reconfigured |= _reconfigure(mod, name, param, config)
                 continue
             if param.ndim != 3 or not param.is_floating_point():
                 continue
@@ -435,13 +484,48 @@ def convert_parameters(module: nn.Module, config: MXFP8MoEConfig, parameter_name
                 mod.register_load_state_dict_post_hook(_load_state_dict_post_hook)
                 mod._mxfp8_hooked = True
             mod._mxfp8_converted = tuple(sorted(set(getattr(mod, "_mxfp8_converted", ())) | set(converted)))
+        if converted or reconfigured:
             mod._mxfp8_config = config
     if not found:
-        logger.warning(
-            "MXFP8MoEConfig matched %s, which has no 3-D floating-point parameter (stacked expert "
-            "weights); nothing converted. Check quantize_'s filter_fn.", type(module).__name__,
-        )
+        _warn_nothing_converted(module)
     return module
+
+
+# module classes already warned about: a filter such as ``"experts" in fqn`` matches torchtitan's
+# ``shared_experts`` (a FeedForward) in every layer; one warning per class says it all.
+_WARNED_NOTHING_CONVERTED: set = set()
+
+
+def _warn_nothing_converted(module: nn.Module) -> None:
+    cls = type(module)
+    key = f"{cls.__module__}.{cls.__qualname__}"
+    if key in _WARNED_NOTHING_CONVERTED:
+        logger.debug("MXFP8MoEConfig matched %s; nothing converted", key)
+        return
+    _WARNED_NOTHING_CONVERTED.add(key)
+    logger.warning(
+        "MXFP8MoEConfig matched %s, which has no 3-D floating-point parameter (stacked expert "
+        "weights); nothing converted. Check quantize_'s filter_fn: a name filter such as "
+        "'\"experts\" in fqn' also matches shared experts; an isinstance filter "
+        "(lambda mod, fqn: isinstance(mod, GroupedExperts)) matches only the routed experts. "
+        "(Logged once per module class.)",
+        cls.__name__,
+    )
+
+
+def _reconfigure(mod: nn.Module, name: str, param, config: MXFP8MoEConfig) -> bool:
+    """An already converted parameter takes ``config`` in place (its data untouched); True if it changed."""
+    local = param if isinstance(param, MXFP8ExpertWeight) else param._local_tensor
+    if local.config == config:
+        return False
+    if local is not param:  # FSDP2 keeps its own unsharded copy of the wrapper, with the old config
+        raise ValueError(
+            f"parameter {name!r} is already sharded by FSDP2 (a DTensor) with {local.config}; it cannot be "
+            f"re-configured to {config}: call quantize_ before fully_shard"
+        )
+    logger.info("re-configured %s.%s: %s -> %s", type(mod).__name__, name, local.config, config)
+    local.config = config
+    return True
 
 
 @register_quantize_module_handler(MXFP8MoEConfig)

@@ -72,8 +72,14 @@ def check_block_multiple(name: str, dim_name: str, size: int) -> None:
 
 def check_offsets(
     offs, *, n_groups: int | None, total: int, device: torch.device | None, validate: bool | None = None
-) -> None:
-    """``offs``: int32, 1-D, ``n_groups`` long, on ``device``; values checked where cheap (see module doc)."""
+) -> torch.Tensor:
+    """``offs``: int32, 1-D, ``n_groups`` long, on ``device``; values checked where cheap (see module doc).
+
+    Returns the offsets to use from here on: ``offs`` itself, except under ``torch.compile`` with
+    value checks on, where the values are unknown while tracing. There the result is the output of
+    the custom op ``moe_quant::check_offsets``, which runs the same checks (the same ``ValueError``)
+    when the compiled graph runs; the caller must use it, or the check is dead code in the graph.
+    """
     if not isinstance(offs, torch.Tensor):
         raise TypeError(f"offs must be a torch.Tensor of int32 group end offsets, got {type(offs).__name__}")
     if offs.dtype != torch.int32:
@@ -88,12 +94,32 @@ def check_offsets(
         raise TypeError(f"validate_offsets must be None, True or False, got {validate!r}")
     if validate is None:
         validate = offs.device.type == "cpu"
-    if validate and not _is_compiling() and offs.numel() > 0:
-        check_offset_values(offs, total)
+    if not validate or offs.numel() == 0:
+        return offs
+    if _is_compiling():
+        return torch.ops.moe_quant.check_offsets(offs, total)
+    check_offset_values(_unbatched(offs), total)
+    return offs
+
+
+def _unbatched(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under ``torch.func`` wrappers, vmapped dims first: ``(*batch, G)``.
+
+    Under ``torch.vmap`` a batched ``offs`` cannot be read (data-dependent control flow); its
+    values are checked for every batch element at once instead.
+    """
+    from torch._C import _functorch as ft
+
+    while ft.is_functorch_wrapped_tensor(t):
+        bdim = ft.maybe_get_bdim(t) if ft.is_batchedtensor(t) else None
+        t = ft.get_unwrapped(t)
+        if bdim is not None and bdim >= 0:
+            t = t.movedim(bdim, 0)
+    return t
 
 
 def check_offset_values(offs: torch.Tensor, total: int) -> None:
-    """Group ends non-negative, non-decreasing, <= total."""
+    """Group ends (last dim; leading dims are vmapped batches) non-negative, non-decreasing, <= total."""
     o = offs.detach().cpu().to(torch.int64)
     if o.numel() == 0:
         return
@@ -106,8 +132,21 @@ def check_offset_values(offs: torch.Tensor, total: int) -> None:
         raise ValueError(f"offs[-1] = {last} is past the number of rows M = {total}")
 
 
-def check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets: bool | None) -> None:
-    """Inputs of ``mxfp8_grouped_mm``: A (M, K), W_t (E, K, N), offs (E,) int32."""
+@torch.library.custom_op("moe_quant::check_offsets", mutates_args=())
+def _check_offsets_op(offs: torch.Tensor, total: int) -> torch.Tensor:
+    """:func:`check_offset_values` inside a compiled graph; returns a copy of the (valid) offsets."""
+    check_offset_values(offs, total)
+    return offs.clone()
+
+
+@_check_offsets_op.register_fake
+def _(offs, total):
+    return torch.empty_like(offs)
+
+
+def check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets: bool | None) -> torch.Tensor:
+    """Inputs of ``mxfp8_grouped_mm``: A (M, K), W_t (E, K, N), offs (E,) int32; returns ``offs``
+    as :func:`check_offsets` does."""
     check_tensor("A", A, dtypes=_A_DTYPES, ndim=2)
     check_tensor("W_t", W_t, dtypes=(torch.bfloat16,), ndim=3)
     check_dtype_choice("out_dtype", out_dtype, _OUT_DTYPES)
@@ -121,7 +160,7 @@ def check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets: bool | None
     check_block_multiple("W_t", "N (W_t.shape[2])", n)
     if W_t.device != A.device:
         raise ValueError(f"W_t must be on the same device as A ({A.device}), got {W_t.device}")
-    check_offsets(offs, n_groups=e, total=m, device=A.device, validate=validate_offsets)
+    return check_offsets(offs, n_groups=e, total=m, device=A.device, validate=validate_offsets)
 
 
 def check_last_dim_blocks(name: str, t: torch.Tensor) -> None:

@@ -8,11 +8,12 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torchao.quantization import quantize_
 
-from moe_quant import mxfp8_grouped_mm
+from moe_quant import conversion, mxfp8_grouped_mm
 from moe_quant.conversion import (
     MXFP8ExpertWeight,
     MXFP8MoEConfig,
@@ -21,7 +22,7 @@ from moe_quant.conversion import (
     reset_fallback_counts,
     unwrap_parameters,
 )
-from moe_quant.moe import MoE, TinyMoEModel
+from moe_quant.moe import GroupedExperts, MoE, TinyMoEModel
 
 E, N, K, M = 4, 64, 96, 80
 EXPERTS = lambda mod, fqn: "experts" in fqn  # noqa: E731
@@ -51,6 +52,7 @@ def operands(m=M, k=K, dtype=torch.bfloat16):
 @pytest.fixture(autouse=True)
 def _clean_counts():
     reset_fallback_counts()
+    conversion._WARNED_NOTHING_CONVERTED.clear()  # "nothing converted" warns once per class and process
     yield
     reset_fallback_counts()
 
@@ -130,6 +132,169 @@ def test_unmatched_filter_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="moe_quant.conversion"):
         quantize_(model, MXFP8MoEConfig())  # default filter: nn.Linear, no 3-D weight
     assert "nothing converted" in caplog.text
+
+
+class _FeedForward(nn.Module):
+    """torchtitan's shared expert: 2-D weights only."""
+
+    def __init__(self, dim=32, hidden=64):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+
+class _TitanStyleMoE(nn.Module):
+    """The module names of torchtitan's MoE: ``moe.experts`` (routed) and ``moe.shared_experts``."""
+
+    def __init__(self, n_layers=4):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(n_layers):
+            layer = nn.Module()
+            layer.moe = nn.Module()
+            layer.moe.experts = GroupedExperts(32, 64, 4)
+            layer.moe.shared_experts = _FeedForward()
+            self.layers.append(layer)
+
+
+def test_name_filter_matching_shared_experts_warns_once_per_class(caplog):
+    model = _TitanStyleMoE(n_layers=4)
+    with caplog.at_level(logging.WARNING, logger="moe_quant.conversion"):
+        quantize_(model, MXFP8MoEConfig(), filter_fn=EXPERTS)  # also matches every layer's shared_experts
+        quantize_(_TitanStyleMoE(n_layers=2), MXFP8MoEConfig(), filter_fn=EXPERTS)  # and again, another model
+    warnings = [r for r in caplog.records if "nothing converted" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "_FeedForward" in warnings[0].getMessage() and "isinstance" in warnings[0].getMessage()
+    converted_names = {n for n, p in model.named_parameters() if type(p) is MXFP8ExpertWeight}
+    assert converted_names == {f"layers.{i}.moe.experts.w{j}" for i in range(4) for j in (1, 2, 3)}
+
+
+def test_isinstance_filter_converts_routed_experts_without_warnings(caplog):
+    model = _TitanStyleMoE(n_layers=3)
+    with caplog.at_level(logging.WARNING, logger="moe_quant.conversion"):
+        quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
+    assert "nothing converted" not in caplog.text
+    converted_names = {n for n, p in model.named_parameters() if type(p) is MXFP8ExpertWeight}
+    assert converted_names == {f"layers.{i}.moe.experts.w{j}" for i in range(3) for j in (1, 2, 3)}
+
+
+def test_quantize_again_reconfigures_in_place():
+    """RCEIL, then FLOOR: the second config wins (the wrapper's config is swapped, nothing else)."""
+    torch.manual_seed(0)
+    model = TinyMoEModel(32, 64, 96, 4, 2, 2, 32).to(torch.bfloat16)
+    fresh_floor = copy.deepcopy(model)
+    quantize_(model, MXFP8MoEConfig(scale_mode="rceil"), filter_fn=EXPERTS)
+    quantize_(fresh_floor, MXFP8MoEConfig(scale_mode="floor"), filter_fn=EXPERTS)
+    x = torch.randn(64, 32, dtype=torch.bfloat16) * 50
+    out_rceil = model(x)
+    params = {n: p for n, p in model.named_parameters()}
+    datas = {n: p._data for n, p in params.items() if type(p) is MXFP8ExpertWeight}
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    quantize_(model, MXFP8MoEConfig(scale_mode="floor"), filter_fn=EXPERTS)
+    modes = {n: p.config.scale_mode.value for n, p in model.named_parameters() if type(p) is MXFP8ExpertWeight}
+    assert set(modes) == set(datas) and set(modes.values()) == {"floor"}
+    # same Parameter objects (the optimizer still holds them), same wrapped tensors
+    assert all(model.get_parameter(n) is p for n, p in params.items())
+    assert all(model.get_parameter(n)._data is d for n, d in datas.items())
+    assert opt.param_groups[0]["params"][0] is next(model.parameters())
+    out_floor = model(x)
+    assert torch.equal(out_floor, fresh_floor(x)) and not torch.equal(out_floor, out_rceil)
+    assert all(m._mxfp8_config.scale_mode.value == "floor" for m in model.modules() if hasattr(m, "_mxfp8_config"))
+    # and back, via FqnToConfig for a single parameter
+    from torchao.quantization import FqnToConfig
+
+    quantize_(model, FqnToConfig({"layers.0.moe.experts.w1": MXFP8MoEConfig(scale_mode="rceil")}), filter_fn=None)
+    assert model.get_parameter("layers.0.moe.experts.w1").config.scale_mode.value == "rceil"
+    assert model.get_parameter("layers.0.moe.experts.w2").config.scale_mode.value == "floor"
+
+
+def test_reconfigured_weight_survives_state_dict_assign():
+    mod = converted(scale_mode="rceil")
+    convert_parameters(mod, MXFP8MoEConfig(scale_mode="floor"))
+    sd = {k: v.clone() for k, v in mod.state_dict().items()}
+    mod.load_state_dict(sd, assign=True)
+    assert type(mod.w) is MXFP8ExpertWeight and mod.w.config.scale_mode.value == "floor"
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+def test_reconfiguring_an_fsdp2_sharded_weight_raises():
+    """FSDP2 keeps an unsharded copy of the wrapper: swapping only the shard's config would be silently
+    half-done, so it is refused (same config: still a no-op)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        experts = GroupedExperts(32, 64, 4)
+        is_experts = lambda mod, fqn: isinstance(mod, GroupedExperts)  # noqa: E731
+        quantize_(experts, MXFP8MoEConfig(), filter_fn=is_experts)
+        fully_shard(experts, mesh=init_device_mesh("cpu", (1,)))
+        assert type(experts.w1._local_tensor) is MXFP8ExpertWeight
+        quantize_(experts, MXFP8MoEConfig(), filter_fn=is_experts)
+        with pytest.raises(ValueError, match="before fully_shard"):
+            quantize_(experts, MXFP8MoEConfig(scale_mode="floor"), filter_fn=is_experts)
+        assert experts.w1._local_tensor.config.scale_mode.value == "rceil"
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- no_grad / inference_mode
+
+
+def _trained_tiny_model():
+    torch.manual_seed(0)
+    model = TinyMoEModel(32, 64, 96, 4, 2, 2, 32).to(torch.bfloat16)
+    quantize_(model, MXFP8MoEConfig(), filter_fn=EXPERTS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(64, 32, generator=g).to(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("prepare", ["as_is", "eval", "requires_grad_false"])
+def test_trained_model_evaluates_in_no_grad_and_inference_mode(prepare):
+    model, opt = _trained_tiny_model()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    if prepare == "eval":
+        model.eval()
+    elif prepare == "requires_grad_false":
+        model.requires_grad_(False)
+    with torch.no_grad():
+        ref = model(x)
+    with torch.inference_mode():
+        out = model(x)
+        w = model.layers[0].moe.experts.w1
+        views = [w.transpose(-2, -1), w.mT, w.detach(), w[1:3], w.view(4, -1), w.float(), w.clone()]
+    assert out.is_inference() and torch.equal(out, ref)
+    assert all(type(v) is MXFP8ExpertWeight for v in views)
+    assert not views[0].is_inference() and views[-1].is_inference()  # a view of a normal tensor stays normal
+    # MXFP8 still serves the call: not the plain bf16 op
+    a, offs = operands(k=w.shape[-1])
+    with torch.inference_mode():
+        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    assert torch.equal(out, mxfp8_grouped_mm(a, w._data.transpose(-2, -1), offs))
+    # and training goes on afterwards in the same process
+    model.train().requires_grad_(True)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    assert all(p.grad is not None for p in model.parameters())
+    assert not fallback_counts()
+
+
+def test_wrapper_made_in_inference_mode_works_outside_it():
+    with torch.inference_mode():
+        w = MXFP8ExpertWeight(torch.randn(E, N, K, dtype=torch.bfloat16), MXFP8MoEConfig())
+        inner = w.transpose(-2, -1)
+    outer = w.transpose(-2, -1)
+    assert inner.is_inference() and outer.is_inference() and type(outer) is MXFP8ExpertWeight
+    a, offs = operands()
+    with torch.no_grad():
+        out = torch._grouped_mm(a, outer, offs=offs)
+    assert torch.equal(out, mxfp8_grouped_mm(a, w._data.transpose(-2, -1), offs))
 
 
 def test_unwrap_parameters_restores_plain():

@@ -221,6 +221,56 @@ def test_compile_fullgraph_fwd_bwd_no_recompiles():
     assert all(bool(r.isfinite().all()) for r in results)
 
 
+BAD_OFFSETS = {
+    "decreasing": ([40, 20], "non-decreasing"),
+    "past_m": ([10, 100], "past the number of rows"),
+    "negative": ([-3, 64], "non-negative"),
+}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("validate", [True, None])
+def test_compiled_validation_raises_like_eager(backend, validate):
+    """fullgraph + dynamic, CPU offsets: the compiled call raises the eager ValueError (same text)
+    when the graph runs, for every bad offsets tensor, and good ones still give the eager result."""
+    torch._dynamo.reset()
+    A, W, _, _ = make_problem([32, 32], 0, 64, 32, seed=4)
+    A, W_t = A.detach(), W.detach().transpose(-2, -1)
+    fn = torch.compile(
+        lambda a, w, o: mxfp8_grouped_mm(a, w, o, validate_offsets=validate), fullgraph=True, dynamic=True, backend=backend
+    )
+    good = offsets_from_sizes([10, 54])
+    torch.testing.assert_close(fn(A, W_t, good), mxfp8_grouped_mm(A, W_t, good), rtol=0, atol=0)
+    for bad, match in BAD_OFFSETS.values():
+        offs = torch.tensor(bad, dtype=torch.int32)
+        with pytest.raises(ValueError, match=match) as eager:
+            mxfp8_grouped_mm(A, W_t, offs, validate_offsets=validate)
+        with pytest.raises(ValueError, match=match) as compiled:
+            fn(A, W_t, offs)
+        assert str(compiled.value) == str(eager.value)
+    # other sizes of the same graph (dynamic M) are checked against their own M
+    A2 = torch.randn(48, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="past the number of rows M = 48"):
+        fn(A2, W_t, offsets_from_sizes([10, 39]))
+
+
+def test_compiled_without_validation_sanitizes():
+    """validate_offsets=False (the GPU default): no check, the offsets are clamped, as in eager."""
+    torch._dynamo.reset()
+    A, W, _, _ = make_problem([32, 32], 0, 64, 32, seed=4)
+    A, W_t = A.detach(), W.detach().transpose(-2, -1)
+    fn = torch.compile(
+        lambda a, w, o: mxfp8_grouped_mm(a, w, o, validate_offsets=False), fullgraph=True, dynamic=True, backend="aot_eager"
+    )
+    for bad, _ in BAD_OFFSETS.values():
+        offs = torch.tensor(bad, dtype=torch.int32)
+        clean = gm.sanitize_offsets(offs, 64).to(torch.int32)
+        rows = int(clean[-1])
+        got, want = fn(A, W_t, offs), mxfp8_grouped_mm(A, W_t, offs, validate_offsets=False)
+        assert torch.equal(got[:rows], want[:rows])
+        assert torch.equal(want[:rows], mxfp8_grouped_mm(A, W_t, clean)[:rows])
+
+
 # ----------------------------------------------------------------------------- K = 0, N = 0
 
 
@@ -235,6 +285,72 @@ def test_empty_contraction_or_output_dims_give_exact_zeros(k, n):
     out.sum().backward()
     assert A.grad.shape == (40, k) and bool((A.grad == 0).all())
     assert W.grad.shape == (3, n, k) and bool((W.grad == 0).all())
+
+
+# ----------------------------------------------------------------------------- torch.func
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch._grouped_mm has no batch rule
+@pytest.mark.filterwarnings("ignore:torch.searchsorted.*non-contiguous:UserWarning")  # batched offs
+@pytest.mark.parametrize("batched", ["A", "W_t", "both", "A_and_offs"])
+@pytest.mark.parametrize("seed", range(3))
+def test_vmap_equals_a_python_loop(batched, seed):
+    """torch.vmap over a leading batch (forward and, via vmap(grad), backward) equals a loop.
+    Rows past offs[-1] are unspecified (as in torch._grouped_mm) and not compared."""
+    g = torch.Generator().manual_seed(seed)
+    B, M, K, N = 3, 90, 64, 32
+    sizes = [[10, 0, 50], [0, 33, 57], [31, 1, 9]]
+    A = torch.randn(B, M, K, generator=g).to(torch.bfloat16)
+    W_t = (torch.randn(B, 3, K, N, generator=g) / 8).to(torch.bfloat16)
+    offs = torch.stack([offsets_from_sizes(s) for s in sizes])
+    in_dims = {"A": (0, None, None), "W_t": (None, 0, None), "both": (0, 0, None), "A_and_offs": (0, None, 0)}[batched]
+    args = tuple(x if d == 0 else x[0] for x, d in zip((A, W_t, offs), in_dims))
+    pick = lambda i: tuple(x[i] if d == 0 else x for x, d in zip(args, in_dims))  # noqa: E731
+
+    out = torch.vmap(lambda a, w, o: mxfp8_grouped_mm(a, w, o), in_dims=in_dims)(*args)
+    rows = [int(pick(i)[2][-1]) for i in range(B)]
+    for i in range(B):
+        assert torch.equal(out[i, : rows[i]], mxfp8_grouped_mm(*pick(i))[: rows[i]])
+
+    def loss(a, w, o):  # over the rows every batch element computes (a static slice)
+        return mxfp8_grouped_mm(a, w, o)[: min(rows)].float().square().sum()
+
+    grads = torch.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=in_dims)(*args)
+    for i in range(B):
+        a, w, o = pick(i)
+        a, w = a.clone().requires_grad_(), w.clone().requires_grad_()
+        loss(a, w, o).backward()
+        assert torch.equal(grads[0][i, : min(rows)], a.grad[: min(rows)])
+        assert torch.equal(grads[1][i], w.grad)
+
+
+def test_func_grad_equals_backward():
+    A, W, offs, _ = make_problem([40, 0, 70], 6, 96, 64, seed=8)
+    A, W_t = A.detach(), W.detach().transpose(-2, -1)
+    t = int(offs[-1])
+    loss = lambda a, w: mxfp8_grouped_mm(a, w, offs)[:t].float().square().sum()  # noqa: E731
+    gA, gW = torch.func.grad(loss, argnums=(0, 1))(A, W_t)
+    a, w = A.clone().requires_grad_(), W_t.clone().requires_grad_()
+    loss(a, w).backward()
+    assert torch.equal(gA[:t], a.grad[:t]) and torch.equal(gW, w.grad)
+    # and it is the MXFP8 gradient, not bf16's
+    bf16 = torch.func.grad(lambda a: torch._grouped_mm(a, W_t, offs=offs)[:t].float().square().sum())(A)
+    assert not torch.equal(bf16[:t], gA[:t])
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch._grouped_mm has no batch rule
+def test_vmap_validates_every_batch_element():
+    A = torch.randn(2, 64, 64, dtype=torch.bfloat16)
+    W_t = torch.randn(2, 64, 32, dtype=torch.bfloat16)
+    offs = torch.tensor([[10, 64], [40, 20]], dtype=torch.int32)
+    fn = torch.vmap(lambda a, o: mxfp8_grouped_mm(a, W_t, o))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fn(A, offs)
+    with pytest.raises(ValueError, match="non-decreasing"):  # batch dim of offs last
+        torch.vmap(lambda a, o: mxfp8_grouped_mm(a, W_t, o), in_dims=(0, 1))(A, offs.t().contiguous())
+    offs[1] = torch.tensor([20, 65])
+    with pytest.raises(ValueError, match="past the number of rows"):
+        fn(A, offs)
 
 
 # ----------------------------------------------------------------------------- SM100 scaled path

@@ -96,14 +96,29 @@ def _empty_contraction(A, W_t) -> bool:
 
 
 class _MXFP8GroupedMM(torch.autograd.Function):
+    """The three GEMMs of one expert layer, in the ``forward`` + ``setup_context`` form that
+    ``torch.func`` transforms need (``vmap``, ``grad``).
+
+    ``generate_vmap_rule``: under ``torch.vmap`` forward and backward run op by op on batched
+    tensors, so a batch of ``A``, ``W_t`` and/or ``offs`` needs no rule of our own. Every op here
+    has a batching rule except ``torch._grouped_mm``, which torch 2.13 runs once per batch element
+    (with a performance warning), exactly as for a vmapped call of the plain op.
+    """
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
-        ctx.save_for_backward(A, W_t, offs)
-        ctx.mode, ctx.backend = mode, backend
+    def forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
         if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
             return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
         fwd, _, _ = _GEMMS[backend]
         return fwd(A, W_t, offs, mode).to(out_dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        A, W_t, offs, mode, _, backend = inputs
+        ctx.save_for_backward(A, W_t, offs)
+        ctx.mode, ctx.backend = mode, backend
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -151,13 +166,22 @@ def mxfp8_grouped_mm(
         validate_offsets: check ``offs`` values (non-negative, non-decreasing, ``offs[-1] <= M``)
             and raise ``ValueError`` otherwise. Default: only when ``offs`` is on the CPU, since
             reading a GPU tensor synchronizes. Bad values never cause out-of-bounds accesses either
-            way: offsets are clamped to [0, M] and made monotone internally.
+            way: offsets are clamped to [0, M] and made monotone internally. Under
+            ``torch.compile`` (``fullgraph``, ``dynamic`` included) the check is the custom op
+            ``moe_quant::check_offsets`` in the graph and raises the same ``ValueError`` when the
+            compiled code runs; with ``validate_offsets=True`` on CUDA it synchronizes there too, so
+            leave it off inside CUDA graphs. Under ``torch.vmap`` a batched ``offs`` is checked for
+            every batch element. See ``docs/public_api.md``.
+
+    ``torch.func`` transforms work: ``vmap`` over a batch of ``A``, ``W_t`` and/or ``offs``
+    (forward and backward run batched; ``torch._grouped_mm`` has no batching rule in torch 2.13,
+    so PyTorch loops over the batch inside it, with a performance warning) and ``grad``.
 
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
     """
     mode = ScaleMode.parse(scale_mode)
-    check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets)
+    offs = check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets)
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
     offs = sanitize_offsets(offs, A.shape[0]).to(torch.int32)
