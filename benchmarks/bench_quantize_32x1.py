@@ -168,8 +168,21 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> list[list]:
     w = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
     out = []
+    kern = ops._kernel_32x1(x, MODE.value, "kgroups", torch.float8_e4m3fn)
+    (r, mp), (sr, sc) = ops._k_groups_shapes(256, 256, 2)
+    d = torch.empty(r, mp, device="cuda", dtype=torch.float8_e4m3fn)
+    sbuf = torch.empty(sr, sc, device="cuda", dtype=torch.uint8)
+    pbuf = torch.empty(2, device="cuda", dtype=torch.int32)
+    from moe_quant import quantize as q
+
     for name, fn in (
         ("quantize_32x1_k_groups", lambda: ops.quantize_32x1_k_groups(x, MODE, offs)),
+        ("  of which: compiled kernel call alone (TVM-FFI)", lambda: kern(x, d, sbuf, offs, pbuf)),
+        ("  of which: torch.empty x3", lambda: (torch.empty(r, mp, device="cuda", dtype=torch.float8_e4m3fn),
+                                                torch.empty(sr, sc, device="cuda", dtype=torch.uint8),
+                                                torch.empty(2, device="cuda", dtype=torch.int32))),
+        ("moe_quant.quantize.quantize_colwise_k_groups (public, checked)",
+         lambda: q.quantize_colwise_k_groups(x, offs, MODE)),
         ("fake_quantize_32x1_k_groups", lambda: ops.fake_quantize_32x1_k_groups(x, MODE, offs)),
         ("quantize_3d_along_n", lambda: ops.quantize_3d_along_n(w, MODE)),
         ("quantize_3d_along_k (N % 128 == 0)", lambda: ops.quantize_3d_along_k(w, MODE)),

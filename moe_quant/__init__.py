@@ -9,6 +9,8 @@ Public API:
   :func:`from_blocked_k_groups`, :func:`to_blocked_3d`, :func:`from_blocked_3d`.
 * Operand quantizers for the three GEMMs: :func:`quantize_rowwise`,
   :func:`quantize_colwise_k_groups`, :func:`quantize_3d` (kernels where available).
+* Opt-in reuse of quantized weights across micro-batches: :class:`QuantizedWeightCache`
+  (:mod:`moe_quant.weight_cache`; ``MXFP8MoEConfig(cache_quantized_weights=True)``).
 * Model conversion: :class:`MXFP8MoEConfig` for torchao's ``quantize_``, the weight wrapper
   :class:`MXFP8ExpertWeight`, :func:`fallback_counts`; a reference MoE block in :mod:`moe_quant.moe`.
 """
@@ -36,12 +38,14 @@ from .quantize import (
     quantize_rowwise,
 )
 from .reference import from_mxfp8, to_mxfp8
+from .weight_cache import QuantizedWeightCache
 
 __all__ = [
     "BLOCK_SIZE",
     "GemmBackend",
     "MXFP8ExpertWeight",
     "MXFP8MoEConfig",
+    "QuantizedWeightCache",
     "fallback_counts",
     "reset_fallback_counts",
     "ScaleMode",

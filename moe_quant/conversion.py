@@ -50,6 +50,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from . import validation as v
+from . import weight_cache
 from ._torchao import AOBaseConfig, register_quantize_module_handler
 from .backends import GemmBackend
 from .numerics import BLOCK_SIZE, ScaleMode
@@ -78,6 +79,14 @@ class MXFP8MoEConfig(AOBaseConfig):
             ``torch.bfloat16`` or ``torch.float32``.
         allow_fallback: when True (default) a call MXFP8 cannot serve runs the plain op
             and is counted and logged once; when False it raises ``ValueError``.
+        cache_quantized_weights: when True, each converted weight keeps its quantized fwd and dgrad
+            operands and reuses them while the weight is unchanged (same storage, same autograd
+            version counter, which ``optimizer.step()`` bumps), so with gradient accumulation the
+            weights are quantized once per optimizer step instead of once per micro-batch. Costs
+            memory: two bf16 copies of every converted weight on the emulated GEMM (two fp8 copies
+            plus scales on the scaled one), held between steps. Off by default. Updates that bypass
+            the version counter (writes through ``weight.data``) need
+            ``moe_quant.weight_cache.clear_all()``. See :mod:`moe_quant.weight_cache`.
 
     Use it as ``quantize_(model, MXFP8MoEConfig(...), filter_fn=...)``. The handler converts every
     3-D floating-point parameter of each matched module (the stacked expert weights ``(E, N, K)``).
@@ -104,6 +113,7 @@ class MXFP8MoEConfig(AOBaseConfig):
     backend: GemmBackend = GemmBackend.AUTO
     out_dtype: Optional[torch.dtype] = None
     allow_fallback: bool = True
+    cache_quantized_weights: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "scale_mode", ScaleMode.parse(self.scale_mode, "scale_mode"))
@@ -112,8 +122,9 @@ class MXFP8MoEConfig(AOBaseConfig):
             raise ValueError(
                 f"out_dtype must be None, torch.bfloat16 or torch.float32, got {self.out_dtype!r}"
             )
-        if not isinstance(self.allow_fallback, bool):
-            raise TypeError(f"allow_fallback must be a bool, got {type(self.allow_fallback).__name__}")
+        for flag in ("allow_fallback", "cache_quantized_weights"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
 
 
 # ----------------------------------------------------------------------------- fallback accounting
@@ -199,9 +210,10 @@ class MXFP8ExpertWeight(torch.Tensor):
 
     _data: torch.Tensor
     config: MXFP8MoEConfig
+    _source: torch.Tensor  # the data of the wrapper this one is a view of (keys the quantized-weight cache)
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False):
+    def __new__(cls, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False, _source=None):
         if not _view:
             _check_wrapper_args(data, config)
         return torch.Tensor._make_wrapper_subclass(
@@ -215,9 +227,10 @@ class MXFP8ExpertWeight(torch.Tensor):
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False):
+    def __init__(self, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False, _source=None):
         self._data = data
         self.config = config
+        self._source = data if _source is None else _source
 
     def __repr__(self):
         return f"MXFP8ExpertWeight(config={self.config}, data={self._data})"
@@ -260,11 +273,12 @@ class MXFP8ExpertWeight(torch.Tensor):
             out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        config = None
+        config = source = None
 
         def unwrap(t):
-            nonlocal config
+            nonlocal config, source
             config = config or t.config
+            source = source if source is not None else t._source
             return t._data
 
         u_args, u_kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs))
@@ -275,7 +289,7 @@ class MXFP8ExpertWeight(torch.Tensor):
         out = func(*u_args, **u_kwargs)
         if func in _PRESERVE:
             return pytree.tree_map_only(
-                torch.Tensor, lambda t: _rewrap(cls, t, config) if t.is_floating_point() else t, out
+                torch.Tensor, lambda t: _rewrap(cls, t, config, source) if t.is_floating_point() else t, out
             )
         return out
 
@@ -305,7 +319,7 @@ class MXFP8ExpertWeight(torch.Tensor):
         return MXFP8ExpertWeight(data, self.config, _view=True), (data,)
 
 
-def _rewrap(cls, t: torch.Tensor, config: MXFP8MoEConfig) -> MXFP8ExpertWeight:
+def _rewrap(cls, t: torch.Tensor, config: MXFP8MoEConfig, source=None) -> MXFP8ExpertWeight:
     """The wrapper around an op's output ``t``, an inference tensor exactly when ``t`` is one.
 
     Under ``torch.inference_mode`` a view of a normal tensor is a normal tensor (it shares its
@@ -316,8 +330,8 @@ def _rewrap(cls, t: torch.Tensor, config: MXFP8MoEConfig) -> MXFP8ExpertWeight:
     inference = t.is_inference()
     if inference != torch.is_inference_mode_enabled():
         with torch.inference_mode(inference):
-            return cls(t, config, _view=True)
-    return cls(t, config, _view=True)
+            return cls(t, config, _view=True, _source=source)
+    return cls(t, config, _view=True, _source=source)
 
 
 def _check_wrapper_args(data, config) -> None:
@@ -404,8 +418,10 @@ def _grouped_mm(func, args, kwargs):
         w_t = _plain(mat_b)
         if w_t.dtype != torch.bfloat16:  # fp32 master weights: the GEMM reads them as bf16
             w_t = w_t.to(torch.bfloat16)
+        cache = weight_cache.cache_for(weight._source) if config.cache_quantized_weights else None
         out = mxfp8_grouped_mm(
-            mat_a, w_t, offs, scale_mode=config.scale_mode, out_dtype=resolved, backend=config.backend
+            mat_a, w_t, offs, scale_mode=config.scale_mode, out_dtype=resolved, backend=config.backend,
+            weight_cache=cache,
         )
     else:
         _fallback(reason, config)

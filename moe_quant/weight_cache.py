@@ -18,34 +18,39 @@ the cache is bypassed (every call quantizes), so a compiled graph never captures
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class QuantizedWeightCache:
-    """Last quantized operands of one weight, by kind (``("fwd", mode)``, ``("dgrad", mode)``, ...)."""
+    """Last quantized operands of one weight (its *source*: the parameter's data), by kind."""
 
-    def __init__(self):
+    def __init__(self, source: torch.Tensor):
+        self._source = weakref.ref(source)
         self._entries: dict = {}
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    @staticmethod
-    def _tag(w: torch.Tensor):
+    def _tag(self):
+        src = self._source()
+        if src is None:
+            return None
         try:
-            version = w._version
+            version = src._version
         except RuntimeError:  # inference tensors have no version counter
             return None
-        return (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device,
+        return (src.untyped_storage().data_ptr(), src.storage_offset(), tuple(src.shape), src.stride(), src.dtype,
                 version)
 
-    def get(self, w: torch.Tensor, kind, compute: Callable[[], object]):
-        """``compute()``'s result for ``(w, kind)``, reused while ``w`` is unchanged."""
-        if type(w) is not torch.Tensor or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-            return compute()  # traced (fake/functional tensors), compiled or inference: no state
-        tag = self._tag(w)
+    def get(self, kind, compute: Callable[[], object]):
+        """``compute()``'s result for ``kind``, reused while the source weight is unchanged."""
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return compute()  # compiled or inference: no state
+        tag = self._tag()
         if tag is None:
             return compute()
         with self._lock:
@@ -70,9 +75,26 @@ class QuantizedWeightCache:
     def __repr__(self) -> str:
         return f"QuantizedWeightCache(entries={len(self)}, hits={self.hits}, misses={self.misses})"
 
-    # a cache is per-process state: copies and pickles of a model start empty
-    def __deepcopy__(self, memo):
-        return QuantizedWeightCache()
 
-    def __reduce__(self):
-        return (QuantizedWeightCache, ())
+_CACHES = WeakIdKeyDictionary()  # base tensor (by identity, held weakly) -> its cache
+_CACHES_LOCK = threading.Lock()
+
+
+def cache_for(weight_data: torch.Tensor) -> QuantizedWeightCache | None:
+    """The cache of the weight whose data ``weight_data`` is (or views): one per base tensor, alive as long
+    as that tensor is. ``None`` for tensors that cannot hold one (traced, functional, inference)."""
+    if type(weight_data) is not torch.Tensor or torch.compiler.is_compiling():
+        return None
+    root = weight_data._base if weight_data._base is not None else weight_data
+    with _CACHES_LOCK:
+        cache = _CACHES.get(root)
+        if cache is None:
+            cache = _CACHES[root] = QuantizedWeightCache(root)
+    return cache
+
+
+def clear_all() -> None:
+    """Drop every cached quantized weight of the process."""
+    with _CACHES_LOCK:
+        for cache in list(_CACHES.values()):
+            cache.clear()

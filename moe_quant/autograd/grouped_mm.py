@@ -27,6 +27,7 @@ from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_
 from ..layouts import sanitize_offsets
 from ..numerics import ScaleMode
 from ..validation import check_grouped_mm_args
+from ..weight_cache import QuantizedWeightCache
 
 _GEMM_DTYPE = torch.bfloat16
 
@@ -34,15 +35,25 @@ _GEMM_DTYPE = torch.bfloat16
 # ----------------------------------------------------------------------------- emulated
 
 
-def emulated_fwd(A, W_t, offs, mode: ScaleMode):
+def _weight_operand(cache, W_t, kind: tuple, compute):
+    """The quantized weight operand: from ``cache`` (a :class:`~moe_quant.weight_cache.QuantizedWeightCache`)
+    while the weight is unchanged, else computed."""
+    if cache is None:
+        return compute()
+    return cache.get((*kind, tuple(W_t.shape), W_t.stride(), W_t.dtype), compute)
+
+
+def emulated_fwd(A, W_t, offs, mode: ScaleMode, cache=None):
     a = q.fake_quantize_rowwise(A, mode)
-    w = q.fake_quantize_3d(W_t, mode, along_dim=-2)  # blocks along K, W_t (E, K, N)
+    w = _weight_operand(cache, W_t, ("emulated fwd", mode),  # blocks along K, W_t (E, K, N)
+                        lambda: q.fake_quantize_3d(W_t, mode, along_dim=-2))
     return torch._grouped_mm(a, w, offs=offs)
 
 
-def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode):
+def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode, cache=None):
     g = q.fake_quantize_rowwise(grad_out, mode)
-    w = q.fake_quantize_3d(W_t, mode, along_dim=-1)  # blocks along N
+    w = _weight_operand(cache, W_t, ("emulated dgrad", mode),  # blocks along N
+                        lambda: q.fake_quantize_3d(W_t, mode, along_dim=-1))
     return torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
 
 
@@ -60,15 +71,17 @@ def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
 # ----------------------------------------------------------------------------- scaled (SM100+)
 
 
-def scaled_fwd(A, W_t, offs, mode: ScaleMode):
+def scaled_fwd(A, W_t, offs, mode: ScaleMode, cache=None):
     a, a_s = q.quantize_rowwise(A, mode, offs)
-    w, w_s = q.quantize_3d(W_t.transpose(-2, -1), mode, along="k")  # (E, N, K), scales (E, N x K/32)
+    w, w_s = _weight_operand(cache, W_t, ("scaled fwd", mode),  # (E, N, K), scales (E, N x K/32)
+                             lambda: q.quantize_3d(W_t.transpose(-2, -1), mode, along="k"))
     return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
-def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode):
+def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode, cache=None):
     g, g_s = q.quantize_rowwise(grad_out, mode, offs)
-    w, w_s = q.quantize_3d(W_t.transpose(-2, -1), mode, along="n")  # (E, K, N), scales (E, K x N/32)
+    w, w_s = _weight_operand(cache, W_t, ("scaled dgrad", mode),  # (E, K, N), scales (E, K x N/32)
+                             lambda: q.quantize_3d(W_t.transpose(-2, -1), mode, along="n"))
     return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
@@ -108,17 +121,17 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
+    def forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, weight_cache):
         if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
             return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
         fwd, _, _ = _GEMMS[backend]
-        return fwd(A, W_t, offs, mode).to(out_dtype)
+        return fwd(A, W_t, offs, mode, weight_cache).to(out_dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        A, W_t, offs, mode, _, backend = inputs
+        A, W_t, offs, mode, _, backend, weight_cache = inputs
         ctx.save_for_backward(A, W_t, offs)
-        ctx.mode, ctx.backend = mode, backend
+        ctx.mode, ctx.backend, ctx.weight_cache = mode, backend, weight_cache
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -129,15 +142,15 @@ class _MXFP8GroupedMM(torch.autograd.Function):
         if _empty_contraction(A, W_t):  # dA (M, K) sums over N = 0 terms; dW_t (E, K, N) is zero or empty
             grad_A = torch.zeros_like(A) if ctx.needs_input_grad[0] else None
             grad_W_t = torch.zeros_like(W_t) if ctx.needs_input_grad[1] else None
-            return grad_A, grad_W_t, None, None, None, None
+            return grad_A, grad_W_t, None, None, None, None, None
         if ctx.needs_input_grad[0]:
-            grad_A = dgrad(grad_out, W_t, offs, ctx.mode).to(A.dtype)
+            grad_A = dgrad(grad_out, W_t, offs, ctx.mode, ctx.weight_cache).to(A.dtype)
         if ctx.needs_input_grad[1]:
             dW = wgrad(grad_out, A, offs, ctx.mode)
             if not (ctx.backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
                 dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
             grad_W_t = dW.to(W_t.dtype).transpose(-2, -1)
-        return grad_A, grad_W_t, None, None, None, None
+        return grad_A, grad_W_t, None, None, None, None, None
 
 
 def mxfp8_grouped_mm(
@@ -149,6 +162,7 @@ def mxfp8_grouped_mm(
     out_dtype: torch.dtype = torch.bfloat16,
     backend: GemmBackend | str = GemmBackend.AUTO,
     validate_offsets: bool | None = None,
+    weight_cache: QuantizedWeightCache | None = None,
 ) -> torch.Tensor:
     """MXFP8 grouped GEMM, a differentiable drop-in for ``torch._grouped_mm(A, W_t, offs=offs)``.
 
@@ -173,6 +187,12 @@ def mxfp8_grouped_mm(
             leave it off inside CUDA graphs. Under ``torch.vmap`` a batched ``offs`` is checked for
             every batch element. See ``docs/public_api.md``.
 
+        weight_cache: a :class:`~moe_quant.weight_cache.QuantizedWeightCache` (normally
+            ``weight_cache.cache_for(W)`` of the expert parameter ``W``) to reuse the quantized weight
+            operands of fwd and dgrad while ``W`` is unchanged (same storage, same version counter), e.g.
+            across the micro-batches of one optimizer step; ``None`` (default) quantizes every call.
+            Costs the cached operands' memory; bypassed under ``torch.compile`` and ``inference_mode``.
+
     ``torch.func`` transforms work: ``vmap`` over a batch of ``A``, ``W_t`` and/or ``offs``
     (forward and backward run batched; ``torch._grouped_mm`` has no batching rule in torch 2.13,
     so PyTorch loops over the batch inside it, with a performance warning) and ``grad``.
@@ -185,4 +205,8 @@ def mxfp8_grouped_mm(
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
     offs = sanitize_offsets(offs, A.shape[0]).to(torch.int32)
-    return _MXFP8GroupedMM.apply(A.contiguous(), W_t, offs, mode, out_dtype, gemm)
+    if weight_cache is not None and not isinstance(weight_cache, QuantizedWeightCache):
+        raise TypeError(f"weight_cache must be a QuantizedWeightCache or None, got {type(weight_cache).__name__}")
+    if torch.compiler.is_compiling():
+        weight_cache = None  # a compiled graph holds no Python-side state
+    return _MXFP8GroupedMM.apply(A.contiguous(), W_t, offs, mode, out_dtype, gemm, weight_cache)
