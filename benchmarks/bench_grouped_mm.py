@@ -34,7 +34,7 @@ from unittest import mock
 import torch
 
 from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, profile_device_ops, require_cuda
-from moe_quant import backends, mxfp8_grouped_mm
+from moe_quant import backends, mxfp8_grouped_mm, weight_cache
 
 FAMILIES = {  # name: (K in, N out, G experts)
     "dsv3": (7168, 2048, 8),
@@ -57,6 +57,7 @@ IMPL_LABELS = {
     "bf16": "bf16 torch._grouped_mm",
     "moe_quant": "moe_quant emulated",
     "moe_quant_ref": "moe_quant emulated, reference quant",
+    "moe_quant_cached": "moe_quant emulated, weights cached (micro-batch 2+)",
     "moe_quant_compile": "moe_quant emulated, torch.compile",
     "torchao": "torchao emulated (to_mx)",
 }
@@ -95,6 +96,12 @@ def moe_quant_emulated(A, W_t, offs):
     return mxfp8_grouped_mm(A, W_t, offs, backend="emulated")
 
 
+def moe_quant_cached(A, W_t, offs):
+    """The steady state of gradient accumulation with ``cache_quantized_weights``: W is unchanged between
+    the timed steps, so its quantized fwd/dgrad operands come from the cache after the first call."""
+    return mxfp8_grouped_mm(A, W_t, offs, backend="emulated", weight_cache=weight_cache.cache_for(W_t))
+
+
 def reference_quant(A, W_t, offs):
     with mock.patch.object(backends, "use_quant_kernels", lambda x: False):
         return mxfp8_grouped_mm(A, W_t, offs, backend="emulated")
@@ -104,6 +111,7 @@ def make_impls(args) -> dict:
     impls = {
         "bf16": lambda A, W_t, offs: torch._grouped_mm(A, W_t, offs=offs),
         "moe_quant": moe_quant_emulated,
+        "moe_quant_cached": moe_quant_cached,
         "moe_quant_ref": reference_quant,
     }
     if args.compile:

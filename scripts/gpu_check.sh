@@ -2,6 +2,7 @@
 set -o pipefail
 # Run on the GPU machine from the repo root: the kernels' GPU tests, compute-sanitizer, benchmarks.
 #   bash scripts/gpu_check.sh [smoke] [tests] [sanitize] [cachetime] [bench] [bench-quick] [bench-32x1]
+#                             [layer] [sweep] [moe]
 # Logs go to $OUT (or ./out). HYPOTHESIS_PROFILE defaults to "gpu" (200 examples).
 set -u
 OUT=${OUT:-out}
@@ -42,7 +43,7 @@ PY
       ;;
     tests)
       step tests
-      timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_1x32_gpu.py tests/test_kernel_32x1_gpu.py -rs --durations=5 2>&1 | tee "$OUT/tests.log" || rc=1
+      timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rs --durations=8 2>&1 | tee "$OUT/tests.log" || rc=1
       ;;
     sanitize)
       step memcheck
@@ -70,6 +71,19 @@ PY
     bench-32x1)
       step bench-32x1
       timeout 580 python3 -m benchmarks.bench_quantize_32x1 2>&1 | tee "$OUT/bench32.log" || rc=1
+      ;;
+    layer)
+      step layer
+      timeout 580 python3 -m benchmarks.bench_grouped_mm --breakdown --json "$OUT/layer.json" 2>&1 | tee "$OUT/layer.log" || rc=1
+      ;;
+    sweep)
+      step sweep
+      timeout 580 python3 -m benchmarks.bench_grouped_mm --shapes dsv3,llama4 --m 16384,32768,65536,131072 --no-torchao \
+        --json "$OUT/layer_sweep.json" 2>&1 | tee "$OUT/sweep.log" || rc=1
+      ;;
+    moe)
+      step moe
+      timeout 580 python3 -m benchmarks.bench_moe --tokens 16384 --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" || rc=1
       ;;
     bench-quick)
       step bench-quick

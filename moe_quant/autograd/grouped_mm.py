@@ -143,13 +143,15 @@ class _MXFP8GroupedMM(torch.autograd.Function):
             grad_A = torch.zeros_like(A) if ctx.needs_input_grad[0] else None
             grad_W_t = torch.zeros_like(W_t) if ctx.needs_input_grad[1] else None
             return grad_A, grad_W_t, None, None, None, None, None
-        if ctx.needs_input_grad[0]:
-            grad_A = dgrad(grad_out, W_t, offs, ctx.mode, ctx.weight_cache).to(A.dtype)
+        # wgrad first: its two dequantized operands (the size of A and grad_out) are freed before dA
+        # (the size of A) is allocated, which keeps the backward's peak memory low
         if ctx.needs_input_grad[1]:
             dW = wgrad(grad_out, A, offs, ctx.mode)
             if not (ctx.backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
                 dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
             grad_W_t = dW.to(W_t.dtype).transpose(-2, -1)
+        if ctx.needs_input_grad[0]:
+            grad_A = dgrad(grad_out, W_t, offs, ctx.mode, ctx.weight_cache).to(A.dtype)
         return grad_A, grad_W_t, None, None, None, None, None
 
 
