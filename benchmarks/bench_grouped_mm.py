@@ -26,6 +26,7 @@ import inspect
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -276,6 +277,7 @@ def main():
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="profile the moe_quant layer: GPU time by kernel category")
     p.add_argument("--breakdown-iters", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median reported)")
     p.add_argument("--json", default="", help="write every measured number to this file")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="shrunken shapes (smoke runs, e.g. with --device cpu)")
@@ -316,16 +318,16 @@ def run(args):
         ref_out = torch._grouped_mm(A, W.transpose(-2, -1), offs=offs).detach()
         shape_label = f"{label} ({m}, {k}->{n}, G={g})"
         results = {}
+        steps = {}
         for impl, f in impls.items():
 
             def step(f=f):
                 out = f(A, W.transpose(-2, -1), offs)
                 torch.autograd.grad(out, (A, W), go)
 
-            res = {"ms": None, "peak_bytes": None, "sqnr_db": None, "error": None}
+            res = {"ms": None, "peak_bytes": None, "sqnr_db": None, "error": None, "ms_rounds": []}
             try:
                 step()  # first call: kernel compilation, torch.compile
-                res["ms"] = bench_ms(step, device, warmup_ms=50, rep_ms=300)
                 res["peak_bytes"] = peak_memory_bytes(step, device)
                 # with grad enabled, as timed (a no_grad call would make torch.compile recompile)
                 res["sqnr_db"] = sqnr(f(A, W.transpose(-2, -1), offs).detach(), ref_out)
@@ -336,7 +338,17 @@ def run(args):
                     traceback.print_exc()
                 if is_cuda:
                     torch.cuda.empty_cache()
+            else:
+                steps[impl] = step
             results[impl] = res
+        # Timed in interleaved rounds (every implementation once per round), median over rounds: the
+        # GPU's clock drifts with its power and temperature over a run (an H100's bf16 GEMM here moved
+        # by 10 % between rounds), and interleaving spreads that drift over all implementations.
+        for _ in range(args.rounds):
+            for impl, step in steps.items():
+                results[impl]["ms_rounds"].append(bench_ms(step, device, warmup_ms=50, rep_ms=300))
+        for impl in steps:
+            results[impl]["ms"] = statistics.median(results[impl]["ms_rounds"])
 
         base = results.get("bf16", {}).get("ms")
         ao = results.get("torchao", {}).get("ms")
@@ -348,7 +360,8 @@ def run(args):
                          vs_ao or float("nan"), fmt_gib(res["peak_bytes"]),
                          res["sqnr_db"] if res["sqnr_db"] is not None else float("nan"), res["error"] or ""])
             record["rows"].append({"shape": label, "family": family, "m": m, "k": k, "n": n, "g": g, "impl": impl,
-                                   "label": IMPL_LABELS[impl], "ms": ms, "x_bf16": x_bf16, "speedup_vs_torchao": vs_ao,
+                                   "label": IMPL_LABELS[impl], "ms": ms, "ms_rounds": res["ms_rounds"], "x_bf16": x_bf16,
+                                   "speedup_vs_torchao": vs_ao,
                                    "peak_gib": res["peak_bytes"] / GIB if res["peak_bytes"] is not None else None,
                                    "sqnr_db": finite_or_none(res["sqnr_db"]), "error": res["error"]})
 

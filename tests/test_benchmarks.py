@@ -185,11 +185,12 @@ def test_bench_grouped_mm_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bgm, "torchao_emulated", broken_torchao)
     out = tmp_path / "layer.json"
     args = argparse.Namespace(shapes="dsv3", m="", compile=False, no_torchao=False, breakdown=True,
-                              breakdown_iters=1, json=str(out), device="cpu", tiny=True)
+                              breakdown_iters=1, rounds=2, json=str(out), device="cpu", tiny=True)
     bgm.run(args)
     record = json.loads(out.read_text())
     rows = {r["impl"]: r for r in record["rows"]}
-    assert set(rows) == {"bf16", "moe_quant", "moe_quant_ref", "torchao"}
+    assert set(rows) == {"bf16", "moe_quant", "moe_quant_cached", "moe_quant_ref", "torchao"}
+    assert len(rows["moe_quant"]["ms_rounds"]) == 2  # interleaved rounds, median reported
     assert rows["torchao"]["ms"] is None and "peer broke" in rows["torchao"]["error"]
     for impl in ("bf16", "moe_quant", "moe_quant_ref"):
         r = rows[impl]
