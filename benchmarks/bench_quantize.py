@@ -14,11 +14,10 @@ written (the whole scale buffer, padding included). Also prints host overhead pe
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, print_table, tbps
+from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, tbps
 from moe_quant import layouts, reference
 from moe_quant.kernels import ops
 from moe_quant.numerics import ScaleMode
@@ -116,17 +115,7 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> dict:
         ("torch.ops.moe_quant.quantize_1x32", lambda: torch.ops.moe_quant.quantize_1x32(x, "rceil", offs, "blocked")),
         ("torch.empty x2 (floor)", lambda: (torch.empty(256, 256, device="cuda"), torch.empty(8, 8, device="cuda"))),
     ):
-        for _ in range(50):
-            fn()
-        best = float("inf")
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        out[name] = best / n * 1e6
+        out[name] = host_us(fn, n, reps)
     return out
 
 
@@ -142,7 +131,18 @@ def main():
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--tiles", default="", help="extra tile configs to time, e.g. 128x8,512x2 (threads x iters)")
     p.add_argument("--kinds", default="mxfp8,fake")
+    p.add_argument("--kernels", default="1x32",
+                   help="comma list of 1x32, 32x1, 3d (32x1 and 3d: benchmarks.bench_quantize_32x1, with --m as M "
+                        "and --k as R)")
     args = p.parse_args()
+    kernels = args.kernels.split(",")
+    if "32x1" in kernels or "3d" in kernels:
+        from benchmarks import bench_quantize_32x1 as b32
+
+        b32.run([int(v) for v in args.m.split(",")], [int(v) for v in args.k.split(",")], args.groups,
+                b32.DEFAULT_SHAPES, args.no_torchao, [k for k in kernels if k != "1x32"])
+    if "1x32" not in kernels:
+        return
     ms = [int(v) for v in args.m.split(",")]
     ks = [int(v) for v in args.k.split(",")]
     g = args.groups

@@ -1,5 +1,5 @@
 """Colwise 32x1 (wgrad K-groups operands) and 3D expert-weight MXFP8 quantization bandwidth vs memcpy
-and peers (DESIGN.md section 6). Also run by ``python -m benchmarks.bench_quantize --kernels 32x1,3d``.
+and peers (DESIGN.md section 6). Also run by ``python -m benchmarks.bench_quantize --kernels 1x32,32x1,3d``.
 
     python -m benchmarks.bench_quantize_32x1 [--m 8192,32768,131072] [--r 2048,5120,7168] [--groups 8]
                                              [--w 8x8192x5120,8x2048x7168,16x2048x7168] [--no-torchao]
@@ -15,17 +15,17 @@ torchao's Triton ``triton_to_mxfp8_dim1`` (+ its K-groups scale rearrange) and `
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from benchmarks.bench_quantize import PEER_MODE, _torchao_triton_dim0, group_offsets
-from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, print_table, tbps
+from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, tbps
 from moe_quant import layouts
 from moe_quant.kernels import ops
 from moe_quant.numerics import BLOCK_SIZE, ScaleMode
 
 MODE = ScaleMode.RCEIL
+DEFAULT_SHAPES = [(8, 8192, 5120), (8, 2048, 7168), (16, 2048, 7168)]  # 3D weights (E, N, K)
 
 
 def graph_us(make_call, rot: Rotating, calls: int = 8) -> float:
@@ -187,17 +187,7 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> list[list]:
         ("quantize_3d_along_n", lambda: ops.quantize_3d_along_n(w, MODE)),
         ("quantize_3d_along_k (N % 128 == 0)", lambda: ops.quantize_3d_along_k(w, MODE)),
     ):
-        for _ in range(50):
-            fn()
-        best = float("inf")
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        out.append([name, best / n * 1e6])
+        out.append([name, host_us(fn, n, reps)])
     return out
 
 
@@ -230,7 +220,7 @@ def main(argv=None):
     p.add_argument("--m", default="8192,32768,131072")
     p.add_argument("--r", default="2048,5120,7168")
     p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--w", default="8x8192x5120,8x2048x7168,16x2048x7168")
+    p.add_argument("--w", default=",".join("x".join(map(str, s)) for s in DEFAULT_SHAPES))
     p.add_argument("--kernels", default="32x1,3d")
     p.add_argument("--no-torchao", action="store_true")
     args = p.parse_args(argv)

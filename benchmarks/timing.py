@@ -177,3 +177,21 @@ def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:
                 {"name": e.name, "us": float(e.self_cpu_time_total), "scopes": chain(e), "linked": True}
             )
     return out
+
+
+def host_us(fn, n: int = 100, reps: int = 20) -> float:
+    """CPU time per eager call of ``fn`` in microseconds: the best of ``reps`` batches of ``n`` calls,
+    few enough that the launch queue never fills (so the GPU never throttles the loop)."""
+    import time
+
+    for _ in range(50):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return best / n * 1e6

@@ -37,6 +37,13 @@ F32_2POW_M127 = 0x00400000  # 2**-127, an fp32 subnormal
 # fp32(1/448) exactly as the reference multiplies by it (torch.float32 scalar).
 RCP_E4M3_MAX_F32_BITS = struct.unpack("<I", struct.pack("<f", RCP_E4M3_MAX))[0]
 
+# cutlass element types of the dtype names the kernel configs use.
+CUTLASS_DTYPES = {
+    "bfloat16": cutlass.BFloat16,
+    "float32": cutlass.Float32,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+}
+
 # Canonical NaN patterns written for a block whose scale is E8M0_NAN.
 E4M3_NAN_X4 = 0x7F7F7F7F
 BF16_NAN_X2 = 0x7FC07FC0

@@ -44,11 +44,6 @@ from .config_1x32 import (  # noqa: F401  (re-exported: the kernel's config data
     all_variants,
 )
 
-_CUTLASS_DTYPES = {
-    "bfloat16": cutlass.BFloat16,
-    "float32": cutlass.Float32,
-    "float8_e4m3fn": cutlass.Float8E4M3FN,
-}
 
 
 class Quantize1x32Kernel:
@@ -395,8 +390,8 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
 
     m = cute.sym_int32(symbol="M")
     k = cute.sym_int32(divisibility=BLOCK_SIZE, symbol="K")
-    x = make_fake_compact_tensor(_CUTLASS_DTYPES[variant.in_dtype], (m, k), stride_order=(1, 0), assumed_align=16)
-    out_dtype = _CUTLASS_DTYPES[variant.out_dtype]
+    x = make_fake_compact_tensor(cu.CUTLASS_DTYPES[variant.in_dtype], (m, k), stride_order=(1, 0), assumed_align=16)
+    out_dtype = cu.CUTLASS_DTYPES[variant.out_dtype]
     out = make_fake_compact_tensor(out_dtype, (m, k), stride_order=(1, 0), assumed_align=16)
     scales = None
     offs = None

@@ -49,11 +49,6 @@ from .config_32x1 import (  # noqa: F401  (re-exported: the kernel's config)
     all_variants,
 )
 
-_CUTLASS_DTYPES = {
-    "bfloat16": cutlass.BFloat16,
-    "float32": cutlass.Float32,
-    "float8_e4m3fn": cutlass.Float8E4M3FN,
-}
 _INFO = 8  # shared-memory words: start, size, padded start, chunk start, -, chunk total, padded total
 
 
@@ -305,8 +300,8 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
 
     m = cute.sym_int32(symbol="M")
     r = cute.sym_int32(divisibility=BLOCK_SIZE, symbol="R")
-    x = make_fake_compact_tensor(_CUTLASS_DTYPES[variant.in_dtype], (m, r), stride_order=(1, 0), assumed_align=16)
-    out_dtype = _CUTLASS_DTYPES[variant.out_dtype]
+    x = make_fake_compact_tensor(cu.CUTLASS_DTYPES[variant.in_dtype], (m, r), stride_order=(1, 0), assumed_align=16)
+    out_dtype = cu.CUTLASS_DTYPES[variant.out_dtype]
     scales = offs = poffs = None
     if variant.groups == "kgroups":
         mp = cute.sym_int32(divisibility=K_GROUP_ALIGN, symbol="Mp")
