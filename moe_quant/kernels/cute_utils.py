@@ -238,6 +238,26 @@ def dequantize4_f32(word, scale_bits):
     return _asm(4, [word, scale_bits], _DQ4_F32_BODY, "=r,=r,=r,=r,r,r")
 
 
+def dequantize8(q0, q1, s, is_nan, f32: bool) -> list:
+    """Eight e4m3 bytes (two packed words) times ``2**(s-127)``, as the words a fake-quant output stores:
+    four bf16x2 words, or eight fp32 words when ``f32``; the canonical NaN for a NaN block (``is_nan``)."""
+    sv = e8m0_value_bits(s)
+    if f32:
+        words = [*dequantize4_f32(q0, sv), *dequantize4_f32(q1, sv)]
+        nan = Int32(F32_NAN)
+    else:
+        words = [*dequantize4_bf16(q0, sv), *dequantize4_bf16(q1, sv)]
+        nan = Int32(BF16_NAN_X2)
+    return [cutlass.select_(is_nan, nan, w) for w in words]
+
+
+def st_global_words(ptr, words) -> None:
+    """Four or eight 32-bit words to 16-byte aligned ``ptr`` (32-bit element pointer for eight)."""
+    st_global_v4(ptr, *words[:4])
+    if len(words) == 8:
+        st_global_v4(ptr + 4, *words[4:])
+
+
 # ----------------------------------------------------------------------------- groups
 
 

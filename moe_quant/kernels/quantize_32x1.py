@@ -265,23 +265,7 @@ class Quantize32x1Kernel:
         if cutlass.const_expr(not self.fake):
             cu.st_global_v2(out.iterator + dst, q0, q1)
         else:
-            sv = cu.e8m0_value_bits(s)
-            if cutlass.const_expr(self.fake_f32):
-                f0, f1, f2, f3 = cu.dequantize4_f32(q0, sv)
-                f4, f5, f6, f7 = cu.dequantize4_f32(q1, sv)
-                nanf = Int32(cu.F32_NAN)
-                po = out.iterator + dst
-                cu.st_global_v4(po, cutlass.select_(is_nan, nanf, f0), cutlass.select_(is_nan, nanf, f1),
-                                cutlass.select_(is_nan, nanf, f2), cutlass.select_(is_nan, nanf, f3))
-                cu.st_global_v4(po + 4, cutlass.select_(is_nan, nanf, f4), cutlass.select_(is_nan, nanf, f5),
-                                cutlass.select_(is_nan, nanf, f6), cutlass.select_(is_nan, nanf, f7))
-            else:
-                b0, b1 = cu.dequantize4_bf16(q0, sv)
-                b2, b3 = cu.dequantize4_bf16(q1, sv)
-                nanb = Int32(cu.BF16_NAN_X2)
-                cu.st_global_v4(out.iterator + dst, cutlass.select_(is_nan, nanb, b0),
-                                cutlass.select_(is_nan, nanb, b1), cutlass.select_(is_nan, nanb, b2),
-                                cutlass.select_(is_nan, nanb, b3))
+            cu.st_global_words(out.iterator + dst, cu.dequantize8(q0, q1, s, is_nan, self.fake_f32))
 
     @cute.jit
     def zero_scale_tail(self, scales, chunk_total: Int32, rp: Int32, sw: Int32, q: Int32, n_tail: Int32,
