@@ -238,6 +238,19 @@ def dequantize4_f32(word, scale_bits):
     return _asm(4, [word, scale_bits], _DQ4_F32_BODY, "=r,=r,=r,=r,r,r")
 
 
+def quantize_block8(xs, rceil: bool):
+    """This lane's 8 fp32 bit patterns of a 32-element block held by 4 consecutive lanes (a quad), as MXFP8:
+    ``(q0, q1, s, is_nan)`` -- two words of packed e4m3 bytes (canonical NaN for a non-finite block), the
+    block's e8m0 scale byte and whether it is NaN. amax over the quad, then the exact recipes above."""
+    amax = quad_max(absmax_bits(xs))
+    s = e8m0_from_amax_bits(amax, rceil)
+    is_nan = s == E8M0_NAN
+    rcp = e8m0_reciprocal_bits(s)
+    q0 = Int32(cutlass.select_(is_nan, Int32(E4M3_NAN_X4), quantize4(xs[0], xs[1], xs[2], xs[3], rcp)))
+    q1 = Int32(cutlass.select_(is_nan, Int32(E4M3_NAN_X4), quantize4(xs[4], xs[5], xs[6], xs[7], rcp)))
+    return q0, q1, s, is_nan
+
+
 def dequantize8(q0, q1, s, is_nan, f32: bool) -> list:
     """Eight e4m3 bytes (two packed words) times ``2**(s-127)``, as the words a fake-quant output stores:
     four bf16x2 words, or eight fp32 words when ``f32``; the canonical NaN for a NaN block (``is_nan``)."""

@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..layouts import TILE_ROWS, blocked_offset
-from ..numerics import BLOCK_SIZE, E8M0_NAN
+from ..numerics import BLOCK_SIZE
 from . import cute_utils as cu
 from .config_1x32 import (  # noqa: F401  (re-exported: the kernel's config dataclasses)
     CHUNK,
@@ -316,14 +316,7 @@ class Quantize1x32Kernel:
                 l2, h2 = cu.bf16x2_to_f32_bits(w2)
                 l3, h3 = cu.bf16x2_to_f32_bits(w3)
                 xs = (l0, h0, l1, h1, l2, h2, l3, h3)
-            amax = cu.quad_max(cu.absmax_bits(xs))
-            s = cu.e8m0_from_amax_bits(amax, self.rceil)
-            is_nan = s == E8M0_NAN
-            rcp = cu.e8m0_reciprocal_bits(s)
-            q0 = cu.quantize4(xs[0], xs[1], xs[2], xs[3], rcp)
-            q1 = cu.quantize4(xs[4], xs[5], xs[6], xs[7], rcp)
-            q0 = Int32(cutlass.select_(is_nan, Int32(cu.E4M3_NAN_X4), q0))
-            q1 = Int32(cutlass.select_(is_nan, Int32(cu.E4M3_NAN_X4), q1))
+            q0, q1, s, is_nan = cu.quantize_block8(xs, self.rceil)
             valid = ch < n_chunks
             if cutlass.const_expr(self.kind == "fake"):
                 words = cu.dequantize8(q0, q1, s, is_nan, self.fake_f32)

@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
-from ..numerics import BLOCK_SIZE, E8M0_NAN
+from ..numerics import BLOCK_SIZE
 from . import cute_utils as cu
 from .config_32x1 import (  # noqa: F401  (re-exported: the kernel's config)
     COLS_PER_THREAD,
@@ -165,14 +165,7 @@ class Quantize32x1Kernel:
         write = col_ok & (blk * BLOCK_SIZE < n_out)
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             col = [vals[i][c] for i in range(TOKENS_PER_THREAD)]
-            amax = cu.quad_max(cu.absmax_bits(col))
-            s = cu.e8m0_from_amax_bits(amax, self.rceil)
-            is_nan = s == E8M0_NAN
-            rcp = cu.e8m0_reciprocal_bits(s)
-            q0 = cu.quantize4(col[0], col[1], col[2], col[3], rcp)
-            q1 = cu.quantize4(col[4], col[5], col[6], col[7], rcp)
-            q0 = Int32(cutlass.select_(is_nan, Int32(cu.E4M3_NAN_X4), q0))
-            q1 = Int32(cutlass.select_(is_nan, Int32(cu.E4M3_NAN_X4), q1))
+            q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil)
             dst = out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)
             if write:
                 self.store_tokens(out, dst, q0, q1, s, is_nan)
