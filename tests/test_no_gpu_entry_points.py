@@ -1,26 +1,10 @@
 """Benchmarks and scripts on a machine without a GPU, run from the repository root as documented."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from repo_subprocess import run_python
 
-ROOT = Path(__file__).resolve().parents[1]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA GPU")
-
-
-def run_python(*args, pythonpath=True, timeout=240):
-    """Run ``python *args`` from the repository root, as a user would (``PYTHONPATH`` = the root, or unset)."""
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    if pythonpath:
-        env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 @no_gpu
