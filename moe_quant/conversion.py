@@ -38,6 +38,7 @@ once (``logging.WARNING``), or raises when ``MXFP8MoEConfig(allow_fallback=False
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -48,6 +49,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import validation as v
 from . import weight_cache
@@ -80,13 +82,14 @@ class MXFP8MoEConfig(AOBaseConfig):
         allow_fallback: when True (default) a call MXFP8 cannot serve runs the plain op
             and is counted and logged once; when False it raises ``ValueError``.
         cache_quantized_weights: when True, each converted weight keeps its quantized fwd and dgrad
-            operands and reuses them while the weight is unchanged (same storage, same autograd
-            version counter, which ``optimizer.step()`` bumps), so with gradient accumulation the
-            weights are quantized once per optimizer step instead of once per micro-batch. Costs
-            memory: two bf16 copies of every converted weight on the emulated GEMM (two fp8 copies
-            plus scales on the scaled one), held between steps. Off by default. Updates that bypass
-            the version counter (writes through ``weight.data``) need
-            ``moe_quant.weight_cache.clear_all()``. See :mod:`moe_quant.weight_cache`.
+            operands and reuses them while the weight is unchanged, so with gradient accumulation the
+            weights are quantized once per optimizer step instead of once per micro-batch. Every write to
+            the weight drops them -- optimizer steps of every kind, in-place ops on it or any view of it,
+            ``.data`` writes and assignment, ``load_state_dict``, writes into its ``state_dict()`` tensors,
+            FSDP2 all-gathers -- and entries are keyed by the exact view (see
+            :mod:`moe_quant.weight_cache`). Costs memory: two bf16 copies of every converted weight on the
+            emulated GEMM (two fp8 copies plus scales on the scaled one), held between steps. Off by
+            default.
 
     Use it as ``quantize_(model, MXFP8MoEConfig(...), filter_fn=...)``. The handler converts every
     3-D floating-point parameter of each matched module (the stacked expert weights ``(E, N, K)``).
@@ -157,7 +160,9 @@ def _note_fallback(reason: str) -> bool:
 # ----------------------------------------------------------------------------- the wrapper
 
 
-_PRESERVE = {
+# Ops whose outputs are wrappers again. Views share the weight's quantized-operand cache (they read the
+# same values); copies get a new one.
+_VIEW_OPS = {
     aten.detach.default,
     aten.alias.default,
     aten.view.default,
@@ -174,6 +179,8 @@ _PRESERVE = {
     aten.unsqueeze.default,
     aten.squeeze.dim,
     aten.expand.default,
+}
+_COPY_OPS = {
     aten.clone.default,
     aten._to_copy.default,  # .to(dtype / device), .float(), .cuda()
     aten._pin_memory.default,
@@ -182,6 +189,22 @@ _PRESERVE = {
     aten.new_empty.default,
     aten.new_empty_strided.default,
 }
+_PRESERVE = _VIEW_OPS | _COPY_OPS
+
+
+def _written_wrappers(func, args, kwargs) -> list:
+    """The wrapper arguments that ``func`` writes to (in-place and ``out=`` arguments, by its schema)."""
+    if not func._schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, MXFP8ExpertWeight):
+                written.append(t)
+    return written
 
 
 class _Unwrap(torch.autograd.Function):
@@ -210,10 +233,12 @@ class MXFP8ExpertWeight(torch.Tensor):
 
     _data: torch.Tensor
     config: MXFP8MoEConfig
-    _source: torch.Tensor  # the data of the wrapper this one is a view of (keys the quantized-weight cache)
+    # The quantized-operand cache of the weight, shared with every view of it; every write this wrapper
+    # sees invalidates it (moe_quant.weight_cache says which writes those are).
+    _weight_cache: weight_cache.QuantizedWeightCache
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False, _source=None):
+    def __new__(cls, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False, _cache=None):
         if not _view:
             _check_wrapper_args(data, config)
         return torch.Tensor._make_wrapper_subclass(
@@ -227,10 +252,10 @@ class MXFP8ExpertWeight(torch.Tensor):
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False, _source=None):
+    def __init__(self, data: torch.Tensor, config: MXFP8MoEConfig, _view: bool = False, _cache=None):
         self._data = data
         self.config = config
-        self._source = data if _source is None else _source
+        self._weight_cache = weight_cache.QuantizedWeightCache(data) if _cache is None else _cache
 
     def __repr__(self):
         return f"MXFP8ExpertWeight(config={self.config}, data={self._data})"
@@ -273,25 +298,78 @@ class MXFP8ExpertWeight(torch.Tensor):
             out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        config = source = None
+        config = cache = None
 
         def unwrap(t):
-            nonlocal config, source
+            nonlocal config, cache
             config = config or t.config
-            source = source if source is not None else t._source
+            cache = cache if cache is not None else t._weight_cache
             return t._data
 
         u_args, u_kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs))
+        if func is aten.detach.default:
+            # the same wrapped tensor (already detached): nn.Parameter(w) and w.data keep the weight's own
+            # data, whose version counter the cache watches for plain writes (the state_dict() tensors)
+            return _rewrap(cls, u_args[0], config, cache)
         if func is aten._grouped_mm.default:
             # Only reachable with torch-function handling disabled: no MXFP8 autograd here.
             _fallback("aten._grouped_mm reached __torch_dispatch__ (torch function disabled)", config)
-        # In-place ops mutate the wrapped tensor; PyTorch returns the (wrapper) argument itself.
+        # In-place ops mutate the wrapped tensor; PyTorch returns the (wrapper) argument itself. Below
+        # autograd no version counter moves, so a written weight invalidates its cache here.
         out = func(*u_args, **u_kwargs)
+        for t in _written_wrappers(func, args, kwargs):
+            t._weight_cache.invalidate()
         if func in _PRESERVE:
+            shared = cache if func in _VIEW_OPS else None  # a copy gets a cache of its own
             return pytree.tree_map_only(
-                torch.Tensor, lambda t: _rewrap(cls, t, config, source) if t.is_floating_point() else t, out
+                torch.Tensor, lambda t: _rewrap(cls, t, config, shared) if t.is_floating_point() else t, out
             )
         return out
+
+    # -- writes and copies that do not pass through dispatch
+
+    @property
+    def data(self):
+        """As ``Tensor.data``: a detached alias (a wrapper reading the same values, sharing the cache)."""
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        """``weight.data = t``: the wrapper now wraps ``t`` (plain, or another wrapper's data), as a plain
+        tensor's ``.data =`` would; shape, dtype and device follow ``t``, the cached operands are dropped."""
+        if value is self:
+            return
+        new = value._data if isinstance(value, MXFP8ExpertWeight) else value
+        if not isinstance(new, torch.Tensor) or not new.is_floating_point():
+            raise TypeError(f"data must be a floating-point torch.Tensor, got {getattr(new, 'dtype', type(new).__name__)}")
+        fresh = _rewrap(type(self), new.detach(), self.config)
+        torch._C.TensorBase.data.__set__(self, fresh)  # this wrapper's metadata (shape, strides, dtype, device)
+        self._weight_cache.invalidate()  # views taken before keep the old data, and no stale entry survives
+        self._data, self._weight_cache = fresh._data, fresh._weight_cache
+
+    def share_memory_(self):
+        self._data.share_memory_()
+        self._weight_cache.invalidate()
+        return self
+
+    def is_shared(self) -> bool:
+        return self._data.is_shared()
+
+    def __reduce_ex__(self, protocol):
+        # pickling (torch.save, torch.multiprocessing queues): the wrapped tensor, the config and the
+        # Python attributes (nn.Parameter's flag among them); the cache is not carried
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_weight_cache")}
+        return _rebuild_expert_weight, (self._data, self.config, self.requires_grad, state)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_weight_cache")}
+        new = _rebuild_expert_weight(
+            copy.deepcopy(self._data, memo), self.config, self.requires_grad, copy.deepcopy(state, memo)
+        )
+        memo[id(self)] = new
+        return new
 
     # -- FSDP2 all-gather extension
 
@@ -315,11 +393,21 @@ class MXFP8ExpertWeight(torch.Tensor):
                 raise RuntimeError(f"expected an MXFP8ExpertWeight unsharded parameter, got {type(local).__name__}")
             if local._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
                 local._data.copy_(data)
+            # the all-gather wrote new values into the unsharded weight, maybe straight into its storage
+            local._weight_cache.invalidate()
             return None
         return MXFP8ExpertWeight(data, self.config, _view=True), (data,)
 
 
-def _rewrap(cls, t: torch.Tensor, config: MXFP8MoEConfig, source=None) -> MXFP8ExpertWeight:
+def _rebuild_expert_weight(data, config, requires_grad, state) -> "MXFP8ExpertWeight":
+    w = MXFP8ExpertWeight(data, config, _view=True)
+    if requires_grad:
+        w.requires_grad_(True)
+    w.__dict__.update(state)
+    return w
+
+
+def _rewrap(cls, t: torch.Tensor, config: MXFP8MoEConfig, cache=None) -> MXFP8ExpertWeight:
     """The wrapper around an op's output ``t``, an inference tensor exactly when ``t`` is one.
 
     Under ``torch.inference_mode`` a view of a normal tensor is a normal tensor (it shares its
@@ -330,8 +418,8 @@ def _rewrap(cls, t: torch.Tensor, config: MXFP8MoEConfig, source=None) -> MXFP8E
     inference = t.is_inference()
     if inference != torch.is_inference_mode_enabled():
         with torch.inference_mode(inference):
-            return cls(t, config, _view=True, _source=source)
-    return cls(t, config, _view=True, _source=source)
+            return cls(t, config, _view=True, _cache=cache)
+    return cls(t, config, _view=True, _cache=cache)
 
 
 def _check_wrapper_args(data, config) -> None:
@@ -415,12 +503,9 @@ def _grouped_mm(func, args, kwargs):
         v.check_bias(bias, mat_b.shape[-1], n_groups)
     reason = _unsupported_reason(mat_a, mat_b, offs, resolved)
     if reason is None:
-        w_t = _plain(mat_b)
-        if w_t.dtype != torch.bfloat16:  # fp32 master weights: the GEMM reads them as bf16
-            w_t = w_t.to(torch.bfloat16)
-        cache = weight_cache.cache_for(weight._source) if config.cache_quantized_weights else None
-        out = mxfp8_grouped_mm(
-            mat_a, w_t, offs, scale_mode=config.scale_mode, out_dtype=resolved, backend=config.backend,
+        cache = mat_b._weight_cache if config.cache_quantized_weights else None
+        out = mxfp8_grouped_mm(  # fp32 master weights are read as bf16
+            mat_a, _plain(mat_b), offs, scale_mode=config.scale_mode, out_dtype=resolved, backend=config.backend,
             weight_cache=cache,
         )
     else:
@@ -489,8 +574,7 @@ def convert_parameters(module: nn.Module, config: MXFP8MoEConfig, parameter_name
                 raise ValueError(
                     f"parameter {name!r} is already a DTensor (sharded); call quantize_ before fully_shard"
                 )
-            wrapped = MXFP8ExpertWeight(param.detach(), config)
-            setattr(mod, name, nn.Parameter(wrapped, requires_grad=param.requires_grad))
+            _wrap_parameter(mod, name, param, config)
             converted.append(name)
             found = True
             logger.info("converted %s.%s %s to MXFP8ExpertWeight", type(mod).__name__, name, tuple(param.shape))
@@ -505,6 +589,30 @@ def convert_parameters(module: nn.Module, config: MXFP8MoEConfig, parameter_name
     if not found:
         _warn_nothing_converted(module)
     return module
+
+
+# parameters replaced by a new object (where swapping in place was refused), so that a parameter tied
+# between modules converts to one parameter, whichever module quantize_ visits first
+_REPLACED = WeakIdKeyDictionary()
+
+
+def _wrap_parameter(mod: nn.Module, name: str, param: nn.Parameter, config: MXFP8MoEConfig) -> None:
+    """Make ``mod.<name>`` a converted weight. The parameter object itself becomes the wrapper
+    (``torch.utils.swap_tensors``), so every module that holds it -- a tied parameter -- and every
+    optimizer built before the conversion sees one converted parameter."""
+    replaced = _REPLACED.get(param)
+    if replaced is not None:  # a tie whose other end was converted by replacement
+        setattr(mod, name, replaced)
+        return
+    new = nn.Parameter(MXFP8ExpertWeight(param.detach(), config), requires_grad=param.requires_grad)
+    if type(param) is nn.Parameter:
+        try:
+            torch.utils.swap_tensors(param, new)
+            return
+        except RuntimeError as e:  # weak references to it, or C++ holds it (a live autograd graph)
+            logger.debug("converting %s by replacement (swap refused: %s)", name, e)
+    _REPLACED[param] = new
+    setattr(mod, name, new)
 
 
 # module classes already warned about: a filter such as ``"experts" in fqn`` matches torchtitan's
@@ -541,6 +649,7 @@ def _reconfigure(mod: nn.Module, name: str, param, config: MXFP8MoEConfig) -> bo
         )
     logger.info("re-configured %s.%s: %s -> %s", type(mod).__name__, name, local.config, config)
     local.config = config
+    local._weight_cache.clear()  # operands of the old config (scale mode, backend) are never used again
     return True
 
 

@@ -148,7 +148,7 @@ def check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets: bool | None
     """Inputs of ``mxfp8_grouped_mm``: A (M, K), W_t (E, K, N), offs (E,) int32; returns ``offs``
     as :func:`check_offsets` does."""
     check_tensor("A", A, dtypes=_A_DTYPES, ndim=2)
-    check_tensor("W_t", W_t, dtypes=(torch.bfloat16,), ndim=3)
+    check_tensor("W_t", W_t, dtypes=_A_DTYPES, ndim=3)  # fp32 master weights are read as bf16
     check_dtype_choice("out_dtype", out_dtype, _OUT_DTYPES)
     m, k = A.shape
     e, k_w, n = W_t.shape

@@ -128,7 +128,7 @@ def test_no_tokens_at_all():
     [
         ("a_int", TypeError, "A must have dtype"),
         ("a_3d", ValueError, "A must be 2-D"),
-        ("w_fp32", TypeError, "W_t must have dtype"),
+        ("w_fp16", TypeError, "W_t must have dtype"),
         ("k_mismatch", ValueError, "contraction"),
         ("k_not_32", ValueError, "multiple of 32"),
         ("n_not_32", ValueError, "N .W_t.shape.2.. = 48"),
@@ -153,8 +153,8 @@ def test_bad_input_raises_clear_errors(case, exc, match):
         A = A.to(torch.int32)
     elif case == "a_3d":
         A = A.view(1, 64, 64)
-    elif case == "w_fp32":
-        W_t = W_t.float()
+    elif case == "w_fp16":
+        W_t = W_t.half()
     elif case == "k_mismatch":
         W_t = torch.randn(2, 96, 32, dtype=torch.bfloat16)
     elif case == "k_not_32":

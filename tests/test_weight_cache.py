@@ -9,6 +9,7 @@ import torch
 from mx_strategies import offsets_from_sizes
 
 from moe_quant import MXFP8MoEConfig, mxfp8_grouped_mm, weight_cache
+from moe_quant.conversion import MXFP8ExpertWeight
 from moe_quant.moe import MoE
 
 
@@ -100,7 +101,7 @@ def test_converted_model_gradient_accumulation_matches_uncached():
     for (n0, p0), (n1, p1) in zip(m0.named_parameters(), m1.named_parameters()):
         assert n0 == n1
         assert torch.equal(p0.detach().float(), p1.detach().float()), n0
-    caches = [weight_cache.cache_for(p._source) for p in m1.parameters() if hasattr(p, "_source")]
+    caches = [weight_cache.cache_for(p) for p in m1.parameters() if isinstance(p, MXFP8ExpertWeight)]
     assert caches and all(c.hits > 0 for c in caches), caches
 
 

@@ -36,24 +36,26 @@ _GEMM_DTYPE = torch.bfloat16
 
 
 def _weight_operand(cache, W_t, kind: tuple, compute):
-    """The quantized weight operand: from ``cache`` (a :class:`~moe_quant.weight_cache.QuantizedWeightCache`)
-    while the weight is unchanged, else computed."""
-    if cache is None:
-        return compute()
-    return cache.get((*kind, tuple(W_t.shape), W_t.stride(), W_t.dtype), compute)
+    """``compute(w)`` of the weight ``W_t`` read as bf16 (fp32 master weights are rounded to bf16 first):
+    from ``cache`` (a :class:`~moe_quant.weight_cache.QuantizedWeightCache`) while the weight is unchanged."""
+
+    def run():
+        return compute(W_t if W_t.dtype == _GEMM_DTYPE else W_t.to(_GEMM_DTYPE))
+
+    return run() if cache is None else cache.get(W_t, kind, run)
 
 
 def emulated_fwd(A, W_t, offs, mode: ScaleMode, cache=None):
     a = q.fake_quantize_rowwise(A, mode)
     w = _weight_operand(cache, W_t, ("emulated fwd", mode),  # blocks along K, W_t (E, K, N)
-                        lambda: q.fake_quantize_3d(W_t, mode, along_dim=-2))
+                        lambda w: q.fake_quantize_3d(w, mode, along_dim=-2))
     return torch._grouped_mm(a, w, offs=offs)
 
 
 def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode, cache=None):
     g = q.fake_quantize_rowwise(grad_out, mode)
     w = _weight_operand(cache, W_t, ("emulated dgrad", mode),  # blocks along N
-                        lambda: q.fake_quantize_3d(W_t, mode, along_dim=-1))
+                        lambda w: q.fake_quantize_3d(w, mode, along_dim=-1))
     return torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
 
 
@@ -74,14 +76,14 @@ def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
 def scaled_fwd(A, W_t, offs, mode: ScaleMode, cache=None):
     a, a_s = q.quantize_rowwise(A, mode, offs)
     w, w_s = _weight_operand(cache, W_t, ("scaled fwd", mode),  # (E, N, K), scales (E, N x K/32)
-                             lambda: q.quantize_3d(W_t.transpose(-2, -1), mode, along="k"))
+                             lambda w: q.quantize_3d(w.transpose(-2, -1), mode, along="k"))
     return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
 def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode, cache=None):
     g, g_s = q.quantize_rowwise(grad_out, mode, offs)
     w, w_s = _weight_operand(cache, W_t, ("scaled dgrad", mode),  # (E, K, N), scales (E, K x N/32)
-                             lambda: q.quantize_3d(W_t.transpose(-2, -1), mode, along="n"))
+                             lambda w: q.quantize_3d(w.transpose(-2, -1), mode, along="n"))
     return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
@@ -170,7 +172,8 @@ def mxfp8_grouped_mm(
 
     Args:
         A: ``(M, K)`` bf16 or fp32 activations, tokens grouped by expert; K a multiple of 32.
-        W_t: ``(E, K, N)`` bf16, normally ``W.transpose(-2, -1)`` of an ``(E, N, K)`` expert parameter;
+        W_t: ``(E, K, N)`` bf16 or fp32 (fp32 master weights are read as bf16; their gradient is
+            returned in fp32), normally ``W.transpose(-2, -1)`` of an ``(E, N, K)`` expert parameter;
             N a multiple of 32. K = 0 or N = 0 give the exact answer (zeros of shape ``(M, N)``,
             zero or empty gradients) without running a GEMM, where ``torch._grouped_mm`` raises.
         offs: ``(E,)`` int32 cumulative end offsets of each expert's tokens (any sizes, 0 included).
@@ -189,11 +192,13 @@ def mxfp8_grouped_mm(
             leave it off inside CUDA graphs. Under ``torch.vmap`` a batched ``offs`` is checked for
             every batch element. See ``docs/public_api.md``.
 
-        weight_cache: a :class:`~moe_quant.weight_cache.QuantizedWeightCache` (normally
-            ``weight_cache.cache_for(W)`` of the expert parameter ``W``) to reuse the quantized weight
-            operands of fwd and dgrad while ``W`` is unchanged (same storage, same version counter), e.g.
-            across the micro-batches of one optimizer step; ``None`` (default) quantizes every call.
-            Costs the cached operands' memory; bypassed under ``torch.compile`` and ``inference_mode``.
+        weight_cache: a :class:`~moe_quant.weight_cache.QuantizedWeightCache` of the weight ``W_t`` views
+            (``weight_cache.cache_for(W)``; a ``ValueError`` if it belongs to another weight) to reuse the
+            quantized weight operands of fwd and dgrad while ``W`` is unchanged, e.g. across the micro-batches
+            of one optimizer step; ``None`` (default) quantizes every call. Entries are keyed by the exact
+            view and valid while ``W``'s version counter is unchanged (see :mod:`moe_quant.weight_cache` for
+            what a plain tensor's counter cannot see). Costs the cached operands' memory; bypassed under
+            ``torch.compile`` and ``inference_mode``.
 
     ``torch.func`` transforms work: ``vmap`` over a batch of ``A``, ``W_t`` and/or ``offs``
     (forward and backward run batched; ``torch._grouped_mm`` has no batching rule in torch 2.13,
@@ -207,8 +212,10 @@ def mxfp8_grouped_mm(
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
     offs = sanitize_offsets(offs, A.shape[0]).to(torch.int32)
-    if weight_cache is not None and not isinstance(weight_cache, QuantizedWeightCache):
-        raise TypeError(f"weight_cache must be a QuantizedWeightCache or None, got {type(weight_cache).__name__}")
+    if weight_cache is not None:
+        if not isinstance(weight_cache, QuantizedWeightCache):
+            raise TypeError(f"weight_cache must be a QuantizedWeightCache or None, got {type(weight_cache).__name__}")
+        weight_cache.check_serves(W_t)
     if torch.compiler.is_compiling():
         weight_cache = None  # a compiled graph holds no Python-side state
     return _MXFP8GroupedMM.apply(A.contiguous(), W_t, offs, mode, out_dtype, gemm, weight_cache)
