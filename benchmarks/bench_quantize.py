@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, tbps
 from moe_quant import layouts, reference
-from moe_quant.kernels import ops
+from moe_quant.kernels import compile_cache, ops, ops_1x32
 from moe_quant.numerics import ScaleMode
 
 
@@ -104,7 +104,7 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> dict:
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
     out = {}
-    kern = ops._kernel_for(x, "rceil", "mgroups", "float8_e4m3fn")
+    kern = ops_1x32._kernel_for(x, "rceil", "mgroups", "float8_e4m3fn")
     rows, cols = layouts.m_groups_blocked_shape(256, 8, 2)
     d = torch.empty(256, 256, device="cuda", dtype=torch.float8_e4m3fn)
     sc = torch.empty(rows, cols, device="cuda", dtype=torch.uint8)
@@ -223,7 +223,7 @@ def main():
                         kk = "mgroups" if kind == "mxfp8" else "fake"
                         od = "float8_e4m3fn" if kind == "mxfp8" else "bfloat16"
                         v = Variant("bfloat16", "rceil", kk, od, tile=tile)
-                        kern = ops.get_kernel(v, ops._arch(torch.device("cuda")))
+                        kern = ops.get_kernel(v, compile_cache.arch(torch.device("cuda")))
                         if kind == "mxfp8":
                             rws, cls = layouts.m_groups_blocked_shape(m, k // 32, g)
                             o1 = torch.empty(m, k, device="cuda", dtype=torch.float8_e4m3fn)

@@ -21,7 +21,7 @@ import torch
 from benchmarks.bench_quantize import PEER_MODE, _torchao_triton_dim0, group_offsets
 from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, tbps
 from moe_quant import layouts
-from moe_quant.kernels import ops
+from moe_quant.kernels import ops, ops_32x1
 from moe_quant.numerics import BLOCK_SIZE, ScaleMode
 
 MODE = ScaleMode.RCEIL
@@ -168,8 +168,8 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> list[list]:
     w = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
     out = []
-    kern = ops._kernel_32x1(x, MODE.value, "kgroups", torch.float8_e4m3fn)
-    (r, mp), (sr, sc) = ops._k_groups_shapes(256, 256, 2)
+    kern = ops_32x1._kernel_32x1(x, MODE.value, "kgroups", torch.float8_e4m3fn)
+    (r, mp), (sr, sc) = ops_32x1._k_groups_shapes(256, 256, 2)
     d = torch.empty(r, mp, device="cuda", dtype=torch.float8_e4m3fn)
     sbuf = torch.empty(sr, sc, device="cuda", dtype=torch.uint8)
     pbuf = torch.empty(2, device="cuda", dtype=torch.int32)

@@ -22,7 +22,7 @@ from mx_strategies import make_values, offsets_from_sizes  # noqa: E402
 from benchmarks.bench_quantize import group_offsets, nbytes  # noqa: E402
 from benchmarks.timing import Rotating, bench_us, memcpy_tbps, print_table, require_cuda, tbps  # noqa: E402
 from moe_quant import layouts, reference  # noqa: E402
-from moe_quant.kernels import ops  # noqa: E402
+from moe_quant.kernels import compile_cache, ops  # noqa: E402
 from moe_quant.kernels.config_1x32 import TileConfig, Variant  # noqa: E402
 from moe_quant.numerics import ScaleMode  # noqa: E402
 
@@ -46,7 +46,7 @@ def main():
     p.add_argument("configs", nargs="*", default=["256x4:pf:leader", "256x4:leader", "256x4:pf", "256x4"])
     a = p.parse_args()
     require_cuda()
-    arch = ops._arch(torch.device("cuda"))
+    arch = compile_cache.arch(torch.device("cuda"))
     kerns = {}
     for c in a.configs:
         kern = ops.get_kernel(Variant("bfloat16", "rceil", "mgroups", tile=TileConfig.parse(c)), arch)

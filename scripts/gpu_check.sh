@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 set -o pipefail
 # Run on the GPU machine from the repo root: the kernels' GPU tests, compute-sanitizer, benchmarks.
-#   bash scripts/gpu_check.sh [smoke] [tests] [sanitize] [cachetime] [bench] [bench-quick] [bench-32x1]
+#   bash scripts/gpu_check.sh [smoke] [tests] [sanitize] [cachetime] [bench] [bench-quick] [bench-32x1] [bench-permute]
 #                             [layer] [sweep] [moe]
 # Logs go to $OUT (or ./out). HYPOTHESIS_PROFILE defaults to "gpu" (200 examples).
 set -u
@@ -50,15 +50,20 @@ PY
       # compile (or load) every kernel first: cutlass-dsl's compile path probes driver entry points with
       # cuGetProcAddress, which memcheck reports as API errors; kernel launches are what is checked here
       python3 scripts/sanitize_1x32.py > /dev/null 2>&1; python3 scripts/sanitize_32x1.py > /dev/null 2>&1
+      python3 scripts/sanitize_permute.py > /dev/null 2>&1
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
         python3 scripts/sanitize_1x32.py 2>&1 | tail -40 | tee "$OUT/memcheck.log" || rc=1
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
         python3 scripts/sanitize_32x1.py 2>&1 | tail -40 | tee -a "$OUT/memcheck.log" || rc=1
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+        python3 scripts/sanitize_permute.py 2>&1 | tail -40 | tee -a "$OUT/memcheck.log" || rc=1
       step racecheck
       timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
         python3 scripts/sanitize_1x32.py --quick 2>&1 | tail -20 | tee "$OUT/racecheck.log" || rc=1
       timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
         python3 scripts/sanitize_32x1.py --quick 2>&1 | tail -20 | tee -a "$OUT/racecheck.log" || rc=1
+      timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
+        python3 scripts/sanitize_permute.py --quick 2>&1 | tail -20 | tee -a "$OUT/racecheck.log" || rc=1
       ;;
     cachetime)
       step cachetime
@@ -67,6 +72,10 @@ PY
     bench)
       step bench
       timeout 580 python3 -m benchmarks.bench_quantize 2>&1 | tee "$OUT/bench.log" || rc=1
+      ;;
+    bench-permute)
+      step bench-permute
+      timeout 580 python3 -m benchmarks.bench_permute 2>&1 | tee "$OUT/bench_permute.log" || rc=1
       ;;
     bench-32x1)
       step bench-32x1

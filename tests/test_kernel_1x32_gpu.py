@@ -20,7 +20,7 @@ from mx_strategies import DISTRIBUTIONS, group_sizes, offsets_from_sizes
 from mx_strategies import make_values as _make_values
 
 from moe_quant import layouts, reference
-from moe_quant.kernels import ops
+from moe_quant.kernels import compile_cache, ops
 from moe_quant.numerics import ScaleMode
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(ops, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(compile_cache, "POISON_OUTPUTS", True)
     yield
 
 
@@ -195,7 +195,7 @@ def test_path_without_tvm_ffi(monkeypatch):
     monkeypatch.setenv("MOE_QUANT_NO_TVM_FFI", "1")
     from moe_quant.kernels.config_1x32 import Variant
 
-    kern = ops._build(Variant("bfloat16", "rceil", "mgroups"), ops._arch(torch.device("cuda")))
+    kern = compile_cache.build(Variant("bfloat16", "rceil", "mgroups"), compile_cache.arch(torch.device("cuda")))
     assert not kern.tvm
     x_cpu = make_values((333, 160), "wide", 3, torch.bfloat16)
     offs_cpu = offsets_from_sizes([0, 129, 31, 150])
@@ -210,7 +210,7 @@ def test_path_without_tvm_ffi(monkeypatch):
 
 def test_second_process_loads_from_disk_cache(tmp_path):
     """A second process finds the exported kernel on disk: no compile, same bytes."""
-    if not ops._tvm_ffi_available():
+    if not compile_cache.tvm_ffi_available():
         pytest.skip("the on-disk cache needs apache-tvm-ffi")
     code = textwrap.dedent(
         """

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mx_strategies import DISTRIBUTIONS, group_sizes, make_values, offsets_from_sizes
 
 from moe_quant import layouts, reference
-from moe_quant.kernels import ops
+from moe_quant.kernels import compile_cache, ops
 from moe_quant.numerics import BLOCK_SIZE, ScaleMode
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(ops, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(compile_cache, "POISON_OUTPUTS", True)
     yield
 
 

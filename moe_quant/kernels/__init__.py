@@ -1,1 +1,1 @@
-"""CuTe-DSL quantization kernels (import ``moe_quant.kernels.ops`` for the torch ops)."""
+"""CuTe-DSL kernels: one family per `config_*.py` + kernel module + `ops_*.py`; `compile_cache` compiles, caches and launches them (`ops` gathers the public torch ops)."""

@@ -1,4 +1,4 @@
-"""Compile every kernel variant (1x32 and 32x1 families) for one GPU arch without a GPU (CI), and report
+"""Compile every kernel variant (every family with a ``config_*`` module) for one GPU arch without a GPU (CI), and report
 ptxas resources.
 
     python -m moe_quant.kernels.compile_check sm_90a [sm_100a ...]
@@ -26,6 +26,8 @@ _MARK = "@@compile_check@@"
 def _worker(arch: str) -> None:
     os.environ["CUTE_DSL_ARCH"] = arch
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # really compile, every time
+    from .compile_cache import compile_variant
+
     try:
         import tvm_ffi  # noqa: F401
 
@@ -36,16 +38,23 @@ def _worker(arch: str) -> None:
         name = variant_name(v)
         print(f"{_MARK} begin {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        v.compile(tvm_ffi=tvm, extra_options="remarks{ptx}")
+        compile_variant(v, tvm_ffi=tvm, extra_options="remarks{ptx}")
         dt = time.perf_counter() - t0
         print(f"{_MARK} end {name} {dt:.3f} {int(tvm)}", file=sys.stderr, flush=True)
 
 
 def all_variants() -> list:
-    """Every variant the package can launch, both kernel families."""
-    from . import config_1x32, config_32x1
+    """Every variant the package can launch: ``all_variants()`` of each ``config_*`` module (one per family)."""
+    import importlib
+    import pkgutil
 
-    return config_1x32.all_variants() + config_32x1.all_variants()
+    from . import __path__ as here
+
+    out = []
+    for info in sorted(pkgutil.iter_modules(here), key=lambda i: i.name):
+        if info.name.startswith("config_"):
+            out += importlib.import_module(f"{__package__}.{info.name}").all_variants()
+    return out
 
 
 def variant_name(v) -> str:

@@ -74,6 +74,7 @@ class Variant:
     tile: TileConfig = DEFAULT_TILE
 
     family = "q1x32"
+    kernel_module = "quantize_1x32"  # compiled by compile_cache.compile_variant (never imported here)
 
     def __post_init__(self):
         if self.in_dtype not in IN_DTYPES:
@@ -94,11 +95,6 @@ class Variant:
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
-
-    def compile(self, tvm_ffi: bool, extra_options: str = ""):
-        from .quantize_1x32 import compile_variant
-
-        return compile_variant(self, tvm_ffi=tvm_ffi, extra_options=extra_options)
 
 
 def all_variants(tile: TileConfig = DEFAULT_TILE) -> list[Variant]:

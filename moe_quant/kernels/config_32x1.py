@@ -40,6 +40,7 @@ class Variant:
     out_dtype: str = "float8_e4m3fn"  # or "bfloat16" | "float32": dequantized values, no scales
 
     family = "q32x1"
+    kernel_module = "quantize_32x1"  # compiled by compile_cache.compile_variant (never imported here)
 
     def __post_init__(self):
         for name, allowed in (("in_dtype", IN_DTYPES), ("mode", MODES), ("groups", GROUPS), ("out_dtype", OUT_DTYPES)):
@@ -56,11 +57,6 @@ class Variant:
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
-
-    def compile(self, tvm_ffi: bool, extra_options: str = ""):
-        from .quantize_32x1 import compile_variant
-
-        return compile_variant(self, tvm_ffi=tvm_ffi, extra_options=extra_options)
 
 
 def all_variants() -> list[Variant]:

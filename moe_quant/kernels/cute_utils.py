@@ -79,6 +79,11 @@ def st_global_v4(ptr, a, b, c, d) -> None:
     cute.arch.store(ptr, vec)
 
 
+def ld_global_u8(ptr) -> Int32:
+    """One byte, zero-extended."""
+    return Int32(cute.arch.load(ptr, Uint8))
+
+
 def st_global_v2(ptr, a, b) -> None:
     vec = vector.from_elements(ir.VectorType.get([2], T.i32()), [_i32(a), _i32(b)])
     cute.arch.store(ptr, vec)
@@ -312,6 +317,46 @@ def round_up_tile_rows(n) -> Int32:
 def round_up_block(n) -> Int32:
     """``round_up(n, 32)`` for non-negative Int32 ``n`` (the K-groups per-group token padding)."""
     return (Int32(n) + (BLOCK_SIZE - 1)) & Int32(-BLOCK_SIZE)
+
+
+@cute.jit
+def zero_scale_tile_padding(scales, p0: Int32, nc: Int32, buf_rows: Int32, in_group: Int32, nreal: Int32,
+                            tid: Int32, threads: cutlass.Constexpr):
+    """Zero the bytes of the M-groups (or whole-matrix) blocked scale buffer's row tile at row ``p0`` that
+    hold no real scale: the whole tile (up to ``buf_rows``) when ``in_group == 0`` (the tail after the last
+    group), else its local rows ``>= nreal``. One CTA of ``threads`` threads per tile; 4-byte stores."""
+    base = scales.iterator + Int64(p0) * Int64(nc * 4)
+    if in_group == 0:
+        # Tail after the last group: rows [p0, min(p0 + 128, buf_rows)) are all zero; contiguous.
+        n_words = (cutlass.min(p0 + TILE_ROWS, buf_rows) - p0) * nc
+        for w in cutlass.range(tid, n_words, threads):
+            st_global_u32(base + w * 4, 0)
+    elif nreal < TILE_ROWS:
+        # Group tile: local rows q >= nreal are padding. Word wi = 128 j + 4 l + w holds
+        # rows q = 32 w + l of column tile j (DESIGN.md section 3).
+        n_words = nc * TILE_ROWS
+        for wi in cutlass.range(tid, n_words, threads):
+            q = (wi % 4) * 32 + (wi // 4) % 32
+            if q >= nreal:
+                st_global_u32(base + wi * 4, 0)
+
+
+def canonical_nan_words(words, f32: bool) -> list:
+    """Output words of a dequantization with every NaN element replaced by the canonical positive NaN
+    (bf16 0x7FC0, fp32 0x7FC00000), as :func:`moe_quant.numerics.dequantize_blocks` writes it: a NaN e4m3
+    byte under a finite scale decodes to a NaN whose bits the conversion picks."""
+    out = []
+    for w in words:
+        w = Int32(w)
+        if f32:
+            out.append(Int32(cutlass.select_((w & F32_ABS_MASK) > F32_EXP_INF, Int32(F32_NAN), w)))
+        else:
+            lo = w & 0xFFFF
+            hi = w & Int32(-65536)
+            lo = Int32(cutlass.select_((lo & 0x7FFF) > 0x7F80, Int32(0x7FC0), lo))
+            hi = Int32(cutlass.select_((hi & 0x7FFF0000) > 0x7F800000, Int32(0x7FC00000), hi))
+            out.append(hi | lo)
+    return out
 
 
 def as_i64(v) -> Int64:

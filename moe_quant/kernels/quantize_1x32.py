@@ -226,20 +226,7 @@ class Quantize1x32Kernel:
                                             Int32(TILE_ROWS))
                         in_group = Int32(1)
                 cute.arch.sync_threads()
-        base = scales.iterator + Int64(p0) * Int64(nc * 4)
-        if in_group == 0:
-            # Tail after the last group: rows [p0, min(p0 + 128, buf_rows)) are all zero; contiguous.
-            n_words = (cutlass.min(p0 + TILE_ROWS, buf_rows) - p0) * nc
-            for w in cutlass.range(tid, n_words, self.threads):
-                cu.st_global_u32(base + w * 4, 0)
-        elif nreal < TILE_ROWS:
-            # Group tile: local rows q >= nreal are padding. Word wi = 128 j + 4 l + w holds
-            # rows q = 32 w + l of column tile j (DESIGN.md section 3).
-            n_words = nc * TILE_ROWS
-            for wi in cutlass.range(tid, n_words, self.threads):
-                q = (wi % 4) * 32 + (wi // 4) % 32
-                if q >= nreal:
-                    cu.st_global_u32(base + wi * 4, 0)
+        cu.zero_scale_tile_padding(scales, p0, nc, buf_rows, in_group, nreal, tid, self.threads)
 
     @cute.jit
     def data_tile(self, x, out, scales, offs, m: Int32, kb: Int32, nc: Int32, n_chunks: Int64, dbid: Int32,

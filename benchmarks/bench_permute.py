@@ -1,0 +1,68 @@
+"""Received-rows permutation kernel (moe_quant.ep.permute_received on SM90+): µs, TB/s and % of a memcpy of
+the same bytes, for M in 8192/32768/131072, K in 2048/5120/7168, dequant (bf16) and blocked outputs.
+
+    python -m benchmarks.bench_permute [--m 8192,32768] [--k 7168] [--ranks 8] [--experts 8]
+
+Bytes moved: dequant reads M K (fp8) + M K/32 (scales) and writes 2 M K (bf16); blocked reads the same and
+writes M K + the M-groups scale buffer. "% memcpy" compares TB/s with a bf16 device copy of an (M, K) tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.timing import require_cuda
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", default="8192,32768,131072")
+    p.add_argument("--k", default="2048,5120,7168")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--experts", type=int, default=8)
+    args = p.parse_args(argv)
+    require_cuda(argv)
+    import torch
+
+    from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, print_table, tbps
+    from moe_quant import layouts
+    from moe_quant.kernels import ops_permute
+
+    rows = []
+    for m in (int(v) for v in args.m.split(",")):
+        for k in (int(v) for v in args.k.split(",")):
+            g = torch.Generator().manual_seed(m + k)
+            w = torch.rand(args.ranks * args.experts, generator=g) + 0.05
+            counts = (w / w.sum() * m).floor().to(torch.int32)
+            counts[-1] += m - int(counts.sum())  # ragged, summing to M
+            counts = counts.view(args.ranks, args.experts).cuda()
+
+            def make():
+                d = torch.randint(0, 127, (m, k), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
+                s = torch.randint(100, 140, (m, k // 32), device="cuda", dtype=torch.uint8)
+                return d, s
+
+            rot = Rotating(make)
+            _, cp_tbps = memcpy_tbps((m, k))
+            for out in ("dequant", "blocked"):
+                def run(out=out):
+                    d, s = rot.next()
+                    ops_permute.permute_mxfp8(d, s, counts, out, torch.bfloat16)
+
+                run()
+                us = bench_us(run)
+                read = m * k + m * k // 32
+                if out == "dequant":
+                    written = 2 * m * k
+                else:
+                    sr, sc = layouts.m_groups_blocked_shape(m, k // 32, args.experts)
+                    written = m * k + sr * sc
+                t = tbps(read + written, us)
+                rows.append([m, k, out, round(us, 1), round(t, 2), round(100 * t / cp_tbps, 1), round(cp_tbps, 2)])
+    print_table(f"permute_received kernel, R={args.ranks} E={args.experts} ragged ({device_name()})",
+                ["M", "K", "out", "us", "TB/s", "%memcpy", "memcpy TB/s"], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

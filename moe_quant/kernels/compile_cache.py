@@ -1,0 +1,263 @@
+"""The compile, memory and disk cache of the CuTe-DSL kernels, and the launch path every family's ops use.
+
+A kernel family is three modules: ``config_<family>.py`` (a frozen ``Variant`` dataclass: everything that
+changes the generated code, plus ``family``, ``key`` and ``kernel_module``; no cutlass import), the kernel
+module it names (``compile_variant(variant, tvm_ffi, extra_options)``, the only place cutlass is imported)
+and ``ops_<family>.py`` (torch ops: checks, allocation, launch). This module imports a kernel module only
+to compile, by the name its variant carries, so no config module imports its kernel and a new family
+adds files, not branches.
+
+Compiled kernels are cached by variant and GPU arch -- never by shapes or group values. With
+``apache-tvm-ffi`` present, kernels are called through TVM-FFI (torch tensors passed straight to the
+compiled host stub, the current torch stream taken from the environment) and exported to disk: an
+object file, linked into a shared library where a C compiler is found, so another process loads them
+with ``tvm_ffi.load_module`` -- no tracing, no compiling, no cutlass import. The directory is
+``$MOE_QUANT_CACHE_DIR`` or ``~/.cache/moe_quant/cutedsl``; file names carry a hash of the family's
+kernel sources and the cutlass-dsl / tvm-ffi versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..backends import device_capability, importable
+
+# Tests set this to fill every output with 0xFF bytes before the launch, so that a byte the
+# kernel fails to write shows up as a mismatch.
+POISON_OUTPUTS = False
+INT32_MAX = 2**31 - 1
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    """An output buffer (0xFF bytes when :data:`POISON_OUTPUTS` is set)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        t.view(torch.uint8).fill_(0xFF)
+    return t
+
+
+def compile_variant(variant, tvm_ffi: bool, extra_options: str = ""):
+    """Compile ``variant`` with its kernel module (imported here, by name, on first use)."""
+    module = importlib.import_module(f"{__package__}.{variant.kernel_module}")
+    return module.compile_variant(variant, tvm_ffi=tvm_ffi, extra_options=extra_options)
+
+
+# ----------------------------------------------------------------------------- compile cache
+
+_SRC_HASH = None
+
+
+def _src_hash() -> str:
+    """Hash of every source that shapes the generated code, plus the cutlass-dsl / tvm-ffi versions."""
+    global _SRC_HASH
+    if _SRC_HASH is not None:
+        return _SRC_HASH
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in (here / "quantize_1x32.py", here / "quantize_32x1.py", here / "cute_utils.py", here.parent / "layouts.py",
+              here.parent / "numerics.py"):
+        h.update(p.read_bytes())
+    try:
+        from importlib.metadata import version
+
+        h.update(version("nvidia-cutlass-dsl").encode())
+    except Exception:  # pragma: no cover - metadata missing
+        h.update(b"cutlass-dsl-unknown")
+    try:
+        import tvm_ffi
+
+        h.update(str(getattr(tvm_ffi, "__version__", "tvm")).encode())
+    except Exception:
+        pass
+    _SRC_HASH[variant.family] = h.hexdigest()[:16]
+    return _SRC_HASH[variant.family]
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("MOE_QUANT_CACHE_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "moe_quant" / "cutedsl"
+
+
+def tvm_ffi_available() -> bool:
+    return importable("tvm_ffi", "MOE_QUANT_NO_TVM_FFI")
+
+
+class Compiled:
+    """A compiled variant and how to call it."""
+
+    __slots__ = ("fn", "tvm", "source", "owner")
+
+    def __init__(self, fn, tvm: bool, source: str, owner=None):
+        self.fn = fn  # with TVM-FFI: the positional-only tvm_ffi.Function (the kernel's tensors, in order)
+        self.tvm = tvm
+        self.source = source  # "compiled" | "disk"
+        self.owner = owner  # keeps the compiled module (and its engine) alive
+
+    def __call__(self, *tensors):
+        if self.tvm:
+            self.fn(*tensors)
+            return
+        import cuda.bindings.driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+
+        def conv(t):
+            if t is None:
+                return None
+            align = 4 if t.dtype == torch.int32 else 16
+            return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
+
+        stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
+        self.fn(*(conv(t) for t in tensors), stream)
+
+
+_LOCK = threading.Lock()
+_KERNELS: dict = {}
+STATS = {"compiled": 0, "disk_hits": 0, "compile_s": 0.0, "load_s": 0.0}
+
+
+def get_kernel(variant, arch: str) -> Compiled:
+    """The compiled kernel of ``variant`` for ``arch`` (memory cache, then disk, then compile)."""
+    key = (variant, arch)
+    k = _KERNELS.get(key)
+    if k is not None:
+        return k
+    with _LOCK:
+        k = _KERNELS.get(key)
+        if k is None:
+            k = build(variant, arch)
+            _KERNELS[key] = k
+    return k
+
+
+def _disk_ok() -> bool:
+    return os.environ.get("MOE_QUANT_NO_DISK_CACHE", "0") != "1"
+
+
+def _load_from_disk(stem: Path, name: str):
+    """A cached kernel: the linked ``.so`` through tvm_ffi alone (no cutlass import), else the ``.o``
+    through cutlass' loader. None if neither loads."""
+    so, obj = stem.with_suffix(".so"), stem.with_suffix(".o")
+    if so.exists():
+        try:
+            import tvm_ffi
+
+            mod = tvm_ffi.load_module(str(so))
+            return mod[name], mod
+        except Exception:
+            pass
+    if obj.exists():
+        try:
+            from cutlass.runtime import load_module
+
+            mod = load_module(str(obj), enable_tvm_ffi=True)
+            return getattr(mod, name), mod
+        except Exception:
+            pass
+    return None
+
+
+def _save_to_disk(fn, stem: Path, name: str) -> None:
+    """Export the compiled kernel (object file) and, where a C compiler is found, link it into a shared
+    library that tvm_ffi loads without the DSL. Writes go through temporary names, then rename."""
+    import shutil
+    import subprocess
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    tag = f".{os.getpid()}.tmp"
+    obj = stem.with_suffix(".o")
+    tmp_obj = stem.parent / (stem.name + tag + ".o")
+    fn.export_to_c(str(tmp_obj), function_name=name)
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc:
+        try:
+            from cutlass.runtime import find_runtime_libraries
+
+            libs = find_runtime_libraries(enable_tvm_ffi=True)
+            tmp_so = stem.parent / (stem.name + tag + ".so")
+            cmd = [cc, "-shared", "-o", str(tmp_so), str(tmp_obj)]
+            for lib in libs:
+                cmd += [lib, f"-Wl,-rpath,{os.path.dirname(lib)}"]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+            os.replace(tmp_so, stem.with_suffix(".so"))
+        except Exception:
+            pass  # the object file alone still serves (through cutlass' loader)
+    os.replace(tmp_obj, obj)
+
+
+def build(variant, arch: str) -> Compiled:
+    tvm = tvm_ffi_available()
+    name = f"mq_{variant.family}_{variant.key.replace('-', '_')}"
+    stem = cache_dir() / f"{variant.family}-{variant.key}-{arch}-{_src_hash(variant)}"
+    if tvm and _disk_ok():
+        t0 = time.perf_counter()
+        hit = _load_from_disk(stem, name)
+        if hit is not None:
+            STATS["disk_hits"] += 1
+            STATS["load_s"] += time.perf_counter() - t0
+            return Compiled(hit[0], True, "disk", owner=hit[1])
+    t0 = time.perf_counter()
+    fn = compile_variant(variant, tvm_ffi=tvm, extra_options=f"--gpu-arch {arch}")
+    STATS["compiled"] += 1
+    STATS["compile_s"] += time.perf_counter() - t0
+    if not tvm:
+        return Compiled(fn, False, "compiled")
+    if _disk_ok():
+        try:
+            _save_to_disk(fn, stem, name)
+        except Exception:
+            pass  # a read-only cache dir only costs the next process a compile
+    raw = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else None
+    if raw is None:  # no execution engine (cross-compiled for another arch): the wrapper says so on call
+        raw = fn
+    return Compiled(raw, True, "compiled", owner=fn)
+
+
+# ----------------------------------------------------------------------------- launch path
+
+
+def arch(device: torch.device) -> str:
+    """CuTe-DSL target of a CUDA device, e.g. ``sm_90a`` (capability cached in ``backends``)."""
+    major, minor = device_capability(device)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+_FAST: dict = {}  # (family key..., device index) -> Compiled: one dict lookup per call
+
+
+def kernel_for(key: tuple, make_variant, device: torch.device) -> Compiled:
+    """The compiled kernel for ``key`` (a hashable tuple unique to the variant, without the device) on
+    ``device``; ``make_variant()`` builds the variant on the first call only."""
+    fast = key + (device.index,)
+    k = _FAST.get(fast)
+    if k is None:
+        k = _FAST[fast] = get_kernel(make_variant(), arch(device))
+    return k
+
+
+def via_dispatcher(t: torch.Tensor) -> bool:
+    """Go through the ``torch.ops.moe_quant`` op (its fake implementation under tracing) rather than
+    launching directly: while compiling, and for any tensor that is not a plain ``torch.Tensor`` (the
+    FakeTensors dynamo propagates through a subclass' ``__torch_function__``, functional tensors)."""
+    return type(t) is not torch.Tensor or torch.compiler.is_compiling()
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when 16-byte aligned, else an aligned copy (the kernels load 16-byte vectors)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def launch(kernel: Compiled, x, *tensors) -> None:
+    """Run ``kernel(x, *tensors)`` on ``x``'s device and the current stream."""
+    if x.get_device() != torch._C._cuda_getDevice():
+        with torch.cuda.device(x.device):
+            kernel(x, *tensors)
+    else:
+        kernel(x, *tensors)

@@ -1,0 +1,213 @@
+"""Torch ops over the rowwise 1x32 CuTe-DSL kernel (``quantize_1x32.py``), and the 3D weights along K.
+
+``quantize_1x32`` / ``fake_quantize_1x32`` validate their arguments, allocate the outputs and launch a
+compiled kernel (:mod:`moe_quant.kernels.compile_cache`). They are registered as ``torch.library`` custom
+ops (``torch.ops.moe_quant.*``) with fake implementations, so ``torch.compile(fullgraph=True)`` keeps them
+in the graph; in eager mode on plain tensors the Python wrappers call the implementation directly (no
+dispatcher round trip), which keeps the host overhead of a call small.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import layouts
+from ..numerics import BLOCK_SIZE, ScaleMode
+from . import compile_cache as cc
+from .config_1x32 import Variant
+
+IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+FAKE_OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+SCALE_LAYOUTS = ("blocked", "plain")
+
+# ----------------------------------------------------------------------------- validation
+
+def _check_x(x, fn: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in IN_DTYPES:
+        raise TypeError(f"{fn}: x must be bfloat16 or float32, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{fn}: x must be 2D (M, K), got shape {tuple(x.shape)}")
+    if x.shape[1] % BLOCK_SIZE:
+        raise ValueError(f"{fn}: x.shape[1] (K={x.shape[1]}) must be a multiple of {BLOCK_SIZE}")
+    if not x.is_contiguous():
+        raise ValueError(f"{fn}: x must be contiguous (row-major), got strides {x.stride()}")
+
+
+def _check_device(x, fn: str) -> None:
+    if not x.is_cuda:
+        raise ValueError(f"{fn}: x must be on a CUDA device, got {x.device}")
+
+
+def _check_offs(offs, x: torch.Tensor, fn: str) -> None:
+    if not isinstance(offs, torch.Tensor):
+        raise TypeError(f"{fn}: offs must be a torch.Tensor or None, got {type(offs).__name__}")
+    if offs.dtype != torch.int32:
+        raise TypeError(f"{fn}: offs must be int32, got {offs.dtype}")
+    if offs.dim() != 1:
+        raise ValueError(f"{fn}: offs must be 1D (G,), got shape {tuple(offs.shape)}")
+    if offs.device != x.device and x.device.type != "cpu":
+        raise ValueError(f"{fn}: offs must be on the same device as x ({x.device}), got {offs.device}")
+
+
+def _scale_shape(m: int, k: int, offs, scale_layout: str) -> tuple[int, int]:
+    kb = k // BLOCK_SIZE
+    if offs is not None:
+        return layouts.m_groups_blocked_shape(m, kb, offs.shape[0])
+    if scale_layout == "blocked":
+        return layouts.blocked_shape(m, kb)
+    return m, kb
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+def _kernel_for(x: torch.Tensor, mode: str, kind: str, out: str) -> cc.Compiled:
+    return cc.kernel_for(
+        ("q1x32", x.dtype, mode, kind, out), lambda: Variant(IN_DTYPES[x.dtype], mode, kind, out), x.device
+    )
+
+
+def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str):
+    m, k = x.shape
+    kind = "mgroups" if offs is not None else ("blocked" if scale_layout == "blocked" else "plain")
+    srows, scols = _scale_shape(m, k, offs, scale_layout)
+    data = cc.empty((m, k), torch.float8_e4m3fn, x.device)
+    scales = cc.empty((srows, scols), torch.uint8, x.device)
+    if scales.numel() > cc.INT32_MAX:
+        raise ValueError(f"quantize_1x32: scale buffer of {scales.numel()} bytes exceeds the int32 index range")
+    if x.numel() or scales.numel():
+        cc.launch(_kernel_for(x, mode, kind, "float8_e4m3fn"), cc.aligned(x), data, scales, offs)
+    return data, scales.view(torch.float8_e8m0fnu)
+
+
+def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype):
+    out = cc.empty(x.shape, out_dtype, x.device)
+    if x.numel():
+        cc.launch(_kernel_for(x, mode, "fake", FAKE_OUT_DTYPES[out_dtype]), cc.aligned(x), out, None, None)
+    return out
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+
+
+@torch.library.custom_op("moe_quant::quantize_1x32", mutates_args=(), device_types="cuda")
+def _quantize_1x32_op(
+    x: torch.Tensor, mode: str, offs: torch.Tensor | None, scale_layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_impl(x, mode, offs, scale_layout)
+
+
+@_quantize_1x32_op.register_fake
+def _(x, mode, offs, scale_layout):
+    m, k = x.shape
+    srows, scols = _scale_shape(m, k, offs, scale_layout)
+    data = x.new_empty((m, k), dtype=torch.float8_e4m3fn)
+    scales = x.new_empty((srows, scols), dtype=torch.float8_e8m0fnu)
+    return data, scales
+
+
+@torch.library.custom_op("moe_quant::fake_quantize_1x32", mutates_args=(), device_types="cuda")
+def _fake_quantize_1x32_op(x: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
+    return _fake_impl(x, mode, out_dtype)
+
+
+@_fake_quantize_1x32_op.register_fake
+def _(x, mode, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def quantize_1x32(
+    x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor | None = None, scale_layout: str = "blocked"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise 1x32 MXFP8: ``(data float8_e4m3fn (M, K), scales float8_e8m0fnu)``.
+
+    Scales: with ``offs`` the M-groups blocked buffer ``layouts.m_groups_blocked_shape(M, K/32, G)``;
+    without, ``scale_layout="blocked"`` gives ``layouts.to_blocked`` of the whole matrix and
+    ``"plain"`` gives ``(M, K/32)``. Bit-identical to :func:`moe_quant.reference.quantize_rowwise`.
+    """
+    fn = "quantize_1x32"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_x(x, fn)
+    if offs is not None:
+        _check_offs(offs, x, fn)
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"{fn}: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    _check_device(x, fn)
+    if cc.via_dispatcher(x):
+        return torch.ops.moe_quant.quantize_1x32(x, mode.value, offs, scale_layout)
+    return _quantize_impl(x, mode.value, offs, scale_layout)
+
+
+def fake_quantize_1x32(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantized rowwise 1x32 MXFP8 of ``x`` as ``out_dtype`` (bf16 or fp32), in one pass.
+
+    Bit-identical to :func:`moe_quant.reference.fake_quantize_rowwise` (NaN blocks are the
+    canonical NaN: bf16 0x7FC0, fp32 0x7FC00000).
+    """
+    fn = "fake_quantize_1x32"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_x(x, fn)
+    if out_dtype not in FAKE_OUT_DTYPES:
+        raise TypeError(f"{fn}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    _check_device(x, fn)
+    if cc.via_dispatcher(x):
+        return torch.ops.moe_quant.fake_quantize_1x32(x, mode.value, out_dtype)
+    return _fake_impl(x, mode.value, out_dtype)
+
+
+# ----------------------------------------------------------------------------- 3D along K: the 1x32 kernel
+
+
+def _check_out_dtype(fn: str, out_dtype) -> None:
+    if out_dtype not in FAKE_OUT_DTYPES:
+        raise TypeError(f"{fn}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+
+
+def _check_w(w, fn: str, dims=((1, "N"), (2, "K"))) -> None:
+    """``w (E, N, K)``: bf16/fp32, contiguous, on CUDA, ``dims`` multiples of 32."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{fn}: w must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 3:
+        raise ValueError(f"{fn}: w must be 3D (E, N, K), got shape {tuple(w.shape)}")
+    if w.dtype not in IN_DTYPES:
+        raise TypeError(f"{fn}: w must be bfloat16 or float32, got {w.dtype}")
+    for dim, name in dims:
+        if w.shape[dim] % BLOCK_SIZE:
+            raise ValueError(f"{fn}: w.shape[{dim}] ({name}={w.shape[dim]}) must be a multiple of {BLOCK_SIZE}")
+    if not w.is_contiguous():
+        raise ValueError(f"{fn}: w must be contiguous (E, N, K), got strides {w.stride()}")
+    if not w.is_cuda:
+        raise ValueError(f"{fn}: w must be on a CUDA device, got {w.device}")
+
+
+def _uniform_offsets(e: int, n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(1, e + 1, dtype=torch.int32, device=device) * n
+
+
+def quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str):
+    """Expert weights ``w (E, N, K)`` in blocks of 32 along K: ``(data (E, N, K) e4m3, scales (E, blocked
+    N x K/32) e8m0)``: the 1x32 kernel on ``(E*N, K)`` with E groups of N rows, whose M-groups layout is
+    the per-expert blocked layout (the whole-matrix blocked layout when N % 128 == 0)."""
+    fn = "quantize_3d_along_k"
+    _check_w(w, fn, dims=((2, "K"),))
+    e, n, k = w.shape
+    rp, cp = layouts.blocked_shape(n, k // BLOCK_SIZE)
+    x = w.view(e * n, k)
+    if n % layouts.TILE_ROWS == 0:
+        data, scales = quantize_1x32(x, mode, None, scale_layout="blocked")
+    else:
+        data, scales = quantize_1x32(x, mode, _uniform_offsets(e, n, w.device))
+        scales = scales[: e * rp]
+    return data.view(e, n, k), scales.reshape(e, rp * cp)
+
+
+def fake_quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
+    """Dequantized ``w (E, N, K)`` in blocks of 32 along K (same shape), in one pass."""
+    _check_w(w, "fake_quantize_3d_along_k", dims=((2, "K"),))
+    e, n, k = w.shape
+    return fake_quantize_1x32(w.view(e * n, k), mode, out_dtype).view(e, n, k)

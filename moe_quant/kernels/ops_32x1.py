@@ -1,0 +1,168 @@
+"""Torch ops over the colwise 32x1 CuTe-DSL kernel (``quantize_32x1.py``): wgrad operands with K groups and
+3D expert weights along N. Same conventions as :mod:`moe_quant.kernels.ops_1x32`."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import layouts
+from ..numerics import BLOCK_SIZE, ScaleMode
+from . import compile_cache as cc
+from .config_32x1 import Variant
+from .ops_1x32 import IN_DTYPES, _check_device, _check_offs, _check_out_dtype, _check_w, _check_x
+
+_OUT_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def _kernel_32x1(x: torch.Tensor, mode: str, groups: str, out_dtype: torch.dtype) -> cc.Compiled:
+    return cc.kernel_for(
+        ("q32x1", x.dtype, mode, groups, out_dtype),
+        lambda: Variant(IN_DTYPES[x.dtype], mode, groups, _OUT_NAMES[out_dtype]),
+        x.device,
+    )
+
+
+
+def _k_groups_shapes(m: int, r: int, g: int):
+    mp = layouts.k_groups_padded_len(m, g)
+    return (r, mp), layouts.k_groups_blocked_shape(r, m, g)
+
+
+def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor, out_dtype: torch.dtype):
+    m, r = x.shape
+    data_shape, scale_shape = _k_groups_shapes(m, r, offs.shape[0])
+    fp8 = out_dtype == torch.float8_e4m3fn
+    data = cc.empty(data_shape, out_dtype, x.device)
+    scales = cc.empty(scale_shape, torch.uint8, x.device) if fp8 else None
+    if scales is not None and scales.numel() > cc.INT32_MAX:
+        raise ValueError(f"quantize_32x1: scale buffer of {scales.numel()} bytes exceeds the int32 index range")
+    poffs = cc.empty((offs.shape[0],), torch.int32, x.device)
+    if data.numel():
+        cc.launch(_kernel_32x1(x, mode, "kgroups", out_dtype), cc.aligned(x), data, scales, offs, poffs)
+    else:  # R = 0, or M = G = 0: no CTA, but the padded offsets still follow from offs
+        poffs.copy_(layouts.padded_group_offsets(offs, m))
+    return data, (scales.view(torch.float8_e8m0fnu) if fp8 else None), poffs
+
+
+def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype):
+    e, n, k = w.shape
+    fp8 = out_dtype == torch.float8_e4m3fn
+    data = cc.empty((e, k, n), out_dtype, w.device)
+    scales = None
+    if fp8:
+        rp, cp = layouts.blocked_shape(k, n // BLOCK_SIZE)
+        scales = cc.empty((e, rp * cp), torch.uint8, w.device)
+    if w.numel():
+        cc.launch(_kernel_32x1(w, mode, "uniform", out_dtype), cc.aligned(w.view(e * n, k)), data, scales, None, None)
+    elif scales is not None:
+        scales.zero_()
+    return data, (scales.view(torch.float8_e8m0fnu) if fp8 else None)
+
+
+@torch.library.custom_op("moe_quant::quantize_32x1_k_groups", mutates_args=(), device_types="cuda")
+def _quantize_32x1_k_groups_op(
+    x: torch.Tensor, mode: str, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    data, scales, poffs = _quantize_32x1_k_groups_impl(x, mode, offs, torch.float8_e4m3fn)
+    return data, scales, poffs
+
+
+@_quantize_32x1_k_groups_op.register_fake
+def _(x, mode, offs):
+    data_shape, scale_shape = _k_groups_shapes(x.shape[0], x.shape[1], offs.shape[0])
+    return (x.new_empty(data_shape, dtype=torch.float8_e4m3fn), x.new_empty(scale_shape, dtype=torch.float8_e8m0fnu),
+            offs.new_empty(offs.shape))
+
+
+@torch.library.custom_op("moe_quant::fake_quantize_32x1_k_groups", mutates_args=(), device_types="cuda")
+def _fake_quantize_32x1_k_groups_op(
+    x: torch.Tensor, mode: str, offs: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    data, _, poffs = _quantize_32x1_k_groups_impl(x, mode, offs, out_dtype)
+    return data, poffs
+
+
+@_fake_quantize_32x1_k_groups_op.register_fake
+def _(x, mode, offs, out_dtype):
+    data_shape, _ = _k_groups_shapes(x.shape[0], x.shape[1], offs.shape[0])
+    return x.new_empty(data_shape, dtype=out_dtype), offs.new_empty(offs.shape)
+
+
+@torch.library.custom_op("moe_quant::quantize_32x1_3d", mutates_args=(), device_types="cuda")
+def _quantize_32x1_3d_op(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    data, scales = _quantize_32x1_3d_impl(w, mode, torch.float8_e4m3fn)
+    return data, scales
+
+
+@_quantize_32x1_3d_op.register_fake
+def _(w, mode):
+    e, n, k = w.shape
+    rp, cp = layouts.blocked_shape(k, n // BLOCK_SIZE)
+    return w.new_empty((e, k, n), dtype=torch.float8_e4m3fn), w.new_empty((e, rp * cp), dtype=torch.float8_e8m0fnu)
+
+
+@torch.library.custom_op("moe_quant::fake_quantize_32x1_3d", mutates_args=(), device_types="cuda")
+def _fake_quantize_32x1_3d_op(w: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
+    return _quantize_32x1_3d_impl(w, mode, out_dtype)[0]
+
+
+@_fake_quantize_32x1_3d_op.register_fake
+def _(w, mode, out_dtype):
+    e, n, k = w.shape
+    return w.new_empty((e, k, n), dtype=out_dtype)
+
+
+def quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor):
+    """Colwise 32x1 MXFP8 of a wgrad operand ``x (M, R)`` with token groups ``offs``.
+
+    Returns ``(data_t float8_e4m3fn (R, Mp), scales float8_e8m0fnu (round_up(R, 128), ceil(M/32) + 4 G),
+    padded_offs int32 (G,))``, ``Mp = round_up(M, 32) + 32 G``: each group's tokens start at a multiple
+    of 32, gaps and tail zero. Bit-identical to :func:`moe_quant.reference.quantize_colwise_k_groups`.
+    """
+    fn = "quantize_32x1_k_groups"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_x(x, fn)
+    _check_offs(offs, x, fn)
+    _check_device(x, fn)
+    if cc.via_dispatcher(x):
+        return torch.ops.moe_quant.quantize_32x1_k_groups(x, mode.value, offs)
+    return _quantize_32x1_k_groups_impl(x, mode.value, offs, torch.float8_e4m3fn)
+
+
+def fake_quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor,
+                                out_dtype: torch.dtype = torch.bfloat16):
+    """Dequantized colwise 32x1 MXFP8 of ``x (M, R)`` in the layout of :func:`quantize_32x1_k_groups`:
+    ``(values_t out_dtype (R, Mp), padded_offs int32 (G,))``, in one pass. Bit-identical to
+    :func:`moe_quant.reference.fake_quantize_colwise_k_groups`."""
+    fn = "fake_quantize_32x1_k_groups"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_x(x, fn)
+    _check_offs(offs, x, fn)
+    _check_out_dtype(fn, out_dtype)
+    _check_device(x, fn)
+    if cc.via_dispatcher(x):
+        return torch.ops.moe_quant.fake_quantize_32x1_k_groups(x, mode.value, offs, out_dtype)
+    data, _, poffs = _quantize_32x1_k_groups_impl(x, mode.value, offs, out_dtype)
+    return data, poffs
+
+
+def quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str):
+    """Expert weights ``w (E, N, K)`` in blocks of 32 along N: ``(data (E, K, N) e4m3, scales (E, blocked
+    K x N/32) e8m0)``. Bit-identical to ``reference.quantize_3d(w, mode, "n")``."""
+    fn = "quantize_3d_along_n"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_w(w, fn)
+    if cc.via_dispatcher(w):
+        return torch.ops.moe_quant.quantize_32x1_3d(w, mode.value)
+    return _quantize_32x1_3d_impl(w, mode.value, torch.float8_e4m3fn)
+
+
+def fake_quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
+    """Dequantized ``w (E, N, K)`` in blocks of 32 along N, written ``(E, K, N)`` (N contiguous)."""
+    fn = "fake_quantize_3d_along_n"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_w(w, fn)
+    _check_out_dtype(fn, out_dtype)
+    if cc.via_dispatcher(w):
+        return torch.ops.moe_quant.fake_quantize_32x1_3d(w, mode.value, out_dtype)
+    return _quantize_32x1_3d_impl(w, mode.value, out_dtype)[0]

@@ -1,0 +1,326 @@
+"""CuTe-DSL kernel: received MXFP8 rows, (source rank, local expert) order -> expert-major order.
+
+One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
+:func:`moe_quant.ep.permute.reference_permute_received` (the kernel is tested byte-exact against it).
+
+* Group table, in every CTA, by warp 0 with warp scans into shared memory (no host read, no second
+  launch): counts clamped to ``[0, M]`` and summed r-major with a saturating add (the running total
+  clamped to M, no int32 overflow whatever the counts), giving each (r, e) block's source start and
+  size; then an expert-major scan giving each block's destination end and row shift ``src - dst``;
+  for ``blocked``, the experts' padded starts ``P_e`` (:func:`cute_utils.sanitized_group_ends`,
+  the same definition as ``layouts.group_bounds``). CTA 0 writes ``offs``.
+* Data: the output is a flat array of 16-byte fp8 chunks (half a 32-element block); a CTA owns
+  ``ITERS * THREADS`` consecutive chunks, binary-searches the destination row of each in the table, then
+  issues all its 16-byte loads (and the scale bytes) before the first store. Rows past the total are zero.
+* ``dequant`` writes ``fp32(q) * 2**(s-127)`` rounded to bf16 (or fp32), canonical NaN; ``plain`` the fp8
+  chunk and its scale byte; ``blocked`` the fp8 chunk and the scale at its M-groups blocked byte, the
+  row's last scale also zeroing the pad columns, and extra CTAs at the front of the grid (one per 128-row
+  tile of the scale buffer) zero every other byte that holds no real scale, as the 1x32 kernel does.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ..layouts import TILE_ROWS, blocked_offset
+from ..numerics import BLOCK_SIZE, E8M0_NAN
+from . import cute_utils as cu
+from .config_permute import CHUNK, ITERS, MAX_BLOCKS, THREADS, Variant, all_variants  # noqa: F401
+
+CHUNKS_PER_BLOCK = BLOCK_SIZE // CHUNK  # 2
+
+
+class PermuteMxfp8Kernel:
+    """Host entry ``__call__(data, scales, counts, out, out_scales, offs, stream)``: ``data (M, K)`` and
+    ``scales (M, K/32)`` uint8; ``counts (R, E)`` int32; ``out (M, K)`` (bf16/fp32 for dequant, else uint8);
+    ``out_scales`` uint8 (``None`` for dequant): ``(M, K/32)`` plain or ``(M + 128 E, 4 ceil(K/128))``
+    blocked; ``offs (E,)`` int32. Needs ``R * E <= MAX_BLOCKS`` and ``E <= MAX_BLOCKS``."""
+
+    def __init__(self, variant: Variant):
+        self.v = variant
+        self.out = variant.out
+        self.f32 = variant.out_dtype == "float32"
+        self.blocked = variant.out == "blocked"
+
+    # ------------------------------------------------------------------ host
+
+    @cute.jit
+    def __call__(self, data: cute.Tensor, scales: cute.Tensor, counts: cute.Tensor, out: cute.Tensor,
+                 out_scales, offs: cute.Tensor, stream):
+        m = data.shape[0]
+        k = data.shape[1]
+        kb = k // BLOCK_SIZE
+        nc = (kb + 3) // 4
+        n_chunks = Int64(m) * Int64(k) // CHUNK
+        per_cta = THREADS * ITERS
+        n_data = Int32((n_chunks + (per_cta - 1)) // per_cta)
+        n_data = cutlass.max(n_data, Int32(1))  # CTA 0 writes offs even with no rows
+        n_pad = Int32(0)
+        buf_rows = Int32(0)
+        if cutlass.const_expr(self.blocked):
+            buf_rows = Int32(out_scales.shape[0])
+            n_pad = (buf_rows + (TILE_ROWS - 1)) // TILE_ROWS
+        self.kernel(
+            data, scales, counts, out, out_scales, offs, Int32(m), Int32(k), Int32(kb), Int32(nc),
+            Int32(counts.shape[0]), Int32(counts.shape[1]), n_chunks, n_pad, buf_rows,
+        ).launch(grid=[n_pad + n_data, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------ device
+
+    @cute.kernel
+    def kernel(self, data: cute.Tensor, scales: cute.Tensor, counts: cute.Tensor, out: cute.Tensor, out_scales,
+               offs: cute.Tensor, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32, n_experts: Int32,
+               n_chunks: Int64, n_pad: Int32, buf_rows: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        bid = Int32(bid)
+        layout = cute.make_layout(MAX_BLOCKS)
+        t_a = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # r-major sizes
+        t_b = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # r-major src starts
+        t_dend = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # e-major dst ends
+        t_shift = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # src - dst
+        g_end = None
+        g_shift = None
+        g_pend = None
+        if cutlass.const_expr(self.blocked):
+            g_end = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
+            g_shift = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
+            g_pend = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
+        n_blocks = n_ranks * n_experts
+        self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == n_pad,
+                          t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend)
+        if cutlass.const_expr(self.blocked):
+            if bid < n_pad:
+                self.pad_tile(out_scales, nc, bid * TILE_ROWS, n_experts, buf_rows, tid, g_end, g_shift, g_pend)
+            else:
+                self.data_tile(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
+                               bid - n_pad, tid, t_dend, t_shift, g_shift)
+        else:
+            self.data_tile(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
+                           bid, tid, t_dend, t_shift, g_shift)
+
+    @cute.jit
+    def build_tables(self, counts, offs, m: Int32, n_ranks: Int32, n_experts: Int32, n_blocks: Int32, tid: Int32,
+                     writes_offs, t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend):
+        lane = tid % 32
+        warp = tid // 32
+        # ---- r-major: sanitized sizes and source starts (saturating running total: min(sum, M))
+        if warp == 0:
+            carry = Int32(0)
+            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1):
+                b = sub * 32 + lane
+                raw = Int32(0)
+                if b < n_blocks:
+                    raw = Int32(cute.arch.load(counts.iterator + b, Int32))
+                v = cutlass.min(cutlass.max(raw, Int32(0)), m)
+                for d in cutlass.range_constexpr(5):
+                    y = cute.arch.shuffle_sync_up(v, offset=1 << d)
+                    if lane >= (1 << d):
+                        v = v + cutlass.min(y, m - v)
+                end = carry + cutlass.min(v, m - carry)
+                prev = cute.arch.shuffle_sync_up(end, offset=1)
+                prev = Int32(cutlass.select_(lane == 0, carry, prev))
+                if b < n_blocks:
+                    t_a[b] = end - prev
+                    t_b[b] = prev
+                carry = cute.arch.shuffle_sync(end, offset=31)
+        cute.arch.sync_threads()
+        # ---- expert-major: destination ends and row shifts; offs
+        if warp == 0:
+            carry = Int32(0)
+            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1):
+                i = sub * 32 + lane
+                sz = Int32(0)
+                src = Int32(0)
+                e = Int32(0)
+                r = Int32(0)
+                if i < n_blocks:
+                    e = i // n_ranks
+                    r = i - e * n_ranks
+                    sz = Int32(t_a[r * n_experts + e])
+                    src = Int32(t_b[r * n_experts + e])
+                dend = carry + cu.warp_inclusive_sum(sz, lane)
+                if i < n_blocks:
+                    t_dend[i] = dend
+                    t_shift[i] = src - (dend - sz)
+                    if writes_offs:
+                        if r == n_ranks - 1:
+                            cu.st_global_u32(offs.iterator + e, dend)
+                carry = cute.arch.shuffle_sync(dend, offset=31)
+            if writes_offs:
+                if n_ranks == 0:
+                    for e in cutlass.range(lane, n_experts, 32):
+                        cu.st_global_u32(offs.iterator + e, 0)
+        cute.arch.sync_threads()
+        # ---- blocked: experts' ends, padded ends and row shifts P_e - start_e
+        if cutlass.const_expr(self.blocked):
+            if warp == 0:
+                carry_end = Int32(0)
+                carry_pend = Int32(0)
+                for sub in cutlass.range(0, (n_experts + 31) // 32, 1):
+                    e = sub * 32 + lane
+                    raw = Int32(0)
+                    if e < n_experts:
+                        if n_ranks > 0:
+                            raw = Int32(t_dend[e * n_ranks + n_ranks - 1])
+                    ge, prev = cu.sanitized_group_ends(raw, m, lane, carry_end)
+                    pad = cu.round_up_tile_rows(ge - prev)
+                    pend = carry_pend + cu.warp_inclusive_sum(pad, lane)
+                    if e < n_experts:
+                        g_end[e] = ge
+                        g_shift[e] = pend - pad - prev
+                        g_pend[e] = pend
+                    carry_end = cute.arch.shuffle_sync(ge, offset=31)
+                    carry_pend = cute.arch.shuffle_sync(pend, offset=31)
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def search(self, t, n: Int32, key: Int32) -> Int32:
+        """Smallest i in [0, n) with ``t[i] > key``; the caller guarantees ``t[n-1] > key``."""
+        lo = Int32(0)
+        hi = n - 1
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if Int32(t[mid]) > key:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    @cute.jit
+    def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32,
+                 g_end, g_shift, g_pend):
+        """Zero the bytes of scale-buffer row tile ``p0 / 128`` that hold no real scale."""
+        nreal = Int32(0)
+        in_group = Int32(0)
+        if n_experts > 0:
+            if p0 < Int32(g_pend[n_experts - 1]):
+                j = self.search(g_pend, n_experts, p0)
+                nreal = cutlass.min(cutlass.max(Int32(g_end[j]) - (p0 - Int32(g_shift[j])), Int32(0)),
+                                    Int32(TILE_ROWS))
+                in_group = Int32(1)
+        cu.zero_scale_tile_padding(out_scales, p0, nc, buf_rows, in_group, nreal, tid, THREADS)
+
+    @cute.jit
+    def data_tile(self, data, scales, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32,
+                  n_blocks: Int32, n_chunks: Int64, dbid: Int32, tid: Int32, t_dend, t_shift, g_shift):
+        lane = tid % 32
+        kc = k // CHUNK  # chunks per row
+        base = Int64(dbid) * Int64(THREADS * ITERS)
+        last = cutlass.max(n_chunks - 1, Int64(0))
+        total = Int32(0)
+        if n_blocks > 0:
+            total = Int32(t_dend[n_blocks - 1])
+        r0 = Int32(0)
+        c0 = Int32(0)
+        if kc > 0:
+            r0 = Int32(base // Int64(kc))
+            c0 = Int32(base - Int64(r0) * Int64(kc))
+        # ---- destination row, source row (and blocked scale row) of every chunk; then all loads
+        rows = []
+        cols = []
+        srcs = []
+        brows = []
+        valids = []
+        for u in cutlass.range_constexpr(ITERS):
+            j = c0 + (u * THREADS) + tid
+            dr = Int32(0)
+            if kc > 0:
+                dr = j // kc
+            t = r0 + dr
+            cc = j - dr * kc
+            ch = base + (u * THREADS) + Int64(tid)
+            valid = Int32(0)
+            src = Int32(0)
+            brow = Int32(0)
+            if ch < n_chunks:
+                if t < total:
+                    valid = Int32(1)
+                    i = self.search(t_dend, n_blocks, t)
+                    src = t + Int32(t_shift[i])
+                    if cutlass.const_expr(self.blocked):
+                        brow = t + Int32(g_shift[i // n_ranks])
+            rows.append(t)
+            cols.append(cc)
+            srcs.append(src)
+            brows.append(brow)
+            valids.append(valid)
+        words = []
+        sbytes = []
+        for u in cutlass.range_constexpr(ITERS):
+            src_off = cutlass.min(Int64(srcs[u]) * Int64(k) + Int64(cols[u]) * CHUNK, last * CHUNK)
+            words.append(cu.ld_global_v4(data.iterator + src_off))
+            sbytes.append(cu.ld_global_u8(scales.iterator + (Int64(srcs[u]) * Int64(kb) + Int64(cols[u] // 2))))
+        # ---- stores
+        for u in cutlass.range_constexpr(ITERS):
+            ch = base + (u * THREADS) + Int64(tid)
+            if ch < n_chunks:
+                ok = valids[u] != 0
+                w0, w1, w2, w3 = words[u]
+                w0 = Int32(cutlass.select_(ok, w0, Int32(0)))
+                w1 = Int32(cutlass.select_(ok, w1, Int32(0)))
+                w2 = Int32(cutlass.select_(ok, w2, Int32(0)))
+                w3 = Int32(cutlass.select_(ok, w3, Int32(0)))
+                s = Int32(cutlass.select_(ok, sbytes[u], Int32(0)))
+                if cutlass.const_expr(self.out == "dequant"):
+                    is_nan = s == E8M0_NAN
+                    lo = cu.canonical_nan_words(cu.dequantize8(w0, w1, s, is_nan, self.f32), self.f32)
+                    hi = cu.canonical_nan_words(cu.dequantize8(w2, w3, s, is_nan, self.f32), self.f32)
+                    dst = out.iterator + ch * CHUNK
+                    cu.st_global_words(dst, lo)
+                    cu.st_global_words(dst + 8, hi)
+                else:
+                    cu.st_global_v4(out.iterator + ch * CHUNK, w0, w1, w2, w3)
+                    if cols[u] % CHUNKS_PER_BLOCK == 0:
+                        c = cols[u] // CHUNKS_PER_BLOCK
+                        if cutlass.const_expr(self.out == "plain"):
+                            cu.st_global_u8(out_scales.iterator + (Int64(rows[u]) * Int64(kb) + Int64(c)), s)
+                        else:
+                            if ok:
+                                self.store_blocked_scale(out_scales, brows[u], c, kb, nc, s)
+
+    @cute.jit
+    def store_blocked_scale(self, out_scales, r: Int32, c: Int32, kb: Int32, nc: Int32, s: Int32):
+        """Scale byte of buffer row ``r``, column ``c``; the row's last scale also zeroes the pad columns."""
+        sp = out_scales.iterator
+        dest = blocked_offset(r, c, nc)
+        cu.st_global_u8(sp + dest, s)
+        if c == kb - 1:
+            for j in cutlass.range_constexpr(1, 4):
+                if c + j < nc * 4:
+                    cu.st_global_u8(sp + (dest + j), 0)
+
+
+def make_fake_args(variant: Variant, tvm_ffi: bool):
+    """Placeholder arguments for ``cute.compile``: dynamic M, K (K % 32 == 0), R, E, scale rows."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    m = cute.sym_int32(symbol="M")
+    k = cute.sym_int32(divisibility=BLOCK_SIZE, symbol="K")
+    kb = cute.sym_int32(symbol="KB")
+    r = cute.sym_int32(symbol="R")
+    e = cute.sym_int32(symbol="E")
+    data = make_fake_compact_tensor(cutlass.Uint8, (m, k), stride_order=(1, 0), assumed_align=16)
+    scales = make_fake_compact_tensor(cutlass.Uint8, (m, kb), stride_order=(1, 0), assumed_align=16)
+    counts = make_fake_compact_tensor(cutlass.Int32, (r, e), stride_order=(1, 0), assumed_align=4)
+    out_dtype = cu.CUTLASS_DTYPES[variant.out_dtype] if variant.out == "dequant" else cutlass.Uint8
+    out = make_fake_compact_tensor(out_dtype, (m, k), stride_order=(1, 0), assumed_align=16)
+    out_scales = None
+    if variant.out != "dequant":
+        rows = cute.sym_int32(symbol="S_rows")
+        cols = cute.sym_int32(symbol="S_cols")
+        out_scales = make_fake_compact_tensor(cutlass.Uint8, (rows, cols), stride_order=(1, 0), assumed_align=16)
+    offs = make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()
+    return data, scales, counts, out, out_scales, offs, stream
+
+
+def compile_variant(variant: Variant, tvm_ffi: bool, extra_options: str = ""):
+    """``cute.compile`` one variant for the arch in ``CUTE_DSL_ARCH`` (or the local GPU)."""
+    kernel = PermuteMxfp8Kernel(variant)
+    args = make_fake_args(variant, tvm_ffi)
+    opts = " ".join(o for o in (("--enable-tvm-ffi" if tvm_ffi else ""), extra_options) if o)
+    return cute.compile(kernel, *args, options=opts)
