@@ -52,18 +52,19 @@ def compile_variant(variant, tvm_ffi: bool, extra_options: str = ""):
 
 # ----------------------------------------------------------------------------- compile cache
 
-_SRC_HASH = None
+_SRC_HASH: dict = {}  # kernel module -> hash
 
 
-def _src_hash() -> str:
-    """Hash of every source that shapes the generated code, plus the cutlass-dsl / tvm-ffi versions."""
-    global _SRC_HASH
-    if _SRC_HASH is not None:
-        return _SRC_HASH
+def _src_hash(variant) -> str:
+    """Hash of every source that shapes the variant's generated code (its kernel module and the shared
+    device helpers, layouts and numerics), plus the cutlass-dsl / tvm-ffi versions: editing one family's
+    kernel keeps the other families' disk cache."""
+    module = variant.kernel_module
+    if module in _SRC_HASH:
+        return _SRC_HASH[module]
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for p in (here / "quantize_1x32.py", here / "quantize_32x1.py", here / "cute_utils.py", here.parent / "layouts.py",
-              here.parent / "numerics.py"):
+    for p in (here / f"{module}.py", here / "cute_utils.py", here.parent / "layouts.py", here.parent / "numerics.py"):
         h.update(p.read_bytes())
     try:
         from importlib.metadata import version
@@ -77,8 +78,8 @@ def _src_hash() -> str:
         h.update(str(getattr(tvm_ffi, "__version__", "tvm")).encode())
     except Exception:
         pass
-    _SRC_HASH[variant.family] = h.hexdigest()[:16]
-    return _SRC_HASH[variant.family]
+    _SRC_HASH[module] = h.hexdigest()[:16]
+    return _SRC_HASH[module]
 
 
 def cache_dir() -> Path:
