@@ -456,8 +456,10 @@ def _bmm(func, args, kwargs):
         reason = f"{op} with keyword arguments {extra}"
     elif isinstance(a, MXFP8ExpertWeight) or not isinstance(b, MXFP8ExpertWeight):
         reason = f"{op}: the converted weight is not the second operand"
-    elif a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
-        reason = f"{op} of {tuple(a.shape)} x {tuple(b.shape)} (MXFP8 serves (E, T, K) x (E, K, N))"
+    elif a.ndim != 3 or b.ndim != 3:  # reasons name no sizes: each is logged once, not once per shape
+        reason = f"{op} of {a.ndim}D x {b.ndim}D operands (MXFP8 serves (E, T, K) x (E, K, N))"
+    elif a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        reason = f"{op} with a broadcast batch or mismatched K (MXFP8 serves (E, T, K) x (E, K, N))"
     else:
         e, t, k = a.shape
         a2 = a.reshape(e * t, k)

@@ -567,7 +567,8 @@ def test_bmm_fallback_keeps_autograd():
     xp = x.detach().clone().requires_grad_()
     (xp @ wp[1]).backward(g)
     assert torch.equal(x.grad, xp.grad) and torch.equal(mod.w.grad, wp.grad)
-    assert len(fallback_counts()) == 1
+    x[:5].detach() @ mod.w[2]  # another token count: the same reason (logged once, not once per shape)
+    assert list(fallback_counts().values()) == [2]
 
 
 def test_grouped_mm_below_torch_function_is_counted():
