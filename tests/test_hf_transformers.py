@@ -16,7 +16,7 @@ from examples.hf_train import EXPERTS_FILTER, FAMILIES, build_config, build_mode
 from moe_quant import MXFP8MoEConfig, fallback_counts, reset_fallback_counts  # noqa: E402
 from moe_quant.autograd import grouped_mm as gm  # noqa: E402
 from moe_quant.conversion import MXFP8ExpertWeight  # noqa: E402
-from tests.repo_subprocess import run_python  # noqa: E402
+from repo_subprocess import run_python  # noqa: E402
 
 LAYERS, HIDDEN, INTER, VOCAB = 2, 64, 32, 128
 BATCH, SEQ = 2, 8
