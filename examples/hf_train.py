@@ -148,6 +148,8 @@ def parse_args(argv=None):
         p.error("--seq must divide --tokens")
     if not 0 <= args.warmup < args.steps:
         p.error("--warmup must be in [0, --steps)")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU")
     return args
 
 

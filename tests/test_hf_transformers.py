@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from torchao.quantization import quantize_  # noqa: E402
 
-from examples.hf_train import EXPERTS_FILTER, FAMILIES, build_config, build_model  # noqa: E402
+from examples.hf_train import EXPERTS_FILTER, FAMILIES, build_config, build_model, parse_args  # noqa: E402
 from moe_quant import MXFP8MoEConfig, fallback_counts, reset_fallback_counts  # noqa: E402
 from moe_quant.autograd import grouped_mm as gm  # noqa: E402
 from moe_quant.conversion import MXFP8ExpertWeight  # noqa: E402
@@ -181,6 +181,28 @@ def test_example_script_trains_both_copies():
     for _, bf16, mxfp8, _ in rows:
         assert abs(float(mxfp8) - float(bf16)) < 0.01 * float(bf16), r.stdout
     assert any(line.startswith("step ms (median of steps 2-3): bf16 ") and "ratio" in line for line in lines)
+
+
+def test_example_script_runs_as_a_file():
+    r = run_python("examples/hf_train.py", "--help", pythonpath=False)
+    assert r.returncode == 0 and "--family" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hidden", "48"], "multiples of 32"),
+        (["--top-k", "9", "--experts", "8"], "--top-k must not exceed --experts"),
+        (["--tokens", "100", "--seq", "32"], "--seq must divide --tokens"),
+        (["--steps", "2", "--warmup", "2"], "--warmup must be in"),
+        (["--layers", "0"], "--layers must be positive"),
+    ]
+    + ([(["--device", "cuda"], "sees no CUDA GPU")] if not torch.cuda.is_available() else []),
+)
+def test_example_script_checks_its_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.gpu
