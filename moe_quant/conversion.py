@@ -6,7 +6,9 @@ parameter of the matched modules (the stacked expert weights ``(E, N, K)``) by a
 tensor and changes exactly one thing. A ``torch._grouped_mm`` /
 ``torch.nn.functional.grouped_mm`` call whose ``mat_b`` is such a weight (normally
 ``w.transpose(-2, -1)``) runs :func:`moe_quant.mxfp8_grouped_mm` (MXFP8 forward, dgrad
-and wgrad); every other op runs as the plain op on the wrapped tensor.
+and wgrad), and so does a ``torch.bmm`` / ``torch.matmul`` / ``@`` of an ``(E, T, K)`` input by
+a converted ``(E, K, N)`` weight (E uniform groups of T rows: Hugging Face's Llama4 experts);
+every other op runs as the plain op on the wrapped tensor.
 
 How the pieces fit:
 
@@ -30,8 +32,8 @@ How the pieces fit:
 * ``quantize_`` on an already converted model re-configures the wrappers in place (see
   :class:`MXFP8MoEConfig`).
 
-A grouped-mm call MXFP8 cannot serve (3D x 3D, no ``offs``, dtype or shape it does not
-support) runs the plain op; each reason is counted in :func:`fallback_counts` and logged
+A grouped-mm, bmm or matmul call MXFP8 cannot serve (3D x 3D grouped mm, no ``offs``, the
+weight first, dtype or shape it does not support) runs the plain op; each reason is counted in :func:`fallback_counts` and logged
 once (``logging.WARNING``), or raises when ``MXFP8MoEConfig(allow_fallback=False)``.
 """
 
@@ -283,6 +285,8 @@ class MXFP8ExpertWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _GROUPED_MM_FUNCS:
             return _grouped_mm(func, args, kwargs)
+        if func in _BMM_FUNCS:
+            return _bmm(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -514,6 +518,45 @@ def _grouped_mm(func, args, kwargs):
     if bias is not None:
         out = _add_bias(out, bias, offs, n_groups)
     return out
+
+
+# ----------------------------------------------------------------------------- bmm override (HF Llama4)
+
+# torch.bmm and torch.matmul / @ of an (E, T, K) input by a converted (E, K, N) weight (every expert
+# sees T tokens, as in Hugging Face's Llama4TextExperts) is a grouped GEMM of E uniform groups of T rows.
+_BMM_FUNCS = {torch.bmm, torch.Tensor.bmm, aten.bmm, aten.bmm.default, torch.matmul, torch.Tensor.matmul,
+              torch.Tensor.__matmul__}
+
+
+def _bmm(func, args, kwargs):
+    names = (("input", "self"), ("mat2", "other"))
+    a, b = list(args[:2]) + [next((kwargs[n] for n in ns if n in kwargs), None) for ns in names[len(args[:2]):]]
+    extra = sorted(set(kwargs) - {n for ns in names for n in ns})
+    weight = b if isinstance(b, MXFP8ExpertWeight) else a
+    op = getattr(func, "__name__", str(func))
+    if not isinstance(weight, MXFP8ExpertWeight):  # the wrapper is elsewhere (out=): not an expert GEMM
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if extra:
+        reason = f"{op} with keyword arguments {extra}"
+    elif isinstance(a, MXFP8ExpertWeight) or not isinstance(b, MXFP8ExpertWeight):
+        reason = f"{op}: the converted weight is not the second operand"
+    elif a.ndim != 3 or b.ndim != 3:  # reasons name no sizes: each is logged once, not once per shape
+        reason = f"{op} of {a.ndim}D x {b.ndim}D operands (MXFP8 serves (E, T, K) x (E, K, N))"
+    elif a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        reason = f"{op} with a broadcast batch or mismatched K (MXFP8 serves (E, T, K) x (E, K, N))"
+    else:
+        e, t, k = a.shape
+        a2 = a.reshape(e * t, k)
+        offs = torch.arange(1, e + 1, dtype=torch.int32, device=a.device) * t
+        reason = _unsupported_reason(a2, b, offs, weight.config.out_dtype or a.dtype)
+        if reason is None:
+            return _grouped_mm(torch._grouped_mm, (a2, b), {"offs": offs}).view(e, t, -1)
+        reason = f"{op}: {reason}"
+    _fallback(reason, weight.config)
+    u_args, u_kwargs = pytree.tree_map_only(MXFP8ExpertWeight, _plain, (args, kwargs))
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*u_args, **u_kwargs)
 
 
 # ----------------------------------------------------------------------------- conversion

@@ -2,6 +2,7 @@
 interception, fallbacks, optimizers, state_dict round trips."""
 
 import copy
+import dataclasses
 import io
 import logging
 import re
@@ -458,6 +459,118 @@ def test_allow_fallback_false_raises():
         torch._grouped_mm(torch.randn(E, 8, K, dtype=torch.bfloat16), mod.w.transpose(-2, -1))
 
 
+# ----------------------------------------------------------------------------- bmm (HF Llama4)
+
+T = 24  # tokens per expert, not a multiple of 32
+
+
+def converted_ekn(dtype=torch.bfloat16, k=K, **cfg):
+    """A converted (E, K, N) weight, the layout Llama4 multiplies with torch.bmm."""
+    torch.manual_seed(0)
+    mod = Experts(dtype=dtype, shape=(E, k, N))
+    convert_parameters(mod, MXFP8MoEConfig(**cfg))
+    return mod
+
+
+BMM_CALLS = {
+    "torch.bmm": lambda x, w: torch.bmm(x, w),
+    "torch.bmm named": lambda x, w: torch.bmm(input=x, mat2=w),
+    "Tensor.bmm": lambda x, w: x.bmm(w),
+    "torch.matmul": lambda x, w: torch.matmul(x, w),
+    "@": lambda x, w: x @ w,
+    "aten.bmm.default": lambda x, w: torch.ops.aten.bmm.default(x, w),
+}
+
+
+@pytest.mark.parametrize("call", list(BMM_CALLS))
+def test_bmm_is_mxfp8_grouped_mm_with_uniform_groups(call):
+    mod = converted_ekn()
+    torch.manual_seed(2)
+    x = torch.randn(E, T, K, dtype=torch.bfloat16, requires_grad=True)
+    out = BMM_CALLS[call](x, mod.w)
+    g = torch.randn_like(out)
+    out.backward(g)
+    xp = x.detach().clone().requires_grad_()
+    wp = mod.w._data.detach().clone().requires_grad_()
+    offs = torch.arange(1, E + 1, dtype=torch.int32) * T
+    ref = mxfp8_grouped_mm(xp.reshape(E * T, K), wp, offs).view(E, T, N)
+    ref.backward(g)
+    assert type(out) is torch.Tensor and out.shape == (E, T, N) and out.dtype == torch.bfloat16
+    assert torch.equal(out, ref) and torch.equal(x.grad, xp.grad)
+    assert type(mod.w.grad) is torch.Tensor and torch.equal(mod.w.grad, wp.grad)
+    assert not torch.equal(out, torch.bmm(xp.detach(), wp.detach()))  # not the bf16 op
+    assert not fallback_counts()
+
+
+def test_bmm_fp32_follows_the_grouped_mm_rules():
+    mod = converted_ekn(dtype=torch.float32)  # fp32 master weights: read as bf16, output fp32 like the plain op
+    x = torch.randn(E, T, K)
+    offs = torch.arange(1, E + 1, dtype=torch.int32) * T
+    ref = mxfp8_grouped_mm(x.reshape(E * T, K), mod.w._data.to(torch.bfloat16), offs, out_dtype=torch.float32)
+    assert torch.equal(torch.bmm(x, mod.w), ref.view(E, T, N))
+    assert not fallback_counts()
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("weight_first", "not the second operand"),
+        ("2d_slice", "MXFP8 serves (E, T, K) x (E, K, N)"),  # x @ w[e], as a per-expert loop does
+        ("broadcast_batch", "MXFP8 serves (E, T, K) x (E, K, N)"),
+        ("k_not_32", "not multiples of 32"),
+        ("fp16", "float16"),
+        ("out", "keyword arguments ['out']"),
+    ],
+)
+def test_bmm_forms_mxfp8_cannot_serve_fall_back(case, reason, caplog):
+    mod = converted_ekn(k=40 if case == "k_not_32" else K)
+    if case == "fp16":
+        mod.half()
+    w, data = mod.w, mod.w._data.detach()
+    x = torch.randn(E, T, w.shape[1], dtype=w.dtype)
+    calls = {
+        "weight_first": lambda w: torch.bmm(w, torch.randn(E, N, 8, dtype=torch.bfloat16, generator=gen)),
+        "2d_slice": lambda w: x[0] @ w[1],
+        "broadcast_batch": lambda w: torch.matmul(x[:1], w),
+        "k_not_32": lambda w: torch.bmm(x, w),
+        "fp16": lambda w: torch.bmm(x, w),
+        "out": lambda w: bmm_out(x, w),
+    }
+
+    @torch.no_grad()  # out= takes no autograd, for the plain op too
+    def bmm_out(x, w):
+        return torch.bmm(x, w, out=torch.empty(E, T, N, dtype=torch.bfloat16))
+
+    gen = torch.Generator().manual_seed(3)
+    with caplog.at_level(logging.WARNING, logger="moe_quant.conversion"):
+        for _ in range(2):
+            gen.manual_seed(3)
+            out = calls[case](w)
+    gen.manual_seed(3)
+    expected = calls[case](data)
+    assert type(out) is torch.Tensor and torch.equal(out, expected)
+    counts = fallback_counts()
+    assert len(counts) == 1 and reason in next(iter(counts)), counts
+    assert next(iter(counts.values())) == 2 and caplog.text.count("fallback") == 1
+    conversion._reconfigure(mod, "w", mod.w, dataclasses.replace(mod.w.config, allow_fallback=False))
+    with pytest.raises(ValueError, match=re.escape(reason) + ".*allow_fallback=False"):
+        calls[case](mod.w)
+
+
+def test_bmm_fallback_keeps_autograd():
+    mod = converted_ekn()
+    x = torch.randn(T, K, dtype=torch.bfloat16, requires_grad=True)
+    out = x @ mod.w[1]  # a per-expert slice: counted, runs the plain op, gradients reach the parameter
+    g = torch.randn_like(out)
+    out.backward(g)
+    wp = mod.w._data.detach().clone().requires_grad_()
+    xp = x.detach().clone().requires_grad_()
+    (xp @ wp[1]).backward(g)
+    assert torch.equal(x.grad, xp.grad) and torch.equal(mod.w.grad, wp.grad)
+    x[:5].detach() @ mod.w[2]  # another token count: the same reason (logged once, not once per shape)
+    assert list(fallback_counts().values()) == [2]
+
+
 def test_grouped_mm_below_torch_function_is_counted():
     mod = converted()
     a, offs = operands()
@@ -523,8 +636,6 @@ def test_other_ops_return_plain_tensors_with_plain_values():
         "add": (lambda t: t + 1),
         "mul": (lambda t: t * t),
         "sum": (lambda t: t.sum()),
-        "matmul": (lambda t: t @ x),
-        "bmm": (lambda t: torch.bmm(t, x.expand(E, K, 8))),
         "linear": (lambda t: F.linear(x.t(), t[0])),
         "linear+bias": (lambda t: F.linear(x.t(), t[0], torch.ones(N, dtype=torch.bfloat16))),
         "zeros_like": (lambda t: torch.zeros_like(t)),

@@ -1,0 +1,234 @@
+"""Hugging Face transformers 5.x as a client: tiny random models of each MoE family converted with
+``quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: fqn.endswith(".experts"))`` train in
+MXFP8 (every expert GEMM through the MXFP8 autograd function, no fallback) close to the unconverted
+model, and their checkpoints load into unconverted models. Skipped only where transformers is absent."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from torchao.quantization import quantize_  # noqa: E402
+
+from examples.hf_train import EXPERTS_FILTER, FAMILIES, build_config, build_model, parse_args  # noqa: E402
+from moe_quant import MXFP8MoEConfig, fallback_counts, reset_fallback_counts  # noqa: E402
+from moe_quant.autograd import grouped_mm as gm  # noqa: E402
+from moe_quant.conversion import MXFP8ExpertWeight  # noqa: E402
+from repo_subprocess import run_python  # noqa: E402
+
+LAYERS, HIDDEN, INTER, VOCAB = 2, 64, 32, 128
+BATCH, SEQ = 2, 8
+# grouped-mm families: 16 experts, top-2 over 16 tokens leaves some experts without tokens;
+# Llama4 runs every expert on every token (bmm), so few experts
+SIZES = {f: (16, 2) for f in FAMILIES} | {"llama4": (4, 1)}
+
+
+def tiny(family):
+    experts, top_k = SIZES[family]
+    return build_config(family, hidden=HIDDEN, intermediate=INTER, experts=experts, top_k=top_k, layers=LAYERS,
+                        vocab=VOCAB)
+
+
+SEED = 1  # model and batch; routing of the MXFP8 model equals the reference's (asserted where it matters)
+
+
+def ids(seed=SEED):
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_of(model, seed=SEED):
+    x = ids(seed)
+    return model(input_ids=x, labels=x).loss
+
+
+def convert(model):
+    quantize_(model, MXFP8MoEConfig(), filter_fn=EXPERTS_FILTER)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _clean_counts():
+    reset_fallback_counts()
+    yield
+    reset_fallback_counts()
+
+
+@pytest.fixture
+def mxfp8_calls(monkeypatch):
+    """Every forward call of the MXFP8 grouped-GEMM autograd function: (A, W_t, offs)."""
+    calls = []
+    apply = gm._MXFP8GroupedMM.apply
+
+    def spy(A, W_t, offs, *rest):
+        calls.append((A.shape, W_t.detach(), offs.clone()))
+        return apply(A, W_t, offs, *rest)
+
+    monkeypatch.setattr(gm._MXFP8GroupedMM, "apply", spy)
+    return calls
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def record_routing(model):
+    """Which tokens each expert module gets, recorded on every forward: the top-k indices (experts
+    interface), or for Llama4 (every expert sees every token, unselected ones zeroed) the zero rows."""
+    seen = []
+
+    def hook(mod, args):
+        seen.append(args[1].clone() if len(args) > 1 else args[0].detach().abs().sum(-1) == 0)
+
+    for name, mod in model.named_modules():
+        if EXPERTS_FILTER(mod, name):
+            mod.register_forward_pre_hook(hook)
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_trains_in_mxfp8(family, mxfp8_calls):
+    cfg = tiny(family)
+    experts, top_k = SIZES[family]
+    ref = build_model(cfg, seed=SEED)
+    model = convert(copy.deepcopy(ref))
+    routing_ref, routing = record_routing(ref), record_routing(model)
+    expert_params = {n for n, p in ref.named_parameters() if n.rsplit(".", 2)[-2] == "experts" and p.ndim == 3}
+    assert len(expert_params) == 2 * LAYERS, sorted(expert_params)  # gate_up_proj and down_proj per layer
+    wrapped = {n for n, p in model.named_parameters() if isinstance(p, MXFP8ExpertWeight)}
+    assert wrapped == expert_params
+
+    loss_ref, loss = loss_of(ref), loss_of(model)
+    assert len(mxfp8_calls) == 2 * LAYERS  # both expert GEMMs of every layer, in MXFP8
+    assert fallback_counts() == {}
+    rows = BATCH * SEQ * top_k if family != "llama4" else experts * BATCH * SEQ
+    sizes = torch.cat([torch.diff(offs, prepend=offs.new_zeros(1)) for _, _, offs in mxfp8_calls])
+    for a_shape, w_t, offs in mxfp8_calls:
+        assert a_shape[0] == rows and offs.numel() == experts and offs[-1] == rows
+        # GPT-OSS and Llama4 store (E, K, N) row-major and pass the weight itself; the others pass W.mT
+        assert w_t.is_contiguous() == (family in ("gpt_oss", "llama4"))
+    if family == "llama4":  # bmm: E uniform groups of all tokens
+        assert bool((sizes == BATCH * SEQ).all())
+    else:  # histc offsets: unpadded, and some experts get no token (precondition of the test)
+        assert bool((sizes == 0).any()) and bool((sizes % 32 != 0).any())
+
+    # a precondition of comparing gradients: quantization noise flipped no routing decision
+    assert len(routing) == LAYERS and all(torch.equal(a, b) for a, b in zip(routing, routing_ref))
+    assert abs(loss.item() - loss_ref.item()) < 1e-3 * loss_ref.item()
+    loss_ref.backward()
+    loss.backward()
+    grads_ref = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == grads_ref.keys() and expert_params <= grads.keys()
+    for name in grads:
+        assert not isinstance(grads[name], MXFP8ExpertWeight)
+        assert rel_err(grads[name], grads_ref[name]) < 0.1, name
+    for name in expert_params:
+        assert grads[name].abs().sum() > 0, name
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in expert_params}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert {n for n, p in model.named_parameters() if isinstance(p, MXFP8ExpertWeight)} == expert_params
+    for name, p in model.named_parameters():
+        if name in expert_params:
+            assert not torch.equal(p.detach(), before[name]), name
+    mxfp8_calls.clear()
+    after = loss_of(model)
+    assert len(mxfp8_calls) == 2 * LAYERS and fallback_counts() == {}
+    assert after.item() < loss.item()  # one AdamW step on the same batch lowers its loss
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoints_load_into_unconverted_models(family, tmp_path):
+    cfg = tiny(family)
+    ref = build_model(cfg)
+    model = convert(copy.deepcopy(ref))
+    sd = model.state_dict()
+    assert not any(isinstance(t, MXFP8ExpertWeight) for t in sd.values())
+    assert sd.keys() == ref.state_dict().keys()
+
+    plain = build_model(cfg, seed=1)  # other weights, then the converted model's checkpoint
+    assert not torch.equal(plain.lm_head.weight, ref.lm_head.weight)
+    plain.load_state_dict(sd, strict=True)
+    for (name, p), q in zip(plain.named_parameters(), ref.parameters()):
+        assert type(p) is torch.nn.Parameter and torch.equal(p, q), name
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids()).logits, ref(input_ids=ids()).logits)
+
+    model.save_pretrained(tmp_path)
+    loaded = type(ref).from_pretrained(tmp_path)
+    for (name, p), q in zip(loaded.named_parameters(), ref.parameters()):
+        assert type(p) is torch.nn.Parameter and torch.equal(p, q), name
+    convert(loaded)
+    with torch.no_grad():
+        assert torch.equal(loss_of(loaded), loss_of(model))  # the same MXFP8 model again
+    assert fallback_counts() == {}
+
+
+def test_example_script_trains_both_copies():
+    r = run_python("-m", "examples.hf_train", "--family", "qwen3_moe", "--layers", "1", "--experts", "8",
+                   "--hidden", "64", "--intermediate", "32", "--vocab", "128", "--tokens", "64", "--seq", "32",
+                   "--steps", "3", "--warmup", "1", "--every", "1", "--device", "cpu")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("qwen3_moe: 1 layers, 8 experts top-2, hidden 64"), r.stdout
+    assert "converted expert weights: 2; fallbacks: none" in lines, r.stdout
+    rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
+    assert [row[0] for row in rows] == ["1", "2", "3"], r.stdout
+    for _, bf16, mxfp8, _ in rows:
+        assert abs(float(mxfp8) - float(bf16)) < 0.01 * float(bf16), r.stdout
+    assert any(line.startswith("step ms (median of steps 2-3): bf16 ") and "ratio" in line for line in lines)
+
+
+def test_example_script_runs_as_a_file():
+    r = run_python("examples/hf_train.py", "--help", pythonpath=False)
+    assert r.returncode == 0 and "--family" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hidden", "48"], "multiples of 32"),
+        (["--top-k", "9", "--experts", "8"], "--top-k must not exceed --experts"),
+        (["--tokens", "100", "--seq", "32"], "--seq must divide --tokens"),
+        (["--steps", "2", "--warmup", "2"], "--warmup must be in"),
+        (["--layers", "0"], "--layers must be positive"),
+    ]
+    + ([(["--device", "cuda"], "sees no CUDA GPU")] if not torch.cuda.is_available() else []),
+)
+def test_example_script_checks_its_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_trains_in_mxfp8_on_cuda(family, mxfp8_calls):
+    """bf16 on the GPU, as one trains: the unconverted and the converted model from the same weights."""
+    assert torch.cuda.is_available()
+    cfg = tiny(family)
+    ref = build_model(cfg, seed=SEED, device="cuda", dtype=torch.bfloat16)
+    model = convert(build_model(cfg, seed=SEED, device="cuda", dtype=torch.bfloat16))
+    routing_ref, routing = record_routing(ref), record_routing(model)
+    x = ids().cuda()
+    loss_ref = ref(input_ids=x, labels=x).loss
+    loss = model(input_ids=x, labels=x).loss
+    assert len(mxfp8_calls) == 2 * LAYERS and fallback_counts() == {}
+    assert all(w_t.is_cuda and w_t.dtype == torch.bfloat16 for _, w_t, _ in mxfp8_calls)
+    assert all(torch.equal(a, b) for a, b in zip(routing, routing_ref))  # precondition of the comparison
+    assert abs(loss.item() - loss_ref.item()) < 1e-2 * loss_ref.item()
+    loss_ref.backward()
+    loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if isinstance(p, MXFP8ExpertWeight):
+            assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+            assert rel_err(p.grad, q.grad) < 0.15, name
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    after = model(input_ids=x, labels=x).loss
+    assert fallback_counts() == {} and after.item() < loss.item()
