@@ -5,7 +5,7 @@ control flow on device values). The numeric constants come from
 :mod:`moe_quant.numerics` and the blocked-layout math from :mod:`moe_quant.layouts`,
 so the kernels and the reference share one definition of each.
 
-Bit-exactness notes (DESIGN.md section 2):
+Bit-exactness notes (docs/design.md section 2):
 
 * amax is taken on the magnitude *bit patterns* (``bits & 0x7fffffff`` compared as
   integers): for non-negative IEEE floats integer order is value order, NaN sorts

@@ -234,7 +234,7 @@ class Quantize1x32Kernel:
                 cu.st_global_u32(base + w * 4, 0)
         elif nreal < TILE_ROWS:
             # Group tile: local rows q >= nreal are padding. Word wi = 128 j + 4 l + w holds
-            # rows q = 32 w + l of column tile j (DESIGN.md section 3).
+            # rows q = 32 w + l of column tile j (docs/design.md section 3).
             n_words = nc * TILE_ROWS
             for wi in cutlass.range(tid, n_words, self.threads):
                 q = (wi % 4) * 32 + (wi // 4) % 32
