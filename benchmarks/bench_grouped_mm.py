@@ -1,5 +1,5 @@
 """One expert layer, fwd + bwd: emulated MXFP8 (moe_quant) vs bf16 torch._grouped_mm vs torchao's
-emulated MXFP8 path, on the DeepSeek-V3 and Llama4 expert shapes and a small-M shape (DESIGN.md
+emulated MXFP8 path, on the DeepSeek-V3 and Llama4 expert shapes and a small-M shape (docs/design.md
 section 6).
 
     python -m benchmarks.bench_grouped_mm [--shapes dsv3,llama4,dsv3_small] [--m 16384,32768,...]
@@ -50,7 +50,7 @@ SHAPES = {  # name: (family, M tokens)
 TINY_M = {"dsv3": 1024, "llama4": 1024, "dsv3_small": 256}
 ALIGN = 32  # token-group alignment of the ragged offsets (bf16 backward needs multiples of 8)
 
-# layer targets (DESIGN.md section 6)
+# layer targets (docs/design.md section 6)
 MAX_X_BF16, AIM_X_BF16, MIN_SPEEDUP_VS_TORCHAO = 1.25, 1.15, 4.0
 GIB = 1 << 30
 
@@ -426,7 +426,7 @@ def run(args):
         rows,
     )
     print_table(
-        "\nlayer targets (DESIGN.md section 6; for 'moe_quant emulated')",
+        "\nlayer targets (docs/design.md section 6; for 'moe_quant emulated')",
         ["shape", "target", "measured", "limit", "met"],
         target_rows,
     )

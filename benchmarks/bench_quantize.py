@@ -1,4 +1,4 @@
-"""Rowwise 1x32 MXFP8 quantization bandwidth: the CuTe-DSL kernel vs memcpy and peers (DESIGN.md section 6).
+"""Rowwise 1x32 MXFP8 quantization bandwidth: the CuTe-DSL kernel vs memcpy and peers (docs/design.md section 6).
 
     python -m benchmarks.bench_quantize [--m 8192,32768,131072] [--k 2048,5120,7168] [--groups 8]
                                         [--no-compile-ref] [--no-torchao] [--tiles 256x4,128x8]

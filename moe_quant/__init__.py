@@ -4,7 +4,7 @@ Public API:
 
 * :func:`mxfp8_grouped_mm` -- differentiable MXFP8 drop-in for ``torch._grouped_mm``.
 * :func:`to_mxfp8` / :func:`from_mxfp8` -- quantize / dequantize along the last dim.
-* Scale layouts (DESIGN.md section 3): :func:`to_blocked`, :func:`from_blocked`,
+* Scale layouts (docs/design.md section 3): :func:`to_blocked`, :func:`from_blocked`,
   :func:`to_blocked_m_groups`, :func:`from_blocked_m_groups`, :func:`to_blocked_k_groups`,
   :func:`from_blocked_k_groups`, :func:`to_blocked_3d`, :func:`from_blocked_3d`.
 * Operand quantizers for the three GEMMs: :func:`quantize_rowwise`,

@@ -1,4 +1,4 @@
-"""Scale layouts of DESIGN.md section 3: the one home of the blocked-offset math.
+"""Scale layouts of docs/design.md section 3: the one home of the blocked-offset math.
 
 ``blocked_offset`` is plain integer arithmetic, so the same function serves Python
 ints, torch index tensors (the reference below) and CuTe-DSL integers (the kernels).

@@ -1,6 +1,6 @@
 """MXFP8 numerics (OCP MX v1.0): the one definition of scale math, element cast and
 dequantization. Everything else (layouts, reference quantizers, kernels) builds on
-these functions; DESIGN.md section 2 is the contract.
+these functions; docs/design.md section 2 is the contract.
 
 A scale is an e8m0 byte ``s`` meaning ``2**(s - 127)``; 255 is NaN. One scale covers
 ``BLOCK_SIZE`` consecutive elements along the contraction dimension.

@@ -1,4 +1,4 @@
-"""Pure-PyTorch operand quantizers for the three grouped GEMMs (DESIGN.md section 4).
+"""Pure-PyTorch operand quantizers for the three grouped GEMMs (docs/design.md section 4).
 
 The oracle every kernel is tested against byte for byte, and the implementation on
 devices without the CuTe-DSL kernels. No host synchronization; static shapes.

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 # Runnable as `torchrun ... scripts/fsdp2_check.py` from the repository root without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import require_cuda  # noqa: E402
 from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts  # noqa: E402
 from moe_quant.moe import GroupedExperts, TinyMoEModel  # noqa: E402
 
@@ -252,6 +253,8 @@ def teardown(backend: str, rank: int, clean_exit: bool) -> bool:
 
 def main() -> int:
     args = parse_args()
+    if args.device == "cuda":
+        require_cuda([])  # one line and exit status 2 where torch sees no GPU
     if "RANK" not in os.environ:
         print("launch with: torchrun --nproc_per_node 2 scripts/fsdp2_check.py [--device cpu|cuda]", file=sys.stderr)
         return 2

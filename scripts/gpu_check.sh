@@ -2,9 +2,14 @@
 set -o pipefail
 # Run on the GPU machine from the repo root: the kernels' GPU tests, compute-sanitizer, benchmarks.
 #   bash scripts/gpu_check.sh [smoke] [tests] [sanitize] [cachetime] [bench] [bench-quick] [bench-32x1] [bench-permute]
-#                             [layer] [sweep] [moe]
+#                             [layer] [sweep] [moe] [titan]
 # Logs go to $OUT (or ./out). HYPOTHESIS_PROFILE defaults to "gpu" (200 examples).
 set -u
+# needs a GPU; without one, say so in one line instead of running every stage into tracebacks
+if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check.sh: needs a CUDA GPU, and $(python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'python3 has no torch') sees none (no GPU, or a CPU-only build)" >&2
+  exit 2
+fi
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -93,6 +98,11 @@ PY
     moe)
       step moe
       timeout 580 python3 -m benchmarks.bench_moe --tokens 16384 --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" || rc=1
+      ;;
+    titan)
+      step titan
+      # torchtitan 0.3.0 must be importable (pip install -e ".[titan]", or its wheels on PYTHONPATH)
+      timeout 590 python3 examples/torchtitan_train.py --json "$OUT/titan.json" 2>&1 | tee "$OUT/titan.log" || rc=1
       ;;
     bench-quick)
       step bench-quick

@@ -90,8 +90,14 @@ def main(argv=None):
     p.add_argument("json", help="output of bench_grouped_mm --json")
     p.add_argument("--out", default=None, help=f"PNG to write (default {os.path.relpath(DEFAULT_OUT)})")
     args = p.parse_args(argv)
-    with open(args.json) as fh:
-        record = json.load(fh)
+    try:
+        with open(args.json) as fh:
+            record = json.load(fh)
+    except OSError as exc:
+        p.error(f"cannot read {args.json}: {exc.strerror}; write it with: python -m benchmarks.bench_grouped_mm "
+                f"--shapes dsv3,llama4 --m 16384,32768,65536,131072 --json {args.json}")
+    except json.JSONDecodeError as exc:
+        p.error(f"{args.json} is not JSON from bench_grouped_mm --json ({exc})")
     if args.out is None and is_smoke(record):
         raise SystemExit("refusing to write CPU / --tiny numbers to docs/layer_time.png; pass --out PATH to plot them")
     out = args.out or DEFAULT_OUT

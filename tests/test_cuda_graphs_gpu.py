@@ -1,4 +1,4 @@
-"""CUDA graphs and host synchronization on a CUDA GPU (DESIGN.md sections 4 and 8).
+"""CUDA graphs and host synchronization on a CUDA GPU (docs/design.md sections 4 and 8).
 
 * A manually captured ``torch.cuda.graph`` of ``mxfp8_grouped_mm`` fwd+bwd, replayed with new
   values and new routing copied into its static inputs, equals an eager call bit for bit.
@@ -129,7 +129,7 @@ def test_reduce_overhead_compiled_converted_moe_matches_eager():
     # Emulating the casts makes compiled quantize the same bf16 values as eager. What is left
     # (fused softmax / mean / accumulation order) is bounded by the tolerances below: loss within
     # 1e-3 relative, gradients >= 35 dB SQNR, i.e. at least 10 dB under MXFP8's own error against
-    # bf16 (24-27 dB, DESIGN.md section 7); a stale input or routing in a replay gives ~0 dB.
+    # bf16 (24-27 dB, docs/design.md section 7); a stale input or routing in a replay gives ~0 dB.
     with torch._inductor.config.patch(emulate_precision_casts=True):
         # several steps: cudagraph trees warm up, record, then replay; each batch routes differently
         for seed in range(6):

@@ -74,7 +74,7 @@ def dq_rows(x, mode):
 
 
 def loop_grouped_mm(A, W, offs_list, grad_out, mode):
-    """Independent per-expert loop: quantize each operand the DESIGN.md section 4 way, fp32 matmul."""
+    """Independent per-expert loop: quantize each operand the docs/design.md section 4 way, fp32 matmul."""
     m, k = A.shape
     e, n, _ = W.shape
     out = torch.zeros(m, n)

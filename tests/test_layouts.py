@@ -1,4 +1,4 @@
-"""Blocked scale layouts (DESIGN.md section 3): an independent loop oracle, torchao's oracles, round trips."""
+"""Blocked scale layouts (docs/design.md section 3): an independent loop oracle, torchao's oracles, round trips."""
 
 import math
 
@@ -24,7 +24,7 @@ mx = pytest.importorskip("torchao.prototype.moe_training.kernels.mxfp8")
 
 
 def design_off(r, c, nc):
-    """DESIGN.md's formula, written out independently of moe_quant.layouts."""
+    """docs/design.md's formula, written out independently of moe_quant.layouts."""
     return 512 * (nc * (r // 128) + c // 4) + 16 * (r % 32) + 4 * ((r // 32) % 4) + (c % 4)
 
 

@@ -98,7 +98,7 @@ def test_converted_model_gradients_close_to_bf16():
 
 
 def test_single_converted_grouped_gemm_meets_design_bounds():
-    # DESIGN.md 7 bounds for one grouped GEMM, through the conversion path.
+    # docs/design.md 7 bounds for one grouped GEMM, through the conversion path.
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8, 256, 128, dtype=torch.bfloat16) * 0.05)
     mod = torch.nn.Module()

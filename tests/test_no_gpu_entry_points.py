@@ -1,8 +1,13 @@
 """Benchmarks and scripts on a machine without a GPU, run from the repository root as documented."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from repo_subprocess import run_python
+from repo_subprocess import ROOT, run_python
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA GPU")
 
@@ -30,3 +35,38 @@ def test_gpu_scripts_run_from_repo_root_and_say_they_need_a_gpu(script):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [f"{script}: needs a CUDA GPU, and torch {torch.__version__} "
                                                 "sees none (no GPU, or a CPU-only build)"], proc.stderr[-3000:]
+
+
+@no_gpu
+def test_fsdp2_check_on_cuda_without_gpu_says_so():
+    proc = run_python("scripts/fsdp2_check.py", "--device", "cuda", pythonpath=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [f"fsdp2_check.py: needs a CUDA GPU, and torch {torch.__version__} "
+                                                "sees none (no GPU, or a CPU-only build)"], proc.stderr[-3000:]
+
+
+@no_gpu
+def test_gpu_check_without_gpu_stops_with_one_line(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout == "" and proc.stderr.strip().splitlines() == [
+        f"gpu_check.sh: needs a CUDA GPU, and torch {torch.__version__} sees none (no GPU, or a CPU-only build)"
+    ], proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_plot_layer_time_on_a_missing_file_says_how_to_make_it(tmp_path):
+    missing = tmp_path / "layer_sweep.json"
+    proc = run_python("scripts/plot_layer_time.py", str(missing), pythonpath=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert f"cannot read {missing}" in proc.stderr and "benchmarks.bench_grouped_mm" in proc.stderr
+
+
+def test_plot_layer_time_on_a_non_json_file_says_so(tmp_path):
+    bad = tmp_path / "layer.json"
+    bad.write_text("not json")
+    proc = run_python("scripts/plot_layer_time.py", str(bad), pythonpath=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "is not JSON" in proc.stderr

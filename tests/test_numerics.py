@@ -1,4 +1,4 @@
-"""Reference MXFP8 numerics: bit-identical to torchao's to_mx, and DESIGN.md section 2 special values."""
+"""Reference MXFP8 numerics: bit-identical to torchao's to_mx, and docs/design.md section 2 special values."""
 
 import pytest
 import torch
@@ -28,9 +28,9 @@ def torchao_reference(x, mode):
     dtype=st.sampled_from([torch.bfloat16, torch.float32]),
 )
 def test_bit_identical_to_torchao(rows, kblocks, dist, seed, mode, dtype):
-    """Every scale byte, and the data of every block where torchao follows DESIGN.md, match to_mx.
+    """Every scale byte, and the data of every block where torchao follows docs/design.md, match to_mx.
 
-    torchao departs from DESIGN.md section 2 in three places, each pinned by its own test below:
+    torchao departs from docs/design.md section 2 in three places, each pinned by its own test below:
     Inf-holding blocks get a finite scale (254 RCEIL / 247 FLOOR) instead of 255 (Inf is left out
     of this comparison); FLOOR NaN blocks keep 0 for their finite elements instead of NaN; and a
     block whose scale is byte 0 (2**-127) is scaled by 1 (RCEIL) or 2**126 (FLOOR) instead of
@@ -47,7 +47,7 @@ def test_bit_identical_to_torchao(rows, kblocks, dist, seed, mode, dtype):
         comparable |= s == E8M0_NAN
     assert torch.equal(to_bytes(data)[comparable], to_bytes(ref_data)[comparable])
     assert bool((to_bytes(data)[s == E8M0_NAN] == 0x7F).all())
-    # byte-0 blocks: the DESIGN.md element rule, x * 2**127, rounded and saturated
+    # byte-0 blocks: the docs/design.md element rule, x * 2**127, rounded and saturated
     tiny = s == 0
     expect = (x.float()[tiny] * 2.0**127).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(to_bytes(data)[tiny], to_bytes(expect))

@@ -1,5 +1,5 @@
 """Every public function rejects bad arguments before any work with a TypeError / ValueError
-that names the argument (DESIGN.md section 8), and parses scale modes the same way everywhere.
+that names the argument (docs/design.md section 8), and parses scale modes the same way everywhere.
 
 The table below is the contract: one row per (function, bad argument) with the exception type
 and the argument name the message must contain. Hypothesis covers the size arguments.

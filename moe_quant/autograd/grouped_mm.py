@@ -1,4 +1,4 @@
-"""Differentiable MXFP8 grouped GEMM: ``out = A @ W_t`` per token group (DESIGN.md section 4).
+"""Differentiable MXFP8 grouped GEMM: ``out = A @ W_t`` per token group (docs/design.md section 4).
 
 =======  ==========================================  ===========================================
 GEMM     operand 1                                   operand 2

@@ -1,7 +1,7 @@
 """Configuration of the colwise 32x1 kernel (no cutlass import: the ops' hot path and the on-disk
 cache key use it without loading the DSL).
 
-Two group kinds, one kernel (DESIGN.md sections 3 and 4):
+Two group kinds, one kernel (docs/design.md sections 3 and 4):
 
 * ``kgroups`` -- a wgrad operand ``x (M, R)``: jagged token groups given by ``offs``, each padded
   with zeros to a multiple of 32 tokens; data written transposed ``(R, Mp)``, scales in the

@@ -5,7 +5,7 @@ control flow on device values). The numeric constants come from
 :mod:`moe_quant.numerics` and the blocked-layout math from :mod:`moe_quant.layouts`,
 so the kernels and the reference share one definition of each.
 
-Bit-exactness notes (DESIGN.md section 2):
+Bit-exactness notes (docs/design.md section 2):
 
 * amax is taken on the magnitude *bit patterns* (``bits & 0x7fffffff`` compared as
   integers): for non-negative IEEE floats integer order is value order, NaN sorts
@@ -333,7 +333,7 @@ def zero_scale_tile_padding(scales, p0: Int32, nc: Int32, buf_rows: Int32, in_gr
             st_global_u32(base + w * 4, 0)
     elif nreal < TILE_ROWS:
         # Group tile: local rows q >= nreal are padding. Word wi = 128 j + 4 l + w holds
-        # rows q = 32 w + l of column tile j (DESIGN.md section 3).
+        # rows q = 32 w + l of column tile j (docs/design.md section 3).
         n_words = nc * TILE_ROWS
         for wi in cutlass.range(tid, n_words, threads):
             q = (wi % 4) * 32 + (wi // 4) % 32

@@ -1,0 +1,277 @@
+"""Train torchtitan's DeepSeek-V3 with bf16 experts and with MXFP8 experts, eager and compiled.
+
+    python examples/torchtitan_train.py                      # 16B architecture cut to 4 layers, on CUDA
+    python examples/torchtitan_train.py --flavor debugmodel --layers 2 --tokens 256 --seq-len 64 \\
+        --steps 3 --device cpu --modes eager                   # a CPU smoke run
+
+Needs torchtitan 0.3.0 (``pip install -e ".[titan]"``). The model is torchtitan's own
+(``deepseekv3_configs[flavor]``, first ``--layers`` transformer blocks, no MTP); its routed experts
+(``torchtitan.models.common.moe.GroupedExperts``) are converted with::
+
+    quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
+
+Each run starts from the same initial weights (same seed) and sees the same batches: ``--tokens`` per
+step as ``tokens / seq_len`` sequences of a synthetic next-token task (each sequence follows
+``x[t+1] = (a * x[t] + b) mod vocab`` with its own ``a, b``, so the loss falls). fp32 parameters,
+``torch.autocast`` bf16, AdamW. torchtitan's MoE load-balancing bias update (an optimizer hook in
+its trainer) is not installed, so the routing bias stays zero in every run.
+
+For each of ``--modes`` (eager, compiled: ``torch.compile`` of each transformer block, as torchtitan
+does) it runs bf16 then MXFP8 and prints median step time over the steps after ``--warmup``, the
+ratio to bf16, the loss (first, last) and the largest relative loss difference to bf16 over all
+steps, peak CUDA memory, and the grouped-mm calls that fell back to the plain op.
+
+torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims``, which torch 2.11 lacks.
+For this single-process run (no FSDP) the script puts a placeholder under that name when it is
+missing and says so in its output; the placeholder raises if anything tries to use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Runnable as `python examples/torchtitan_train.py` from the repository root without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_quant import MXFP8MoEConfig  # noqa: E402  (before torchao: keeps its import quiet)
+from moe_quant.conversion import MXFP8ExpertWeight, fallback_counts, reset_fallback_counts  # noqa: E402
+
+STUBBED_NAME = "torch.distributed.fsdp.DataParallelMeshDims"
+
+
+def stub_missing_fsdp_names() -> list[str]:
+    """Give ``torch.distributed.fsdp`` the names torchtitan 0.3.0 imports but this torch lacks.
+
+    Only ``DataParallelMeshDims`` (added after torch 2.11); torchtitan uses it for FSDP meshes,
+    which a single-process run never builds. Returns the names it stubbed.
+    """
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return []
+
+    class DataParallelMeshDims:
+        """Placeholder for torch versions without it; any use is an error."""
+
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(f"{STUBBED_NAME} is a placeholder here (torch {torch.__version__} lacks it): "
+                               "single-process runs only, no FSDP")
+
+    fsdp.DataParallelMeshDims = DataParallelMeshDims
+    return [STUBBED_NAME]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flavor", default="16B", help="torchtitan DeepSeek-V3 flavor (debugmodel, 16B, ...)")
+    p.add_argument("--layers", type=int, default=4, help="keep the first N transformer blocks (default 4)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (default 16384)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (default 5)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--attn", default="auto", choices=["auto", "flex", "sdpa"],
+                   help="flex (torchtitan's default; backward needs CUDA) or causal sdpa; auto: flex on CUDA")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    args = p.parse_args(argv)
+    for name in ("layers", "tokens", "seq_len", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.tokens % args.seq_len:
+        p.error(f"--tokens ({args.tokens}) must be a multiple of --seq-len ({args.seq_len})")
+    if not 0 <= args.warmup < args.steps:
+        p.error("--warmup must be in [0, --steps)")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in ("eager", "compiled")]
+    if bad or not args.modes:
+        p.error(f"--modes takes eager and/or compiled, got {bad or 'nothing'}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda: torch {torch.__version__} sees no CUDA GPU")
+    if args.attn == "auto":
+        args.attn = "flex" if args.device == "cuda" else "sdpa"
+    return args
+
+
+def model_config(flavor: str, layers: int, attn: str):
+    """torchtitan's DeepSeek-V3 config of ``flavor``, cut to its first ``layers`` blocks."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+
+    if flavor not in deepseekv3_configs:
+        raise ValueError(f"flavor must be one of {sorted(deepseekv3_configs)}, got {flavor!r}")
+    cfg = deepseekv3_configs[flavor](attn_backend="flex", moe_comm_backend="standard")
+    if layers > len(cfg.layers):
+        raise ValueError(f"layers must be at most {len(cfg.layers)} for {flavor}, got {layers}")
+    cfg = dataclasses.replace(cfg, layers=cfg.layers[:layers], mtp_layers=[])
+    if attn == "sdpa":
+        for layer in cfg.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg
+
+
+def build_model(cfg, device: str, seed: int, convert: bool):
+    """The model with its initial weights from ``seed`` (fp32), converted to MXFP8 experts if asked."""
+    from torchao.quantization import quantize_
+    from torchtitan.models.common.moe import GroupedExperts
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cfg.build()
+        model.init_states(buffer_device=torch.device(device))
+    if convert:
+        quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
+    return model
+
+
+def batches(vocab: int, tokens: int, seq_len: int, steps: int, seed: int):
+    """``steps`` (inputs, labels) pairs of the synthetic next-token task, on the CPU."""
+    g = torch.Generator().manual_seed(seed + 1)
+    n_seq = tokens // seq_len
+    out = []
+    for _ in range(steps):
+        a = torch.randint(1, 8, (n_seq, 1), generator=g)
+        b = torch.randint(0, 8, (n_seq, 1), generator=g)
+        x = torch.empty(n_seq, seq_len + 1, dtype=torch.long)
+        x[:, :1] = torch.randint(0, vocab, (n_seq, 1), generator=g)
+        for t in range(seq_len):
+            x[:, t + 1: t + 2] = (a * x[:, t: t + 1] + b) % vocab
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out
+
+
+def count_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def train(cfg, args, data, *, convert: bool, compiled: bool) -> dict:
+    """One run: returns its losses, step times (s), peak memory and fallbacks."""
+    device = args.device
+    model = build_model(cfg, device, args.seed, convert)
+    converted = sum(isinstance(p, MXFP8ExpertWeight) for p in model.parameters())
+    if convert and not converted:
+        raise RuntimeError("no expert weight was converted")
+    if compiled:
+        for layer in model.layers.values():
+            layer.compile(backend=args.compile_backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    n_seq = args.tokens // args.seq_len
+    positions = torch.arange(args.seq_len, device=device).expand(n_seq, args.seq_len)
+    masks = model.get_attention_masks(positions=positions) if args.attn == "flex" else None
+    reset_fallback_counts()
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    with warnings.catch_warnings():
+        # torchtitan's router asks autocast for fp32 (CPU autocast declines and warns) and its RMSNorm
+        # gets bf16 input with fp32 weights: both are torchtitan's choices, the same in every run
+        warnings.filterwarnings("ignore", message=".*autocast.*", category=UserWarning)
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
+        for x, y in data:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            t0 = time.perf_counter()
+            with torch.autocast(device, dtype=torch.bfloat16):
+                logits = model(x, positions, masks)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            del logits
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+            del loss
+    result = {
+        "convert": convert, "compiled": compiled, "losses": losses, "step_s": times,
+        "converted_weights": converted, "params": count_params(model),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "fallbacks": sum(fallback_counts().values()),
+    }
+    del model, opt
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def summarize(runs: list[dict], warmup: int) -> list[str]:
+    lines = []
+    for mode in ("eager", "compiled"):
+        pair = {r["convert"]: r for r in runs if r["compiled"] == (mode == "compiled")}
+        if not pair:
+            continue
+        base = statistics.median(pair[False]["step_s"][warmup:])
+        for convert, r in sorted(pair.items()):
+            med = statistics.median(r["step_s"][warmup:])
+            r["median_step_s"] = med
+            r["ratio_to_bf16"] = med / base
+            ref = pair[False]["losses"]
+            r["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+            peak = "n/a (CPU)" if r["peak_gib"] is None else f"{r['peak_gib']:.2f} GiB"
+            lines.append(
+                f"{mode:8s} {'mxfp8' if convert else 'bf16':5s}  step {1e3 * med:9.1f} ms  x{r['ratio_to_bf16']:.3f}  "
+                f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}  max |dloss|/loss vs bf16 "
+                f"{100 * r['max_rel_loss_diff']:.3f}%  peak {peak}  fallbacks {r['fallbacks']}"
+            )
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stubbed = stub_missing_fsdp_names()
+    for name in stubbed:
+        print(f"note: torch {torch.__version__} lacks {name}; a placeholder stands in for it (single process, no FSDP)")
+    import torchtitan  # noqa: F401  (after the stub)
+
+    cfg = model_config(args.flavor, args.layers, args.attn)
+    data = batches(cfg.vocab_size, args.tokens, args.seq_len, args.steps, args.seed)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    moe = next(layer.moe for layer in cfg.layers if layer.moe is not None) if any(
+        layer.moe is not None for layer in cfg.layers) else None
+    experts = f"{moe.num_experts} experts, top-{moe.router.top_k}" if moe is not None else "no MoE layer"
+    print(f"torchtitan DeepSeek-V3 {args.flavor}, {args.layers} layers ({experts}), {args.tokens} tokens/step "
+          f"({args.tokens // args.seq_len} x {args.seq_len}), {args.steps} steps, attention {args.attn}, "
+          f"{device_name}, torch {torch.__version__}", flush=True)
+    runs = []
+    for mode in args.modes:
+        for convert in (False, True):
+            r = train(cfg, args, data, convert=convert, compiled=mode == "compiled")
+            runs.append(r)
+            print(f"  done {mode} {'mxfp8' if convert else 'bf16'}: {r['params'] / 1e9:.3f}B parameters, "
+                  f"{r['converted_weights']} converted expert weights", flush=True)
+    lines = summarize(runs, args.warmup)
+    print("\n".join(lines))
+    bad = [r for r in runs if r["convert"] and r["fallbacks"]]
+    nonfinite = [r for r in runs if not all(math.isfinite(v) for v in r["losses"])]
+    if args.json:
+        record = {"args": {k: v for k, v in vars(args).items()}, "device": device_name, "torch": torch.__version__,
+                  "stubbed": stubbed, "runs": runs}
+        with open(args.json, "w") as fh:
+            json.dump(record, fh, indent=1)
+    if bad or nonfinite:
+        print(f"FAIL: {len(bad)} converted run(s) with fallbacks, {len(nonfinite)} run(s) with non-finite loss")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""torchtitan 0.3.0's own MoE code converted with quantize_ (optional: skipped without torchtitan).
+
+Install with ``pip install -e ".[titan]"``. ``GroupedExperts`` alone against an explicit MXFP8 SwiGLU,
+then torchtitan's DeepSeek-V3 (debug flavor, cut to 2 layers) trained bf16 vs converted through
+``examples/torchtitan_train.py``, and that script's command line.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from repo_subprocess import ROOT, run_python
+from torch import nn
+from torchao.quantization import quantize_
+
+import moe_quant.autograd
+from moe_quant import MXFP8MoEConfig, mxfp8_grouped_mm
+from moe_quant.conversion import MXFP8ExpertWeight, fallback_counts, reset_fallback_counts
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("torchtitan_train", ROOT / "examples" / "torchtitan_train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+example = _load_example()
+example.stub_missing_fsdp_names()  # torchtitan 0.3.0 imports a name that older torch lacks
+try:
+    import torchtitan
+    from torchtitan.models.common.moe import GroupedExperts
+except ImportError as exc:  # not installed, or a dependency of it (e.g. triton) missing
+    pytest.skip(f"torchtitan not importable ({exc}); pip install -e '.[titan]'", allow_module_level=True)
+
+TITAN_PATH = Path(torchtitan.__file__).resolve().parents[1]
+ISINSTANCE = lambda mod, fqn: isinstance(mod, GroupedExperts)  # noqa: E731
+
+
+@pytest.fixture(autouse=True)
+def _clean_counts():
+    reset_fallback_counts()
+    yield
+    reset_fallback_counts()
+
+
+@pytest.fixture
+def mxfp8_calls(monkeypatch):
+    """Counts the calls of moe_quant's MXFP8 grouped GEMM (the conversion looks it up on each call)."""
+    calls = []
+    real = moe_quant.autograd.mxfp8_grouped_mm
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_quant.autograd, "mxfp8_grouped_mm", spy)
+    return calls
+
+
+class _Holder(nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+
+def _swiglu(x, w1, w2, w3, offs, gmm):
+    h = F.silu(gmm(x, w1.transpose(-2, -1), offs)) * gmm(x, w3.transpose(-2, -1), offs)
+    return gmm(h, w2.transpose(-2, -1), offs)
+
+
+def test_grouped_experts_run_mxfp8_forward_and_backward(mxfp8_calls):
+    torch.manual_seed(0)
+    dim, hidden, n_exp = 64, 96, 4
+    experts = GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=n_exp).build()
+    with torch.no_grad():
+        for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD):
+            w.normal_(std=0.05)
+    plain = [w.detach().clone().requires_grad_() for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD)]
+    quantize_(_Holder(experts), MXFP8MoEConfig(), filter_fn=ISINSTANCE)
+    assert all(isinstance(w, MXFP8ExpertWeight) for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
+
+    counts = torch.tensor([40, 0, 57, 31])  # an empty expert included
+    x = torch.randn(int(counts.sum()), dim, dtype=torch.bfloat16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    out = experts(x, counts)
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert len(mxfp8_calls) == 3 and not fallback_counts()
+
+    # the same SwiGLU written with moe_quant's MXFP8 grouped GEMM on the plain weights
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gmm = lambda a, wt, o: mxfp8_grouped_mm(a, wt.bfloat16(), o)  # noqa: E731
+    ref = _swiglu(xr, *plain, offs, gmm)
+    ref.backward(g)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    assert torch.equal(x.grad, xr.grad)
+    for w, p in zip((experts.w1_EFD, experts.w2_EDF, experts.w3_EFD), plain):
+        assert type(w.grad) is torch.Tensor and torch.equal(w.grad, p.grad)
+    assert plain[0].grad[1].abs().sum() == 0  # the empty expert
+    # and it is not torchtitan's plain bf16 path
+    bf16 = _swiglu(x.detach(), *(p.detach() for p in plain), offs,
+                   lambda a, wt, o: torch._grouped_mm(a, wt.bfloat16(), offs=o))
+    assert not torch.equal(out, bf16)
+    assert (out.float() - bf16.float()).norm() < 0.1 * bf16.float().norm()
+
+
+def _args(**kw):
+    argv = ["--flavor", "debugmodel", "--layers", "2", "--tokens", "128", "--seq-len", "32", "--steps", "3",
+            "--warmup", "1", "--device", "cpu"]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return example.parse_args(argv)
+
+
+def test_deepseek_v3_converted_trains_close_to_bf16(mxfp8_calls):
+    args = _args()
+    torch.set_num_threads(1)
+    cfg = example.model_config(args.flavor, args.layers, args.attn)
+    assert sum(layer.moe is not None for layer in cfg.layers) == 1  # debugmodel: layer 0 dense, layer 1 MoE
+    data = example.batches(cfg.vocab_size, args.tokens, args.seq_len, args.steps, args.seed)
+    bf16 = example.train(cfg, args, data, convert=False, compiled=False)
+    assert not mxfp8_calls and bf16["converted_weights"] == 0
+    mx = example.train(cfg, args, data, convert=True, compiled=False)
+    assert mx["converted_weights"] == 3 and mx["fallbacks"] == 0
+    assert len(mxfp8_calls) == 3 * args.steps  # w1, w3, w2 per forward
+    assert mx["params"] == bf16["params"]
+    assert mx["losses"][0] != bf16["losses"][0]  # MXFP8 noise, not the bf16 path
+    for a, b in zip(mx["losses"], bf16["losses"]):
+        assert abs(a - b) <= 0.01 * abs(b), (mx["losses"], bf16["losses"])
+
+
+def test_stub_only_when_missing(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+
+    assert example.stub_missing_fsdp_names() == []  # present now (real, or stubbed at import above)
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims")
+    assert example.stub_missing_fsdp_names() == [example.STUBBED_NAME]
+    with pytest.raises(RuntimeError, match="placeholder"):
+        fsdp.DataParallelMeshDims()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "100", "--seq-len", "64"], "multiple of --seq-len"),
+    (["--modes", "fast"], "--modes"),
+    (["--steps", "3", "--warmup", "3"], "--warmup"),
+])
+def test_script_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        example.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_script_cpu_smoke(tmp_path):
+    out = tmp_path / "tt.json"
+    proc = run_python("examples/torchtitan_train.py", "--flavor", "debugmodel", "--layers", "2", "--tokens", "64",
+                      "--seq-len", "32", "--steps", "2", "--warmup", "1", "--device", "cpu", "--modes", "eager",
+                      "--json", str(out), pythonpath=False, extra_paths=[TITAN_PATH], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("eager    mxfp8") and "fallbacks 0" in line for line in lines), proc.stdout
+    record = json.loads(out.read_text())
+    assert [(r["convert"], r["compiled"]) for r in record["runs"]] == [(False, False), (True, False)]
+    assert record["runs"][1]["converted_weights"] == 3
+    assert all(len(r["losses"]) == 2 for r in record["runs"])
