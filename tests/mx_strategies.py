@@ -68,3 +68,22 @@ def offsets_from_sizes(sizes, device="cpu") -> torch.Tensor:
 
 def to_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
+
+
+@st.composite
+def received_counts(draw, max_ranks: int = 4, max_experts: int = 5, max_count: int = 140, bad: bool = True):
+    """``(counts (R, E) list of lists, M)`` of a received all-to-all buffer: empty experts, ranks that
+    send nothing, ragged blocks, a tail of rows past the counts; with ``bad``, sometimes negative counts
+    and totals past M (which the permutation must sanitize)."""
+    r = draw(st.integers(0, max_ranks))
+    e = draw(st.integers(0, max_experts))
+    count = st.one_of(st.sampled_from(SPECIAL_GROUP_SIZES), st.integers(0, max_count))
+    if bad:
+        count = st.one_of(count, st.sampled_from((-1, -(2**31), 2**31 - 1, 1000)))
+    counts = draw(st.lists(st.lists(count, min_size=e, max_size=e), min_size=r, max_size=r))
+    silent = draw(st.integers(-1, r - 1)) if r else -1  # one rank that sends nothing
+    if silent >= 0:
+        counts[silent] = [0] * e
+    valid_total = sum(max(c, 0) for row in counts for c in row)
+    m = draw(st.one_of(st.just(min(valid_total, 600)), st.integers(0, 600)))
+    return counts, m
