@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .routing import sort_tokens_by_expert, unsort_tokens
+
 
 class TokenChoiceTopKRouter(nn.Module):
     """Each token picks its ``top_k`` experts by softmax score over ``num_experts`` logits."""
@@ -89,14 +91,65 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         top_scores, selected, counts = self.router(x)
+        return self.forward_routed(x, top_scores, selected, counts).reshape(shape)
+
+    def forward_routed(self, x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E) -> torch.Tensor:
+        """The block after the router, for a given routing: ``(T, D) -> (T, D)``."""
         # permutation: copies of each token, grouped by expert (stable: token order within a group)
-        order = torch.argsort(selected.reshape(-1), stable=True)
-        token_idx = order // self.top_k
-        routed_out = self.experts(x[token_idx], counts)
-        routed_out = routed_out * top_scores.reshape(-1)[order].unsqueeze(-1).to(routed_out.dtype)
-        # un-permutation: sum the top_k expert outputs back into token order
-        out = torch.zeros_like(x, dtype=routed_out.dtype).index_add(0, token_idx, routed_out)
-        return out.to(x.dtype).reshape(shape)
+        x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, top_scores_TK, expert_ids_TK)
+        routed_out = self.experts(x_sorted, num_tokens_per_expert_E)
+        # un-permutation: scale by the scores, sum the top_k expert outputs back into token order
+        return unsort_tokens(routed_out, scores_sorted, token_idx, x_TD)
+
+
+class EPMoE(nn.Module):
+    """:class:`MoE` with its experts sharded over an expert-parallel process group.
+
+    Every rank holds the router (replicated) and ``num_experts / world`` experts: rank r the experts
+    ``[r * E_local, (r + 1) * E_local)``. Tokens go to their experts' ranks and back through
+    :class:`moe_quant.ep.MXFP8TokenDispatcher` (``wire="mxfp8"``: MXFP8 dispatch and combine backward).
+    With the experts converted (``quantize_(..., MXFP8MoEConfig(scale_mode=...))``, the same scale mode),
+    the forward output and the input gradient equal the single-process converted :class:`MoE` bit for bit
+    for the same routing, global token order rank-major (``tests/test_ep.py``).
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, group=None,
+                 route_norm: bool = False, wire: str = "mxfp8", scale_mode: str = "rceil"):
+        super().__init__()
+        from .ep import MXFP8TokenDispatcher
+
+        self.dispatcher = MXFP8TokenDispatcher(num_experts, top_k, group=group, wire=wire, scale_mode=scale_mode)
+        self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, route_norm)
+        self.experts = GroupedExperts(dim, hidden_dim, self.dispatcher.num_local_experts)
+        self.top_k = top_k
+
+    @classmethod
+    def from_moe(cls, moe: MoE, *, group=None, wire: str = "mxfp8", scale_mode: str = "rceil") -> "EPMoE":
+        """This rank's shard of an (unconverted) :class:`MoE`: its router and its slice of the experts."""
+        if not isinstance(moe, MoE):
+            raise TypeError(f"moe must be a moe_quant.moe.MoE, got {type(moe).__name__}")
+        w1 = moe.experts.w1
+        ep = cls(w1.shape[2], w1.shape[1], moe.experts.num_experts, moe.top_k, group=group,
+                 route_norm=moe.router.route_norm, wire=wire, scale_mode=scale_mode).to(w1.device, w1.dtype)
+        n, rank = ep.experts.num_experts, torch.distributed.get_rank(group)
+        with torch.no_grad():
+            ep.router.gate.weight.copy_(moe.router.gate.weight)
+            for name in ("w1", "w2", "w3"):
+                getattr(ep.experts, name).copy_(getattr(moe.experts, name)[rank * n:(rank + 1) * n])
+        return ep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        top_scores, selected, counts = self.router(x)
+        return self.forward_routed(x, top_scores, selected, counts).reshape(shape)
+
+    def forward_routed(self, x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E) -> torch.Tensor:
+        """The block after the router, for this rank's tokens and their routing (global expert ids)."""
+        routed, num_tokens_per_local_expert, metadata = self.dispatcher.dispatch(
+            x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E)
+        routed_out = self.experts(routed, num_tokens_per_local_expert)
+        return self.dispatcher.combine(routed_out, metadata, x_TD)
 
 
 class MoELayer(nn.Module):
@@ -130,4 +183,4 @@ class TinyMoEModel(nn.Module):
         return self.out_proj(self.norm(h))
 
 
-__all__ = ["TokenChoiceTopKRouter", "GroupedExperts", "MoE", "MoELayer", "TinyMoEModel"]
+__all__ = ["TokenChoiceTopKRouter", "GroupedExperts", "MoE", "EPMoE", "MoELayer", "TinyMoEModel"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import prequantized as pq
 from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
 from ..layouts import sanitize_offsets
@@ -46,14 +47,14 @@ def _weight_operand(cache, W_t, kind: tuple, compute):
 
 
 def emulated_fwd(A, W_t, offs, mode: ScaleMode, cache=None):
-    a = q.fake_quantize_rowwise(A, mode)
+    a = pq.rowwise_values(A, mode)  # A's MXFP8 form may be known already (expert parallelism)
     w = _weight_operand(cache, W_t, ("emulated fwd", mode),  # blocks along K, W_t (E, K, N)
                         lambda w: q.fake_quantize_3d(w, mode, along_dim=-2))
     return torch._grouped_mm(a, w, offs=offs)
 
 
 def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode, cache=None):
-    g = q.fake_quantize_rowwise(grad_out, mode)
+    g = pq.rowwise_values(grad_out, mode)
     w = _weight_operand(cache, W_t, ("emulated dgrad", mode),  # blocks along N
                         lambda w: q.fake_quantize_3d(w, mode, along_dim=-1))
     return torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
@@ -74,14 +75,14 @@ def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
 
 
 def scaled_fwd(A, W_t, offs, mode: ScaleMode, cache=None):
-    a, a_s = q.quantize_rowwise(A, mode, offs)
+    a, a_s = pq.rowwise_operand(A, mode, offs)
     w, w_s = _weight_operand(cache, W_t, ("scaled fwd", mode),  # (E, N, K), scales (E, N x K/32)
                              lambda w: q.quantize_3d(w.transpose(-2, -1), mode, along="k"))
     return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
 def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode, cache=None):
-    g, g_s = q.quantize_rowwise(grad_out, mode, offs)
+    g, g_s = pq.rowwise_operand(grad_out, mode, offs)
     w, w_s = _weight_operand(cache, W_t, ("scaled dgrad", mode),  # (E, K, N), scales (E, K x N/32)
                              lambda w: q.quantize_3d(w.transpose(-2, -1), mode, along="n"))
     return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)

@@ -1,9 +1,28 @@
 """Expert parallelism with MXFP8 on the wire.
 
-:func:`permute_received` reorders the rows an all-to-all delivered, in (source rank, local expert)
-order, to the expert-major order the grouped GEMM takes (:mod:`moe_quant.ep.permute`).
+* :class:`MXFP8TokenDispatcher` (:mod:`moe_quant.ep.dispatcher`): torchtitan-shaped ``dispatch`` /
+  ``combine`` over a ``torch.distributed`` process group; :class:`moe_quant.moe.EPMoE` uses it.
+* :func:`dispatch_rows` / :func:`combine_rows` / :func:`plan_route` (:mod:`moe_quant.ep.legs`): the four
+  differentiable all-to-all legs (MXFP8 dispatch forward and combine backward, exact others).
+* :func:`permute_received` (:mod:`moe_quant.ep.permute`): received rows, in (source rank, local expert)
+  order, to the expert-major order the grouped GEMM takes.
+* :class:`WireLog` (:mod:`moe_quant.ep.wire`): the bytes each leg hands to ``all_to_all_single``.
 """
 
+from .dispatcher import EPDispatchMetadata, MXFP8TokenDispatcher
+from .legs import Route, Wire, combine_rows, dispatch_rows, plan_route
 from .permute import permute_received
+from .wire import WireLog, mxfp8_row_bytes
 
-__all__ = ["permute_received"]
+__all__ = [
+    "EPDispatchMetadata",
+    "MXFP8TokenDispatcher",
+    "Route",
+    "Wire",
+    "WireLog",
+    "combine_rows",
+    "dispatch_rows",
+    "mxfp8_row_bytes",
+    "permute_received",
+    "plan_route",
+]

@@ -1,0 +1,185 @@
+"""The EP MoE block against the single-process converted block, on one rank of a process group.
+
+Used by ``tests/test_ep.py`` (gloo ranks on the CPU) and ``scripts/ep_check.py`` (torchrun, any size).
+Every rank builds the same global model and the same inputs (seeded), runs its shard of the
+expert-parallel block (:class:`moe_quant.moe.EPMoE`) forward and backward, runs the single-process
+converted :class:`moe_quant.moe.MoE` on all ranks' tokens (global token order rank-major, the routing
+each rank computed for its own tokens) and compares its own shard: forward output and input gradient
+bit for bit, expert weight gradients by SQNR (against the single-process MXFP8 block and against bf16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import quantize as q
+from ..backends import GemmBackend, resolve_gemm_backend
+from ..moe import EPMoE, MoE
+from .wire import WireLog
+
+_LEGS = ("dispatch", "combine", "combine backward", "dispatch backward")
+
+
+@dataclasses.dataclass
+class CheckCase:
+    dim: int = 64
+    hidden_dim: int = 96
+    experts_per_rank: int = 2
+    top_k: int = 2
+    tokens: tuple = (40,)  # tokens of each rank; one value: the same on every rank
+    routing: str = "router"  # "router" | "one_rank" (every token to experts 0..top_k-1: one rank receives all)
+    wire: str = "mxfp8"
+    scale_mode: str = "rceil"
+    convert: bool = True  # the experts converted with MXFP8MoEConfig (else bf16 experts)
+    seed: int = 0
+
+    def tokens_of(self, rank: int) -> int:
+        return self.tokens[rank] if len(self.tokens) > 1 else self.tokens[0]
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """``10 log10(|ref|^2 / |ref - x|^2)`` in fp32 (inf where equal)."""
+    ref, x = ref.float(), x.float()
+    err = (ref - x).pow(2).sum().item()
+    return math.inf if err == 0 else 10 * math.log10(ref.pow(2).sum().item() / err)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def _convert(module, case: CheckCase):
+    from torchao.quantization import quantize_
+
+    from ..conversion import MXFP8MoEConfig
+
+    quantize_(module, MXFP8MoEConfig(scale_mode=case.scale_mode), filter_fn=lambda mod, fqn: "experts" in fqn)
+    return module
+
+
+def _inputs(case: CheckCase, world: int, device, dtype):
+    xs, gouts = [], []
+    for r in range(world):
+        g = torch.Generator().manual_seed(case.seed * 1000 + r + 1)
+        t = case.tokens_of(r)
+        xs.append(torch.randn(t, case.dim, generator=g).to(device, dtype))
+        gouts.append(torch.randn(t, case.dim, generator=g).to(device, dtype))
+    return xs, gouts
+
+
+def _routing(model: MoE, x: torch.Tensor, case: CheckCase, n_experts: int):
+    if case.routing == "router":
+        return model.router(x)
+    if case.routing != "one_rank":
+        raise ValueError(f"routing must be 'router' or 'one_rank', got {case.routing!r}")
+    t = x.shape[0]
+    ids = torch.arange(case.top_k, device=x.device).expand(t, case.top_k).contiguous()
+    scores = torch.linspace(0.2, 0.8, t * case.top_k, device=x.device).view(t, case.top_k)
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device)
+    counts[: case.top_k] = t
+    return scores, ids, counts
+
+
+@contextlib.contextmanager
+def _count_rowwise_quantizations(counter: list):
+    """Counts the GEMMs' rowwise quantizations (the emulated GEMM's ``fake_quantize_rowwise``)."""
+    original = q.fake_quantize_rowwise
+
+    def counting(*args, **kwargs):
+        counter[0] += 1
+        return original(*args, **kwargs)
+
+    q.fake_quantize_rowwise = counting
+    try:
+        yield
+    finally:
+        q.fake_quantize_rowwise = original
+
+
+def _run(model, xs_local, routings, gouts, forward):
+    out = forward(model, xs_local, routings)
+    (out.float() * torch.cat(gouts).float()).sum().backward()
+    return out
+
+
+def run_check(case: CheckCase, group=None, device="cpu", dtype=torch.bfloat16) -> dict:
+    """Runs ``case`` on this rank; returns its measurements (see the module doc)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = torch.device(device)
+    n_experts = case.experts_per_rank * world
+    torch.manual_seed(case.seed)
+    base = MoE(case.dim, case.hidden_dim, n_experts, case.top_k).to(device, dtype)
+    ep = EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode)
+    ref = copy.deepcopy(base)
+    bf16 = copy.deepcopy(base)
+    if case.convert:
+        _convert(ref, case)
+        _convert(ep, case)
+    xs, gouts = _inputs(case, world, device, dtype)
+
+    # single process: every rank's tokens, rank-major, each routed as its rank routes them
+    leaves = {name: [x.clone().requires_grad_() for x in xs] for name in ("ref", "bf16")}
+    results, routings = {}, {}
+    for name, model in (("ref", ref), ("bf16", bf16)):
+        rts = routings[name] = [_routing(model, x, case, n_experts) for x in leaves[name]]
+        out = model.forward_routed(torch.cat(leaves[name]), torch.cat([r[0] for r in rts]),
+                                   torch.cat([r[1] for r in rts]), sum(r[2] for r in rts))
+        (out.float() * torch.cat(gouts).float()).sum().backward()
+        results[name] = out
+    lo = sum(case.tokens_of(r) for r in range(rank))
+    hi = lo + case.tokens_of(rank)
+
+    # expert parallel: this rank's tokens only
+    x = xs[rank].clone().requires_grad_()
+    calls = [0]
+    with WireLog() as log, _count_rowwise_quantizations(calls):
+        scores, ids, counts = _routing(ep, x, case, n_experts)
+        out = ep.forward_routed(x, scores, ids, counts)
+        (out.float() * gouts[rank].float()).sum().backward()
+
+    n = case.experts_per_rank
+    local_counts = sum(r[2] for r in routings["ref"])[rank * n:(rank + 1) * n]
+    own = routings["ref"][rank]
+    routing_equal = bits_equal(ids, own[1]) and bits_equal(scores.detach(), own[0].detach())
+    empty = [e for e in range(n) if int(local_counts[e]) == 0]
+    empty_zero = all(bool((getattr(ep.experts, w).grad[e] == 0).all()) for w in ("w1", "w2", "w3") for e in empty)
+    wgrad = {}
+    for w in ("w1", "w2", "w3"):
+        g_ep = getattr(ep.experts, w).grad
+        g_ref = getattr(ref.experts, w).grad[rank * n:(rank + 1) * n]
+        g_bf16 = getattr(bf16.experts, w).grad[rank * n:(rank + 1) * n]
+        wgrad[w] = {"vs_mxfp8": sqnr_db(g_ref, g_ep), "vs_bf16": sqnr_db(g_bf16, g_ep),
+                    "single_process_mxfp8_vs_bf16": sqnr_db(g_bf16, g_ref)}
+    legs = {}
+    for leg in _LEGS:
+        rows, nbytes = log.by_leg(leg)
+        legs[leg] = {"rows": rows, "bytes": nbytes, "bytes_per_token": nbytes / rows if rows else None}
+    emulated = resolve_gemm_backend(GemmBackend.AUTO, device) is GemmBackend.EMULATED
+    return {
+        "rank": rank,
+        "world": world,
+        "tokens": case.tokens_of(rank),
+        "received_rows": legs["combine"]["rows"],
+        "empty_local_experts": len(empty),
+        "empty_expert_wgrad_zero": empty_zero,
+        "routing_equal": routing_equal,
+        "out_equal": bits_equal(out.detach(), results["ref"].detach()[lo:hi]),
+        "xgrad_equal": bits_equal(x.grad, leaves["ref"][rank].grad),
+        "out_sqnr_vs_bf16": sqnr_db(results["bf16"].detach()[lo:hi], out.detach()),
+        "wgrad_sqnr": wgrad,
+        "legs": legs,
+        "hidden": case.dim,
+        "gemm_rowwise_quantizations": calls[0] if emulated else None,
+    }
+
+
+__all__ = ["CheckCase", "run_check", "sqnr_db", "bits_equal"]

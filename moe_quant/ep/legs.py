@@ -1,0 +1,190 @@
+"""The four all-to-all legs of expert parallelism, as differentiable functions over a process group.
+
+=====================  ==================================  =============================================
+leg                    sends                               numerics
+=====================  ==================================  =============================================
+dispatch (forward)     MXFP8 (``wire="mxfp8"``): K e4m3 +   tokens quantized 1x32 along the hidden dim
+                       K/32 e8m0 bytes per token            before sending; the receiver dequantizes
+                                                            (exact) and the expert GEMM reuses that form
+combine (forward)      the expert outputs' dtype (bf16)     exact
+combine backward       MXFP8 (``wire="mxfp8"``)             grad of the expert output, 1x32 along N:
+                                                            exactly dgrad's operand, reused by it
+dispatch backward      the activations' dtype (bf16)        exact
+=====================  ==================================  =============================================
+
+With ``wire="bf16"`` every leg sends the tensor's own dtype (the bf16 baseline). The rows a rank
+receives come in (source rank, local expert) order; :func:`moe_quant.ep.permute.permute_received`
+(MXFP8 legs) or one gather (others) puts them in expert-major order, and the reverse legs undo it.
+
+Host synchronization: one, in :func:`plan_route` (the split sizes ``all_to_all_single`` needs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+import torch.distributed as dist
+
+from .. import backends
+from .. import prequantized as pq
+from .. import quantize as q
+from ..numerics import ScaleMode, dequantize_blocks
+from . import permute
+from .wire import all_to_all_rows, pack_mxfp8, unpack_mxfp8
+
+
+class Wire(str, enum.Enum):
+    MXFP8 = "mxfp8"  # dispatch forward and combine backward in MXFP8
+    BF16 = "bf16"  # every leg in the tensors' own dtype
+
+    @classmethod
+    def parse(cls, value, argname: str = "wire") -> "Wire":
+        if isinstance(value, Wire):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        raise ValueError(f"{argname} must be one of {[w.value for w in cls]}, got {value!r}")
+
+
+# problem bits a rank reports with its counts, so that every rank raises instead of some hanging
+_NEGATIVE, _BAD_SUM, _MISMATCH = 1, 2, 4
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Route:
+    """Where this rank's sorted rows go and what it receives; built by :func:`plan_route`."""
+
+    group: object
+    wire: Wire
+    mode: ScaleMode
+    input_splits: list  # rows sent to each rank
+    output_splits: list  # rows received from each rank
+    recv_counts: torch.Tensor  # (R, E_local) int32: rows from rank r for local expert e
+    num_tokens_per_local_expert: torch.Tensor  # (E_local,) int32
+    src: torch.Tensor  # (M_recv,) int64: expert-major row j is received row src[j]
+
+    @property
+    def rows_received(self) -> int:
+        return sum(self.output_splits)
+
+
+def _problems(bits: int) -> list:
+    return [what for bit, what in ((_NEGATIVE, "a negative count"), (_BAD_SUM, "counts that do not sum to the "
+            "number of routed rows (T * top_k)"), (_MISMATCH, "counts that do not match topk_expert_ids_TK "
+            "(or ids outside [0, num_experts))")) if bits & bit]
+
+
+def plan_route(num_local_tokens_per_expert_E: torch.Tensor, rows: int, group, *, wire: Wire, mode: ScaleMode,
+               mismatch: torch.Tensor | None = None) -> Route:
+    """Exchange the per-expert counts (one small all-to-all) and read the split sizes (one host sync).
+
+    ``num_local_tokens_per_expert_E (E,)``: rows this rank sends to each global expert (experts are laid
+    out rank-major: rank r holds experts ``[r * E_local, (r+1) * E_local)``); ``rows``: the number of sorted
+    rows it sends; ``mismatch``: an optional 0-d bool device tensor, True where the caller found the counts
+    inconsistent with the routing. Every rank sends a problem code with its counts, so a bad value on one
+    rank raises the same ``ValueError`` on all of them (naming the rank) instead of leaving peers waiting.
+    """
+    world = dist.get_world_size(group)
+    counts = num_local_tokens_per_expert_E
+    n_local = counts.numel() // world
+    send = counts.to(torch.int64).view(world, n_local)
+    code = (send < 0).any().to(torch.int64) * _NEGATIVE + (send.sum() != rows).to(torch.int64) * _BAD_SUM
+    if mismatch is not None:
+        code = code + mismatch.to(torch.int64) * _MISMATCH
+    msg = torch.cat([send, code.expand(world, 1)], dim=1).contiguous()
+    recv = torch.empty_like(msg)
+    dist.all_to_all_single(recv, msg, group=group)
+    host = torch.stack([msg, recv]).tolist()  # the one device-to-host synchronization
+    sent, got = host[0], host[1]
+    rank = dist.get_rank(group)
+    bad = {r: got[r][n_local] for r in range(world) if got[r][n_local]}
+    if bad:
+        if rank in bad:
+            raise ValueError(f"num_local_tokens_per_expert_E on rank {rank} has {', '.join(_problems(bad[rank]))}: "
+                             f"{[c for row in sent for c in row[:n_local]]} for {rows} routed rows")
+        raise ValueError(f"num_local_tokens_per_expert_E is invalid on rank(s) {sorted(bad)} of the EP group "
+                         f"(see the error raised there); no tokens were exchanged")
+    recv_counts = recv[:, :n_local].to(torch.int32)
+    output_splits = [sum(row[:n_local]) for row in got]
+    src, _, offs = permute._source_rows(recv_counts, sum(output_splits))
+    return Route(group=group, wire=wire, mode=mode, input_splits=[sum(row[:n_local]) for row in sent],
+                 output_splits=output_splits, recv_counts=recv_counts,
+                 num_tokens_per_local_expert=torch.diff(offs, prepend=offs.new_zeros(1)), src=src)
+
+
+def _expert_major(rows_received: torch.Tensor, route: Route) -> torch.Tensor:
+    return rows_received[route.src]
+
+
+def _received_order(rows_expert_major: torch.Tensor, route: Route) -> torch.Tensor:
+    # the counts were checked in plan_route, so src is a permutation of the received rows
+    return torch.empty_like(rows_expert_major).index_copy_(0, route.src, rows_expert_major)
+
+
+def _send_mxfp8(x: torch.Tensor, route: Route, leg: str) -> torch.Tensor:
+    """Quantize the rows of ``x`` 1x32 along the last dim, send them (splits of the forward direction),
+    and return the received rows dequantized in expert-major order, registered as known MXFP8."""
+    data, scales = q.quantize_rowwise(x, route.mode)
+    recv = all_to_all_rows(pack_mxfp8(data, scales), route.output_splits, route.input_splits, route.group, leg)
+    data_r, scales_r = unpack_mxfp8(recv, x.shape[1])
+    if backends.supports_scaled_grouped_mm(x.device):  # the scaled GEMM reads the fp8 data and scales too
+        data_p, scales_p, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="plain")
+        values = dequantize_blocks(data_p, scales_p, x.dtype)
+        pq.remember(values, route.mode, data_p, scales_p)
+    else:
+        values, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="dequant", out_dtype=x.dtype)
+        pq.remember(values, route.mode)
+    return values
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_sorted: torch.Tensor, route: Route):
+        ctx.route = route
+        if route.wire is Wire.MXFP8:
+            return _send_mxfp8(x_sorted, route, "dispatch")
+        recv = all_to_all_rows(x_sorted, route.output_splits, route.input_splits, route.group, "dispatch")
+        return _expert_major(recv, route)
+
+    @staticmethod
+    def backward(ctx, grad):
+        route = ctx.route
+        g = _received_order(grad.contiguous(), route)
+        return all_to_all_rows(g, route.input_splits, route.output_splits, route.group, "dispatch backward"), None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_expert_major: torch.Tensor, route: Route):
+        ctx.route = route
+        y = _received_order(y_expert_major.contiguous(), route)
+        return all_to_all_rows(y, route.input_splits, route.output_splits, route.group, "combine")
+
+    @staticmethod
+    def backward(ctx, grad):
+        route = ctx.route
+        grad = grad.contiguous()
+        if route.wire is Wire.MXFP8:
+            return _send_mxfp8(grad, route, "combine backward"), None
+        recv = all_to_all_rows(grad, route.output_splits, route.input_splits, route.group, "combine backward")
+        return _expert_major(recv, route), None
+
+
+def dispatch_rows(x_sorted: torch.Tensor, route: Route) -> torch.Tensor:
+    """Send this rank's rows (sorted by global expert) to the experts' ranks; returns the received rows in
+    expert-major order ``(M_recv, D)``, differentiable (the backward sends the gradient back)."""
+    return _Dispatch.apply(x_sorted, route)
+
+
+def combine_rows(y_expert_major: torch.Tensor, route: Route) -> torch.Tensor:
+    """Send the expert outputs back to the ranks their tokens came from; returns this rank's rows in its
+    sorted order ``(S, D)``, differentiable (the backward sends the output gradient, MXFP8 on that wire)."""
+    return _Combine.apply(y_expert_major, route)
+
+
+__all__ = ["Wire", "Route", "plan_route", "dispatch_rows", "combine_rows"]

@@ -1,0 +1,122 @@
+"""Gloo CPU ranks for ``tests/test_ep.py``: one process group session runs a list of jobs, each rank
+writes its results as JSON. Started with ``torch.multiprocessing`` spawn (see :func:`run_session`)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as e:  # the test asserts the type and message
+        return {"type": type(e).__name__, "message": str(e)}
+    return None
+
+
+def _bad_dispatch(kind: str, bad_rank: int):
+    from moe_quant.ep import MXFP8TokenDispatcher
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_experts = 2 * world
+    disp = MXFP8TokenDispatcher(num_experts, 1)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    ids = (torch.arange(8) % num_experts).view(8, 1)
+    scores = torch.ones(8, 1)
+    counts = torch.bincount(ids.view(-1), minlength=num_experts).to(torch.int32)
+    if kind == "negative" and rank == bad_rank:
+        counts[0], counts[1] = counts[0] + counts[1] + 1, -1
+    elif kind == "mismatch" and rank == bad_rank:
+        counts[0], counts[1] = counts[0] + 1, counts[1] - 1
+    elif kind == "sum" and rank == bad_rank:
+        counts[0] += 3
+    elif kind == "float_counts":
+        counts = counts.float()
+    elif kind == "bad_hidden":
+        x = torch.randn(8, 48, dtype=torch.bfloat16)
+    elif kind == "experts_not_multiple":
+        disp = MXFP8TokenDispatcher(world + 1, 1)
+        counts = torch.bincount(ids.view(-1) % (world + 1), minlength=world + 1).to(torch.int32)
+        ids = ids % (world + 1)
+    return _error(lambda: disp.dispatch(x, scores, ids, counts))
+
+
+def _job(job):
+    from moe_quant import prequantized
+    from moe_quant.ep.check import CheckCase, run_check
+
+    kind, arg = job
+    if kind == "check":
+        return run_check(CheckCase(**arg))
+    if kind == "check_no_registry":  # the GEMMs never find the received MXFP8 form: they quantize again
+        original = prequantized.lookup
+        prequantized.lookup = lambda x, mode: None
+        try:
+            return run_check(CheckCase(**arg))
+        finally:
+            prequantized.lookup = original
+    if kind == "bad":
+        return _bad_dispatch(**arg)
+    raise ValueError(kind)
+
+
+def _worker(rank, world, store, out_dir, jobs):
+    torch.set_num_threads(1)
+    results = []
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        for job in jobs:
+            results.append(_job(job))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        results.append({"fatal": traceback.format_exc()})
+
+    def clean(v):  # JSON has no inf
+        if isinstance(v, float) and math.isinf(v):
+            return "inf"
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(clean(results), f)
+
+
+def run_session(world: int, jobs: list, timeout_s: float = 100.0) -> list:
+    """Runs ``jobs`` on ``world`` gloo ranks; returns ``results[rank][job]``. Never hangs: ranks still
+    running after ``timeout_s`` are terminated and the missing results raise."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, jobs), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                for p in ctx.processes:
+                    p.join(10)
+                raise TimeoutError(f"EP session of {world} ranks did not finish in {timeout_s} s")
+        out = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                out.append(json.load(f))
+    for r, res in enumerate(out):
+        for item in res:
+            if isinstance(item, dict) and "fatal" in item:
+                raise RuntimeError(f"rank {r} failed:\n{item['fatal']}")
+    return out

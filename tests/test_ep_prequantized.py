@@ -1,0 +1,95 @@
+"""The registry of known MXFP8 activations (``moe_quant.prequantized``) and the numerics it relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moe_quant import mxfp8_grouped_mm, prequantized
+from moe_quant import quantize as q
+from moe_quant.ep.check import bits_equal
+
+
+def _counting(monkeypatch):
+    calls = [0]
+    original = q.fake_quantize_rowwise
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return original(*a, **k)
+
+    monkeypatch.setattr(q, "fake_quantize_rowwise", counting)
+    return calls
+
+
+def _operands(seed=0, m=96, k=64, n=32, e=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(e, n, k, generator=g) * 0.1).bfloat16()
+    offs = torch.tensor([20, 20, m], dtype=torch.int32)
+    return x, w, offs
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_gemm_reuses_a_known_operand_and_gives_the_same_result(monkeypatch, mode):
+    x, w, offs = _operands()
+    xq = q.fake_quantize_rowwise(x, mode)  # what a dispatch delivers: dequantized MXFP8 values
+    plain = mxfp8_grouped_mm(xq, w.transpose(-2, -1), offs, scale_mode=mode)
+    calls = _counting(monkeypatch)
+    prequantized.remember(xq, mode)
+    assert prequantized.lookup(xq, prequantized.ScaleMode(mode)) is not None  # precondition
+    known = mxfp8_grouped_mm(xq, w.transpose(-2, -1), offs, scale_mode=mode)
+    assert calls[0] == 0
+    assert bits_equal(known, plain)
+    other = "floor" if mode == "rceil" else "rceil"
+    mxfp8_grouped_mm(xq, w.transpose(-2, -1), offs, scale_mode=other)  # another mode: quantized again
+    assert calls[0] == 1
+
+
+def test_an_in_place_write_forgets_the_entry(monkeypatch):
+    x, w, offs = _operands(1)
+    xq = q.fake_quantize_rowwise(x, "rceil")
+    prequantized.remember(xq, "rceil")
+    xq.mul_(2)  # still exact MXFP8 values, but the registry cannot know: version counter bumped
+    assert prequantized.lookup(xq, prequantized.ScaleMode.RCEIL) is None
+    calls = _counting(monkeypatch)
+    mxfp8_grouped_mm(xq, w.transpose(-2, -1), offs)
+    assert calls[0] == 1
+
+
+def test_remember_checks_its_arguments():
+    x = torch.zeros(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="mode"):
+        prequantized.remember(x, "nearest")
+    with pytest.raises(ValueError, match="data and scales"):
+        prequantized.remember(x, "rceil", data=torch.zeros(4, 32, dtype=torch.float8_e4m3fn))
+
+
+@given(seed=st.integers(0, 2**16), mode=st.sampled_from(["rceil", "floor"]), wide=st.booleans())
+def test_requantizing_dequantized_values_is_exact(seed, mode, wide):
+    """The fallback's safety: 1x32 MXFP8 of already-dequantized 1x32 MXFP8 values gives them back."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 96, generator=g)
+    if wide:
+        x = x * torch.exp(torch.randn(64, 96, generator=g) * 3)
+    once = q.fake_quantize_rowwise(x.bfloat16(), mode)
+    assert bits_equal(q.fake_quantize_rowwise(once, mode), once)
+
+
+def test_wgrad_requantization_of_received_values_equals_direct_rceil():
+    """The EP weight gradient's 32x1 operands: re-quantizing the received (1x32-dequantized) values along
+    tokens. In RCEIL both roundings keep 3 mantissa bits, so this equals quantizing the bf16 values along
+    tokens except for elements ~2^14 below their 1x32 block's amax (subnormal there)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g).bfloat16()
+    offs = torch.tensor([100, 256], dtype=torch.int32)
+    direct, _ = q.fake_quantize_colwise_k_groups(x, offs, "rceil")
+    twice, _ = q.fake_quantize_colwise_k_groups(q.fake_quantize_rowwise(x, "rceil"), offs, "rceil")
+    assert bits_equal(direct, twice)
+    y = x.clone()
+    y[0, 0], y[0, 1] = 1000.0, 0.0123  # 0.0123 is subnormal in its 1x32 block (scale 4), normal along tokens
+    direct, _ = q.fake_quantize_colwise_k_groups(y, offs, "rceil")
+    twice, _ = q.fake_quantize_colwise_k_groups(q.fake_quantize_rowwise(y, "rceil"), offs, "rceil")
+    assert not bits_equal(direct, twice)  # the documented exception exists
