@@ -24,7 +24,7 @@ import torch
 
 from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
-from ..layouts import sanitize_offsets
+from ..layouts import row_major, sanitize_offsets
 from ..numerics import ScaleMode
 from ..validation import check_grouped_mm_args
 from ..weight_cache import QuantizedWeightCache
@@ -145,7 +145,7 @@ class _MXFP8GroupedMM(torch.autograd.Function):
 def _input_grads(ctx, grad_out, A, W_t, offs):
     """``(dA, dW_t)`` (each ``None`` where not needed): dgrad and wgrad of quantized operands."""
     _, dgrad, wgrad = _GEMMS[ctx.backend]
-    grad_out = grad_out.contiguous()
+    grad_out = row_major(grad_out)  # an expanded (stride 0) gradient stays one with M = 0 under .contiguous()
     grad_A = grad_W_t = None
     if _empty_contraction(A, W_t):  # dA (M, K) sums over N = 0 terms; dW_t (E, K, N) is zero or empty
         grad_A = torch.zeros_like(A) if ctx.needs_input_grad[0] else None
@@ -257,4 +257,4 @@ def mxfp8_grouped_mm(
         raise TypeError(f"weight_cache must be a QuantizedWeightCache or None, got {type(weight_cache).__name__}")
     if torch.compiler.is_compiling():
         weight_cache = None  # a compiled graph holds no Python-side state
-    return _MXFP8GroupedMM.apply(A.contiguous(), W_t, offs, mode, out_dtype, gemm, weight_cache)
+    return _MXFP8GroupedMM.apply(row_major(A), W_t, offs, mode, out_dtype, gemm, weight_cache)

@@ -288,6 +288,8 @@ def _via_dispatcher(t: torch.Tensor) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a kernel reads it: 16-byte aligned, row-major strides (also with no elements)."""
+    t = layouts.row_major(t)
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
