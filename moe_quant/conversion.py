@@ -187,7 +187,7 @@ _PRESERVE = {
 
 class _Unwrap(torch.autograd.Function):
     """The wrapped tensor, differentiably (the gradient flows through unchanged). In the
-    ``forward`` + ``setup_context`` form, with a generated vmap rule, so ``torch.func`` runs it."""
+    ``forward`` + ``setup_context`` form with a ``vmap`` rule, so ``torch.func`` transforms run it."""
 
     @staticmethod
     def forward(w):
