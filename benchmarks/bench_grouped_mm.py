@@ -34,8 +34,8 @@ from unittest import mock
 
 import torch
 
-from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, profile_device_ops, require_cuda
-from moe_quant import backends, mxfp8_grouped_mm, weight_cache
+from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, profile_device_ops, prog_name
+from moe_quant import backends, cli, mxfp8_grouped_mm, weight_cache
 
 FAMILIES = {  # name: (K in, N out, G experts)
     "dsv3": (7168, 2048, 8),
@@ -244,20 +244,17 @@ def print_breakdown(shape_label, device, mq: dict, bf16: dict | None, wall_ms: f
 
 
 def shapes_to_run(args) -> list[tuple[str, str, int]]:
-    """(label, family, M) for each shape to run."""
-    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    for s in names:
-        if s not in SHAPES:
-            raise SystemExit(f"--shapes: unknown shape {s!r}; known: {', '.join(SHAPES)}")
+    """(label, family, M) for each shape to run; ``ValueError`` for an M the bf16 baseline cannot run."""
+    names = args.shapes
     if args.m:
-        ms = [int(v) for v in args.m.split(",") if v.strip()]
+        ms = args.m
         families = list(dict.fromkeys(SHAPES[s][0] for s in names))
         out = [(f"{f} M={m}", f, m) for f in families for m in ms]
     else:
         out = [(s, SHAPES[s][0], TINY_M[s] if args.tiny else SHAPES[s][1]) for s in names]
     for label, _, m in out:
         if m <= 0 or m % ALIGN:
-            raise SystemExit(f"M must be a positive multiple of {ALIGN} (bf16 backward needs aligned groups), got {m}")
+            raise ValueError(f"M must be a positive multiple of {ALIGN} (bf16 backward needs aligned groups), got {m}")
     return out
 
 
@@ -270,20 +267,25 @@ def fmt_gib(b) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="dsv3,llama4,dsv3_small", help=f"comma list of {', '.join(SHAPES)}")
-    p.add_argument("--m", default="", help="comma list of M values: sweep M for each selected shape family")
+    p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=cli.comma_choices(*SHAPES), default=["dsv3", "llama4", "dsv3_small"],
+                   help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--m", type=cli.positive_int_list, default=None,
+                   help="comma list of M values: sweep M for each selected shape family")
     p.add_argument("--compile", action="store_true", help="add a torch.compile(mxfp8_grouped_mm) row")
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="profile the moe_quant layer: GPU time by kernel category")
-    p.add_argument("--breakdown-iters", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median reported)")
-    p.add_argument("--json", default="", help="write every measured number to this file")
+    p.add_argument("--breakdown-iters", type=cli.positive_int, default=3)
+    p.add_argument("--rounds", type=cli.positive_int, default=3, help="interleaved timing rounds (median reported)")
+    p.add_argument("--json", type=cli.writable_file, default=None, help="write every measured number to this file")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="shrunken shapes (smoke runs, e.g. with --device cpu)")
     args = p.parse_args()
-    if args.device == "cuda":
-        require_cuda()  # one line and exit status 2 without a GPU (CPU smoke runs pass --device cpu)
+    cli.exit_unless_device_runs(p, args.device)  # one line and exit status 2 (no GPU: CPU smoke runs pass --device cpu)
+    try:
+        shapes_to_run(args)  # M values it cannot run end it here, before any work
+    except ValueError as err:
+        p.error(f"argument --m: {err}")
     run(args)
 
 

@@ -36,7 +36,8 @@ import traceback
 
 import torch
 
-from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, require_cuda
+from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name
+from moe_quant import cli
 from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
 from moe_quant.moe import MoE
 
@@ -75,23 +76,31 @@ def model_flops(tokens: int, dim: int, hidden: int, experts: int, top_k: int) ->
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", default=None, help=f"comma list of token counts (default {FULL['tokens']})")
-    p.add_argument("--dim", type=int, default=None)
-    p.add_argument("--hidden", type=int, default=None, help="expert hidden size")
-    p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
+    p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=cli.positive_int_list, default=None,
+                   help=f"comma list of token counts (default {FULL['tokens']})")
+    p.add_argument("--dim", type=cli.positive_int, default=None)
+    p.add_argument("--hidden", type=cli.positive_int, default=None, help="expert hidden size")
+    p.add_argument("--experts", type=cli.positive_int, default=None)
+    p.add_argument("--top-k", type=cli.positive_int, default=None)
     p.add_argument("--routing", choices=("balanced", "router"), default="balanced")
-    p.add_argument("--variants", default="bf16,mxfp8", help="comma list of bf16, mxfp8")
+    p.add_argument("--variants", type=cli.comma_choices("bf16", "mxfp8"), default=["bf16", "mxfp8"],
+                   help="comma list of bf16, mxfp8")
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
     p.add_argument("--fullgraph", action="store_true", help="torch.compile(fullgraph=True)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
-    p.add_argument("--json", default="", help="write every measured number to this file")
+    p.add_argument("--json", type=cli.writable_file, default=None, help="write every measured number to this file")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help=f"small sizes {TINY} for smoke runs")
     args = p.parse_args()
-    if args.device == "cuda":
-        require_cuda()  # one line and exit status 2 without a GPU (CPU smoke runs pass --device cpu)
+    cli.exit_unless_device_runs(p, args.device)  # one line and exit status 2 (no GPU: CPU smoke runs pass --device cpu)
+    sizes = TINY if args.tiny else FULL
+    experts, top_k = args.experts or sizes["experts"], args.top_k or sizes["top_k"]
+    if top_k > experts:
+        p.error(f"--top-k ({top_k}) must not exceed --experts ({experts})")
+    dim = args.dim or sizes["dim"]
+    if args.routing == "balanced" and dim < experts:
+        p.error(f"--routing balanced needs dim >= experts, got dim={dim}, experts={experts}")
     run(args)
 
 
@@ -101,11 +110,8 @@ def run(args):
     hidden = args.hidden or sizes["hidden"]
     experts = args.experts or sizes["experts"]
     top_k = args.top_k or sizes["top_k"]
-    token_counts = [int(v) for v in (args.tokens or sizes["tokens"]).split(",") if v.strip()]
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for v in variants:
-        if v not in ("bf16", "mxfp8"):
-            raise SystemExit(f"--variants: unknown {v!r} (bf16, mxfp8)")
+    token_counts = args.tokens or [int(v) for v in sizes["tokens"].split(",")]
+    variants = args.variants
     modes = ["eager"] + ([] if args.no_compile else ["compile"])
     device = torch.device(args.device)
     is_cuda = device.type == "cuda"

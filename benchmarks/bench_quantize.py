@@ -119,42 +119,60 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> dict:
     return out
 
 
-def main():
-    from benchmarks.timing import require_cuda
+def multiple_of_32_list(text: str) -> list[int]:
+    """``type=`` for --k: a comma list of positive multiples of 32 (the quantized dim)."""
+    from moe_quant import cli
 
-    require_cuda()  # one line and exit status 2 without a GPU
-    p = argparse.ArgumentParser()
-    p.add_argument("--m", default="8192,32768,131072")
-    p.add_argument("--k", default="2048,5120,7168")
-    p.add_argument("--groups", type=int, default=8)
+    values = cli.positive_int_list(text)
+    if any(v % 32 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive multiples of 32, got {text!r}")
+    return values
+
+
+def tile_list(text: str) -> list[tuple[int, int]]:
+    """``type=`` for --tiles: ``THREADSxITERS`` pairs of positive integers, comma separated."""
+    tiles = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        parts = item.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"expected THREADSxITERS pairs such as 128x8,512x2, got {text!r}")
+        tiles.append((int(parts[0]), int(parts[1])))
+    return tiles
+
+
+def main():
+    from benchmarks.timing import prog_name, require_cuda
+    from moe_quant import cli
+
+    p = argparse.ArgumentParser(prog=prog_name())
+    p.add_argument("--m", type=cli.positive_int_list, default=[8192, 32768, 131072])
+    p.add_argument("--k", type=multiple_of_32_list, default=[2048, 5120, 7168])
+    p.add_argument("--groups", type=cli.positive_int, default=8)
     p.add_argument("--no-compile-ref", action="store_true")
     p.add_argument("--no-torchao", action="store_true")
-    p.add_argument("--tiles", default="", help="extra tile configs to time, e.g. 128x8,512x2 (threads x iters)")
-    p.add_argument("--kinds", default="mxfp8,fake")
-    p.add_argument("--kernels", default="1x32",
+    p.add_argument("--tiles", type=tile_list, default=[],
+                   help="extra tile configs to time, e.g. 128x8,512x2 (threads x iters)")
+    p.add_argument("--kinds", type=cli.comma_choices("mxfp8", "fake"), default=["mxfp8", "fake"])
+    p.add_argument("--kernels", type=cli.comma_choices("1x32", "32x1", "3d"), default=["1x32"],
                    help="comma list of 1x32, 32x1, 3d (32x1 and 3d: benchmarks.bench_quantize_32x1, with --m as M "
                         "and --k as R)")
     args = p.parse_args()
-    kernels = args.kernels.split(",")
+    require_cuda()  # one line and exit status 2 without a GPU
+    kernels = args.kernels
     if "32x1" in kernels or "3d" in kernels:
         from benchmarks import bench_quantize_32x1 as b32
 
-        b32.run([int(v) for v in args.m.split(",")], [int(v) for v in args.k.split(",")], args.groups,
-                b32.DEFAULT_SHAPES, args.no_torchao, [k for k in kernels if k != "1x32"])
+        b32.run(args.m, args.k, args.groups, b32.DEFAULT_SHAPES, args.no_torchao, [k for k in kernels if k != "1x32"])
     if "1x32" not in kernels:
         return
-    ms = [int(v) for v in args.m.split(",")]
-    ks = [int(v) for v in args.k.split(",")]
+    ms, ks = args.m, args.k
     g = args.groups
-    kinds = args.kinds.split(",")
+    kinds = args.kinds
     print(f"device: {device_name()}  torch {torch.__version__}")
 
     from moe_quant.kernels.config_1x32 import TileConfig, Variant
 
-    extra_tiles = []
-    for t in filter(None, args.tiles.split(",")):
-        th, it = (int(v) for v in t.split("x"))
-        extra_tiles.append(TileConfig(threads=th, iters=it))
+    extra_tiles = [TileConfig(threads=th, iters=it) for th, it in args.tiles]
 
     ref_c = {}
     if not args.no_compile_ref:

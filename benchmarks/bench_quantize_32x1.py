@@ -18,9 +18,9 @@ import argparse
 
 import torch
 
-from benchmarks.bench_quantize import PEER_MODE, _torchao_triton_dim0, group_offsets
-from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, tbps
-from moe_quant import layouts
+from benchmarks.bench_quantize import PEER_MODE, _torchao_triton_dim0, group_offsets, multiple_of_32_list
+from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, prog_name, tbps
+from moe_quant import cli, layouts
 from moe_quant.kernels import ops, ops_32x1
 from moe_quant.numerics import BLOCK_SIZE, ScaleMode
 
@@ -212,21 +212,32 @@ def run(ms, rs, g: int, shapes, no_torchao: bool, kernels=("32x1", "3d")) -> Non
     print_table("host overhead per eager call (us)", ["call", "us"], host_overhead_us())
 
 
+def weight_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``type=`` for --w: ``ExNxK`` weight shapes, comma separated, N and K multiples of 32."""
+    shapes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts) or any(int(p) % 32 for p in parts[1:]):
+            raise argparse.ArgumentTypeError(f"expected ExNxK shapes (N, K multiples of 32) such as 8x2048x7168, got {text!r}")
+        shapes.append(tuple(int(p) for p in parts))
+    if not shapes:
+        raise argparse.ArgumentTypeError(f"expected at least one ExNxK shape, got {text!r}")
+    return shapes
+
+
 def main(argv=None):
     from benchmarks.timing import require_cuda
 
-    require_cuda(argv)  # one line and exit status 2 without a GPU
-    p = argparse.ArgumentParser()
-    p.add_argument("--m", default="8192,32768,131072")
-    p.add_argument("--r", default="2048,5120,7168")
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--w", default=",".join("x".join(map(str, s)) for s in DEFAULT_SHAPES))
-    p.add_argument("--kernels", default="32x1,3d")
+    p = argparse.ArgumentParser(prog=prog_name())
+    p.add_argument("--m", type=cli.positive_int_list, default=[8192, 32768, 131072])
+    p.add_argument("--r", type=multiple_of_32_list, default=[2048, 5120, 7168])
+    p.add_argument("--groups", type=cli.positive_int, default=8)
+    p.add_argument("--w", type=weight_shapes, default=list(DEFAULT_SHAPES))
+    p.add_argument("--kernels", type=cli.comma_choices("32x1", "3d"), default=["32x1", "3d"])
     p.add_argument("--no-torchao", action="store_true")
     args = p.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.w.split(",") if s]
-    run([int(v) for v in args.m.split(",")], [int(v) for v in args.r.split(",")], args.groups, shapes,
-        args.no_torchao, args.kernels.split(","))
+    require_cuda(argv)  # one line and exit status 2 without a GPU
+    run(args.m, args.r, args.groups, args.w, args.no_torchao, args.kernels)
 
 
 if __name__ == "__main__":

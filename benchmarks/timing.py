@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-NO_GPU_EXIT_CODE = 2
+from moe_quant.cli import NO_CUDA_STATUS as NO_GPU_EXIT_CODE
+from moe_quant.cli import no_cuda_message
 
 
 def require_cuda(argv: list[str] | None = None) -> None:
@@ -19,10 +20,14 @@ def require_cuda(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if torch.cuda.is_available() or "-h" in argv or "--help" in argv:
         return
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    prog = f"python -m {spec.name}" if spec is not None and spec.name else os.path.basename(sys.argv[0] or "benchmark")
-    print(f"{prog}: needs a CUDA GPU, and torch {torch.__version__} sees none (no GPU, or a CPU-only build)", file=sys.stderr)
+    print(f"{prog_name()}: {no_cuda_message()}", file=sys.stderr)
     raise SystemExit(NO_GPU_EXIT_CODE)
+
+
+def prog_name() -> str:
+    """How the running benchmark was started: ``python -m benchmarks.NAME`` (or the script's name)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return f"python -m {spec.name}" if spec is not None and spec.name else os.path.basename(sys.argv[0] or "benchmark")
 
 
 def bench_us(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> float:

@@ -55,6 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import validation as v
 from . import weight_cache
+from .func_transforms import enter_mode_pre_hook, exit_mode_hook, under_transforms
 from ._torchao import AOBaseConfig, register_quantize_module_handler
 from .backends import GemmBackend
 from .numerics import BLOCK_SIZE, ScaleMode
@@ -210,19 +211,34 @@ def _written_wrappers(func, args, kwargs) -> list:
 
 
 class _Unwrap(torch.autograd.Function):
-    """The wrapped tensor, differentiably (the gradient flows through unchanged)."""
+    """The wrapped tensor, differentiably (the gradient flows through unchanged). In the
+    ``forward`` + ``setup_context`` form with a ``vmap`` rule, so ``torch.func`` transforms run it."""
 
     @staticmethod
-    def forward(ctx, w):
+    def forward(w):
         return w._data
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
 
     @staticmethod
     def backward(ctx, grad):
         return grad
 
+    @staticmethod
+    def vmap(info, in_dims, w):  # a batched wrapper (vmap over stacked weights): unwrap each level
+        return _Unwrap.apply(w), in_dims[0]
+
+
+def _converted(t):
+    """The MXFP8ExpertWeight ``t`` is, or wraps under ``torch.func`` wrappers; else None."""
+    t = under_transforms(t)
+    return t if isinstance(t, MXFP8ExpertWeight) else None
+
 
 def _plain(t):
-    return _Unwrap.apply(t) if isinstance(t, MXFP8ExpertWeight) else t
+    return _Unwrap.apply(t) if _converted(t) is not None else t
 
 
 class MXFP8ExpertWeight(torch.Tensor):
@@ -460,7 +476,7 @@ def _bind(args, kwargs):
 
 
 def _unsupported_reason(mat_a, mat_b, offs, out_dtype) -> Optional[str]:
-    if isinstance(mat_a, MXFP8ExpertWeight) or not isinstance(mat_b, MXFP8ExpertWeight):
+    if _converted(mat_a) is not None or _converted(mat_b) is None:
         return "the converted weight is not mat_b (the second operand)"
     if mat_a.ndim != 2 or mat_b.ndim != 3:
         return f"{mat_a.ndim}D x {mat_b.ndim}D operands (MXFP8 serves 2D x 3D with offs)"
@@ -499,7 +515,7 @@ def _grouped_mm(func, args, kwargs):
     from .autograd import mxfp8_grouped_mm
 
     mat_a, mat_b, offs, bias, out_dtype = _bind(args, kwargs)
-    weight = mat_b if isinstance(mat_b, MXFP8ExpertWeight) else mat_a
+    weight = _converted(mat_b) if _converted(mat_b) is not None else _converted(mat_a)
     config: MXFP8MoEConfig = weight.config
     n_groups = weight.shape[0] if weight.ndim == 3 else (offs.numel() if offs is not None else 1)
     resolved = out_dtype if out_dtype is not None else (config.out_dtype or mat_a.dtype)
@@ -625,6 +641,8 @@ def convert_parameters(module: nn.Module, config: MXFP8MoEConfig, parameter_name
             if not getattr(mod, "_mxfp8_hooked", False):
                 mod.register_state_dict_post_hook(_state_dict_hook)
                 mod.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+                mod.register_forward_pre_hook(enter_mode_pre_hook)  # torch.func transforms
+                mod.register_forward_hook(exit_mode_hook, always_call=True)
                 mod._mxfp8_hooked = True
             mod._mxfp8_converted = tuple(sorted(set(getattr(mod, "_mxfp8_converted", ())) | set(converted)))
         if converted or reconfigured:

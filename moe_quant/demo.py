@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cli
 from .backends import GemmBackend, resolve_gemm_backend, use_quant_kernels
 from .conversion import MXFP8MoEConfig, fallback_counts
 from .moe import GroupedExperts, TinyMoEModel
@@ -209,25 +210,22 @@ def describe_mxfp8(scale_mode: str, backend: str, device: torch.device) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m moe_quant.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--steps", type=int, default=TaskConfig.steps)
-    p.add_argument("--tokens", type=int, default=TaskConfig.tokens, help="tokens per step")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--steps", type=cli.positive_int, default=TaskConfig.steps)
+    p.add_argument("--tokens", type=cli.positive_int, default=TaskConfig.tokens, help="tokens per step")
     p.add_argument("--seed", type=int, default=TaskConfig.seed)
     p.add_argument("--scale-mode", default="rceil", choices=["rceil", "floor"])
     p.add_argument("--backend", default="auto", choices=["auto", "emulated", "scaled"])
     p.add_argument("--plot", default="loss_curves.png", help="PNG path for the loss curves (default %(default)s)")
     p.add_argument(
         "--threads",
-        type=int,
+        type=cli.non_negative_int,
         default=1,
         help="CPU threads for PyTorch (default 1: this model is too small to gain from more, and "
         "several threads slow it down many times over on a busy machine; 0 keeps PyTorch's default)",
     )
     args = p.parse_args(argv)
-    if args.steps < 1 or args.tokens < 1:
-        p.error("--steps and --tokens must be positive")
-    if args.threads < 0:
-        p.error("--threads must be 0 (PyTorch's default) or positive")
+    device = cli.exit_unless_device_runs(p, args.device)  # one line and exit status 2 (meta, no GPU, ...)
     plot_error = check_plot_path(args.plot)
     if plot_error:
         p.error(plot_error)
@@ -235,10 +233,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     try:
-        device = torch.device(args.device)
-        torch.empty(0, device=device)
         resolve_gemm_backend(args.backend, device)
-    except (RuntimeError, ValueError, AssertionError) as err:
+    except ValueError as err:  # e.g. --backend scaled without an SM100 GPU
         p.error(str(err))
     cfg = TaskConfig(steps=args.steps, tokens=args.tokens, seed=args.seed)
     student, teacher = make_models(cfg, device)

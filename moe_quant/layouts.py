@@ -32,6 +32,16 @@ def round_up(a, b):
     return ceil_div(a, b) * b
 
 
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides, as the kernels read their inputs: ``t.contiguous()``, except that a
+    tensor without elements is copied too. PyTorch counts every zero-element tensor as contiguous,
+    whatever its strides, so ``contiguous()`` keeps e.g. the zero strides of an expanded gradient
+    (``out.sum().backward()`` with M = 0 rows), which the kernels' stride checks reject."""
+    if t.numel() == 0:
+        return t.clone(memory_format=torch.contiguous_format)  # no data: costs nothing
+    return t.contiguous()
+
+
 def blocked_offset(r, c, n_col_tiles):
     """Byte offset of scale ``(r, c)`` inside a blocked matrix with ``n_col_tiles`` tiles per row-tile.
 

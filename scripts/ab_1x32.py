@@ -21,7 +21,7 @@ from mx_strategies import make_values, offsets_from_sizes  # noqa: E402
 
 from benchmarks.bench_quantize import group_offsets, nbytes  # noqa: E402
 from benchmarks.timing import Rotating, bench_us, memcpy_tbps, print_table, require_cuda, tbps  # noqa: E402
-from moe_quant import layouts, reference  # noqa: E402
+from moe_quant import cli, layouts, reference  # noqa: E402
 from moe_quant.kernels import compile_cache, ops  # noqa: E402
 from moe_quant.kernels.config_1x32 import TileConfig, Variant  # noqa: E402
 from moe_quant.numerics import ScaleMode  # noqa: E402
@@ -41,8 +41,8 @@ def check(kern, m, k, sizes):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default="")
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--out", type=cli.writable_file, default=None, help="file for the best config's string")
+    p.add_argument("--reps", type=cli.positive_int, default=2)
     p.add_argument("configs", nargs="*", default=["256x4:pf:leader", "256x4:leader", "256x4:pf", "256x4"])
     a = p.parse_args()
     require_cuda()

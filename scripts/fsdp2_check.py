@@ -52,21 +52,31 @@ import torch.nn.functional as F
 # Runnable as `torchrun ... scripts/fsdp2_check.py` from the repository root without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import require_cuda  # noqa: E402
+from moe_quant import cli  # noqa: E402
 from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts  # noqa: E402
 from moe_quant.moe import GroupedExperts, TinyMoEModel  # noqa: E402
+
+
+def expert_counts(text: str) -> list[int]:
+    """``type=`` for --experts: the model routes top-2, so every count is at least 2."""
+    counts = cli.positive_int_list(text)
+    if min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"expert counts must be at least 2 (top-2 routing), got {text!r}")
+    return counts
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--experts", default="4,3", help="comma-separated expert counts, one case each")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--experts", type=expert_counts, default=[4, 3],
+                   help="comma-separated expert counts, one case each")
+    p.add_argument("--steps", type=cli.positive_int, default=6)
+    p.add_argument("--tokens", type=cli.positive_int, default=256, help="tokens per rank per step")
+    p.add_argument("--dim", type=cli.positive_int, default=64)
+    p.add_argument("--hidden", type=cli.positive_int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--rtol", type=float, default=1e-3, help="max relative difference fsdp vs reference")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (default 1; the model is tiny)")
+    p.add_argument("--threads", type=cli.positive_int, default=1, help="CPU threads per rank (default 1; the model is tiny)")
     p.add_argument("--timeout", type=float, default=240, help="seconds a collective may wait before it fails")
     return p.parse_args()
 
@@ -258,6 +268,9 @@ def main() -> int:
     if "RANK" not in os.environ:
         print("launch with: torchrun --nproc_per_node 2 scripts/fsdp2_check.py [--device cpu|cuda]", file=sys.stderr)
         return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"fsdp2_check.py: --device cuda: {cli.no_cuda_message()}", file=sys.stderr)
+        return cli.NO_CUDA_STATUS
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
@@ -275,7 +288,7 @@ def main() -> int:
     all_ok = True
     finished = False
     try:
-        for e in (int(v) for v in args.experts.split(",")):
+        for e in args.experts:
             r = run_case(e, args, device, rank, world)
             ok = torch.tensor([1.0 if r["ok"] else 0.0], device=device)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)

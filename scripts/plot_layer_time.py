@@ -16,6 +16,10 @@ import json
 import os
 import sys
 
+# Runnable as `python scripts/plot_layer_time.py` from the repository root without installing.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_quant import cli  # noqa: E402
+
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "layer_time.png")
 LINES = (  # impl key in the JSON, legend label, style
     ("bf16", "bf16 torch._grouped_mm", dict(color="black", marker="o")),
@@ -88,7 +92,7 @@ def is_smoke(record: dict) -> bool:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", help="output of bench_grouped_mm --json")
-    p.add_argument("--out", default=None, help=f"PNG to write (default {os.path.relpath(DEFAULT_OUT)})")
+    p.add_argument("--out", type=cli.writable_file, default=None, help=f"PNG to write (default {os.path.relpath(DEFAULT_OUT)})")
     args = p.parse_args(argv)
     try:
         with open(args.json) as fh:

@@ -2,9 +2,11 @@
 layer breakdown, aligned ragged offsets, the MoE benchmark's balanced routing, the layer plot."""
 
 import argparse
+import importlib
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,12 +81,12 @@ def test_ragged_offsets_are_aligned_and_cover_m():
 
 
 def test_shapes_to_run():
-    ns = argparse.Namespace(shapes="dsv3,llama4,dsv3_small", m="", tiny=False)
+    ns = argparse.Namespace(shapes=["dsv3", "llama4", "dsv3_small"], m=None, tiny=False)
     assert bgm.shapes_to_run(ns) == [("dsv3", "dsv3", 131072), ("llama4", "llama4", 131072), ("dsv3_small", "dsv3", 16384)]
-    ns = argparse.Namespace(shapes="dsv3,dsv3_small", m="16384,32768", tiny=False)
+    ns = argparse.Namespace(shapes=["dsv3", "dsv3_small"], m=[16384, 32768], tiny=False)
     assert bgm.shapes_to_run(ns) == [("dsv3 M=16384", "dsv3", 16384), ("dsv3 M=32768", "dsv3", 32768)]
-    with pytest.raises(SystemExit, match="multiple of 32"):
-        bgm.shapes_to_run(argparse.Namespace(shapes="dsv3", m="1000", tiny=False))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        bgm.shapes_to_run(argparse.Namespace(shapes=["dsv3"], m=[1000], tiny=False))
 
 
 @pytest.mark.parametrize("tokens, experts, top_k", [(256, 8, 2), (96, 4, 3), (64, 8, 1)])
@@ -184,7 +186,7 @@ def test_bench_grouped_mm_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(bgm, "torchao_emulated", broken_torchao)
     out = tmp_path / "layer.json"
-    args = argparse.Namespace(shapes="dsv3", m="", compile=False, no_torchao=False, breakdown=True,
+    args = argparse.Namespace(shapes=["dsv3"], m=None, compile=False, no_torchao=False, breakdown=True,
                               breakdown_iters=1, rounds=2, json=str(out), device="cpu", tiny=True)
     bgm.run(args)
     record = json.loads(out.read_text())
@@ -212,8 +214,8 @@ def test_bench_moe_reports_a_failing_compile_and_goes_on(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "compile", failing_compile)
     out = tmp_path / "moe.json"
-    args = argparse.Namespace(tokens="64", dim=64, hidden=32, experts=4, top_k=2, routing="balanced",
-                              variants="bf16,mxfp8", no_compile=False, fullgraph=False, compile_mode=None,
+    args = argparse.Namespace(tokens=[64], dim=64, hidden=32, experts=4, top_k=2, routing="balanced",
+                              variants=["bf16", "mxfp8"], no_compile=False, fullgraph=False, compile_mode=None,
                               json=str(out), device="cpu", tiny=False)
     bench_moe.run(args)
     rows = {(r["model"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
@@ -223,3 +225,67 @@ def test_bench_moe_reports_a_failing_compile_and_goes_on(tmp_path, monkeypatch):
         assert rows[(model, "eager")]["ms"] > 0 and rows[(model, "eager")]["error"] is None
     assert rows[("bf16", "eager")]["tokens_per_expert"] == [32, 32, 32, 32]
     assert rows[("mxfp8", "eager")]["x_bf16_eager"] > 0
+
+
+# ----------------------------------------------------------------------------- command lines
+
+
+def _cli_error(module, argv, monkeypatch, capsys) -> str:
+    """``module.main()`` with ``argv`` ends with exit status 2 before the benchmark starts; its stderr."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *argv])
+    if hasattr(module, "run"):
+        monkeypatch.setattr(module, "run", lambda *a, **k: pytest.fail(f"{argv} started the benchmark"))
+    with pytest.raises(SystemExit) as exc:
+        module.main()
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+CLI_ERRORS = [
+    ("bench_moe", ["--device", "cpu", "--tokens", "abc"], "argument --tokens"),
+    ("bench_moe", ["--device", "cpu", "--tokens", "64,0"], "argument --tokens"),
+    ("bench_moe", ["--device", "cpu", "--experts", "0"], "argument --experts"),
+    ("bench_moe", ["--device", "cpu", "--json", "no_such_dir/moe.json"], "argument --json"),
+    ("bench_moe", ["--device", "cpu", "--variants", "bf16,fp4"], "argument --variants"),
+    ("bench_moe", ["--device", "cpu", "--experts", "2", "--top-k", "3"], "--top-k (3) must not exceed"),
+    ("bench_moe", ["--device", "cpu", "--dim", "4", "--experts", "8"], "dim >= experts"),
+    ("bench_grouped_mm", ["--device", "cpu", "--rounds", "0"], "argument --rounds"),
+    ("bench_grouped_mm", ["--device", "cpu", "--breakdown-iters", "x"], "argument --breakdown-iters"),
+    ("bench_grouped_mm", ["--device", "cpu", "--m", "1000"], "argument --m"),
+    ("bench_grouped_mm", ["--device", "cpu", "--m", "abc"], "argument --m"),
+    ("bench_grouped_mm", ["--device", "cpu", "--shapes", "dsv3,gpt5"], "argument --shapes"),
+    ("bench_grouped_mm", ["--device", "cpu", "--json", "no_such_dir/layer.json"], "argument --json"),
+    ("bench_quantize", ["--m", "0"], "argument --m"),
+    ("bench_quantize", ["--k", "48"], "argument --k"),
+    ("bench_quantize", ["--kernels", "2x2"], "argument --kernels"),
+    ("bench_quantize", ["--kinds", "int4"], "argument --kinds"),
+    ("bench_quantize", ["--tiles", "128"], "argument --tiles"),
+    ("bench_quantize_32x1", ["--r", "33"], "argument --r"),
+    ("bench_quantize_32x1", ["--w", "8x100x64"], "argument --w"),
+    ("bench_quantize_32x1", ["--groups", "0"], "argument --groups"),
+]
+
+
+@pytest.mark.parametrize("bench, argv, message", CLI_ERRORS)
+def test_benchmark_argument_errors_at_parse_time(bench, argv, message, monkeypatch, capsys):
+    module = importlib.import_module(f"benchmarks.{bench}")
+    err = _cli_error(module, argv, monkeypatch, capsys)
+    assert message in err and "Traceback" not in err, err
+
+
+_BAD_DEVICES = ["meta", "garbage"] + ([] if torch.cuda.is_available() else ["cuda:0", "cuda:1"])
+
+
+@pytest.mark.parametrize("bench", ["bench_moe", "bench_grouped_mm"])
+@pytest.mark.parametrize("device", _BAD_DEVICES)
+def test_benchmark_unusable_device_is_one_line(bench, device, monkeypatch, capsys):
+    module = importlib.import_module(f"benchmarks.{bench}")
+    lines = _cli_error(module, ["--device", device], monkeypatch, capsys).strip().splitlines()
+    assert len(lines) == 1 and f"--device {device}" in lines[0].replace("'", ""), lines
+
+
+def test_plot_script_rejects_an_unwritable_out_before_reading(tmp_path, capsys):
+    plot = load_plot_script()
+    with pytest.raises(SystemExit) as exc:
+        plot.main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "no_such_dir" / "layer.png")])
+    assert exc.value.code == 2 and "argument --out" in capsys.readouterr().err

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from repo_subprocess import run_python
 
 from moe_quant import demo
 
@@ -69,12 +70,6 @@ def test_demo_short_run_reports_threads_backend_and_writes_png(tmp_path, capsys)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_rejects_negative_threads(capsys):
-    with pytest.raises(SystemExit) as exc:
-        demo.main(["--threads", "-1"])
-    assert exc.value.code == 2
-
-
 def test_plot_keeps_both_curves_visible_where_they_coincide():
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
@@ -93,3 +88,22 @@ def test_plot_keeps_both_curves_visible_where_they_coincide():
         assert bf16.get_color() != mx.get_color()
     finally:
         plt.close(fig)
+
+
+_UNUSABLE = ["meta", "garbage", "xla"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:0"])
+
+
+@pytest.mark.parametrize("device", _UNUSABLE)
+def test_demo_rejects_an_unusable_device_in_one_line_before_training(device):
+    proc = run_python("-m", "moe_quant.demo", "--device", device, "--steps", "1", "--tokens", "8")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "tiny MoE" not in proc.stdout, "the demo started training"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m moe_quant.demo: --device"), proc.stderr[-3000:]
+    assert device in lines[0]
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--tokens", "abc"], ["--threads", "-1"], ["--steps", "1.5"]])
+def test_demo_rejects_bad_numbers_while_parsing(argv, capsys):
+    err = _demo_error(argv, capsys)
+    assert f"argument {argv[0]}" in err, err

@@ -14,7 +14,7 @@ from moe_quant.autograd import grouped_mm as gm
 from moe_quant.backends import GemmBackend
 from moe_quant.numerics import ScaleMode, dequantize_blocks
 from moe_quant import quantize as q
-from moe_quant import reference
+from moe_quant import layouts, reference
 
 
 def sqnr(x, ref):
@@ -397,3 +397,38 @@ def test_scaled_path_operands_dequantize_to_the_emulated_operands():
     # and the padded layout holds exactly the tokens of each group, zeros between
     assert torch.equal(reference.pad_token_groups(reference.unpad_token_groups(fq_t.t(), offs, m), offs), fq_t.t())
     assert padded_offs.tolist() == torch.tensor([32 * math.ceil(s / 32) for s in sizes]).cumsum(0).tolist()
+
+
+# ----------------------------------------------------------------------------- no tokens (expert parallelism)
+
+
+@pytest.mark.parametrize("offs_values", [[0, 0, 0], [0, 5, 9]])  # a rank with no tokens; offsets past M = 0
+def test_no_tokens_backward_hands_row_major_operands_to_the_quantizers(monkeypatch, offs_values):
+    """M = 0 and ``out.float().sum().backward()``: the gradient is an expanded (stride 0) zero-element
+    tensor, which ``.contiguous()`` keeps as it is (it counts as contiguous) and the kernels reject.
+    Every operand the backward quantizes must have row-major strides."""
+    seen = []
+    for name in ("fake_quantize_rowwise", "fake_quantize_colwise_k_groups"):
+        def spy(x, *args, _orig=getattr(q, name), _name=name, **kwargs):
+            seen.append((_name, tuple(x.shape), x.stride()))
+            return _orig(x, *args, **kwargs)
+
+        monkeypatch.setattr(q, name, spy)
+    A = torch.randn(0, 64, requires_grad=True)
+    W = torch.randn(3, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor(offs_values, dtype=torch.int32)
+    out = mxfp8_grouped_mm(A, W.transpose(-2, -1), offs, validate_offsets=False)
+    grad = torch.ones((), dtype=out.dtype).expand(out.shape)  # what out.float().sum().backward() hands back
+    assert out.shape == (0, 32) and grad.stride() == (0, 0) and grad.is_contiguous()  # the precondition
+    out.float().sum().backward()
+    assert ("fake_quantize_colwise_k_groups", (0, 32), (32, 1)) in seen  # grad_out reached wgrad
+    assert all(stride == torch.empty(shape).stride() for _, shape, stride in seen), seen
+    assert A.grad.shape == (0, 64) and W.grad.shape == (3, 32, 64) and not W.grad.any()
+
+
+def test_row_major_copies_zero_element_tensors_with_degenerate_strides():
+    t = torch.zeros(()).expand(0, 64)
+    assert t.is_contiguous() and t.contiguous().stride() == (0, 0)  # what PyTorch does
+    assert layouts.row_major(t).stride() == (64, 1)
+    x = torch.randn(8, 64)
+    assert layouts.row_major(x) is x and layouts.row_major(x.t()).stride() == (8, 1)

@@ -98,3 +98,31 @@ def test_empty_experts_get_exact_zero_gradient_from_recycled_memory():
             for e, size in enumerate(sizes):
                 if size == 0:
                     assert bool((raw[e] == 0).all()), f"torch._grouped_mm left expert {e} unwritten"
+
+
+@pytest.mark.parametrize("scale_mode", list(ScaleMode))
+@pytest.mark.parametrize("offs_values", [[0, 0, 0, 0], [0, 3, 7, 7]])  # EP rank without tokens; offsets past M
+def test_no_tokens_forward_and_backward(scale_mode, offs_values):
+    """An expert layer that receives no tokens (expert parallelism): M = 0, and the gradient of
+    ``out.float().sum()`` is an expanded zero-element tensor (strides 0) that the 32x1 kernel used to reject."""
+    A = torch.randn(0, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor(offs_values, dtype=torch.int32, device="cuda")
+    out = mxfp8_grouped_mm(A, W.transpose(-2, -1), offs, scale_mode=scale_mode)
+    assert out.shape == (0, 128)
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    assert A.grad.shape == (0, 256)
+    assert W.grad.shape == (4, 128, 256) and not W.grad.any()
+
+
+def test_kernel_ops_take_expanded_zero_element_inputs():
+    from moe_quant.kernels import ops
+
+    x = torch.zeros((), device="cuda", dtype=torch.bfloat16).expand(0, 64)
+    offs = torch.zeros(3, dtype=torch.int32, device="cuda")
+    data, scales, poffs = ops.quantize_32x1_k_groups(x, "rceil", offs)
+    assert data.shape[0] == 64 and poffs.tolist() == [0, 0, 0]
+    d, s = ops.quantize_1x32(x, "rceil", offs, scale_layout="blocked")
+    assert d.shape == (0, 64)
+    torch.cuda.synchronize()

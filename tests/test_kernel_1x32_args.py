@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_quant import layouts
-from moe_quant.kernels import ops
+from moe_quant.kernels import compile_cache, ops
 from moe_quant.numerics import ScaleMode
 
 
@@ -52,3 +52,13 @@ def test_meta_shapes(m, k, g):
     assert tuple(s.shape) == (m, k // 32)
     f = torch.ops.moe_quant.fake_quantize_1x32(x, "rceil", torch.float32)
     assert f.shape == (m, k) and f.dtype == torch.float32
+
+
+def test_kernel_inputs_get_row_major_strides_also_without_elements():
+    """A zero-element tensor counts as contiguous whatever its strides (the argument checks pass it),
+    but the compiled kernels check strides: what they are handed is row-major."""
+    expanded = torch.zeros((), dtype=torch.bfloat16).expand(0, 64)
+    assert expanded.is_contiguous() and expanded.stride() == (0, 0)
+    assert compile_cache.aligned(expanded).stride() == (64, 1)
+    x = torch.randn(4, 64)
+    assert compile_cache.aligned(x) is x

@@ -70,3 +70,25 @@ def test_plot_layer_time_on_a_non_json_file_says_so(tmp_path):
     proc = run_python("scripts/plot_layer_time.py", str(bad), pythonpath=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "is not JSON" in proc.stderr
+
+
+@no_gpu
+@pytest.mark.parametrize("bench", ["bench_grouped_mm", "bench_moe"])
+def test_benchmark_cuda_index_without_gpu_exits_2_with_one_line(bench):
+    proc = run_python("-m", f"benchmarks.{bench}", "--device", "cuda:0")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0], proc.stderr[-3000:]
+    assert lines[0].startswith(f"python -m benchmarks.{bench}: --device cuda:0")
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("ab_1x32.py", ["--reps", "0"], "argument --reps"),
+    ("fsdp2_check.py", ["--experts", "4,1"], "argument --experts"),
+    ("fsdp2_check.py", ["--steps", "abc"], "argument --steps"),
+])
+def test_script_argument_errors_come_first(script, argv, message):
+    """Checked while parsing: before the GPU check (ab_1x32) and before the torchrun check (fsdp2_check)."""
+    proc = run_python(f"scripts/{script}", *argv, pythonpath=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]

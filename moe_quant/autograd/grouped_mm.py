@@ -25,7 +25,7 @@ import torch
 from .. import prequantized as pq
 from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
-from ..layouts import sanitize_offsets
+from ..layouts import row_major, sanitize_offsets
 from ..numerics import ScaleMode
 from ..validation import check_grouped_mm_args
 from ..weight_cache import QuantizedWeightCache
@@ -139,23 +139,69 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         A, W_t, offs = ctx.saved_tensors
-        _, dgrad, wgrad = _GEMMS[ctx.backend]
-        grad_out = grad_out.contiguous()
-        grad_A = grad_W_t = None
-        if _empty_contraction(A, W_t):  # dA (M, K) sums over N = 0 terms; dW_t (E, K, N) is zero or empty
-            grad_A = torch.zeros_like(A) if ctx.needs_input_grad[0] else None
-            grad_W_t = torch.zeros_like(W_t) if ctx.needs_input_grad[1] else None
-            return grad_A, grad_W_t, None, None, None, None, None
-        # wgrad first: its two dequantized operands (the size of A and grad_out) are freed before dA
-        # (the size of A) is allocated, which keeps the backward's peak memory low
-        if ctx.needs_input_grad[1]:
-            dW = wgrad(grad_out, A, offs, ctx.mode)
-            if not (ctx.backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
-                dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
-            grad_W_t = dW.to(W_t.dtype).transpose(-2, -1)
-        if ctx.needs_input_grad[0]:
-            grad_A = dgrad(grad_out, W_t, offs, ctx.mode, ctx.weight_cache).to(A.dtype)
+        with torch.no_grad():  # gradients of quantized operands: first order only, see _first_order_only
+            grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
+        grad_A, grad_W_t = _first_order_only((grad_A, grad_W_t), (grad_out, A, W_t))
         return grad_A, grad_W_t, None, None, None, None, None
+
+
+def _input_grads(ctx, grad_out, A, W_t, offs):
+    """``(dA, dW_t)`` (each ``None`` where not needed): dgrad and wgrad of quantized operands."""
+    _, dgrad, wgrad = _GEMMS[ctx.backend]
+    grad_out = row_major(grad_out)  # an expanded (stride 0) gradient stays one with M = 0 under .contiguous()
+    grad_A = grad_W_t = None
+    if _empty_contraction(A, W_t):  # dA (M, K) sums over N = 0 terms; dW_t (E, K, N) is zero or empty
+        grad_A = torch.zeros_like(A) if ctx.needs_input_grad[0] else None
+        grad_W_t = torch.zeros_like(W_t) if ctx.needs_input_grad[1] else None
+        return grad_A, grad_W_t
+    # wgrad first: its two dequantized operands (the size of A and grad_out) are freed before dA
+    # (the size of A) is allocated, which keeps the backward's peak memory low
+    if ctx.needs_input_grad[1]:
+        dW = wgrad(grad_out, A, offs, ctx.mode)
+        if not (ctx.backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
+            dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
+        grad_W_t = dW.to(W_t.dtype).transpose(-2, -1)
+    if ctx.needs_input_grad[0]:
+        grad_A = dgrad(grad_out, W_t, offs, ctx.mode, ctx.weight_cache).to(A.dtype)
+    return grad_A, grad_W_t
+
+
+DOUBLE_BACKWARD_ERROR = (
+    "mxfp8_grouped_mm (MXFP8 grouped GEMM) does not support double backward: its gradients come from "
+    "MXFP8-quantized operands, and differentiating them again (create_graph=True followed by a backward "
+    "through them: Hessian-vector products, gradient penalties, torch.func.hessian / grad of grad) would "
+    "differentiate the unscaled fp8 cast, which is wrong. Take second-order gradients only through the "
+    "rest of the model, or run these experts unconverted."
+)
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """``(dA, dW_t)`` unchanged, attached to the tensors they were computed from; differentiating
+    them raises :data:`DOUBLE_BACKWARD_ERROR`."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad_A, grad_W_t, grad_out, A, W_t):
+        return tuple(None if g is None else g.view_as(g) for g in (grad_A, grad_W_t))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+def _first_order_only(grads, inputs):
+    """``grads`` as they are, unless backward records a graph (``create_graph=True``) that could reach
+    back through them: then the same values with a ``grad_fn`` that raises :data:`DOUBLE_BACKWARD_ERROR`
+    and whose edges lead to ``inputs`` (``grad_out``, ``A``, ``W_t``), so that a second-order gradient
+    with respect to anything upstream reaches it. First-order use of the gradients is unchanged."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
+        return grads
+    return _NotDifferentiable.apply(*grads, *inputs)
 
 
 def mxfp8_grouped_mm(
@@ -219,4 +265,4 @@ def mxfp8_grouped_mm(
         weight_cache.check_serves(W_t)
     if torch.compiler.is_compiling():
         weight_cache = None  # a compiled graph holds no Python-side state
-    return _MXFP8GroupedMM.apply(A.contiguous(), W_t, offs, mode, out_dtype, gemm, weight_cache)
+    return _MXFP8GroupedMM.apply(row_major(A), W_t, offs, mode, out_dtype, gemm, weight_cache)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .. import layouts
 from ..backends import device_capability, importable
 
 # Tests set this to fill every output with 0xFF bytes before the launch, so that a byte the
@@ -251,7 +252,9 @@ def via_dispatcher(t: torch.Tensor) -> bool:
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when 16-byte aligned, else an aligned copy (the kernels load 16-byte vectors)."""
+    """``t`` as a kernel reads it: row-major strides (also with no elements, see ``layouts.row_major``) and
+    16-byte aligned (the kernels load 16-byte vectors): ``t`` itself where it already is, else a copy."""
+    t = layouts.row_major(t)
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
