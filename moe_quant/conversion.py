@@ -523,7 +523,7 @@ def _grouped_mm(func, args, kwargs):
         v.check_bias(bias, mat_b.shape[-1], n_groups)
     reason = _unsupported_reason(mat_a, mat_b, offs, resolved)
     if reason is None:
-        cache = mat_b._weight_cache if config.cache_quantized_weights else None
+        cache = weight._weight_cache if config.cache_quantized_weights else None
         out = mxfp8_grouped_mm(  # fp32 master weights are read as bf16
             mat_a, _plain(mat_b), offs, scale_mode=config.scale_mode, out_dtype=resolved, backend=config.backend,
             weight_cache=cache,

@@ -26,8 +26,8 @@ keeps the quantized operands of one weight and hands one back only while it is p
 Cost: the cached operands stay allocated between uses -- for the emulated GEMM two dequantized bf16
 copies of the weight (along K and along N), for the scaled GEMM two fp8 copies plus scales. Stale
 entries are dropped at the next use, :meth:`clear` drops all. Under ``torch.compile`` and
-``inference_mode`` the cache is bypassed (every call quantizes), so a compiled graph never captures a
-stale value.
+``inference_mode`` and inside ``torch.func`` transforms the cache is bypassed (every call quantizes), so
+a compiled graph never captures a stale value and a transform's wrapped tensors never outlive it.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class QuantizedWeightCache:
     def check_serves(self, operand: torch.Tensor, name: str = "W_t") -> None:
         """Raise ``ValueError`` unless ``operand`` is (a view of) this cache's weight."""
         src = self._source()
-        if src is None:  # its weight is gone: nothing can be served (get() computes)
-            return
+        if src is None or torch._C._are_functorch_transforms_active():
+            return  # its weight is gone, or under torch.func: nothing is served (get() computes)
         if _storage_ptr(src) != _storage_ptr(operand) or src.device != operand.device:
             raise ValueError(
                 f"weight_cache belongs to another weight: {name} must be (a view of) the tensor the cache was "
@@ -86,8 +86,8 @@ class QuantizedWeightCache:
     def get(self, operand: torch.Tensor, kind: tuple, compute: Callable[[], object]):
         """``compute()``'s result for quantizing ``operand`` (a view of the weight) as ``kind``, reused
         while the weight is unchanged."""
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-            return compute()  # compiled or inference: no state
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or torch._C._are_functorch_transforms_active():
+            return compute()  # compiled, inference or under torch.func: no state (a transform's tensors must not escape it)
         key = (kind, operand.storage_offset(), tuple(operand.shape), operand.stride(), operand.dtype)
         with self._lock:
             tag = self._tag(operand)

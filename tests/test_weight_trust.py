@@ -330,6 +330,22 @@ def test_requantize_frees_the_cached_operands(new_cfg):
     assert torch.equal(bits(m(x, COUNTS)), bits(ref(x, COUNTS)))
 
 
+def test_torch_func_bypasses_the_cache():
+    m, ref = experts(True), experts(False)
+    x = tokens()
+    params = dict(m.named_parameters())
+
+    def loss(p):
+        return torch.func.functional_call(m, p, (x, COUNTS)).float().pow(2).mean()
+
+    g = torch.func.grad(loss)(params)
+    assert all(len(c) == 0 for c in caches(m))  # nothing computed under the transform was kept
+    assert torch.equal(bits(m(x, COUNTS)), bits(ref(x, COUNTS)))
+    ref(x, COUNTS).float().pow(2).mean().backward()
+    for n, p in ref.named_parameters():  # the transform's elementwise bf16 roundings may differ by an ulp
+        torch.testing.assert_close(g[n], p.grad, rtol=0.05, atol=1e-7)
+
+
 def test_stale_entries_are_dropped_at_the_next_use():
     m = experts(True)
     x = tokens()

@@ -263,6 +263,8 @@ def mxfp8_grouped_mm(
         if not isinstance(weight_cache, QuantizedWeightCache):
             raise TypeError(f"weight_cache must be a QuantizedWeightCache or None, got {type(weight_cache).__name__}")
         weight_cache.check_serves(W_t)
-    if torch.compiler.is_compiling():
-        weight_cache = None  # a compiled graph holds no Python-side state
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        # a compiled graph holds no Python-side state; a torch.func transform's tensors must not outlive it
+        # (decided here: inside the autograd function the transform's levels are already peeled off)
+        weight_cache = None
     return _MXFP8GroupedMM.apply(row_major(A), W_t, offs, mode, out_dtype, gemm, weight_cache)
