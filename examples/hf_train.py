@@ -133,7 +133,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the step time")
     p.add_argument("--every", type=int, default=0, help="print the loss every N steps (default: about 5 rows)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (0 = PyTorch's default)")
     args = p.parse_args(argv)

@@ -6,6 +6,7 @@ import copy
 import gc
 import io
 import pickle
+import types
 import weakref
 from multiprocessing.reduction import ForkingPickler
 
@@ -180,23 +181,20 @@ def test_cache_key_is_the_exact_view():
 
 
 def test_two_weights_viewing_one_buffer_get_their_own_operands():
-    torch.manual_seed(4)
-    buf = torch.randn(8, 96, 64).bfloat16() / 8
-    m1 = GroupedExperts(64, 96, 4).bfloat16()
-    m2 = GroupedExperts(64, 96, 4).bfloat16()
-    m1.w1, m2.w1 = nn.Parameter(buf[:4]), nn.Parameter(buf[4:])
-    cfg = MXFP8MoEConfig(cache_quantized_weights=True)
-    for m in (m1, m2):
-        quantize_(m, cfg, filter_fn=lambda mod, fqn: True)
-    x = tokens()
-    outs = [m(x, COUNTS) for m in (m1, m2)]
-    for m, out in zip((m1, m2), outs):
-        assert torch.equal(bits(m(x, COUNTS)), bits(out))
-        ref = GroupedExperts(64, 96, 4).bfloat16()
-        ref.load_state_dict(m.state_dict())
-        quantize_(ref, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: True)
-        assert torch.equal(bits(out), bits(ref(x, COUNTS)))
-    assert not torch.equal(outs[0], outs[1])
+    """Two expert blocks whose weights are views of one converted buffer (e.g. local slices of a stacked
+    weight): each view's GEMM gets its own operands, through the one cache they share."""
+    m = experts(True)
+    W = m.w1  # (4, 96, 64)
+    x = tokens()[:48]
+    offs = torch.tensor([20, 48], dtype=torch.int32)
+    halves = [W[:2], W[2:]]
+    assert not torch.equal(halves[0].detach(), halves[1].detach())  # precondition: the views differ
+    for _ in range(2):  # the second round from the cache
+        for h in halves:
+            got = torch._grouped_mm(x, h.transpose(-2, -1), offs=offs)
+            ref = mxfp8_grouped_mm(x, h.detach()._data.transpose(-2, -1), offs)
+            assert torch.equal(bits(got), bits(ref))
+    assert W._weight_cache.hits == 2
 
 
 def test_a_cache_of_another_weight_is_refused():
@@ -305,16 +303,33 @@ def test_tie_survives_when_the_swap_is_refused():
 # ----------------------------------------------------------------------------- memory, processes
 
 
+def _tensors_reachable_from(root) -> list:
+    seen, stack, found = set(), [root], []
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (type, weakref.ReferenceType, types.ModuleType, types.FunctionType,
+                                           types.MethodType, types.BuiltinFunctionType)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        stack.extend(gc.get_referents(o))
+    return found
+
+
 @pytest.mark.parametrize("convert", ["float", "to_dtype", "to_empty"])
 def test_conversions_do_not_keep_the_old_tensor_alive(convert):
     m = experts(True)
     m(tokens(), COUNTS)
-    old = weakref.ref(m.w1._data)
+    old = m.w1._data.untyped_storage()  # held here, so its address cannot be reused meanwhile
+    assert any(t.untyped_storage().data_ptr() == old.data_ptr() for t in _tensors_reachable_from(m) if
+               not isinstance(t, MXFP8ExpertWeight))  # precondition: the search finds the weight's storage
     {"float": lambda: m.float(), "to_dtype": lambda: m.to(torch.float32),
      "to_empty": lambda: m.to_empty(device="cpu")}[convert]()
-    gc.collect()
     assert isinstance(m.w1, MXFP8ExpertWeight) and m.w1.dtype == (torch.bfloat16 if convert == "to_empty" else torch.float32)
-    assert old() is None
+    held = [t for t in _tensors_reachable_from(m) if not isinstance(t, MXFP8ExpertWeight)
+            and t.untyped_storage().data_ptr() == old.data_ptr()]
+    assert not held, "the converted model still holds the pre-conversion tensor"
 
 
 @pytest.mark.parametrize("new_cfg", [dict(cache_quantized_weights=False), dict(cache_quantized_weights=True, scale_mode="floor")])
