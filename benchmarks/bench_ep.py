@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_moe import balanced_routing_
-from benchmarks.timing import device_name, print_table, require_cuda
+from benchmarks.timing import device_name, peak_memory_bytes, print_table, require_cuda
 from moe_quant.ep import WireLog, mxfp8_row_bytes
 from moe_quant.ep.wire import all_to_all_rows
 from moe_quant.moe import EPMoE, MoE
@@ -74,17 +74,6 @@ def _time_ms(fn, device, iters: int) -> float:
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
-
-
-def _peak_mib(fn, device):
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 def _convert(model, mode="rceil"):
@@ -152,7 +141,8 @@ def run(args) -> None:
                 p.grad = None
 
         ms = _time_ms(step, device, args.iters)
-        peak = _peak_mib(step, device)
+        peak = peak_memory_bytes(step, device)
+        peak = None if peak is None else peak / 2**20  # MiB
         rows3.append([label, f"{ms:.2f}", f"{t / ms * 1e3:,.0f}", "" if peak is None else f"{peak:,.0f}"])
         out_rows.append((label, ms))
         del model

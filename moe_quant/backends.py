@@ -10,29 +10,20 @@ Two independent choices:
 
 from __future__ import annotations
 
-import enum
 import functools
 import importlib
 import os
 
 import torch
 
+from .choices import Choice
 
-class GemmBackend(str, enum.Enum):
+
+class GemmBackend(Choice):
     AUTO = "auto"
     EMULATED = "emulated"
     SCALED = "scaled"
-
-    @classmethod
-    def parse(cls, value: "GemmBackend | str", argname: str = "backend") -> "GemmBackend":
-        if isinstance(value, GemmBackend):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        raise ValueError(f"{argname} must be one of {[b.value for b in cls]}, got {value!r}")
+    __argname__ = "backend"
 
 
 @functools.lru_cache(maxsize=None)

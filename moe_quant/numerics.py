@@ -8,9 +8,10 @@ A scale is an e8m0 byte ``s`` meaning ``2**(s - 127)``; 255 is NaN. One scale co
 
 from __future__ import annotations
 
-import enum
 
 import torch
+
+from .choices import Choice
 
 BLOCK_SIZE = 32
 E4M3_MAX = 448.0
@@ -24,22 +25,12 @@ _F32_MANT_MASK = 0x7FFFFF
 _F32_HALF_SUBNORMAL = 0x400000  # mantissa bits of 2**-127 in an fp32 subnormal
 
 
-class ScaleMode(str, enum.Enum):
+class ScaleMode(Choice):
     """How a block's e8m0 scale is derived from its amax."""
 
     RCEIL = "rceil"  # round amax/448 up to a power of two (Blackwell cvt.rp.satfinite.ue8m0)
     FLOOR = "floor"  # floor(log2(amax)) - 8; the element cast saturates to +-448
-
-    @classmethod
-    def parse(cls, value: "ScaleMode | str", argname: str = "scale_mode") -> "ScaleMode":
-        if isinstance(value, ScaleMode):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        raise ValueError(f"{argname} must be one of {[m.value for m in cls]}, got {value!r}")
+    __argname__ = "scale_mode"
 
 
 def e8m0_from_amax(amax: torch.Tensor, mode: ScaleMode) -> torch.Tensor:

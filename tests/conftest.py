@@ -24,3 +24,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _clean_fallback_counts():
+    """Every test starts and ends with no counted fallbacks (``moe_quant.fallback_counts()``)."""
+    from moe_quant import reset_fallback_counts
+
+    reset_fallback_counts()
+    yield
+    reset_fallback_counts()

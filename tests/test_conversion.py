@@ -20,7 +20,6 @@ from moe_quant.conversion import (
     MXFP8MoEConfig,
     convert_parameters,
     fallback_counts,
-    reset_fallback_counts,
     unwrap_parameters,
 )
 from moe_quant.moe import GroupedExperts, MoE, TinyMoEModel
@@ -51,11 +50,8 @@ def operands(m=M, k=K, dtype=torch.bfloat16):
 
 
 @pytest.fixture(autouse=True)
-def _clean_counts():
-    reset_fallback_counts()
+def _clean_warnings():
     conversion._WARNED_NOTHING_CONVERTED.clear()  # "nothing converted" warns once per class and process
-    yield
-    reset_fallback_counts()
 
 
 # ----------------------------------------------------------------------------- config

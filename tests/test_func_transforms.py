@@ -7,17 +7,10 @@ import torch
 from torchao.quantization import quantize_
 
 from moe_quant import conversion
-from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
+from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts
 from moe_quant.moe import MoE
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 64, 96, 4, 2, 24
-
-
-@pytest.fixture(autouse=True)
-def _clean_counts():
-    reset_fallback_counts()
-    yield
-    reset_fallback_counts()
 
 
 def _models():

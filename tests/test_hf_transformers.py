@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from torchao.quantization import quantize_  # noqa: E402
 
 from examples.hf_train import EXPERTS_FILTER, FAMILIES, build_config, build_model, parse_args  # noqa: E402
-from moe_quant import MXFP8MoEConfig, fallback_counts, reset_fallback_counts  # noqa: E402
+from moe_quant import MXFP8MoEConfig, fallback_counts  # noqa: E402
 from moe_quant.autograd import grouped_mm as gm  # noqa: E402
 from moe_quant.conversion import MXFP8ExpertWeight  # noqa: E402
 from repo_subprocess import run_python  # noqa: E402
@@ -46,13 +46,6 @@ def loss_of(model, seed=SEED):
 def convert(model):
     quantize_(model, MXFP8MoEConfig(), filter_fn=EXPERTS_FILTER)
     return model
-
-
-@pytest.fixture(autouse=True)
-def _clean_counts():
-    reset_fallback_counts()
-    yield
-    reset_fallback_counts()
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from torchao.quantization import quantize_
 
 import moe_quant.autograd
 from moe_quant import MXFP8MoEConfig, mxfp8_grouped_mm
-from moe_quant.conversion import MXFP8ExpertWeight, fallback_counts, reset_fallback_counts
+from moe_quant.conversion import MXFP8ExpertWeight, fallback_counts
 
 
 def _load_example():
@@ -38,13 +38,6 @@ except ImportError as exc:  # not installed, or a dependency of it (e.g. triton)
 
 TITAN_PATH = Path(torchtitan.__file__).resolve().parents[1]
 ISINSTANCE = lambda mod, fqn: isinstance(mod, GroupedExperts)  # noqa: E731
-
-
-@pytest.fixture(autouse=True)
-def _clean_counts():
-    reset_fallback_counts()
-    yield
-    reset_fallback_counts()
 
 
 @pytest.fixture

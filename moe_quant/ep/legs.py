@@ -22,12 +22,12 @@ Host synchronization: one, in :func:`plan_route` (the split sizes ``all_to_all_s
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import torch
 import torch.distributed as dist
 
 from .. import backends
+from ..choices import Choice
 from .. import prequantized as pq
 from .. import quantize as q
 from ..numerics import ScaleMode, dequantize_blocks
@@ -35,20 +35,10 @@ from . import permute
 from .wire import all_to_all_rows, pack_mxfp8, unpack_mxfp8
 
 
-class Wire(str, enum.Enum):
+class Wire(Choice):
     MXFP8 = "mxfp8"  # dispatch forward and combine backward in MXFP8
     BF16 = "bf16"  # every leg in the tensors' own dtype
-
-    @classmethod
-    def parse(cls, value, argname: str = "wire") -> "Wire":
-        if isinstance(value, Wire):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        raise ValueError(f"{argname} must be one of {[w.value for w in cls]}, got {value!r}")
+    __argname__ = "wire"
 
 
 # problem bits a rank reports with its counts, so that every rank raises instead of some hanging

@@ -341,6 +341,35 @@ def zero_scale_tile_padding(scales, p0: Int32, nc: Int32, buf_rows: Int32, in_gr
                 st_global_u32(base + wi * 4, 0)
 
 
+@cute.jit
+def upper_bound(t, n: Int32, key: Int32) -> Int32:
+    """Smallest i in [0, n) with ``t[i] > key`` (binary search of a non-decreasing table, e.g. group ends);
+    the caller guarantees ``t[n-1] > key``."""
+    lo = Int32(0)
+    hi = n - 1
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if Int32(t[mid]) > key:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@cute.jit
+def store_blocked_scale(scales, r: Int32, c: Int32, kb: Int32, nc: Int32, s: Int32):
+    """Scale byte ``s`` of buffer row ``r``, column ``c`` into a blocked scale buffer (``nc`` column tiles,
+    ``kb`` real columns); the row's last real scale also zeroes its pad columns ``[kb, 4 nc)``, which live
+    in the same 4-byte word."""
+    sp = scales.iterator
+    dest = blocked_offset(r, c, nc)
+    st_global_u8(sp + dest, s)
+    if c == kb - 1:
+        for j in cutlass.range_constexpr(1, 4):
+            if c + j < nc * 4:
+                st_global_u8(sp + (dest + j), 0)
+
+
 def canonical_nan_words(words, f32: bool) -> list:
     """Output words of a dequantization with every NaN element replaced by the canonical positive NaN
     (bf16 0x7FC0, fp32 0x7FC00000), as :func:`moe_quant.numerics.dequantize_blocks` writes it: a NaN e4m3

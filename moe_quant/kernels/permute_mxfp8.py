@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..layouts import TILE_ROWS, blocked_offset
+from ..layouts import TILE_ROWS
 from ..numerics import BLOCK_SIZE, E8M0_NAN
 from . import cute_utils as cu
 from .config_permute import CHUNK, ITERS, MAX_BLOCKS, THREADS, Variant, all_variants  # noqa: F401
@@ -178,19 +178,6 @@ class PermuteMxfp8Kernel:
             cute.arch.sync_threads()
 
     @cute.jit
-    def search(self, t, n: Int32, key: Int32) -> Int32:
-        """Smallest i in [0, n) with ``t[i] > key``; the caller guarantees ``t[n-1] > key``."""
-        lo = Int32(0)
-        hi = n - 1
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if Int32(t[mid]) > key:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    @cute.jit
     def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32,
                  g_end, g_shift, g_pend):
         """Zero the bytes of scale-buffer row tile ``p0 / 128`` that hold no real scale."""
@@ -198,7 +185,7 @@ class PermuteMxfp8Kernel:
         in_group = Int32(0)
         if n_experts > 0:
             if p0 < Int32(g_pend[n_experts - 1]):
-                j = self.search(g_pend, n_experts, p0)
+                j = cu.upper_bound(g_pend, n_experts, p0)
                 nreal = cutlass.min(cutlass.max(Int32(g_end[j]) - (p0 - Int32(g_shift[j])), Int32(0)),
                                     Int32(TILE_ROWS))
                 in_group = Int32(1)
@@ -239,7 +226,7 @@ class PermuteMxfp8Kernel:
             if ch < n_chunks:
                 if t < total:
                     valid = Int32(1)
-                    i = self.search(t_dend, n_blocks, t)
+                    i = cu.upper_bound(t_dend, n_blocks, t)
                     src = t + Int32(t_shift[i])
                     if cutlass.const_expr(self.blocked):
                         brow = t + Int32(g_shift[i // n_ranks])
@@ -280,18 +267,7 @@ class PermuteMxfp8Kernel:
                             cu.st_global_u8(out_scales.iterator + (Int64(rows[u]) * Int64(kb) + Int64(c)), s)
                         else:
                             if ok:
-                                self.store_blocked_scale(out_scales, brows[u], c, kb, nc, s)
-
-    @cute.jit
-    def store_blocked_scale(self, out_scales, r: Int32, c: Int32, kb: Int32, nc: Int32, s: Int32):
-        """Scale byte of buffer row ``r``, column ``c``; the row's last scale also zeroes the pad columns."""
-        sp = out_scales.iterator
-        dest = blocked_offset(r, c, nc)
-        cu.st_global_u8(sp + dest, s)
-        if c == kb - 1:
-            for j in cutlass.range_constexpr(1, 4):
-                if c + j < nc * 4:
-                    cu.st_global_u8(sp + (dest + j), 0)
+                                cu.store_blocked_scale(out_scales, brows[u], c, kb, nc, s)
 
 
 def make_fake_args(variant: Variant, tvm_ffi: bool):

@@ -32,7 +32,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..layouts import TILE_ROWS, blocked_offset
+from ..layouts import TILE_ROWS
 from ..numerics import BLOCK_SIZE
 from . import cute_utils as cu
 from .config_1x32 import (  # noqa: F401  (re-exported: the kernel's config dataclasses)
@@ -183,19 +183,6 @@ class Quantize1x32Kernel:
         return carry_end, carry_pend
 
     @cute.jit
-    def search(self, t, n: Int32, key: Int32) -> Int32:
-        """Smallest i in [0, n) with ``t[i] > key``; the caller guarantees ``t[n-1] > key``."""
-        lo = Int32(0)
-        hi = n - 1
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if Int32(t[mid]) > key:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    @cute.jit
     def pad_tile(self, scales, offs, m: Int32, nc: Int32, tile: Int32, n_groups: Int32, buf_rows: Int32,
                  tid: Int32, t_end, t_shift, t_pend):
         """Zero the bytes of scale-buffer row tile ``tile`` that hold no real scale."""
@@ -221,7 +208,7 @@ class Quantize1x32Kernel:
                 )
                 if in_group == 0:
                     if p0 < Int32(t_pend[n - 1]):
-                        j = self.search(t_pend, n, p0)
+                        j = cu.upper_bound(t_pend, n, p0)
                         nreal = cutlass.min(cutlass.max(Int32(t_end[j]) - (p0 - Int32(t_shift[j])), Int32(0)),
                                             Int32(TILE_ROWS))
                         in_group = Int32(1)
@@ -286,7 +273,7 @@ class Quantize1x32Kernel:
                     for u in cutlass.range_constexpr(iters):
                         if found[u] == 0:
                             if rows[u] < last_end:
-                                j = self.search(t_end, n, rows[u])
+                                j = cu.upper_bound(t_end, n, rows[u])
                                 shift[u] = Int32(t_shift[j])
                                 found[u] = Int32(1)
                 cute.arch.sync_threads()
@@ -315,13 +302,13 @@ class Quantize1x32Kernel:
                     if lane % LANES_PER_BLOCK == 0:
                         if cutlass.const_expr(self.kind == "mgroups"):
                             if found[u] != 0:
-                                self.store_blocked_scale(scales, rows[u] + shift[u], cols[u], kb, nc, s)
+                                cu.store_blocked_scale(scales, rows[u] + shift[u], cols[u], kb, nc, s)
                         else:
                             rw, cl = self.row_col(base, u, tid, kb)
                             if cutlass.const_expr(self.kind == "plain"):
                                 cu.st_global_u8(scales.iterator + (Int64(rw) * Int64(kb) + Int64(cl)), s)
                             else:
-                                self.store_blocked_scale(scales, rw, cl, kb, nc, s)
+                                cu.store_blocked_scale(scales, rw, cl, kb, nc, s)
 
     @cute.jit
     def row_col(self, base: Int64, u: cutlass.Constexpr, tid: Int32, kb: Int32):
@@ -332,18 +319,6 @@ class Quantize1x32Kernel:
         t = c0 + (u * self.threads + tid) // LANES_PER_BLOCK
         dr = t // kb
         return r0 + dr, t - dr * kb
-
-    @cute.jit
-    def store_blocked_scale(self, scales, r: Int32, c: Int32, kb: Int32, nc: Int32, s: Int32):
-        """Scale byte of buffer row ``r``, column ``c``; the row's last scale also zeroes the pad columns."""
-        sp = scales.iterator
-        dest = blocked_offset(r, c, nc)
-        cu.st_global_u8(sp + dest, s)
-        if c == kb - 1:
-            # pad columns [kb, 4 nc) of this row live in the same 4-byte word
-            for j in cutlass.range_constexpr(1, 4):
-                if c + j < nc * 4:
-                    cu.st_global_u8(sp + (dest + j), 0)
 
 
 def make_fake_args(variant: Variant, tvm_ffi: bool):
