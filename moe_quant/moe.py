@@ -78,7 +78,17 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
 
 
-class MoE(nn.Module):
+class _RoutedBlock(nn.Module):
+    """``(..., dim) -> (..., dim)``: the router, then ``forward_routed`` for its routing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        top_scores, selected, counts = self.router(x)
+        return self.forward_routed(x, top_scores, selected, counts).reshape(shape)
+
+
+class MoE(_RoutedBlock):
     """Router + permutation + grouped experts + un-permutation; ``(..., dim) -> (..., dim)``."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, route_norm: bool = False):
@@ -86,12 +96,6 @@ class MoE(nn.Module):
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, route_norm)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.top_k = top_k
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        top_scores, selected, counts = self.router(x)
-        return self.forward_routed(x, top_scores, selected, counts).reshape(shape)
 
     def forward_routed(self, x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E) -> torch.Tensor:
         """The block after the router, for a given routing: ``(T, D) -> (T, D)``."""
@@ -102,7 +106,7 @@ class MoE(nn.Module):
         return unsort_tokens(routed_out, scores_sorted, token_idx, x_TD)
 
 
-class EPMoE(nn.Module):
+class EPMoE(_RoutedBlock):
     """:class:`MoE` with its experts sharded over an expert-parallel process group.
 
     Every rank holds the router (replicated) and ``num_experts / world`` experts: rank r the experts
@@ -137,12 +141,6 @@ class EPMoE(nn.Module):
             for name in ("w1", "w2", "w3"):
                 getattr(ep.experts, name).copy_(getattr(moe.experts, name)[rank * n:(rank + 1) * n])
         return ep
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        top_scores, selected, counts = self.router(x)
-        return self.forward_routed(x, top_scores, selected, counts).reshape(shape)
 
     def forward_routed(self, x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E) -> torch.Tensor:
         """The block after the router, for this rank's tokens and their routing (global expert ids)."""

@@ -309,6 +309,20 @@ def sanitized_group_ends(raw, m, lane, carry_end):
     return e, prev
 
 
+def m_groups_table_step(raw, m, lane, carry_end, carry_pend):
+    """One warp-wide step of the M-groups (blocked scales) group table, 32 groups at a time.
+
+    On :func:`sanitized_group_ends`, plus each group padded to a multiple of 128 rows: returns
+    ``(end, shift, pend, carry_end, carry_pend)`` -- the sanitized end, the row shift ``P_g - start_g``
+    of the group's rows in the padded buffer, the padded end ``P_{g+1}``, and the carries for the next
+    32 groups (lane 31's end and padded end)."""
+    e, prev = sanitized_group_ends(raw, m, lane, carry_end)
+    pad = round_up_tile_rows(e - prev)
+    pend = carry_pend + warp_inclusive_sum(pad, lane)
+    return (e, pend - pad - prev, pend, cute.arch.shuffle_sync(e, offset=31),
+            cute.arch.shuffle_sync(pend, offset=31))
+
+
 def round_up_tile_rows(n) -> Int32:
     """``round_up(n, 128)`` for non-negative Int32 ``n`` (the M-groups per-group padding)."""
     return (Int32(n) + (TILE_ROWS - 1)) & Int32(-TILE_ROWS)

@@ -7,7 +7,7 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
   launch): counts clamped to ``[0, M]`` and summed r-major with a saturating add (the running total
   clamped to M, no int32 overflow whatever the counts), giving each (r, e) block's source start and
   size; then an expert-major scan giving each block's destination end and row shift ``src - dst``;
-  for ``blocked``, the experts' padded starts ``P_e`` (:func:`cute_utils.sanitized_group_ends`,
+  for ``blocked``, the experts' padded starts ``P_e`` (:func:`cute_utils.m_groups_table_step`,
   the same definition as ``layouts.group_bounds``). CTA 0 writes ``offs``.
 * Data: the output is a flat array of 16-byte fp8 chunks (half a 32-element block); a CTA owns
   ``ITERS * THREADS`` consecutive chunks, binary-searches the destination row of each in the table, then
@@ -166,15 +166,12 @@ class PermuteMxfp8Kernel:
                     if e < n_experts:
                         if n_ranks > 0:
                             raw = Int32(t_dend[e * n_ranks + n_ranks - 1])
-                    ge, prev = cu.sanitized_group_ends(raw, m, lane, carry_end)
-                    pad = cu.round_up_tile_rows(ge - prev)
-                    pend = carry_pend + cu.warp_inclusive_sum(pad, lane)
+                    ge, shift, pend, carry_end, carry_pend = cu.m_groups_table_step(raw, m, lane, carry_end,
+                                                                                     carry_pend)
                     if e < n_experts:
                         g_end[e] = ge
-                        g_shift[e] = pend - pad - prev
+                        g_shift[e] = shift
                         g_pend[e] = pend
-                    carry_end = cute.arch.shuffle_sync(ge, offset=31)
-                    carry_pend = cute.arch.shuffle_sync(pend, offset=31)
             cute.arch.sync_threads()
 
     @cute.jit

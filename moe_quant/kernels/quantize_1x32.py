@@ -171,15 +171,11 @@ class Quantize1x32Kernel:
                 raw = Int32(0)
                 if g < n_groups:
                     raw = Int32(offs[g])
-            e, prev = cu.sanitized_group_ends(raw, m, lane, carry_end)
-            pad = cu.round_up_tile_rows(e - prev)
-            pend = carry_pend + cu.warp_inclusive_sum(pad, lane)
+            e, shift, pend, carry_end, carry_pend = cu.m_groups_table_step(raw, m, lane, carry_end, carry_pend)
             if i < n:
                 t_end[i] = e
-                t_shift[i] = pend - pad - prev
+                t_shift[i] = shift
                 t_pend[i] = pend
-            carry_end = cute.arch.shuffle_sync(e, offset=31)
-            carry_pend = cute.arch.shuffle_sync(pend, offset=31)
         return carry_end, carry_pend
 
     @cute.jit
