@@ -375,18 +375,21 @@ class MXFP8ExpertWeight(torch.Tensor):
     def is_shared(self) -> bool:
         return self._data.is_shared()
 
+    def _python_state(self) -> dict:
+        """The Python attributes a copy carries (nn.Parameter's flag, config, user attributes): all but the
+        wrapped tensor and the cache, which a copy makes anew."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_data", "_weight_cache")}
+
     def __reduce_ex__(self, protocol):
         # pickling (torch.save, torch.multiprocessing queues): the wrapped tensor, the config and the
         # Python attributes (nn.Parameter's flag among them); the cache is not carried
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_weight_cache")}
-        return _rebuild_expert_weight, (self._data, self.config, self.requires_grad, state)
+        return _rebuild_expert_weight, (self._data, self.config, self.requires_grad, self._python_state())
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_weight_cache")}
         new = _rebuild_expert_weight(
-            copy.deepcopy(self._data, memo), self.config, self.requires_grad, copy.deepcopy(state, memo)
+            copy.deepcopy(self._data, memo), self.config, self.requires_grad, copy.deepcopy(self._python_state(), memo)
         )
         memo[id(self)] = new
         return new
