@@ -9,15 +9,24 @@ Public API:
   :func:`from_blocked_k_groups`, :func:`to_blocked_3d`, :func:`from_blocked_3d`.
 * Operand quantizers for the three GEMMs: :func:`quantize_rowwise`,
   :func:`quantize_colwise_k_groups`, :func:`quantize_3d` (kernels where available).
-* Opt-in reuse of quantized weights across micro-batches: :class:`QuantizedWeightCache`
-  (:mod:`moe_quant.weight_cache`; ``MXFP8MoEConfig(cache_quantized_weights=True)``).
-* Model conversion: :class:`MXFP8MoEConfig` for torchao's ``quantize_``, the weight wrapper
-  :class:`MXFP8ExpertWeight`, :func:`fallback_counts`; a reference MoE block in :mod:`moe_quant.moe`.
+* Reuse of quantized weights across the micro-batches of one optimizer step:
+  :func:`reuse_quantized_weights` (:mod:`moe_quant.reuse`).
+* Model conversion (:mod:`moe_quant.conversion`): :class:`MXFP8MoEConfig` for torchao's ``quantize_``,
+  :func:`unconvert`, :func:`fallback_counts`, :func:`register_experts_implementation` (transformers'
+  experts interface); a reference MoE block in :mod:`moe_quant.moe`.
 """
+
+import sys as _sys
 
 from .autograd import mxfp8_grouped_mm
 from .backends import GemmBackend
-from .conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
+from .conversion import (
+    MXFP8MoEConfig,
+    fallback_counts,
+    register_experts_implementation,
+    reset_fallback_counts,
+    unconvert,
+)
 from .layouts import (
     blocked_offset,
     from_blocked,
@@ -38,16 +47,20 @@ from .quantize import (
     quantize_rowwise,
 )
 from .reference import from_mxfp8, to_mxfp8
-from .weight_cache import QuantizedWeightCache
+from .reuse import reuse_quantized_weights
+
+if "transformers" in _sys.modules:  # transformers imported first: its experts interface gets moe_quant now
+    register_experts_implementation()
 
 __all__ = [
     "BLOCK_SIZE",
     "GemmBackend",
-    "MXFP8ExpertWeight",
     "MXFP8MoEConfig",
-    "QuantizedWeightCache",
     "fallback_counts",
+    "register_experts_implementation",
     "reset_fallback_counts",
+    "reuse_quantized_weights",
+    "unconvert",
     "ScaleMode",
     "blocked_offset",
     "fake_quantize_rowwise",

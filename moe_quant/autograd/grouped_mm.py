@@ -27,8 +27,8 @@ from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
 from ..layouts import row_major, sanitize_offsets
 from ..numerics import ScaleMode
+from ..reuse import active_operand
 from ..validation import check_grouped_mm_args
-from ..weight_cache import QuantizedWeightCache
 
 _GEMM_DTYPE = torch.bfloat16
 
@@ -36,26 +36,26 @@ _GEMM_DTYPE = torch.bfloat16
 # ----------------------------------------------------------------------------- emulated
 
 
-def _weight_operand(cache, W_t, kind: tuple, compute):
-    """``compute(w)`` of the weight ``W_t`` read as bf16 (fp32 master weights are rounded to bf16 first):
-    from ``cache`` (a :class:`~moe_quant.weight_cache.QuantizedWeightCache`) while the weight is unchanged."""
+def _weight_operand(W_t, kind: tuple, compute):
+    """``compute(w)`` of the weight ``W_t`` read as bf16 (fp32 master weights are rounded to bf16 first),
+    or the operand a :func:`moe_quant.reuse_quantized_weights` scope made for it before."""
 
     def run():
         return compute(W_t if W_t.dtype == _GEMM_DTYPE else W_t.to(_GEMM_DTYPE))
 
-    return run() if cache is None else cache.get(W_t, kind, run)
+    return active_operand(W_t, kind, run)
 
 
-def emulated_fwd(A, W_t, offs, mode: ScaleMode, cache=None):
+def emulated_fwd(A, W_t, offs, mode: ScaleMode):
     a = pq.rowwise_values(A, mode)  # A's MXFP8 form may be known already (expert parallelism)
-    w = _weight_operand(cache, W_t, ("emulated fwd", mode),  # blocks along K, W_t (E, K, N)
+    w = _weight_operand(W_t, ("emulated fwd", mode),  # blocks along K, W_t (E, K, N)
                         lambda w: q.fake_quantize_3d(w, mode, along_dim=-2))
     return torch._grouped_mm(a, w, offs=offs)
 
 
-def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode, cache=None):
+def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode):
     g = pq.rowwise_values(grad_out, mode)
-    w = _weight_operand(cache, W_t, ("emulated dgrad", mode),  # blocks along N
+    w = _weight_operand(W_t, ("emulated dgrad", mode),  # blocks along N
                         lambda w: q.fake_quantize_3d(w, mode, along_dim=-1))
     return torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
 
@@ -74,16 +74,16 @@ def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
 # ----------------------------------------------------------------------------- scaled (SM100+)
 
 
-def scaled_fwd(A, W_t, offs, mode: ScaleMode, cache=None):
+def scaled_fwd(A, W_t, offs, mode: ScaleMode):
     a, a_s = pq.rowwise_operand(A, mode, offs)
-    w, w_s = _weight_operand(cache, W_t, ("scaled fwd", mode),  # (E, N, K), scales (E, N x K/32)
+    w, w_s = _weight_operand(W_t, ("scaled fwd", mode),  # (E, N, K), scales (E, N x K/32)
                              lambda w: q.quantize_3d(w.transpose(-2, -1), mode, along="k"))
     return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
-def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode, cache=None):
+def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode):
     g, g_s = pq.rowwise_operand(grad_out, mode, offs)
-    w, w_s = _weight_operand(cache, W_t, ("scaled dgrad", mode),  # (E, K, N), scales (E, K x N/32)
+    w, w_s = _weight_operand(W_t, ("scaled dgrad", mode),  # (E, K, N), scales (E, K x N/32)
                              lambda w: q.quantize_3d(w.transpose(-2, -1), mode, along="n"))
     return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
@@ -124,17 +124,21 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, weight_cache):
+    def forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
         if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
             return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
         fwd, _, _ = _GEMMS[backend]
-        return fwd(A, W_t, offs, mode, weight_cache).to(out_dtype)
+        return fwd(A, W_t, offs, mode).to(out_dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        A, W_t, offs, mode, _, backend, weight_cache = inputs
-        ctx.save_for_backward(A, W_t, offs)
-        ctx.mode, ctx.backend, ctx.weight_cache = mode, backend, weight_cache
+        A, W_t, offs, mode, _, backend = inputs
+        # only what backward reads, as the plain op: A for wgrad (dW), W_t for dgrad (dA). A write to a
+        # saved tensor before backward raises autograd's "modified by an inplace operation" error.
+        need_A, need_W = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(A if need_W else None, W_t if need_A else None, offs)
+        ctx.shapes = (A.shape, A.dtype, W_t.shape, W_t.dtype)
+        ctx.mode, ctx.backend = mode, backend
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -142,7 +146,11 @@ class _MXFP8GroupedMM(torch.autograd.Function):
         with torch.no_grad():  # gradients of quantized operands: first order only, see _first_order_only
             grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
         grad_A, grad_W_t = _first_order_only((grad_A, grad_W_t), (grad_out, A, W_t))
-        return grad_A, grad_W_t, None, None, None, None, None
+        return grad_A, grad_W_t, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(FORWARD_AD_ERROR)
 
 
 def _input_grads(ctx, grad_out, A, W_t, offs):
@@ -150,9 +158,10 @@ def _input_grads(ctx, grad_out, A, W_t, offs):
     _, dgrad, wgrad = _GEMMS[ctx.backend]
     grad_out = row_major(grad_out)  # an expanded (stride 0) gradient stays one with M = 0 under .contiguous()
     grad_A = grad_W_t = None
-    if _empty_contraction(A, W_t):  # dA (M, K) sums over N = 0 terms; dW_t (E, K, N) is zero or empty
-        grad_A = torch.zeros_like(A) if ctx.needs_input_grad[0] else None
-        grad_W_t = torch.zeros_like(W_t) if ctx.needs_input_grad[1] else None
+    a_shape, a_dtype, w_shape, w_dtype = ctx.shapes
+    if a_shape[1] == 0 or w_shape[2] == 0:  # dA (M, K) sums over N = 0 terms; dW_t (E, K, N) is zero or empty
+        grad_A = grad_out.new_zeros(a_shape, dtype=a_dtype) if ctx.needs_input_grad[0] else None
+        grad_W_t = grad_out.new_zeros(w_shape, dtype=w_dtype) if ctx.needs_input_grad[1] else None
         return grad_A, grad_W_t
     # wgrad first: its two dequantized operands (the size of A and grad_out) are freed before dA
     # (the size of A) is allocated, which keeps the backward's peak memory low
@@ -160,9 +169,9 @@ def _input_grads(ctx, grad_out, A, W_t, offs):
         dW = wgrad(grad_out, A, offs, ctx.mode)
         if not (ctx.backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
             dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
-        grad_W_t = dW.to(W_t.dtype).transpose(-2, -1)
+        grad_W_t = dW.to(w_dtype).transpose(-2, -1)
     if ctx.needs_input_grad[0]:
-        grad_A = dgrad(grad_out, W_t, offs, ctx.mode, ctx.weight_cache).to(A.dtype)
+        grad_A = dgrad(grad_out, W_t, offs, ctx.mode).to(a_dtype)
     return grad_A, grad_W_t
 
 
@@ -172,6 +181,14 @@ DOUBLE_BACKWARD_ERROR = (
     "through them: Hessian-vector products, gradient penalties, torch.func.hessian / grad of grad) would "
     "differentiate the unscaled fp8 cast, which is wrong. Take second-order gradients only through the "
     "rest of the model, or run these experts unconverted."
+)
+
+
+FORWARD_AD_ERROR = (
+    "mxfp8_grouped_mm (MXFP8 grouped GEMM) does not support forward-mode AD (torch.func.jvp, jacfwd) nor "
+    "double backward (torch.func.hessian, which differentiates a gradient forward-mode): its gradients come "
+    "from MXFP8-quantized operands, whose derivative is not that of the GEMM. Take second-order or "
+    "forward-mode derivatives only through the rest of the model, or run these experts unconverted."
 )
 
 
@@ -193,12 +210,17 @@ class _NotDifferentiable(torch.autograd.Function):
     def backward(ctx, *grads):
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(FORWARD_AD_ERROR)
+
 
 def _first_order_only(grads, inputs):
     """``grads`` as they are, unless backward records a graph (``create_graph=True``) that could reach
     back through them: then the same values with a ``grad_fn`` that raises :data:`DOUBLE_BACKWARD_ERROR`
     and whose edges lead to ``inputs`` (``grad_out``, ``A``, ``W_t``), so that a second-order gradient
     with respect to anything upstream reaches it. First-order use of the gradients is unchanged."""
+    inputs = tuple(t for t in inputs if t is not None)  # A / W_t are saved only where backward needs them
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
         return grads
     return _NotDifferentiable.apply(*grads, *inputs)
@@ -213,7 +235,6 @@ def mxfp8_grouped_mm(
     out_dtype: torch.dtype = torch.bfloat16,
     backend: GemmBackend | str = GemmBackend.AUTO,
     validate_offsets: bool | None = None,
-    weight_cache: QuantizedWeightCache | None = None,
 ) -> torch.Tensor:
     """MXFP8 grouped GEMM, a differentiable drop-in for ``torch._grouped_mm(A, W_t, offs=offs)``.
 
@@ -239,13 +260,8 @@ def mxfp8_grouped_mm(
             leave it off inside CUDA graphs. Under ``torch.vmap`` a batched ``offs`` is checked for
             every batch element. See ``docs/public_api.md``.
 
-        weight_cache: a :class:`~moe_quant.weight_cache.QuantizedWeightCache` of the weight ``W_t`` views
-            (``weight_cache.cache_for(W)``; a ``ValueError`` if it belongs to another weight) to reuse the
-            quantized weight operands of fwd and dgrad while ``W`` is unchanged, e.g. across the micro-batches
-            of one optimizer step; ``None`` (default) quantizes every call. Entries are keyed by the exact
-            view and valid while ``W``'s version counter is unchanged (see :mod:`moe_quant.weight_cache` for
-            what a plain tensor's counter cannot see). Costs the cached operands' memory; bypassed under
-            ``torch.compile`` and ``inference_mode``.
+    Inside :func:`moe_quant.reuse_quantized_weights` the quantized weight operands of fwd and dgrad
+    (views of the scope's model's parameters) are made once and reused.
 
     ``torch.func`` transforms work: ``vmap`` over a batch of ``A``, ``W_t`` and/or ``offs``
     (forward and backward run batched; ``torch._grouped_mm`` has no batching rule in torch 2.13,
@@ -259,12 +275,4 @@ def mxfp8_grouped_mm(
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
     offs = sanitize_offsets(offs, A.shape[0]).to(torch.int32)
-    if weight_cache is not None:
-        if not isinstance(weight_cache, QuantizedWeightCache):
-            raise TypeError(f"weight_cache must be a QuantizedWeightCache or None, got {type(weight_cache).__name__}")
-        weight_cache.check_serves(W_t)
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        # a compiled graph holds no Python-side state; a torch.func transform's tensors must not outlive it
-        # (decided here: inside the autograd function the transform's levels are already peeled off)
-        weight_cache = None
-    return _MXFP8GroupedMM.apply(row_major(A), W_t, offs, mode, out_dtype, gemm, weight_cache)
+    return _MXFP8GroupedMM.apply(row_major(A), W_t, offs, mode, out_dtype, gemm)

@@ -1,0 +1,63 @@
+"""The conversion config: what ``quantize_(model, MXFP8MoEConfig(...), filter_fn)`` is told.
+
+No kernel and no autograd import here: a config is plain data, cheap to build and compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .._torchao import AOBaseConfig
+from ..backends import GemmBackend
+from ..numerics import ScaleMode
+
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8MoEConfig(AOBaseConfig):
+    """Train the matched expert modules' grouped GEMMs in MXFP8.
+
+    Args:
+        scale_mode: e8m0 scale rounding, ``"rceil"`` (default) or ``"floor"``.
+        backend: GEMM backend, ``"auto"`` (``scaled`` on SM100+, else ``emulated``),
+            ``"emulated"`` (dequantize + bf16 ``torch._grouped_mm``, any device) or
+            ``"scaled"`` (``torch._scaled_grouped_mm``, SM100+ only).
+        out_dtype: output dtype of each MXFP8 grouped GEMM: ``None`` (default: the dtype of its
+            input, as the plain op), ``torch.bfloat16`` or ``torch.float32``.
+        allow_fallback: when True (default) a GEMM MXFP8 cannot serve runs the plain op and is
+            counted (:func:`moe_quant.fallback_counts`) and logged once; when False it raises
+            ``ValueError``.
+
+    Use it as ``quantize_(model, MXFP8MoEConfig(...), filter_fn=...)``. The handler converts each
+    matched expert module in place: its class becomes a generated subclass whose forward runs the
+    expert GEMMs in MXFP8 (``moe_quant/conversion/``); its parameters stay the plain
+    ``nn.Parameter`` objects they were. Supported: :class:`moe_quant.moe.GroupedExperts`,
+    torchtitan's ``GroupedExperts``, Hugging Face transformers' experts modules (those of the
+    experts interface, and Llama4's), and any module with a ``_grouped_mm(self, *, A, B_t, offs)``
+    method (the seam the module's forward calls for each grouped GEMM).
+
+    **filter_fn.** Match the routed-experts module itself, e.g.
+    ``lambda mod, fqn: isinstance(mod, GroupedExperts)``. A matched module without 3-D
+    floating-point parameters (torchtitan's ``shared_experts``, matched by a name filter) is left
+    alone, with a warning once per module class.
+
+    **Calling quantize_ again re-configures**: the module keeps its parameters and takes the new
+    config; an equal config is a no-op.
+    """
+
+    scale_mode: ScaleMode = ScaleMode.RCEIL
+    backend: GemmBackend = GemmBackend.AUTO
+    out_dtype: Optional[torch.dtype] = None
+    allow_fallback: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "scale_mode", ScaleMode.parse(self.scale_mode, "scale_mode"))
+        object.__setattr__(self, "backend", GemmBackend.parse(self.backend, "backend"))
+        if self.out_dtype is not None and self.out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype must be None, torch.bfloat16 or torch.float32, got {self.out_dtype!r}")
+        if not isinstance(self.allow_fallback, bool):
+            raise TypeError(f"allow_fallback must be a bool, got {type(self.allow_fallback).__name__}")

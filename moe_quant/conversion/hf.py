@@ -1,0 +1,107 @@
+"""Hugging Face transformers (5.23): moe_quant as an experts implementation.
+
+transformers' MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS, ...) route their
+experts module's forward through the experts interface (``ALL_EXPERTS_FUNCTIONS``), by the name in
+``config._experts_implementation``. :func:`register_experts_implementation` registers
+``"moe_quant_mxfp8"`` there, so::
+
+    model = AutoModelForCausalLM.from_pretrained(..., experts_implementation="moe_quant_mxfp8")
+
+runs every expert GEMM in MXFP8 (default :class:`MXFP8MoEConfig`, or the config ``quantize_`` gave
+the module). ``quantize_(model, MXFP8MoEConfig(...), filter_fn=lambda mod, fqn: fqn.endswith(".experts"))``
+converts the matched modules only, with that config, whatever the model's implementation name.
+
+Either way the expert weights reach the GEMM as they are: fp32 master weights are served in MXFP8
+under ``torch.compile`` too (transformers' own ``grouped_mm`` sends them to its unquantized fallback op).
+Llama4's experts (``torch.bmm`` over every token) have no experts-interface forward;
+:func:`llama4_forward` is their converted forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import MXFP8MoEConfig
+from .gemm import bmm, grouped_mm
+
+IMPLEMENTATION = "moe_quant_mxfp8"
+_DEFAULT = MXFP8MoEConfig()
+
+
+def _config(module) -> MXFP8MoEConfig:
+    return getattr(module, "_mxfp8_config", None) or _DEFAULT
+
+
+def _linear(module, x, weight, offs, bias):
+    """One grouped projection of an experts module (``weight`` stored (E, in, out) if the module is
+    transposed, else (E, out, in)), in MXFP8."""
+    w_t = weight if module.is_transposed else weight.transpose(-2, -1)
+    out = grouped_mm(x.to(weight.dtype), w_t, offs, _config(module))
+    return out if bias is None else out + bias
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts-interface forward (the arguments of transformers' ``grouped_mm`` implementation)."""
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))  # tokens grouped by expert
+    x = hidden_states[perm // num_top_k]
+    sample_weights = top_k_weights.reshape(-1)[perm]
+    # counts without a host sync; ids past num_experts (expert-parallel sentinels) sort last, are not counted
+    counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, expert_ids.clamp(max=self.num_experts - 1),
+                        (expert_ids < self.num_experts).to(torch.int32))
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    sentinel = None
+    if getattr(self, "_is_expert_parallel", False):
+        sentinel = (expert_ids >= self.num_experts).unsqueeze(-1)
+        expert_ids = expert_ids.clamp(max=self.num_experts - 1)
+        x = x.masked_fill(sentinel, 0.0)
+
+    if self.has_gate:
+        weight, bias = self.gate_up_proj, (self.gate_up_proj_bias[expert_ids] if self.has_bias else None)
+    else:
+        weight, bias = self.up_proj, (self.up_proj_bias[expert_ids] if self.has_bias else None)
+    h = _linear(self, x, weight, offs, bias)
+    if sentinel is not None:
+        h = h.masked_fill(sentinel, 0.0)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    out = _linear(self, h, self.down_proj, offs, self.down_proj_bias[expert_ids] if self.has_bias else None)
+    if sentinel is not None:
+        out = out.masked_fill(sentinel, 0.0)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    out = out * sample_weights.unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
+    out = out[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return out.to(hidden_states.dtype)
+
+
+def llama4_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' ``Llama4TextExperts``, converted: its two ``torch.bmm`` calls in MXFP8."""
+    config = _config(self)
+    hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+    gate, up = bmm(hidden_states, self.gate_up_proj, config).chunk(2, dim=-1)
+    out = bmm(up * self.act_fn(gate), self.down_proj, config)
+    return out.view(-1, self.hidden_size)
+
+
+def is_experts_interface_class(cls: type) -> bool:
+    """A transformers experts class whose forward goes through the experts interface (its
+    ``use_experts_implementation`` decorator gives it ``_apply_gate``)."""
+    return cls.__module__.startswith("transformers.") and callable(getattr(cls, "_apply_gate", None))
+
+
+def is_llama4_experts_class(cls: type) -> bool:
+    return any(c.__name__ == "Llama4TextExperts" and c.__module__.startswith("transformers.") for c in cls.__mro__)
+
+
+def register_experts_implementation() -> str:
+    """Register ``"moe_quant_mxfp8"`` in transformers' experts interface (idempotent); returns the name.
+    ``import moe_quant`` does it already when transformers was imported first."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
+    return IMPLEMENTATION

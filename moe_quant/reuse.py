@@ -1,0 +1,119 @@
+"""Reuse of quantized expert weights across the micro-batches of one optimizer step.
+
+With gradient accumulation the expert weights do not change between micro-batches, yet every
+forward quantizes them along K and every backward along N again. Inside::
+
+    with reuse_quantized_weights(model):
+        for micro_batch in micro_batches:
+            loss_fn(model(micro_batch)).backward()
+    optimizer.step()
+
+each weight operand of the MXFP8 grouped GEMM (a view of one of ``model``'s parameters) is
+quantized once and reused by the later micro-batches. The contract is the user's statement that
+the weights do not change inside the scope; on exit the scope checks it: for each weight it served,
+the parameter's version counter, storage and shape, and a fingerprint of its bytes (which also sees
+writes through ``.data`` or ``state_dict()`` tensors), and raises ``RuntimeError`` if one changed
+(results computed inside the scope may then have used stale operands). The fingerprints cost one
+read of each served weight at its first use and one on exit; nothing inside forward or backward
+synchronizes with the host (the comparison on exit does, once).
+
+Not served inside the scope (every call quantizes, as outside it): under ``torch.compile``,
+``torch.inference_mode`` and ``torch.func`` transforms, and parameters that are not ``model``'s when
+the scope is entered (FSDP2 gathers its unsharded weights anew for every forward). The cached
+operands stay allocated until the scope exits: two bf16 copies of each served weight on the
+emulated GEMM, two fp8 copies plus scales on the scaled one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+_ACTIVE: list["_Scope"] = []
+_CHUNK = 1 << 22  # elements per fingerprint step (bounds its temporary memory)
+
+
+def _fingerprint(p: torch.Tensor) -> torch.Tensor:
+    """An int64 device scalar of the bytes of ``p``, position-weighted (a swap of two values changes it)."""
+    flat = p.detach().reshape(-1)
+    bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=p.device)
+    mult = (torch.arange(min(_CHUNK, bits.numel()), dtype=torch.int64, device=p.device) * 2654435761) % 2147483629 + 1
+    for i, start in enumerate(range(0, bits.numel(), _CHUNK)):
+        chunk = bits[start:start + _CHUNK].to(torch.int64)
+        total += (chunk * mult[:chunk.numel()]).sum() * (2 * i + 1)
+    return total
+
+
+def _state(p: torch.Tensor) -> tuple:
+    return (p._version, p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), p.stride(), p.dtype)
+
+
+class _Scope:
+    def __init__(self, model: nn.Module):
+        self.params = {id(p): p for p in model.parameters()}
+        self.entries: dict = {}
+        self.served: dict = {}  # id -> (parameter, its state, its fingerprint) at first use
+        self.hits = 0
+        self.misses = 0
+
+    def operand(self, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]):
+        param = W_t if id(W_t) in self.params else W_t._base
+        if param is None or self.params.get(id(param)) is not param:
+            return compute()
+        key = (id(param), kind, W_t.storage_offset(), tuple(W_t.shape), W_t.stride(), W_t.dtype)
+        hit = self.entries.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        if id(param) not in self.served:
+            self.served[id(param)] = (param, _state(param), _fingerprint(param))
+        value = self.entries[key] = compute()
+        self.misses += 1
+        return value
+
+    def check(self) -> None:
+        names = {}
+        changed = []
+        for param, state, fp in self.served.values():
+            if _state(param) != state or not bool(_fingerprint(param) == fp):
+                changed.append(param)
+        if changed:
+            names = ", ".join(f"{tuple(p.shape)}" for p in changed)
+            raise RuntimeError(
+                f"reuse_quantized_weights: {len(changed)} weight(s) it served changed inside the scope (shapes "
+                f"{names}); results computed inside it may have used their old quantized values. Step the "
+                f"optimizer (or write the weights) outside the scope: one scope per optimizer step's micro-batches."
+            )
+
+
+def active_operand(W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]):
+    """``compute()`` -- the quantized operand ``kind`` of the weight view ``W_t`` -- or the one the
+    innermost active :func:`reuse_quantized_weights` scope made before for the same view."""
+    if (not _ACTIVE or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
+        return compute()
+    return _ACTIVE[-1].operand(W_t, kind, compute)
+
+
+@contextlib.contextmanager
+def reuse_quantized_weights(model: nn.Module):
+    """Quantize each expert weight of ``model`` once for all micro-batches run inside; on exit raise
+    ``RuntimeError`` if a weight it served changed (see the module doc). Yields the scope (its ``hits``
+    and ``misses`` count the weight operands reused and made)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    scope = _Scope(model)
+    _ACTIVE.append(scope)
+    try:
+        yield scope
+    except BaseException:
+        _ACTIVE.remove(scope)
+        scope.entries.clear()
+        raise
+    _ACTIVE.remove(scope)
+    scope.entries.clear()
+    scope.check()
