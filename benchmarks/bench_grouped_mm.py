@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 
 from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, profile_device_ops, prog_name
-from moe_quant import backends, cli, mxfp8_grouped_mm, weight_cache
+from moe_quant import backends, cli, mxfp8_grouped_mm, reuse
 
 FAMILIES = {  # name: (K in, N out, G experts)
     "dsv3": (7168, 2048, 8),
@@ -58,7 +58,7 @@ IMPL_LABELS = {
     "bf16": "bf16 torch._grouped_mm",
     "moe_quant": "moe_quant emulated",
     "moe_quant_ref": "moe_quant emulated, reference quant",
-    "moe_quant_cached": "moe_quant emulated, weights cached (micro-batch 2+)",
+    "moe_quant_reused": "moe_quant emulated, reuse_quantized_weights (micro-batch 2+)",
     "moe_quant_compile": "moe_quant emulated, torch.compile",
     "torchao": "torchao emulated (to_mx)",
 }
@@ -97,10 +97,25 @@ def moe_quant_emulated(A, W_t, offs):
     return mxfp8_grouped_mm(A, W_t, offs, backend="emulated")
 
 
-def moe_quant_cached(A, W_t, offs):
-    """The steady state of gradient accumulation with ``cache_quantized_weights``: W is unchanged between
-    the timed steps, so its quantized fwd/dgrad operands come from the cache after the first call."""
-    return mxfp8_grouped_mm(A, W_t, offs, backend="emulated", weight_cache=weight_cache.cache_for(W_t))
+_REUSE_SCOPES: dict = {}
+
+
+def moe_quant_reused(A, W_t, offs):
+    """Micro-batches 2+ of gradient accumulation inside ``reuse_quantized_weights``: W is unchanged between
+    the timed steps, so its quantized fwd/dgrad operands are made by the first call and reused after. The
+    scope (one per weight) is active for the step's forward and backward (see ``run``'s ``step``)."""
+    return mxfp8_grouped_mm(A, W_t, offs, backend="emulated")
+
+
+def reuse_scope(impl: str, W):
+    """The reuse scope a step of ``impl`` runs in (``moe_quant_reused`` only), kept across its steps."""
+    if impl != "moe_quant_reused":
+        return contextlib.nullcontext()
+    scope = _REUSE_SCOPES.get(id(W))
+    if scope is None or W not in scope.params.values():
+        _REUSE_SCOPES.clear()  # one weight at a time: the previous shape's operands are freed
+        scope = _REUSE_SCOPES[id(W)] = reuse.Scope([W])
+    return scope.activate()
 
 
 def reference_quant(A, W_t, offs):
@@ -112,7 +127,7 @@ def make_impls(args) -> dict:
     impls = {
         "bf16": lambda A, W_t, offs: torch._grouped_mm(A, W_t, offs=offs),
         "moe_quant": moe_quant_emulated,
-        "moe_quant_cached": moe_quant_cached,
+        "moe_quant_reused": moe_quant_reused,
         "moe_quant_ref": reference_quant,
     }
     if args.compile:
@@ -323,9 +338,10 @@ def run(args):
         steps = {}
         for impl, f in impls.items():
 
-            def step(f=f):
-                out = f(A, W.transpose(-2, -1), offs)
-                torch.autograd.grad(out, (A, W), go)
+            def step(f=f, impl=impl):
+                with reuse_scope(impl, W):
+                    out = f(A, W.transpose(-2, -1), offs)
+                    torch.autograd.grad(out, (A, W), go)
 
             res = {"ms": None, "peak_bytes": None, "sqnr_db": None, "error": None, "ms_rounds": []}
             try:

@@ -38,7 +38,7 @@ import torch
 
 from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name
 from moe_quant import cli
-from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
+from moe_quant.conversion import MXFP8MoEConfig, fallback_counts, is_converted, reset_fallback_counts
 from moe_quant.moe import MoE
 
 FULL = dict(dim=7168, hidden=2048, experts=8, top_k=2, tokens="16384,65536")
@@ -151,7 +151,7 @@ def run(args):
 
             mx = copy.deepcopy(base)
             quantize_(mx, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: "experts" in fqn)
-            converted = all(isinstance(mx.experts.get_parameter(w), MXFP8ExpertWeight) for w in ("w1", "w2", "w3"))
+            converted = is_converted(mx.experts)
             if not converted:
                 print("WARNING: quantize_ did not convert the expert weights; the mxfp8 rows are bf16")
             models["mxfp8"] = mx

@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     if device.type == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
     from moe_quant import MXFP8MoEConfig, fallback_counts, reset_fallback_counts
-    from moe_quant.conversion import MXFP8ExpertWeight
+    from moe_quant.conversion import is_converted
     from torchao.quantization import quantize_
 
     config = build_config(args.family, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         checksums[mode] = sum(p.detach().float().sum().item() for p in model.parameters())
         if mode == "mxfp8":
             quantize_(model, MXFP8MoEConfig(), filter_fn=EXPERTS_FILTER)
-            converted = sum(isinstance(p, MXFP8ExpertWeight) for p in model.parameters())
+            converted = sum(is_converted(m) for m in model.modules())
             reset_fallback_counts()
         data = batches(args.vocab, args.tokens // args.seq, args.seq, args.steps, device)
         results[mode] = train(model, data, lr=args.lr, device=device)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 # Runnable as `python examples/torchtitan_train.py` from the repository root without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_quant import MXFP8MoEConfig  # noqa: E402  (before torchao: keeps its import quiet)
-from moe_quant.conversion import MXFP8ExpertWeight, fallback_counts, reset_fallback_counts  # noqa: E402
+from moe_quant.conversion import fallback_counts, is_converted, reset_fallback_counts  # noqa: E402
 
 STUBBED_NAME = "torch.distributed.fsdp.DataParallelMeshDims"
 
@@ -164,7 +164,7 @@ def train(cfg, args, data, *, convert: bool, compiled: bool) -> dict:
     """One run: returns its losses, step times (s), peak memory and fallbacks."""
     device = args.device
     model = build_model(cfg, device, args.seed, convert)
-    converted = sum(isinstance(p, MXFP8ExpertWeight) for p in model.parameters())
+    converted = sum(is_converted(m) for m in model.modules())
     if convert and not converted:
         raise RuntimeError("no expert weight was converted")
     if compiled:

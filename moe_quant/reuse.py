@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-_ACTIVE: list["_Scope"] = []
+_ACTIVE: list["Scope"] = []
 _CHUNK = 1 << 22  # elements per fingerprint step (bounds its temporary memory)
 
 
@@ -52,9 +52,12 @@ def _state(p: torch.Tensor) -> tuple:
     return (p._version, p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), p.stride(), p.dtype)
 
 
-class _Scope:
-    def __init__(self, model: nn.Module):
-        self.params = {id(p): p for p in model.parameters()}
+class Scope:
+    """The operands of one scope. :func:`reuse_quantized_weights` makes one; ``activate()`` serves from it
+    without the exit check (benchmarks time the steady state with it)."""
+
+    def __init__(self, weights):
+        self.params = {id(p): p for p in weights}
         self.entries: dict = {}
         self.served: dict = {}  # id -> (parameter, its state, its fingerprint) at first use
         self.hits = 0
@@ -74,6 +77,14 @@ class _Scope:
         value = self.entries[key] = compute()
         self.misses += 1
         return value
+
+    @contextlib.contextmanager
+    def activate(self):
+        _ACTIVE.append(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.remove(self)
 
     def check(self) -> None:
         names = {}
@@ -100,20 +111,26 @@ def active_operand(W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]
 
 
 @contextlib.contextmanager
-def reuse_quantized_weights(model: nn.Module):
-    """Quantize each expert weight of ``model`` once for all micro-batches run inside; on exit raise
-    ``RuntimeError`` if a weight it served changed (see the module doc). Yields the scope (its ``hits``
-    and ``misses`` count the weight operands reused and made)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    scope = _Scope(model)
-    _ACTIVE.append(scope)
+def reuse_quantized_weights(model):
+    """Quantize each expert weight of ``model`` (an ``nn.Module``, or an iterable of weight tensors for
+    direct :func:`moe_quant.mxfp8_grouped_mm` calls on their views) once for all micro-batches run
+    inside; on exit raise ``RuntimeError`` if a weight it served changed (see the module doc). Yields
+    the scope (its ``hits`` and ``misses`` count the weight operands reused and made)."""
+    if isinstance(model, nn.Module):
+        weights = list(model.parameters())
+    elif isinstance(model, torch.Tensor):
+        raise TypeError("model must be an nn.Module or an iterable of tensors, got a tensor: pass [tensor]")
+    else:
+        try:
+            weights = list(model)
+        except TypeError:
+            raise TypeError(f"model must be an nn.Module or an iterable of tensors, got {type(model).__name__}") from None
+        if not all(isinstance(w, torch.Tensor) for w in weights):
+            raise TypeError("model must be an nn.Module or an iterable of tensors: found a non-tensor")
+    scope = Scope(weights)
     try:
-        yield scope
-    except BaseException:
-        _ACTIVE.remove(scope)
+        with scope.activate():
+            yield scope
+    finally:
         scope.entries.clear()
-        raise
-    _ACTIVE.remove(scope)
-    scope.entries.clear()
     scope.check()

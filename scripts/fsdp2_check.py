@@ -15,8 +15,8 @@ steps two ways, on the same per-rank batches:
   bf16 gradients are cast to fp32, averaged across ranks with ``all_reduce`` and applied
   by AdamW to the master copy. This is what FSDP2 with that policy computes.
 
-It checks: the unsharded expert weights seen in forward are ``MXFP8ExpertWeight``; no
-grouped-mm call fell back to the plain op; the per-step losses and the final parameters
+It checks: the expert modules are converted and their unsharded weights seen in forward are
+plain parameters; the MXFP8 grouped GEMM ran; no grouped-mm call fell back to the plain op; the per-step losses and the final parameters
 of the two runs agree (``--rtol``); the loss goes down; ``state_dict()`` of the FSDP model
 holds DTensors of plain tensors. Rank 0 prints one PASS/FAIL line per case with the
 numbers and a final verdict; the exit code is 0 only if everything passed on every rank.
@@ -53,7 +53,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import require_cuda  # noqa: E402
 from moe_quant import cli  # noqa: E402
-from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts  # noqa: E402
+import moe_quant.autograd  # noqa: E402
+from moe_quant.conversion import MXFP8MoEConfig, fallback_counts, is_converted  # noqa: E402
 from moe_quant.moe import GroupedExperts, TinyMoEModel  # noqa: E402
 
 
@@ -128,6 +129,14 @@ def run_case(num_experts: int, args, device, rank: int, world: int) -> dict:
     opt_f = torch.optim.AdamW(fsdp_model.parameters(), lr=args.lr, foreach=False)
 
     seen_types = set()
+    mxfp8_calls = [0]
+    real_gemm = moe_quant.autograd.mxfp8_grouped_mm
+
+    def counting_gemm(*a, **k):  # the conversion looks the GEMM up on each call
+        mxfp8_calls[0] += 1
+        return real_gemm(*a, **k)
+
+    moe_quant.autograd.mxfp8_grouped_mm = counting_gemm
 
     def record(mod, inputs):
         seen_types.update(type(getattr(mod, n)).__name__ for n in ("w1", "w2", "w3"))
@@ -166,12 +175,12 @@ def run_case(num_experts: int, args, device, rank: int, world: int) -> dict:
         losses_r.append(pair[1].item() / world)
     for h in hooks:
         h.remove()
+    moe_quant.autograd.mxfp8_grouped_mm = real_gemm
 
     # final parameters, gathered
     param_rel = 0.0
     for (name, p_f), p_r in zip(fsdp_model.named_parameters(), ref_master.parameters()):
         full = p_f.full_tensor() if hasattr(p_f, "full_tensor") else p_f
-        full = full._data if isinstance(full, MXFP8ExpertWeight) else full
         diff = (full.float() - p_r.float()).abs().max().item()
         param_rel = max(param_rel, diff / max(p_r.float().abs().max().item(), 1e-12))
 
@@ -180,14 +189,13 @@ def run_case(num_experts: int, args, device, rank: int, world: int) -> dict:
     sd_plain = all(
         type(getattr(sd[k], "_local_tensor", sd[k])) is torch.Tensor for k in expert_keys
     ) and len(expert_keys) == 3 * len(fsdp_model.layers)
-    sharded_wrapped = all(
-        isinstance(getattr(getattr(m, n), "_local_tensor", None), MXFP8ExpertWeight)
-        for m in fsdp_model.modules() if isinstance(m, GroupedExperts) for n in ("w1", "w2", "w3")
-    )
+    experts = [m for m in fsdp_model.modules() if isinstance(m, GroupedExperts)]
+    converted = bool(experts) and all(is_converted(m) for m in experts)
     loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_f, losses_r))
     checks = {
-        "unsharded experts are MXFP8ExpertWeight in forward": seen_types == {"MXFP8ExpertWeight"},
-        "sharded experts are DTensor(MXFP8ExpertWeight)": sharded_wrapped,
+        "expert modules converted": converted,
+        "unsharded experts are plain parameters in forward": bool(seen_types) and seen_types <= {"Parameter", "Tensor"},
+        "MXFP8 grouped GEMM ran (3 per layer and step)": mxfp8_calls[0] >= 3 * len(experts) * len(losses_f),
         "no grouped_mm fallback": not fallback_counts(),
         f"loss fsdp vs reference within rtol={args.rtol}": loss_rel <= args.rtol,
         f"params fsdp vs reference within rtol={args.rtol}": param_rel <= args.rtol,

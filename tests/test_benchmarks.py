@@ -191,7 +191,7 @@ def test_bench_grouped_mm_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     bgm.run(args)
     record = json.loads(out.read_text())
     rows = {r["impl"]: r for r in record["rows"]}
-    assert set(rows) == {"bf16", "moe_quant", "moe_quant_cached", "moe_quant_ref", "torchao"}
+    assert set(rows) == {"bf16", "moe_quant", "moe_quant_reused", "moe_quant_ref", "torchao"}
     assert len(rows["moe_quant"]["ms_rounds"]) == 2  # interleaved rounds, median reported
     assert rows["torchao"]["ms"] is None and "peer broke" in rows["torchao"]["error"]
     for impl in ("bf16", "moe_quant", "moe_quant_ref"):
