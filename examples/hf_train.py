@@ -148,8 +148,9 @@ def parse_args(argv=None):
         p.error("--seq must divide --tokens")
     if not 0 <= args.warmup < args.steps:
         p.error("--warmup must be in [0, --steps)")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU")
+    from moe_quant import cli
+
+    cli.exit_unless_device_runs(p, args.device)  # one line and exit status 2 (not a device, meta, no GPU)
     return args
 
 

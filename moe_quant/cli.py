@@ -26,11 +26,16 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
+MAX_COUNT = 2**31 - 1  # counts become int32 token offsets and tensor sizes
+
+
 def positive_int(text: str) -> int:
-    """``type=`` for a count that must be at least 1."""
+    """``type=`` for a count that must be at least 1 (and at most :data:`MAX_COUNT`)."""
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT} (2**31 - 1), got {text!r}")
     return value
 
 

@@ -58,7 +58,9 @@ class MXFP8TokenDispatcher:
                  scale_mode: ScaleMode | str = ScaleMode.RCEIL):
         self.num_experts = v.check_size("num_experts", num_experts)
         self.top_k = v.check_size("top_k", top_k)
-        if not 1 <= self.top_k <= max(self.num_experts, 1):
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be at least 1, got {num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.wire = Wire.parse(wire)
         self.scale_mode = ScaleMode.parse(scale_mode)
