@@ -148,10 +148,6 @@ class _MXFP8GroupedMM(torch.autograd.Function):
         grad_A, grad_W_t = _first_order_only((grad_A, grad_W_t), (grad_out, A, W_t))
         return grad_A, grad_W_t, None, None, None, None
 
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(FORWARD_AD_ERROR)
-
 
 def _input_grads(ctx, grad_out, A, W_t, offs):
     """``(dA, dW_t)`` (each ``None`` where not needed): dgrad and wgrad of quantized operands."""
@@ -210,18 +206,14 @@ class _NotDifferentiable(torch.autograd.Function):
     def backward(ctx, *grads):
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
 
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(FORWARD_AD_ERROR)
-
 
 def _first_order_only(grads, inputs):
     """``grads`` as they are, unless backward records a graph (``create_graph=True``) that could reach
     back through them: then the same values with a ``grad_fn`` that raises :data:`DOUBLE_BACKWARD_ERROR`
     and whose edges lead to ``inputs`` (``grad_out``, ``A``, ``W_t``), so that a second-order gradient
     with respect to anything upstream reaches it. First-order use of the gradients is unchanged."""
-    inputs = tuple(t for t in inputs if t is not None)  # A / W_t are saved only where backward needs them
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
+    # A / W_t are None where backward did not need them (not saved)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
         return grads
     return _NotDifferentiable.apply(*grads, *inputs)
 
@@ -275,4 +267,18 @@ def mxfp8_grouped_mm(
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
     offs = sanitize_offsets(offs, A.shape[0]).to(torch.int32)
+    if not torch.compiler.is_compiling():
+        _check_no_forward_ad(A, W_t)
     return _MXFP8GroupedMM.apply(row_major(A), W_t, offs, mode, out_dtype, gemm)
+
+
+def _check_no_forward_ad(*tensors) -> None:
+    """Raise :data:`FORWARD_AD_ERROR` under forward-mode AD (``torch.func.jvp`` / ``jacfwd`` / ``hessian``,
+    or dual tensors of ``torch.autograd.forward_ad``), where PyTorch would ask for a jvp rule."""
+    if torch._C._are_functorch_transforms_active():
+        stack = torch._C._functorch.get_interpreter_stack() or ()
+        if any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack):
+            raise RuntimeError(FORWARD_AD_ERROR)
+    if torch.autograd.forward_ad._current_level >= 0:
+        if any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+            raise RuntimeError(FORWARD_AD_ERROR)

@@ -72,7 +72,7 @@ def bmm(x: torch.Tensor, w: torch.Tensor, config: MXFP8MoEConfig) -> torch.Tenso
         offs = torch.arange(1, e + 1, dtype=torch.int32, device=x.device) * t
         reason = unsupported_reason(a, w, offs, config.out_dtype or a.dtype)
         if reason is None:
-            return grouped_mm(a, w, offs, config).view(e, t, -1)
+            return grouped_mm(a, w, offs, config).view(e, t, w.shape[-1])
         reason = f"bmm: {reason}"
     fallback(reason, config.allow_fallback)
     return torch.bmm(x, w)
