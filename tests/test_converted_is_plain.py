@@ -97,26 +97,27 @@ def test_01_write_between_forward_and_backward_raises_as_plain(convert_it):
 # 2, 5 -----------------------------------------------------------------------------------------------
 
 ALIAS_WRITES = {
-    "squeeze": lambda w: w.detach().unsqueeze(0).squeeze(0).mul_(2),
-    "diagonal": lambda w: w.detach().diagonal(dim1=-2, dim2=-1).mul_(2),
-    "unfold": lambda w: w.detach().unfold(-1, 2, 2).mul_(2),
-    "view_int16": lambda w: w.detach().view(torch.int16).add_(1),
-    "data": lambda w: w.data.mul_(2),
-    "detach": lambda w: w.detach().mul_(2),
+    "squeeze": lambda w: w.squeeze().mul_(2),
+    "diagonal": lambda w: w.diagonal(dim1=-2, dim2=-1).mul_(2),
+    "unfold": lambda w: w.unfold(-1, 2, 2).mul_(2),
+    "view_int16": lambda w: w.view(torch.int16).add_(1),
+    "data_squeeze": lambda w: w.data.squeeze().mul_(2),
+    "detach_diagonal": lambda w: w.detach().diagonal(dim1=-2, dim2=-1).mul_(2),
 }
 
 
-def _vector_to_parameters_then_write(moe):
+def _vector_to_parameters_then_write(moe, x):
     params = list(moe.experts.parameters())
     flat = nn.utils.parameters_to_vector(params).detach().clone()
     nn.utils.vector_to_parameters(flat, params)  # the parameters now view `flat`, with their own version counter
-    flat.mul_(2)
+    moe(x)  # a forward with these values
+    flat.mul_(2)  # then a write through the alias
 
 
 OWN_COUNTER_WRITES = {
     "vector_to_parameters": _vector_to_parameters_then_write,
-    "numpy_state_dict": lambda moe: moe.state_dict()["experts.w1"].numpy().__imul__(2),
-    "dlpack_state_dict": lambda moe: torch.from_dlpack(moe.state_dict()["experts.w1"]).mul_(2),
+    "numpy_state_dict": lambda moe, x: moe.state_dict()["experts.w1"].numpy().__imul__(2),
+    "dlpack_state_dict": lambda moe, x: torch.from_dlpack(moe.state_dict()["experts.w1"]).mul_(2),
 }
 
 
@@ -144,14 +145,14 @@ def test_05_writes_through_aliases_with_their_own_version_counter(write):
     with reuse_quantized_weights(moe):
         moe(x).sum().backward()
     before = moe.experts.w1.detach().clone()
-    OWN_COUNTER_WRITES[write](moe)
+    OWN_COUNTER_WRITES[write](moe, x)
     assert not torch.equal(moe.experts.w1.detach(), before)  # precondition: the write reached the weight
     assert torch.equal(moe(x), fresh_output(moe, x))
     if not OLD:
         with pytest.raises(RuntimeError, match="changed inside the scope"):
             with reuse_quantized_weights(moe):
                 moe(x).sum().backward()
-                OWN_COUNTER_WRITES[write](moe)
+                OWN_COUNTER_WRITES[write](moe, x)
 
 
 # 3 --------------------------------------------------------------------------------------------------
