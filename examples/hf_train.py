@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         checksums[mode] = sum(p.detach().float().sum().item() for p in model.parameters())
         if mode == "mxfp8":
             quantize_(model, MXFP8MoEConfig(), filter_fn=EXPERTS_FILTER)
-            converted = sum(is_converted(m) for m in model.modules())
+            converted = sum(p.ndim == 3 for m in model.modules() if is_converted(m) for p in m.parameters())
             reset_fallback_counts()
         data = batches(args.vocab, args.tokens // args.seq, args.seq, args.steps, device)
         results[mode] = train(model, data, lr=args.lr, device=device)

@@ -164,7 +164,7 @@ def train(cfg, args, data, *, convert: bool, compiled: bool) -> dict:
     """One run: returns its losses, step times (s), peak memory and fallbacks."""
     device = args.device
     model = build_model(cfg, device, args.seed, convert)
-    converted = sum(is_converted(m) for m in model.modules())
+    converted = sum(p.ndim == 3 for m in model.modules() if is_converted(m) for p in m.parameters())
     if convert and not converted:
         raise RuntimeError("no expert weight was converted")
     if compiled:

@@ -224,22 +224,3 @@ def check_from_mxfp8_args(data, scales, out_dtype) -> None:
     check_shape("scales", scales, (*data.shape[:-1], data.shape[-1] // BLOCK_SIZE), "one scale per 32 elements of data")
     check_same_device("scales", scales, "data", data)
     check_dtype_choice("out_dtype", out_dtype, FLOAT_DTYPES)
-
-
-# ----------------------------------------------------------------------------- grouped-mm bias (conversion)
-
-
-def check_bias(bias, n_out: int, n_groups: int) -> None:
-    """``bias`` of an intercepted grouped-mm call: ``(N,)``, ``(1, N)`` or ``(E, N)`` (one row per group)."""
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if not bias.is_floating_point():
-        raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
-    ok = (bias.ndim == 1 and bias.shape[0] == n_out) or (
-        bias.ndim == 2 and bias.shape[1] == n_out and bias.shape[0] in (1, n_groups)
-    )
-    if not ok:
-        raise ValueError(
-            f"bias must have shape ({n_out},), (1, {n_out}) or ({n_groups}, {n_out}) (one row per group), "
-            f"got {tuple(bias.shape)}"
-        )

@@ -9,7 +9,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torchao.quantization import quantize_
 
-from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
+from moe_quant.conversion import MXFP8MoEConfig, fallback_counts, is_converted, reset_fallback_counts
 from moe_quant.moe import MoELayer
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 64, 96, 4, 2, 192
@@ -20,7 +20,7 @@ def setup():
     torch.manual_seed(0)
     layer = MoELayer(DIM, HIDDEN, EXPERTS, TOP_K).to(torch.bfloat16)
     quantize_(layer, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: "experts" in fqn)
-    assert type(layer.moe.experts.w1) is MXFP8ExpertWeight
+    assert is_converted(layer.moe.experts)
     x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16)
     g = torch.randn(TOKENS, DIM, dtype=torch.bfloat16)
     return layer, x, g

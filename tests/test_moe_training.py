@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torchao.quantization import quantize_
 
-from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
+from moe_quant.conversion import MXFP8MoEConfig, fallback_counts, is_converted, reset_fallback_counts
 from moe_quant.demo import TaskConfig, make_models, train
 from moe_quant.moe import MoE, TinyMoEModel
 
@@ -101,17 +101,29 @@ def test_single_converted_grouped_gemm_meets_design_bounds():
     # docs/design.md 7 bounds for one grouped GEMM, through the conversion path.
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8, 256, 128, dtype=torch.bfloat16) * 0.05)
-    mod = torch.nn.Module()
-    mod.w = copy.deepcopy(w)
-    quantize_(mod, MXFP8MoEConfig(), filter_fn=lambda m, fqn: True)
-    assert type(mod.w) is MXFP8ExpertWeight
+
+    class Seam(torch.nn.Module):  # a module with the _grouped_mm seam conversion overrides
+        def __init__(self):
+            super().__init__()
+            self.w = copy.deepcopy(w)
+
+        def forward(self, a, offs):
+            return self._grouped_mm(A=a, B_t=self.w.transpose(-2, -1), offs=offs)
+
+        def _grouped_mm(self, *, A, B_t, offs):
+            return torch._grouped_mm(A, B_t, offs=offs)
+
+    mod = Seam()
+    quantize_(mod, MXFP8MoEConfig(), filter_fn=lambda m, fqn: isinstance(m, Seam))
+    assert is_converted(mod)
     a = torch.randn(2000, 128, dtype=torch.bfloat16)
     offs = torch.tensor([0, 100, 333, 800, 801, 1500, 1999, 2000], dtype=torch.int32)
     g = torch.randn(2000, 256, dtype=torch.bfloat16)
     results = []
-    for weight in (w, mod.w):
+    for weight, gmm in ((w, lambda a: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)),
+                        (mod.w, lambda a: mod(a, offs))):
         aa = a.clone().requires_grad_()
-        out = torch._grouped_mm(aa, weight.transpose(-2, -1), offs=offs)
+        out = gmm(aa)
         out.backward(g)
         results.append((out, aa.grad, weight.grad))
     (o_r, da_r, dw_r), (o_q, da_q, dw_q) = results
@@ -135,7 +147,7 @@ def trained():
 def test_mxfp8_training_loss_within_3_percent_of_bf16(trained):
     bf16, mx, model = trained
     assert not fallback_counts()
-    assert all(type(p) is MXFP8ExpertWeight for n, p in model.named_parameters() if ".experts." in n)
+    assert all(is_converted(m) for n, m in model.named_modules() if n.endswith(".experts"))
     for r in (bf16, mx):  # both actually learn
         assert r.eval_loss < 0.5 * r.losses[0]
     gap = abs(mx.eval_loss - bf16.eval_loss) / bf16.eval_loss

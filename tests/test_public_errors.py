@@ -17,7 +17,7 @@ from mx_strategies import make_values
 
 import moe_quant as mq
 from moe_quant import layouts
-from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, convert_parameters
+from moe_quant.conversion import convert
 
 BF16 = torch.bfloat16
 I32 = torch.int32
@@ -35,15 +35,9 @@ def _scales(rows, cols):
     return torch.randint(0, 255, (rows, cols), dtype=torch.uint8)
 
 
-def _weight(shape=(2, 64, 96)):
-    class Experts(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(*shape, dtype=BF16) * 0.1)
-
-    mod = Experts()
-    convert_parameters(mod, MXFP8MoEConfig())
-    return mod.w
+def _enter(cm):
+    with cm:
+        pass
 
 
 def _data_and_scales(m=4, k=64):
@@ -203,48 +197,10 @@ CASES = [
     ("padded_group_offsets float total", lambda: mq.padded_group_offsets(_offs(4, 8), 8.5), TypeError, "total"),
     ("padded_group_offsets zero align", lambda: mq.padded_group_offsets(_offs(4, 8), 8, 0), ValueError, "align"),
     ("padded_group_offsets float align", lambda: mq.padded_group_offsets(_offs(4, 8), 8, 32.0), TypeError, "align"),
-    # ---- MXFP8ExpertWeight
-    ("MXFP8ExpertWeight list", lambda: MXFP8ExpertWeight([[[1.0]]], MXFP8MoEConfig()), TypeError, "data"),
-    ("MXFP8ExpertWeight 2-D", lambda: MXFP8ExpertWeight(torch.randn(4, 32), MXFP8MoEConfig()), ValueError, "data"),
-    (
-        "MXFP8ExpertWeight int",
-        lambda: MXFP8ExpertWeight(torch.ones(2, 4, 32, dtype=torch.int32), MXFP8MoEConfig()),
-        TypeError,
-        "data",
-    ),
-    ("MXFP8ExpertWeight wrapper", lambda: MXFP8ExpertWeight(_weight(), MXFP8MoEConfig()), TypeError, "data"),
-    ("MXFP8ExpertWeight config", lambda: MXFP8ExpertWeight(torch.randn(2, 4, 32), "rceil"), TypeError, "config"),
-    # ---- bias of an intercepted grouped-mm call (MXFP8 path and fallback path)
-    (
-        "bias wrong N (MXFP8 path)",
-        lambda: torch._grouped_mm(_x(8, 96), _weight().transpose(-2, -1), offs=_offs(4, 8), bias=torch.zeros(65, dtype=BF16)),
-        ValueError,
-        "bias",
-    ),
-    (
-        "bias wrong groups (MXFP8 path)",
-        lambda: torch._grouped_mm(_x(8, 96), _weight().transpose(-2, -1), offs=_offs(4, 8), bias=torch.zeros(3, 64, dtype=BF16)),
-        ValueError,
-        "bias",
-    ),
-    (
-        "bias wrong N (fallback 3D x 3D)",
-        lambda: torch._grouped_mm(torch.randn(2, 8, 96, dtype=BF16), _weight().transpose(-2, -1), bias=torch.zeros(63, dtype=BF16)),
-        ValueError,
-        "bias",
-    ),
-    (
-        "bias 3-D (fallback 3D x 3D)",
-        lambda: torch._grouped_mm(torch.randn(2, 8, 96, dtype=BF16), _weight().transpose(-2, -1), bias=torch.zeros(2, 1, 64, dtype=BF16)),
-        ValueError,
-        "bias",
-    ),
-    (
-        "bias list",
-        lambda: torch._grouped_mm(_x(8, 96), _weight().transpose(-2, -1), offs=_offs(4, 8), bias=[0.0] * 64),
-        TypeError,
-        "bias",
-    ),
+    # ---- conversion and weight reuse
+    ("convert config", lambda: convert(torch.nn.Linear(2, 2), "rceil"), TypeError, "config"),
+    ("reuse_quantized_weights int", lambda: _enter(mq.reuse_quantized_weights(3)), TypeError, "model"),
+    ("reuse_quantized_weights tensor", lambda: _enter(mq.reuse_quantized_weights(torch.zeros(2))), TypeError, "model"),
 ]
 
 
@@ -258,18 +214,6 @@ def test_bad_argument_raises_clear_error(call, exc, name):
         call()
     assert type(info.value) is exc, f"{type(info.value).__name__}: {info.value}"
     assert _names_argument(str(info.value), name), f"message does not name {name!r}: {info.value}"
-
-
-def test_bias_of_the_right_shapes_still_works():
-    w = _weight()
-    a = _x(8, 96)
-    offs = _offs(4, 8)
-    out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
-    for bias in (torch.ones(64, dtype=BF16), torch.ones(1, 64, dtype=BF16)):
-        assert torch.equal(torch._grouped_mm(a, w.transpose(-2, -1), offs=offs, bias=bias), out + 1)
-    per_group = torch.stack([torch.zeros(64), torch.ones(64)]).to(BF16)
-    got = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs, bias=per_group)
-    assert torch.equal(got[:4], out[:4]) and torch.equal(got[4:], out[4:] + 1)
 
 
 # ----------------------------------------------------------------------------- sizes (hypothesis)

@@ -18,7 +18,7 @@ from torchao.quantization import quantize_
 
 import moe_quant.autograd
 from moe_quant import MXFP8MoEConfig, mxfp8_grouped_mm
-from moe_quant.conversion import MXFP8ExpertWeight, fallback_counts
+from moe_quant.conversion import converted_class, fallback_counts, is_converted
 
 
 def _load_example():
@@ -74,7 +74,7 @@ def test_grouped_experts_run_mxfp8_forward_and_backward(mxfp8_calls):
             w.normal_(std=0.05)
     plain = [w.detach().clone().requires_grad_() for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD)]
     quantize_(_Holder(experts), MXFP8MoEConfig(), filter_fn=ISINSTANCE)
-    assert all(isinstance(w, MXFP8ExpertWeight) for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
+    assert is_converted(experts) and all(type(w) is nn.Parameter for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
 
     counts = torch.tensor([40, 0, 57, 31])  # an empty expert included
     x = torch.randn(int(counts.sum()), dim, dtype=torch.bfloat16, requires_grad=True)
@@ -124,6 +124,23 @@ def test_deepseek_v3_converted_trains_close_to_bf16(mxfp8_calls):
     assert mx["losses"][0] != bf16["losses"][0]  # MXFP8 noise, not the bf16 path
     for a, b in zip(mx["losses"], bf16["losses"]):
         assert abs(a - b) <= 0.01 * abs(b), (mx["losses"], bf16["losses"])
+
+
+def test_converted_config_builds_a_converted_module():
+    """torchtitan builds modules from their nested Config: the converted class has one too, and a
+    converted module's Config still builds (torchtitan's machinery, e.g. copying a model config)."""
+    cls = converted_class(GroupedExperts)
+    built = cls.Config(dim=64, hidden_dim=96, num_experts=4).build()
+    assert type(built) is cls and isinstance(built, GroupedExperts)
+    assert isinstance(cls.Config(dim=64, hidden_dim=96, num_experts=4), GroupedExperts.Config)
+    plain = GroupedExperts.Config(dim=64, hidden_dim=96, num_experts=4).build()
+    assert type(plain) is GroupedExperts
+    counts = torch.tensor([8, 0, 16, 8])
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for w in built.parameters():
+            w.normal_(std=0.05)
+    assert built(x, counts).shape == (32, 64) and not fallback_counts()
 
 
 def test_stub_only_when_missing(monkeypatch):

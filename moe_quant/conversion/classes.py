@@ -22,6 +22,7 @@ from typing import Optional
 from torch import nn
 
 from . import experts, hf
+from .config import MXFP8MoEConfig
 
 _CLASSES: dict = {}
 _PREFIX = "MXFP8_"
@@ -80,7 +81,8 @@ def converted_class(cls: type) -> type:
     if methods is None:
         raise TypeError(f"MXFP8MoEConfig cannot convert {cls.__module__}.{cls.__qualname__}: supported are "
                         f"{SUPPORTED}.")
-    namespace = dict(methods, __module__=__name__, __qualname__=name, _mxfp8_base=cls)
+    # the class holds the default config: a module built from the converted torchtitan Config has no own one
+    namespace = dict(methods, __module__=__name__, __qualname__=name, _mxfp8_base=cls, _mxfp8_config=MXFP8MoEConfig())
     namespace["__doc__"] = f"{cls.__qualname__} with its expert GEMMs in MXFP8 (moe_quant conversion)."
     config_cls = _torchtitan_config(cls)
     if config_cls is not None:
