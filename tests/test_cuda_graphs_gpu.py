@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from torchao.quantization import quantize_
 
 from moe_quant import mxfp8_grouped_mm
-from moe_quant.conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
+from moe_quant.conversion import MXFP8MoEConfig, fallback_counts, is_converted, reset_fallback_counts
 from moe_quant.moe import MoE
 
 pytestmark = pytest.mark.gpu
@@ -103,7 +103,7 @@ def converted_moe():
     torch.manual_seed(0)
     moe = MoE(DIM, HIDDEN, EXPERTS, TOP_K).to(device=DEVICE, dtype=torch.bfloat16)
     quantize_(moe, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: "experts" in fqn)
-    assert all(isinstance(moe.experts.get_parameter(w), MXFP8ExpertWeight) for w in ("w1", "w2", "w3"))
+    assert is_converted(moe.experts)
     return moe
 
 

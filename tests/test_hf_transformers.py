@@ -15,7 +15,7 @@ from torchao.quantization import quantize_  # noqa: E402
 from examples.hf_train import EXPERTS_FILTER, FAMILIES, build_config, build_model, parse_args  # noqa: E402
 from moe_quant import MXFP8MoEConfig, fallback_counts  # noqa: E402
 from moe_quant.autograd import grouped_mm as gm  # noqa: E402
-from moe_quant.conversion import MXFP8ExpertWeight  # noqa: E402
+from moe_quant.conversion import is_converted  # noqa: E402
 from repo_subprocess import run_python  # noqa: E402
 
 LAYERS, HIDDEN, INTER, VOCAB = 2, 64, 32, 128
@@ -89,8 +89,9 @@ def test_family_trains_in_mxfp8(family, mxfp8_calls):
     routing_ref, routing = record_routing(ref), record_routing(model)
     expert_params = {n for n, p in ref.named_parameters() if n.rsplit(".", 2)[-2] == "experts" and p.ndim == 3}
     assert len(expert_params) == 2 * LAYERS, sorted(expert_params)  # gate_up_proj and down_proj per layer
-    wrapped = {n for n, p in model.named_parameters() if isinstance(p, MXFP8ExpertWeight)}
-    assert wrapped == expert_params
+    converted = {n for n, m in model.named_modules() if is_converted(m)}
+    assert converted == {n.rsplit(".", 1)[0] for n in expert_params}
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
 
     loss_ref, loss = loss_of(ref), loss_of(model)
     assert len(mxfp8_calls) == 2 * LAYERS  # both expert GEMMs of every layer, in MXFP8
@@ -115,7 +116,7 @@ def test_family_trains_in_mxfp8(family, mxfp8_calls):
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads.keys() == grads_ref.keys() and expert_params <= grads.keys()
     for name in grads:
-        assert not isinstance(grads[name], MXFP8ExpertWeight)
+        assert type(grads[name]) is torch.Tensor
         assert rel_err(grads[name], grads_ref[name]) < 0.1, name
     for name in expert_params:
         assert grads[name].abs().sum() > 0, name
@@ -124,7 +125,7 @@ def test_family_trains_in_mxfp8(family, mxfp8_calls):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    assert {n for n, p in model.named_parameters() if isinstance(p, MXFP8ExpertWeight)} == expert_params
+    assert {n for n, m in model.named_modules() if is_converted(m)} == converted
     for name, p in model.named_parameters():
         if name in expert_params:
             assert not torch.equal(p.detach(), before[name]), name
@@ -140,7 +141,7 @@ def test_checkpoints_load_into_unconverted_models(family, tmp_path):
     ref = build_model(cfg)
     model = convert(copy.deepcopy(ref))
     sd = model.state_dict()
-    assert not any(isinstance(t, MXFP8ExpertWeight) for t in sd.values())
+    assert all(type(t) is torch.Tensor for t in sd.values())
     assert sd.keys() == ref.state_dict().keys()
 
     plain = build_model(cfg, seed=1)  # other weights, then the converted model's checkpoint
@@ -198,6 +199,27 @@ def test_example_script_checks_its_arguments(argv, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_experts_implementation_name_selects_mxfp8(family, mxfp8_calls, tmp_path):
+    """``from_pretrained(..., experts_implementation="moe_quant_mxfp8")``: transformers' experts interface
+    runs moe_quant's forward (default config), equal to converting the experts with quantize_."""
+    from transformers import AutoModelForCausalLM
+
+    import moe_quant
+
+    name = moe_quant.register_experts_implementation()
+    ref = build_model(tiny(family), seed=SEED)
+    ref.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=name)
+    assert model.config._experts_implementation == name
+    assert not any(is_converted(m) for m in model.modules())  # no class swap: the interface dispatches
+    loss = loss_of(model)
+    assert len(mxfp8_calls) == 2 * LAYERS and fallback_counts() == {}
+    mxfp8_calls.clear()
+    assert torch.equal(loss, loss_of(convert(copy.deepcopy(ref))))
+    assert len(mxfp8_calls) == 2 * LAYERS
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_in_mxfp8_on_cuda(family, mxfp8_calls):
@@ -221,7 +243,7 @@ def test_family_trains_in_mxfp8_on_cuda(family, mxfp8_calls):
     loss_ref.backward()
     loss.backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if isinstance(p, MXFP8ExpertWeight):
+        if p.ndim == 3 and ".experts." in name:
             assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
             if same_routing:
                 assert rel_err(p.grad, q.grad) < 0.15, name
