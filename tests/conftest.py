@@ -34,3 +34,25 @@ def _clean_fallback_counts():
     reset_fallback_counts()
     yield
     reset_fallback_counts()
+
+
+def spy_on(monkeypatch, owner, name: str) -> list:
+    """Record the positional arguments of every call of ``owner.<name>`` (calling through to it)."""
+    calls = []
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+@pytest.fixture
+def mxfp8_calls(monkeypatch):
+    """Calls of moe_quant's MXFP8 grouped GEMM (conversion looks ``moe_quant.autograd.mxfp8_grouped_mm``
+    up on each call), counted also while ``torch.compile`` traces."""
+    import moe_quant.autograd
+
+    return spy_on(monkeypatch, moe_quant.autograd, "mxfp8_grouped_mm")

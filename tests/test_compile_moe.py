@@ -10,7 +10,6 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.quantization import quantize_
 
-import moe_quant.autograd
 from moe_quant.conversion import MXFP8MoEConfig, fallback_counts, gemm, is_converted, reset_fallback_counts
 from moe_quant.moe import MoE
 
@@ -110,17 +109,10 @@ def test_compiled_fallback_is_counted():
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_converted_block_runs_mxfp8_not_bf16(backend, monkeypatch):
+def test_compiled_converted_block_runs_mxfp8_not_bf16(backend, mxfp8_calls):
     """The traced graph calls the MXFP8 GEMM (counted while tracing) and its output sits at the MXFP8
     noise level against the unconverted block (~25 dB here), not at bf16's (~49 dB)."""
-    calls = []
-    real = moe_quant.autograd.mxfp8_grouped_mm
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(moe_quant.autograd, "mxfp8_grouped_mm", spy)
+    calls = mxfp8_calls
     plain, moe = make_moe(convert=False), make_moe()
     x = batches(1)[0]
     out = torch.compile(moe, backend=backend, fullgraph=True)(x)

@@ -11,14 +11,11 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
 from repo_subprocess import run_python
 from torch import nn
 from torch.func import functional_call
 from torchao.quantization import quantize_
 
-import moe_quant
-import moe_quant.autograd
 from moe_quant import MXFP8MoEConfig, fallback_counts
 from moe_quant.moe import GroupedExperts, MoE
 
@@ -53,20 +50,6 @@ def make_moe(dtype=torch.bfloat16, seed=0):
 
 def batch(seed=1, dtype=torch.bfloat16):
     return torch.randn(T, D, generator=torch.Generator().manual_seed(seed)).to(dtype).requires_grad_()
-
-
-@pytest.fixture
-def mxfp8_calls(monkeypatch):
-    """Calls of the MXFP8 grouped GEMM (the conversion looks it up on each call)."""
-    calls = []
-    real = moe_quant.autograd.mxfp8_grouped_mm
-
-    def spy(*args, **kwargs):
-        calls.append(args[1].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(moe_quant.autograd, "mxfp8_grouped_mm", spy)
-    return calls
 
 
 def fresh_output(model, x):

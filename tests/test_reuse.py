@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from conftest import spy_on
 from torchao.quantization import quantize_
 
 import moe_quant.autograd.grouped_mm as gm
@@ -29,15 +30,7 @@ def micro_batches(n=3, dtype=torch.bfloat16):
 @pytest.fixture
 def weight_quantizations(monkeypatch):
     """How often a weight operand is made (a quantization of a 3-D weight)."""
-    calls = []
-    real = gm.q.fake_quantize_3d
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gm.q, "fake_quantize_3d", spy)
-    return calls
+    return spy_on(monkeypatch, gm.q, "fake_quantize_3d")
 
 
 def accumulate(m, xs, reuse):

@@ -16,7 +16,6 @@ from repo_subprocess import ROOT, run_python
 from torch import nn
 from torchao.quantization import quantize_
 
-import moe_quant.autograd
 from moe_quant import MXFP8MoEConfig, mxfp8_grouped_mm
 from moe_quant.conversion import converted_class, fallback_counts, is_converted
 
@@ -38,20 +37,6 @@ except ImportError as exc:  # not installed, or a dependency of it (e.g. triton)
 
 TITAN_PATH = Path(torchtitan.__file__).resolve().parents[1]
 ISINSTANCE = lambda mod, fqn: isinstance(mod, GroupedExperts)  # noqa: E731
-
-
-@pytest.fixture
-def mxfp8_calls(monkeypatch):
-    """Counts the calls of moe_quant's MXFP8 grouped GEMM (the conversion looks it up on each call)."""
-    calls = []
-    real = moe_quant.autograd.mxfp8_grouped_mm
-
-    def spy(*args, **kwargs):
-        calls.append(args[1].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(moe_quant.autograd, "mxfp8_grouped_mm", spy)
-    return calls
 
 
 class _Holder(nn.Module):
