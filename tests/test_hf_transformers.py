@@ -190,8 +190,10 @@ def test_example_script_runs_as_a_file():
         (["--tokens", "100", "--seq", "32"], "--seq must divide --tokens"),
         (["--steps", "2", "--warmup", "2"], "--warmup must be in"),
         (["--layers", "0"], "--layers must be positive"),
+        (["--device", "bogus"], "is not a device"),
+        (["--device", "meta"], "not on 'meta'"),
     ]
-    + ([(["--device", "cuda"], "sees no CUDA GPU")] if not torch.cuda.is_available() else []),
+    + ([(["--device", "cuda"], "needs a CUDA GPU")] if not torch.cuda.is_available() else []),
 )
 def test_example_script_checks_its_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
