@@ -181,11 +181,9 @@ class MXFP8TokenDispatcher:
             counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
             msg, recv = self._token_count_exchange(counts, 0, settings, None, True)
             try:
-                self._sync_token_count_exchange(msg, recv, 0)
-            except ValueError as peer_error:
-                if not str(peer_error).startswith("dispatch arguments are invalid"):
-                    raise peer_error from local_error  # a disagreement explains the local error too
-            raise local_error
+                self._sync_token_count_exchange(msg, recv, 0)  # raises: this rank reported BAD_ARGS
+            except ValueError as group_error:  # peers raise this one; this rank its own error
+                raise local_error from group_error
         x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
         ids = topk_expert_ids_TK.reshape(-1)
         in_range = (ids >= 0) & (ids < self.num_experts)
