@@ -88,6 +88,11 @@ def _job(job):
             prequantized.lookup = original
     if kind == "bad":
         return _bad_dispatch(**arg)
+    if kind == "sync_free":
+        from moe_quant.ep.check import run_sync_free_check
+
+        arg = dict(arg)
+        return run_sync_free_check(CheckCase(**arg.pop("case")), **arg)
     raise ValueError(kind)
 
 

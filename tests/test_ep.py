@@ -34,6 +34,12 @@ CASES_2 = {
     "bad_hidden_one_rank": ("bad", {"kind": "bad_hidden_one_rank", "bad_rank": 0}),
     "bad_counts_len_one_rank": ("bad", {"kind": "bad_counts_len_one_rank", "bad_rank": 1}),
     "after_errors": ("check", {**ROUTER, "seed": 5}),
+    "sync_free": ("sync_free", {"case": ROUTER, "capacity_factor": 2.0}),
+    "sync_free_tight": ("sync_free", {"case": {**ROUTER, "seed": 7}, "capacity_factor": 1.25}),
+    "sync_free_bf16": ("sync_free", {"case": {**ROUTER, "wire": "bf16", "seed": 2}, "capacity_factor": 2.0}),
+    "sync_free_overflow": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 1.0}),
+    "sync_free_drop": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 1.0,
+                                     "overflow": "drop"}),
 }
 CASES_4 = {
     "mxfp8_uneven": ("check", {**ROUTER, "tokens": (40, 17, 0, 33), "seed": 1}),
@@ -43,6 +49,8 @@ CASES_4 = {
     "disagree_hidden": ("bad", {"kind": "disagree_hidden", "bad_rank": 2}),
     "bad_hidden_one_rank": ("bad", {"kind": "bad_hidden_one_rank", "bad_rank": 3}),
     "after_errors": ("check", {**ROUTER, "tokens": (5, 9, 0, 3), "seed": 6}),
+    "sync_free": ("sync_free", {"case": {**ROUTER, "seed": 3}, "capacity_factor": 4.0}),
+    "sync_free_overflow": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 2.0}),
 }
 
 
@@ -63,7 +71,7 @@ def ep4():
 
 
 def _checks(res):
-    return [(name, ranks) for name, ranks in res.items() if isinstance(ranks[0], dict) and "out_equal" in ranks[0]]
+    return [(name, ranks) for name, ranks in res.items() if isinstance(ranks[0], dict) and "routing_equal" in ranks[0]]
 
 
 def _db(v):
@@ -193,3 +201,32 @@ def test_argument_error_on_one_rank_raises_on_every_rank(world, case, bad_rank, 
         else:  # (a hidden size that is no multiple of 32 differs from the peers' too: named as such)
             assert f"invalid on rank(s) [{bad_rank}]" in e["message"] or (
                 "disagree on hidden size" in e["message"] and f"rank(s) [{bad_rank}]: 48" in e["message"]), e
+
+
+@pytest.mark.parametrize("world, case", [(2, "sync_free"), (2, "sync_free_tight"), (2, "sync_free_bf16"),
+                                         (4, "sync_free")])
+def test_sync_free_equals_synced_without_host_reads(world, case, ep2, ep4):
+    """Fixed capacity, nothing overflowing: output, input and weight gradients bit-identical to the synced
+    mode over two steps; the second step (after the one-time handshake) reads nothing on the host."""
+    for r in (ep2 if world == 2 else ep4)[case]:
+        assert r["dropped"] == 0 and r["error"] is None, r  # precondition: nothing overflowed
+        assert r["out_equal"] and r["xgrad_equal"] and r["wgrad_equal"], r
+        assert r["host_reads"] == [], r
+        assert "tolist" in r["synced_host_reads"], r  # the detector sees the synced mode's one read
+
+
+def test_sync_free_overflow_is_an_error_on_every_rank(ep2, ep4):
+    """Every token to the experts of rank 0, a capacity too small for that: no rank returns silently wrong
+    data (NaN outputs), check_overflow raises the same ValueError with the count on every rank, then resets."""
+    for res in (ep2, ep4):
+        ranks = res["sync_free_overflow"]
+        assert len({r["error"] for r in ranks}) == 1, ranks
+        for r in ranks:
+            assert r["error"] and "overflowed the EP receive capacity" in r["error"] and "overflow='drop'" in r["error"]
+            assert not r["finite"] and r["check_again"] == 0 and r["host_reads"] == [], r
+
+
+def test_sync_free_drop_is_opt_in_and_counted(ep2):
+    ranks = ep2["sync_free_drop"]
+    assert len({r["dropped"] for r in ranks}) == 1 and ranks[0]["dropped"] > 0, ranks  # the same total everywhere
+    assert all(r["finite"] and r["error"] is None for r in ranks), ranks

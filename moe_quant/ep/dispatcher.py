@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .. import validation as v
 from ..numerics import ScaleMode
 from ..routing import sort_tokens_by_expert, unsort_tokens
-from . import agree
+from . import agree, capacity
 from .legs import Route, Wire, combine_rows, dispatch_rows, exchange_counts, read_counts, route_from_counts
 from .wire import all_to_all_rows
 
@@ -31,7 +31,7 @@ class EPDispatchMetadata:
 
     token_indices_experts_sorted_N: torch.Tensor  # (T*K,) token of each sorted row  # noqa: N815
     topk_scores_experts_sorted_N: torch.Tensor  # (T*K,) its routing score  # noqa: N815
-    route: Route | None  # None: local dispatch (no EP group)
+    route: Route | capacity.CapacityRoute | None  # None: local dispatch (no EP group)
 
 
 _LOCAL = "local"  # group sentinel: no EP group, dispatch on this rank only (torchtitan's ep_mesh=None)
@@ -73,7 +73,8 @@ class MXFP8TokenDispatcher:
     """
 
     def __init__(self, num_experts: int, top_k: int, *, group=None, wire: Wire | str = Wire.MXFP8,
-                 scale_mode: ScaleMode | str = ScaleMode.RCEIL):
+                 scale_mode: ScaleMode | str = ScaleMode.RCEIL, capacity_factor: float | None = None,
+                 overflow: str = "error"):
         self.num_experts = v.check_size("num_experts", num_experts)
         self.top_k = v.check_size("top_k", top_k)
         if not 1 <= self.top_k <= max(self.num_experts, 1):
@@ -81,6 +82,14 @@ class MXFP8TokenDispatcher:
         self.wire = Wire.parse(wire)
         self.scale_mode = ScaleMode.parse(scale_mode)
         self.group = _group_of(group)
+        if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
+                                                and not isinstance(capacity_factor, bool) and capacity_factor > 0):
+            raise ValueError(f"capacity_factor must be None (synced mode) or a positive number, got {capacity_factor!r}")
+        if overflow not in capacity.OVERFLOW:
+            raise ValueError(f"overflow must be one of {list(capacity.OVERFLOW)}, got {overflow!r}")
+        self.capacity_factor = capacity_factor
+        self.overflow = overflow
+        self.dropped_rows = None  # sync-free mode: device int64 counter of token copies past capacity
         self._agreed = ()  # (group,): the group the one-time handshake passed on
 
     @classmethod
@@ -145,9 +154,10 @@ class MXFP8TokenDispatcher:
             raise ValueError(message)
         self._agreed = (self.group,)
 
-    def _token_count_exchange(self, counts, rows: int, settings: list, mismatch, bad_args: bool):
+    def _token_count_exchange(self, counts, rows: int, settings: list, mismatch, bad_args: bool, **kwargs):
         """The counts all-to-all (with every rank's settings and problem code); no host read."""
-        return exchange_counts(counts, rows, self.group, settings=settings, mismatch=mismatch, bad_args=bad_args)
+        return exchange_counts(counts, rows, self.group, settings=settings, mismatch=mismatch, bad_args=bad_args,
+                               **kwargs)
 
     def _sync_token_count_exchange(self, msg, recv, rows: int):
         """The one host synchronization: ``(input_splits, output_splits)``, or the same error on every rank."""
@@ -184,19 +194,66 @@ class MXFP8TokenDispatcher:
                 self._sync_token_count_exchange(msg, recv, 0)  # raises: this rank reported BAD_ARGS
             except ValueError as group_error:  # peers raise this one; this rank its own error
                 raise local_error from group_error
+        if self.capacity_factor is not None:
+            self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            self.handshake(x_TD.device)
+            return self._dispatch_sync_free(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
         x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
-        ids = topk_expert_ids_TK.reshape(-1)
-        in_range = (ids >= 0) & (ids < self.num_experts)
-        actual = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device).scatter_add(
-            0, torch.where(in_range, ids, 0).to(torch.int64), in_range.to(torch.int64))
-        mismatch = (~in_range).any() | (actual != num_local_tokens_per_expert_E.to(torch.int64)).any()
-        rows = ids.numel()
+        mismatch = self._mismatch(topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        rows = token_idx.shape[0]
         msg, recv = self._token_count_exchange(num_local_tokens_per_expert_E, rows, settings, mismatch, False)
         input_splits, output_splits = self._sync_token_count_exchange(msg, recv, rows)
         route = route_from_counts(recv, input_splits, output_splits, self.group, wire=self.wire, mode=self.scale_mode)
         metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
                                       topk_scores_experts_sorted_N=scores_sorted, route=route)
         return dispatch_rows(x_sorted, route), route.num_tokens_per_local_expert, metadata
+
+    def _mismatch(self, topk_expert_ids_TK, counts):
+        ids = topk_expert_ids_TK.reshape(-1)
+        in_range = (ids >= 0) & (ids < self.num_experts)
+        actual = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device).scatter_add(
+            0, torch.where(in_range, ids, 0).to(torch.int64), in_range.to(torch.int64))
+        return (~in_range).any() | (actual != counts.to(torch.int64)).any()
+
+    def _dispatch_sync_free(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts):
+        """Fixed capacity (:mod:`moe_quant.ep.capacity`): static sizes, nothing read on the host."""
+        world, n_local = self.ep_size, self.num_local_experts
+        slots = capacity.slots_per_rank(x_TD.shape[0], self.top_k, world, n_local, self.capacity_factor)
+        x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        rows = token_idx.shape[0]
+        send_idx, send_valid, slot_of_row, kept, dropped = capacity.plan_send(counts, rows, world, slots)
+        settings = self._settings(x_TD)
+        msg, recv = self._token_count_exchange(counts, rows, settings, self._mismatch(topk_expert_ids_TK, counts),
+                                               False, payload=kept, extra=dropped.view(1))
+        head = recv[:, n_local:n_local + agree.SIZE]
+        bad = (head[:, 0] != 0).any() | (head[:, 1:] != msg[:1, n_local + 1:n_local + agree.SIZE]).any()
+        total_dropped = recv[:, -1].sum() + bad.to(torch.int64)  # the same on every rank
+        if self.dropped_rows is None or self.dropped_rows.device != x_TD.device:
+            self.dropped_rows = torch.zeros((), dtype=torch.int64, device=x_TD.device)
+        self.dropped_rows.add_(total_dropped)
+        src, valid, num_tokens_per_local_expert = capacity.plan_receive(recv[:, :n_local], slots)
+        route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode, slots=slots,
+                                       world=world, send_idx=send_idx, send_valid=send_valid, slot_of_row=slot_of_row,
+                                       src=src, valid=valid, num_tokens_per_local_expert=num_tokens_per_local_expert,
+                                       dropped=total_dropped)
+        metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
+                                      topk_scores_experts_sorted_N=scores_sorted, route=route)
+        return capacity.dispatch_rows(x_sorted, route), num_tokens_per_local_expert, metadata
+
+    def check_overflow(self) -> int:
+        """Sync-free mode: read (one host sync) and reset the count of token copies that overflowed the
+        capacity since the last call. ``overflow="error"``: raises a ``ValueError`` if any did (the steps
+        since the last call produced NaN outputs); ``overflow="drop"``: returns the count. Every rank
+        of the EP group holds the same count, so every rank raises together."""
+        if self.dropped_rows is None:
+            return 0
+        n = int(self.dropped_rows.item())
+        self.dropped_rows.zero_()
+        if n and self.overflow == "error":
+            raise ValueError(f"{n} token copies overflowed the EP receive capacity (capacity_factor="
+                             f"{self.capacity_factor}) or had invalid counts; the outputs of those steps are NaN. "
+                             f"Raise capacity_factor, or pass overflow='drop' to drop them (counted)")
+        return n
 
     def combine(self, routed_output, metadata: EPDispatchMetadata, x_TD, **_unused):
         """Send the expert outputs back, scale them by their routing scores and sum each token's rows.
@@ -210,7 +267,13 @@ class MXFP8TokenDispatcher:
         rows = metadata.token_indices_experts_sorted_N.shape[0] if metadata.route is None else \
             metadata.route.rows_received
         v.check_shape("routed_output", routed_output, (rows, x_TD.shape[1]), "(rows dispatch returned, D)")
-        y = routed_output if metadata.route is None else combine_rows(routed_output, metadata.route)
+        route = metadata.route
+        if isinstance(route, capacity.CapacityRoute):
+            y = capacity.combine_rows(routed_output, route)
+            if self.overflow == "error":  # NaN at the next host read: never a silently wrong step
+                y = torch.where(route.dropped > 0, float("nan"), y)
+        else:
+            y = routed_output if route is None else combine_rows(routed_output, route)
         return unsort_tokens(y, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N, x_TD)
 
 

@@ -59,12 +59,26 @@ class Route:
         return sum(self.output_splits)
 
 
+_CONSTANTS: dict = {}
+
+
+def _constant(values: tuple, device) -> torch.Tensor:
+    """An int64 device tensor of ``values``, made once (no host-to-device copy in later steps: CUDA graphs)."""
+    key = (values, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=torch.int64).to(device)
+    return _CONSTANTS[key]
+
+
 def exchange_counts(num_local_tokens_per_expert_E: torch.Tensor, rows: int, group, *, settings: list,
-                    mismatch: torch.Tensor | None = None, bad_args: bool = False) -> tuple:
+                    mismatch: torch.Tensor | None = None, bad_args: bool = False,
+                    payload: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> tuple:
     """The token-count exchange: one small all-to-all of this rank's counts and its :mod:`.agree` header.
 
-    Returns ``(sent, received)`` int64 ``(R, E_local + agree.SIZE)`` device tensors; nothing is read on
-    the host. ``bad_args``: this rank's own arguments are invalid (it sends zero counts and the flag).
+    Returns ``(sent, received)`` int64 ``(R, E_local + agree.SIZE [+ len(extra)])`` device tensors;
+    nothing is read on the host. ``bad_args``: this rank's own arguments are invalid (it sends zero
+    counts and the flag). ``payload (R, E_local)``: sent in place of the counts (the problem code is
+    still the counts'); ``extra``: int64 values appended to every peer's row.
     """
     world = dist.get_world_size(group)
     send = num_local_tokens_per_expert_E.to(torch.int64).view(world, -1)
@@ -73,8 +87,12 @@ def exchange_counts(num_local_tokens_per_expert_E: torch.Tensor, rows: int, grou
         code = code + mismatch.to(torch.int64) * agree.MISMATCH
     if bad_args:
         code = torch.full_like(code, agree.BAD_ARGS)
-    head = torch.cat([code.view(1), torch.tensor(settings[1:], dtype=torch.int64).to(send.device)])
-    msg = torch.cat([send, head.expand(world, agree.SIZE)], dim=1).contiguous()
+    head = torch.cat([code.view(1), _constant(tuple(settings[1:]), send.device)])
+    if extra is not None:
+        head = torch.cat([head, extra.to(torch.int64).view(-1)])
+    if payload is not None:
+        send = payload.to(torch.int64).view(world, -1)
+    msg = torch.cat([send, head.expand(world, head.numel())], dim=1).contiguous()
     recv = all_to_all_rows(msg, [1] * world, [1] * world, group, "counts")
     return msg, recv
 
