@@ -78,7 +78,7 @@ def plan_send(counts: torch.Tensor, rows: int, world: int, slots: int):
     dev = counts.device
     c = counts.to(torch.int64).view(world, -1)
     ends = layouts.sanitize_offsets(torch.cumsum(c.clamp(min=0).reshape(-1), 0), rows).view(world, -1)
-    rank_ends = ends[:, -1]
+    rank_ends = ends[:, -1].contiguous()
     rank_starts = torch.cat([rank_ends.new_zeros(1), rank_ends[:-1]])
     n = rank_ends - rank_starts
     kept_r = n.clamp(max=slots)

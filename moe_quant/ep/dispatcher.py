@@ -140,8 +140,13 @@ class MXFP8TokenDispatcher:
         """Check once per group that every rank built the dispatcher alike (num_experts, top_k, wire, scale
         mode), before the counts exchange (whose size depends on num_experts). One small all-to-all and
         a host read; :meth:`dispatch` calls it before its first exchange on a group (call it yourself
-        before capturing a CUDA graph or compiling)."""
+        before capturing a CUDA graph or compiling: skipped while tracing)."""
         if self.is_local or self._agreed == (self.group,):
+            return
+        if torch.compiler.is_compiling():
+            # traced: the counts exchange checks top_k, wire and scale mode as runtime asserts, but a
+            # num_experts mismatch changes its size: run this eagerly first (the torchtitan component does,
+            # in wire_meshes)
             return
         world = dist.get_world_size(self.group)
         mine = self._settings(None)

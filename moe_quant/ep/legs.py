@@ -103,6 +103,8 @@ def read_counts(msg: torch.Tensor, recv: torch.Tensor, rows: int, group) -> tupl
     n_local = msg.shape[1] - agree.SIZE
     host = torch.stack([msg, recv]).tolist()
     sent, got = host[0], host[1]
+    if torch.compiler.is_compiling():  # values are unbacked SymInts: checked when the graph runs
+        return _check_traced(sent, got, n_local)
     message = agree.diagnose([row[n_local:] for row in got])
     if message is not None:
         raise ValueError(message)
@@ -114,6 +116,22 @@ def read_counts(msg: torch.Tensor, recv: torch.Tensor, rows: int, group) -> tupl
                              f"{[c for row in sent for c in row[:n_local]]} for {rows} routed rows")
         raise ValueError(f"num_local_tokens_per_expert_E is invalid on rank(s) {sorted(bad)} of the EP group "
                          f"(see the error raised there); no tokens were exchanged")
+    return [sum(row[:n_local]) for row in sent], [sum(row[:n_local]) for row in got]
+
+
+def _check_traced(sent: list, got: list, n_local: int) -> tuple:
+    """:func:`read_counts` under ``torch.compile``: the same conditions as runtime asserts of the graph
+    (every rank checks every rank's header, so all raise together; a ``RuntimeError`` naming the setting)."""
+    mine = sent[0][n_local:]
+    for r, row in enumerate(got):
+        for i, field in enumerate(agree.FIELDS[1:], start=1):
+            what = f"EP ranks disagree on {field} (rank {r} differs from this rank); no tokens were exchanged"
+            torch._check(row[n_local + i] == mine[i], lambda: what)
+        what = f"EP rank {r} reported invalid dispatch arguments or counts; no tokens were exchanged"
+        torch._check(row[n_local] == 0, lambda: what)
+    for row in sent + got:
+        for c in row[:n_local]:
+            torch._check(c >= 0)
     return [sum(row[:n_local]) for row in sent], [sum(row[:n_local]) for row in got]
 
 

@@ -24,6 +24,7 @@ def dispatcher_class():
     """``TitanMXFP8TokenDispatcher`` (defined on first use; imports torchtitan)."""
     from dataclasses import dataclass
 
+    import torch
     from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
     from .dispatcher import _LOCAL, MXFP8TokenDispatcher
@@ -42,7 +43,15 @@ def dispatcher_class():
 
         dispatch = MXFP8TokenDispatcher.dispatch
         combine = MXFP8TokenDispatcher.combine
-        wire_meshes = MXFP8TokenDispatcher.wire_meshes
+
+        def wire_meshes(self, *, ep_mesh=None, **_unused):
+            """torchtitan's meaning (``None``: local dispatch); with an EP mesh, the one-time handshake
+            runs here (every rank parallelizes the same modules in the same order), before torchtitan
+            compiles the blocks."""
+            MXFP8TokenDispatcher.wire_meshes(self, ep_mesh=ep_mesh)
+            if ep_mesh is not None:
+                self.handshake(torch.device(getattr(ep_mesh, "device_type", "cpu"), *(
+                    [torch.cuda.current_device()] if getattr(ep_mesh, "device_type", "cpu") == "cuda" else [])))
 
     return TitanMXFP8TokenDispatcher
 
