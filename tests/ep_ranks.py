@@ -88,6 +88,10 @@ def _job(job):
             prequantized.lookup = original
     if kind == "bad":
         return _bad_dispatch(**arg)
+    if kind == "titan":
+        import titan_ranks
+
+        return titan_ranks.run(**arg)
     if kind == "sync_free":
         from moe_quant.ep.check import run_sync_free_check
 
