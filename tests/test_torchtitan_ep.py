@@ -45,9 +45,16 @@ def test_ep_off_dispatches_locally_and_ep_equals_it(titan2):
 
 
 def test_ours_close_to_torchtitans_all_to_all(titan2):
-    """Same converted experts, torchtitan's dispatcher: the same result up to its fp32 score scaling."""
+    """Same converted experts, torchtitan's dispatcher: the same result up to where the routing scores are
+    applied (torchtitan: in fp32; moe_quant.routing: in the activations' dtype, as its reference MoE). The
+    input gradient differs more: the combine backward's small difference is re-quantized to MXFP8 by the
+    expert GEMMs' backward (quantization noise, ~33 dB for e4m3), not a different route."""
     for ours, theirs in zip(titan2["ours_ep"], titan2["titan_ep"]):
-        for a, b in zip(ours["eager"], theirs["eager"]):
-            a, b = torch.tensor(a), torch.tensor(b)
-            err = (a - b).pow(2).sum()
-            assert err == 0 or 10 * torch.log10(b.pow(2).sum() / err) > 40
+        (out_a, grad_a), (out_b, grad_b) = ([torch.tensor(t) for t in r["eager"]] for r in (ours, theirs))
+        assert not torch.equal(out_a, out_b)  # precondition: two different implementations ran
+        assert _sqnr(out_b, out_a) > 45 and _sqnr(grad_b, grad_a) > 25
+
+
+def _sqnr(ref, x):
+    err = (ref - x).pow(2).sum()
+    return float("inf") if err == 0 else float(10 * torch.log10(ref.pow(2).sum() / err))
