@@ -18,6 +18,7 @@ JOBS = {
     "ours_ep": ("titan", {"dispatcher": "moe_quant", "ep": True}),
     "ours_local": ("titan", {"dispatcher": "moe_quant", "ep": False}),
     "titan_ep": ("titan", {"dispatcher": "torchtitan", "ep": True}),
+    "ours_ep_sync_free": ("titan", {"dispatcher": "moe_quant", "ep": True, "capacity_factor": 2.0}),
 }
 
 
@@ -42,6 +43,13 @@ def test_ep_off_dispatches_locally_and_ep_equals_it(titan2):
     for ep, local in zip(titan2["ours_ep"], titan2["ours_local"]):
         assert local["local"] and not ep["local"]
         assert ep["eager"] == local["eager"]
+
+
+def test_sync_free_equals_synced_in_torchtitan(titan2):
+    """The sync-free dispatcher (capacity_factor 2 on 2 ranks: nothing can overflow) gives the synced
+    dispatcher's output, input and weight gradients bit for bit, and compiles fullgraph (test above)."""
+    for sf, synced in zip(titan2["ours_ep_sync_free"], titan2["ours_ep"]):
+        assert sf["eager"] == synced["eager"] and sf["wgrads"] == synced["wgrads"]
 
 
 def test_ours_close_to_torchtitans_all_to_all(titan2):

@@ -75,7 +75,7 @@ def _step(fn, block, x, scores, ids, counts, gout):
     return [out.detach(), x.grad] + [w.grad.clone() for w in ws]
 
 
-def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager") -> dict:
+def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager", capacity_factor=None) -> dict:
     """Eager and compiled steps of one block; returns whether they are bit-identical, and the outputs."""
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
@@ -86,7 +86,7 @@ def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager") ->
     torch._dynamo.config.capture_scalar_outputs = True  # as torchtitan's compile does
     set_spmd_backend("partial_dtensor")  # plain process groups (its default needs torchtitan's trainer set-up)
     if dispatcher == "moe_quant":
-        cfg = dispatcher_config(num_experts=E, top_k=K)
+        cfg = dispatcher_config(num_experts=E, top_k=K, capacity_factor=capacity_factor)
     else:
         cfg = AllToAllTokenDispatcher.Config(num_experts=E, top_k=K)
     block = _block(cfg, ep)
@@ -94,7 +94,8 @@ def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager") ->
     eager = _step(block, block, *args)
     t0 = time.monotonic()
     res = {"ours": isinstance(block.token_dispatcher, dispatcher_class()), "local": not ep,
-           "rows": int(args[3].sum()), "eager": [t.float().tolist() for t in eager[:2]]}
+           "rows": int(args[3].sum()), "eager": [t.float().tolist() for t in eager[:2]],
+           "wgrads": [t.float().tolist() for t in eager[2:]]}
     if compile_backend:
         torch._dynamo.reset()
         compiled = _step(torch.compile(block, backend=compile_backend, fullgraph=True), block, *args)

@@ -36,10 +36,14 @@ def dispatcher_class():
         class Config(LocalTokenDispatcher.Config):
             wire: str = "mxfp8"
             scale_mode: str = "rceil"
+            capacity_factor: float | None = None
+            """None: synced mode; a number: the sync-free mode (see moe_quant.ep.capacity)."""
+            overflow: str = "error"
 
         def __init__(self, config):
             MXFP8TokenDispatcher.__init__(self, config.num_experts, config.top_k, group=_LOCAL,
-                                          wire=config.wire, scale_mode=config.scale_mode)
+                                          wire=config.wire, scale_mode=config.scale_mode,
+                                          capacity_factor=config.capacity_factor, overflow=config.overflow)
 
         dispatch = MXFP8TokenDispatcher.dispatch
         combine = MXFP8TokenDispatcher.combine
@@ -56,9 +60,11 @@ def dispatcher_class():
     return TitanMXFP8TokenDispatcher
 
 
-def dispatcher_config(*, num_experts: int, top_k: int, wire: str = "mxfp8", scale_mode: str = "rceil"):
+def dispatcher_config(*, num_experts: int, top_k: int, wire: str = "mxfp8", scale_mode: str = "rceil",
+                      capacity_factor: float | None = None, overflow: str = "error"):
     """``TitanMXFP8TokenDispatcher.Config(...)``, for ``RoutedExperts.Config(token_dispatcher=...)``."""
-    return dispatcher_class().Config(num_experts=num_experts, top_k=top_k, wire=wire, scale_mode=scale_mode)
+    return dispatcher_class().Config(num_experts=num_experts, top_k=top_k, wire=wire, scale_mode=scale_mode,
+                                     capacity_factor=capacity_factor, overflow=overflow)
 
 
 @functools.cache
