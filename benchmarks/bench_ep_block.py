@@ -12,7 +12,7 @@ once per dispatch) and ``sync_free`` (``capacity_factor``: static sizes, no host
 eager fwd + bwd captured once in a CUDA graph and replayed; sync-free only: the synced mode reads the
 host inside the step, which a graph cannot hold). Per row: device ms per step (CUDA events), host ms per
 step (wall time of issuing one step without waiting for the GPU; the synced mode's host read makes it
-wait), peak memory above the inputs. One line and exit 2 without a GPU (unless ``--device cpu``).
+wait), peak memory above the inputs. One line on stderr and exit 2 without a GPU (unless ``--device cpu``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_moe import balanced_routing_
-from benchmarks.timing import device_name, peak_memory_bytes, print_table
+from benchmarks.timing import device_name, peak_memory_bytes, print_table, require_cuda
 from moe_quant.moe import EPMoE, MoE
 
 GPU = dict(dim=7168, hidden=2048, experts=8, top_k=2, tokens=16384)
@@ -168,9 +168,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"bench_ep_block: needs a CUDA GPU (torch {torch.__version__} sees none); --device cpu for a smoke run")
-        return 2
+    if args.device == "cuda":
+        require_cuda([])
     run(args)
     return 0
 
