@@ -184,6 +184,12 @@ class MXFP8TokenDispatcher:
             return x_sorted, num_local_tokens_per_expert_E, metadata
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
+        if self.capacity_factor is not None:
+            # sync-free: peers never read the host, so an argument error raises here only (shapes and
+            # dtypes are the same on every rank of an SPMD program; the handshake checked the settings)
+            self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            self.handshake(x_TD.device)
+            return self._dispatch_sync_free(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
         try:
             self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
             local_error = None
@@ -199,10 +205,6 @@ class MXFP8TokenDispatcher:
                 self._sync_token_count_exchange(msg, recv, 0)  # raises: this rank reported BAD_ARGS
             except ValueError as group_error:  # peers raise this one; this rank its own error
                 raise local_error from group_error
-        if self.capacity_factor is not None:
-            self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
-            self.handshake(x_TD.device)
-            return self._dispatch_sync_free(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
         x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
         mismatch = self._mismatch(topk_expert_ids_TK, num_local_tokens_per_expert_E)
         rows = token_idx.shape[0]
