@@ -59,6 +59,10 @@ class MXFP8TokenDispatcher:
             sends the tensors' own dtype).
         scale_mode: scale rounding of the MXFP8 legs; use the converted experts' mode so their GEMMs
             reuse what was received (``"rceil"`` default, ``"floor"``).
+        capacity_factor: ``None`` (synced mode: one host read per dispatch) or a positive number: the
+            sync-free mode of :mod:`moe_quant.ep.capacity` (fixed capacity, static sizes, no host read).
+        overflow: sync-free mode: ``"error"`` (default: NaN outputs, :meth:`check_overflow` raises) or
+            ``"drop"`` (copies past capacity contribute zero, counted in ``dropped_rows``).
 
     Ranks that disagree (on num_experts, top_k, wire, scale mode: checked by a one-time handshake per
     group before the first dispatch; on the hidden size and the activation dtype: carried with every
