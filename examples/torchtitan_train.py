@@ -29,6 +29,7 @@ missing and says so in its output; the placeholder raises if anything tries to u
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import json
@@ -87,6 +88,10 @@ def parse_args(argv=None):
     p.add_argument("--attn", default="auto", choices=["auto", "flex", "sdpa"],
                    help="flex (torchtitan's default; backward needs CUDA) or causal sdpa; auto: flex on CUDA")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--via", default="quantize", choices=["quantize", "converter"],
+                   help="convert with quantize_ on the built model, or build it through moe_quant's torchtitan "
+                        "model converter (moe_quant.ep.titan.converter_config(): converted experts, moe_quant's "
+                        "token dispatcher; EP=1 here)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     args = p.parse_args(argv)
     for name in ("layers", "tokens", "seq_len", "steps"):
@@ -126,16 +131,22 @@ def model_config(flavor: str, layers: int, attn: str):
     return cfg
 
 
-def build_model(cfg, device: str, seed: int, convert: bool):
-    """The model with its initial weights from ``seed`` (fp32), converted to MXFP8 experts if asked."""
+def build_model(cfg, device: str, seed: int, convert: bool, via: str = "quantize"):
+    """The model with its initial weights from ``seed`` (fp32), converted to MXFP8 experts if asked:
+    ``via="quantize"``: ``quantize_`` on the built model; ``"converter"``: the config goes through
+    moe_quant's torchtitan model converter first (as torchtitan's ``converters=[...]`` does)."""
     from torchao.quantization import quantize_
     from torchtitan.models.common.moe import GroupedExperts
 
+    if convert and via == "converter":
+        from moe_quant.ep.titan import converter_config
+
+        cfg = converter_config().build().convert(copy.deepcopy(cfg))
     torch.manual_seed(seed)
     with torch.device(device):
         model = cfg.build()
         model.init_states(buffer_device=torch.device(device))
-    if convert:
+    if convert and via == "quantize":
         quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
     return model
 
@@ -163,7 +174,7 @@ def count_params(model) -> int:
 def train(cfg, args, data, *, convert: bool, compiled: bool) -> dict:
     """One run: returns its losses, step times (s), peak memory and fallbacks."""
     device = args.device
-    model = build_model(cfg, device, args.seed, convert)
+    model = build_model(cfg, device, args.seed, convert, getattr(args, "via", "quantize"))
     converted = sum(p.ndim == 3 for m in model.modules() if is_converted(m) for p in m.parameters())
     if convert and not converted:
         raise RuntimeError("no expert weight was converted")

@@ -13,6 +13,7 @@ tensor shapes alone; nothing here reads ``offs`` on the host. Offsets are saniti
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from . import validation as v
 from .numerics import BLOCK_SIZE
@@ -36,8 +37,12 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` with row-major strides, as the kernels read their inputs: ``t.contiguous()``, except that a
     tensor without elements is copied too. PyTorch counts every zero-element tensor as contiguous,
     whatever its strides, so ``contiguous()`` keeps e.g. the zero strides of an expanded gradient
-    (``out.sum().backward()`` with M = 0 rows), which the kernels' stride checks reject."""
-    if t.numel() == 0:
+    (``out.sum().backward()`` with M = 0 rows), which the kernels' stride checks reject.
+
+    Under ``torch.compile`` with a data-dependent (unbacked) row count the emptiness test does not guard:
+    it is taken as "not known to be empty", and ``contiguous()`` of traced strides makes a copy wherever
+    they are not known to be row-major (an expanded gradient included), so either branch is correct."""
+    if guard_or_false(t.numel() == 0):
         return t.clone(memory_format=torch.contiguous_format)  # no data: costs nothing
     return t.contiguous()
 

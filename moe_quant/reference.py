@@ -65,21 +65,22 @@ def pad_token_groups(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     ``(round_up(M, 32) + 32 G, R)``. Rows past the last offset are dropped."""
     m = x.shape[0]
     total = layouts.k_groups_padded_len(m, offs.numel())
-    if m == 0 or offs.numel() == 0:  # static shapes: nothing to gather
+    if offs.numel() == 0:  # static shapes: nothing to copy
         return x.new_zeros(total, x.shape[1])
-    starts, sizes, pstarts, pends = layouts.group_bounds(offs, m, layouts.K_GROUP_ALIGN)
-    t = torch.arange(total, device=x.device)
-    g = layouts.group_of(t, pends)
+    # each row to its padded position (rows past the last offset to one trash row past the end): a
+    # scatter, so that M = 0 needs no branch when M is only known at run time (torch.compile)
+    starts, sizes, pstarts, _ = layouts.group_bounds(offs, m, layouts.K_GROUP_ALIGN)
+    r = torch.arange(m, device=x.device)
+    g = layouts.group_of(r, starts + sizes)
     gc = g.clamp(max=offs.numel() - 1)
-    local = t - pstarts[gc]
-    valid = (g < offs.numel()) & (local < sizes[gc])
-    src = torch.where(valid, starts[gc] + local, 0)
-    return torch.where(valid.unsqueeze(1), x[src], 0).to(x.dtype)
+    dest = torch.where(g < offs.numel(), pstarts[gc] + r - starts[gc], total)
+    out = x.new_zeros(total + 1, x.shape[1]).index_copy_(0, dest, x)
+    return out[:total]
 
 
 def unpad_token_groups(xp: torch.Tensor, offs: torch.Tensor, m: int) -> torch.Tensor:
     """Inverse of :func:`pad_token_groups`: ``(m, R)``, rows past the last offset zero."""
-    if m == 0 or offs.numel() == 0:
+    if offs.numel() == 0:  # (M = 0 needs no branch: nothing is gathered)
         return xp.new_zeros(m, xp.shape[1])
     starts, sizes, pstarts, _ = layouts.group_bounds(offs, m, layouts.K_GROUP_ALIGN)
     t = torch.arange(m, device=xp.device)

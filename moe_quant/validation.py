@@ -49,6 +49,11 @@ def check_size(name: str, value) -> int:
     """A non-negative integer size argument (Python or NumPy int; symbolic sizes pass through)."""
     if isinstance(value, torch.SymInt):
         return value
+    if torch.compiler.is_compiling() and isinstance(value, int) and not isinstance(value, bool):
+        # Dynamo presents a size read from device data (an unbacked SymInt) as an int here, and
+        # operator.index would specialize it: check it symbolically instead (a runtime assert)
+        torch._check(value >= 0, lambda: f"{name} must be a non-negative int")
+        return value
     if isinstance(value, bool) or isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a non-negative int, got {type(value).__name__}")
     try:

@@ -17,10 +17,11 @@ import torch.multiprocessing as mp
 
 
 def _error(fn):
+    t0 = time.monotonic()
     try:
         fn()
     except Exception as e:  # the test asserts the type and message
-        return {"type": type(e).__name__, "message": str(e)}
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
     return None
 
 
@@ -44,6 +45,26 @@ def _bad_dispatch(kind: str, bad_rank: int):
         counts = counts.float()
     elif kind == "bad_hidden":
         x = torch.randn(8, 48, dtype=torch.bfloat16)
+    elif kind == "disagree_hidden" and rank == bad_rank:  # valid on each rank, different across ranks
+        x = torch.randn(8, 96, dtype=torch.bfloat16)
+    elif kind == "disagree_dtype" and rank == bad_rank:
+        x = torch.randn(8, 64, dtype=torch.float32)
+    elif kind == "disagree_experts" and rank == bad_rank:
+        disp = MXFP8TokenDispatcher(num_experts + world, 1)
+        counts = torch.bincount(ids.view(-1), minlength=num_experts + world).to(torch.int32)
+    elif kind == "disagree_top_k" and rank == bad_rank:
+        disp = MXFP8TokenDispatcher(num_experts, 2)
+        ids = torch.stack([ids.view(-1), (ids.view(-1) + 1) % num_experts], 1)
+        scores = torch.ones(8, 2)
+        counts = torch.bincount(ids.view(-1), minlength=num_experts).to(torch.int32)
+    elif kind == "disagree_wire" and rank == bad_rank:
+        disp = MXFP8TokenDispatcher(num_experts, 1, wire="bf16")
+    elif kind == "disagree_scale_mode" and rank == bad_rank:
+        disp = MXFP8TokenDispatcher(num_experts, 1, scale_mode="floor")
+    elif kind == "bad_hidden_one_rank" and rank == bad_rank:  # an argument error only this rank sees
+        x = torch.randn(8, 48, dtype=torch.bfloat16)
+    elif kind == "bad_counts_len_one_rank" and rank == bad_rank:
+        counts = torch.cat([counts, counts.new_zeros(1)])
     elif kind == "experts_not_multiple":
         disp = MXFP8TokenDispatcher(world + 1, 1)
         counts = torch.bincount(ids.view(-1) % (world + 1), minlength=world + 1).to(torch.int32)
@@ -67,6 +88,15 @@ def _job(job):
             prequantized.lookup = original
     if kind == "bad":
         return _bad_dispatch(**arg)
+    if kind == "titan":
+        import titan_ranks
+
+        return titan_ranks.run(**arg)
+    if kind == "sync_free":
+        from moe_quant.ep.check import run_sync_free_check
+
+        arg = dict(arg)
+        return run_sync_free_check(CheckCase(**arg.pop("case")), **arg)
     raise ValueError(kind)
 
 

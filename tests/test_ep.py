@@ -29,13 +29,28 @@ CASES_2 = {
     "bad_float_counts": ("bad", {"kind": "float_counts", "bad_rank": 0}),
     "bad_hidden": ("bad", {"kind": "bad_hidden", "bad_rank": 0}),
     "bad_experts": ("bad", {"kind": "experts_not_multiple", "bad_rank": 0}),
+    **{f"disagree_{what}": ("bad", {"kind": f"disagree_{what}", "bad_rank": 1})
+       for what in ("hidden", "dtype", "experts", "top_k", "wire", "scale_mode")},
+    "bad_hidden_one_rank": ("bad", {"kind": "bad_hidden_one_rank", "bad_rank": 0}),
+    "bad_counts_len_one_rank": ("bad", {"kind": "bad_counts_len_one_rank", "bad_rank": 1}),
     "after_errors": ("check", {**ROUTER, "seed": 5}),
+    "sync_free": ("sync_free", {"case": ROUTER, "capacity_factor": 2.0}),
+    "sync_free_tight": ("sync_free", {"case": {**ROUTER, "seed": 7}, "capacity_factor": 1.25}),
+    "sync_free_bf16": ("sync_free", {"case": {**ROUTER, "wire": "bf16", "seed": 2}, "capacity_factor": 2.0}),
+    "sync_free_overflow": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 1.0}),
+    "sync_free_drop": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 1.0,
+                                     "overflow": "drop"}),
 }
 CASES_4 = {
     "mxfp8_uneven": ("check", {**ROUTER, "tokens": (40, 17, 0, 33), "seed": 1}),
     "one_rank": ("check", {**ROUTER, "routing": "one_rank", "tokens": (10, 20, 5, 0), "seed": 2}),
     "bf16_wire": ("check", {**ROUTER, "wire": "bf16", "tokens": (9, 31, 12, 4), "seed": 4}),
     "bad_negative": ("bad", {"kind": "negative", "bad_rank": 3}),
+    "disagree_hidden": ("bad", {"kind": "disagree_hidden", "bad_rank": 2}),
+    "bad_hidden_one_rank": ("bad", {"kind": "bad_hidden_one_rank", "bad_rank": 3}),
+    "after_errors": ("check", {**ROUTER, "tokens": (5, 9, 0, 3), "seed": 6}),
+    "sync_free": ("sync_free", {"case": {**ROUTER, "seed": 3}, "capacity_factor": 4.0}),
+    "sync_free_overflow": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 2.0}),
 }
 
 
@@ -56,7 +71,7 @@ def ep4():
 
 
 def _checks(res):
-    return [(name, ranks) for name, ranks in res.items() if isinstance(ranks[0], dict) and "out_equal" in ranks[0]]
+    return [(name, ranks) for name, ranks in res.items() if isinstance(ranks[0], dict) and "routing_equal" in ranks[0]]
 
 
 def _db(v):
@@ -147,3 +162,71 @@ def test_bad_arguments_raise_before_any_collective(ep2):
                             ("bad_hidden", "ValueError", "x_TD"), ("bad_experts", "ValueError", "num_experts")):
         for err in ep2[case]:
             assert err is not None and err["type"] == typ and name in err["message"], (case, err)
+
+
+@pytest.mark.parametrize("case, field, values", [
+    ("disagree_hidden", "hidden size", ("64", "96")), ("disagree_dtype", "dtype", ("torch.bfloat16", "torch.float32")),
+    ("disagree_experts", "num_experts", ("4", "6")), ("disagree_top_k", "top_k", ("1", "2")),
+    ("disagree_wire", "wire", ("'mxfp8'", "'bf16'")), ("disagree_scale_mode", "scale mode", ("'rceil'", "'floor'")),
+])
+def test_ranks_that_disagree_all_raise_the_same_error(case, field, values, ep2):
+    """Each rank's arguments are valid; they differ across ranks: every rank raises one ValueError naming
+    the setting, the ranks and their values, within seconds (the process group timeout is 60 s)."""
+    errs = ep2[case]
+    assert all(e is not None for e in errs), errs  # no rank returned data
+    assert len({e["message"] for e in errs}) == 1, errs
+    for e in errs:
+        assert e["type"] == "ValueError" and f"disagree on {field}" in e["message"], e
+        assert f"rank(s) [0]: {values[0]}" in e["message"] and f"rank(s) [1]: {values[1]}" in e["message"], e
+        assert e["seconds"] < 10, e
+
+
+def test_disagreement_among_four_ranks(ep4):
+    for e in ep4["disagree_hidden"]:
+        assert e["type"] == "ValueError" and "rank(s) [0, 1, 3]: 64; rank(s) [2]: 96" in e["message"], e
+    assert all(r["out_equal"] for r in ep4["after_errors"])
+
+
+@pytest.mark.parametrize("world, case, bad_rank, own", [
+    (2, "bad_hidden_one_rank", 0, "x_TD"), (2, "bad_counts_len_one_rank", 1, "num_local_tokens_per_expert_E"),
+    (4, "bad_hidden_one_rank", 3, "x_TD"),
+])
+def test_argument_error_on_one_rank_raises_on_every_rank(world, case, bad_rank, own, ep2, ep4):
+    """An error only one rank can see: that rank raises its own error, every peer a ValueError naming it,
+    within seconds, instead of waiting in the exchange for the process group timeout."""
+    for rank, e in enumerate((ep2 if world == 2 else ep4)[case]):
+        assert e is not None and e["type"] == "ValueError" and e["seconds"] < 10, (rank, e)  # no rank returned
+        if rank == bad_rank:
+            assert own in e["message"], e
+        else:  # (a hidden size that is no multiple of 32 differs from the peers' too: named as such)
+            assert f"invalid on rank(s) [{bad_rank}]" in e["message"] or (
+                "disagree on hidden size" in e["message"] and f"rank(s) [{bad_rank}]: 48" in e["message"]), e
+
+
+@pytest.mark.parametrize("world, case", [(2, "sync_free"), (2, "sync_free_tight"), (2, "sync_free_bf16"),
+                                         (4, "sync_free")])
+def test_sync_free_equals_synced_without_host_reads(world, case, ep2, ep4):
+    """Fixed capacity, nothing overflowing: output, input and weight gradients bit-identical to the synced
+    mode over two steps; the second step (after the one-time handshake) reads nothing on the host."""
+    for r in (ep2 if world == 2 else ep4)[case]:
+        assert r["dropped"] == 0 and r["error"] is None, r  # precondition: nothing overflowed
+        assert r["out_equal"] and r["xgrad_equal"] and r["wgrad_equal"], r
+        assert r["host_reads"] == [], r
+        assert "tolist" in r["synced_host_reads"], r  # the detector sees the synced mode's one read
+
+
+def test_sync_free_overflow_is_an_error_on_every_rank(ep2, ep4):
+    """Every token to the experts of rank 0, a capacity too small for that: no rank returns silently wrong
+    data (NaN outputs), check_overflow raises the same ValueError with the count on every rank, then resets."""
+    for res in (ep2, ep4):
+        ranks = res["sync_free_overflow"]
+        assert len({r["error"] for r in ranks}) == 1, ranks
+        for r in ranks:
+            assert r["error"] and "overflowed the EP receive capacity" in r["error"] and "overflow='drop'" in r["error"]
+            assert not r["finite"] and r["check_again"] == 0 and r["host_reads"] == [], r
+
+
+def test_sync_free_drop_is_opt_in_and_counted(ep2):
+    ranks = ep2["sync_free_drop"]
+    assert len({r["dropped"] for r in ranks}) == 1 and ranks[0]["dropped"] > 0, ranks  # the same total everywhere
+    assert all(r["finite"] and r["error"] is None for r in ranks), ranks

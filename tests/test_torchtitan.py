@@ -161,3 +161,31 @@ def test_script_cpu_smoke(tmp_path):
     assert [(r["convert"], r["compiled"]) for r in record["runs"]] == [(False, False), (True, False)]
     assert record["runs"][1]["converted_weights"] == 3
     assert all(len(r["losses"]) == 2 for r in record["runs"])
+
+
+def test_converter_entry_point_converts_experts_and_dispatcher(mxfp8_calls):
+    """moe_quant's torchtitan model converter (``model_registry(..., converters=[converter_config()])``):
+    the built model has converted experts and moe_quant's dispatcher (local: EP off), and trains close
+    to bf16 through the MXFP8 GEMMs."""
+    from torchtitan.models.common.moe import RoutedExperts
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    from moe_quant.ep.titan import converter_config, dispatcher_class
+
+    spec = model_registry("debugmodel", converters=[converter_config()])  # torchtitan's own entry point
+    routed = [cfg for _, cfg, _, _ in spec.model.traverse(RoutedExperts.Config)]
+    assert routed and all(isinstance(r.token_dispatcher, dispatcher_class().Config) for r in routed)
+
+    args = _args(via="converter")
+    torch.set_num_threads(1)
+    cfg = example.model_config(args.flavor, args.layers, args.attn)
+    model = example.build_model(cfg, "cpu", 0, True, "converter")
+    dispatchers = [m.token_dispatcher for m in model.modules() if isinstance(m, RoutedExperts)]
+    assert dispatchers and all(isinstance(d, dispatcher_class()) and d.is_local for d in dispatchers)
+    assert sum(p.ndim == 3 for m in model.modules() if is_converted(m) for p in m.parameters()) == 3
+    data = example.batches(cfg.vocab_size, args.tokens, args.seq_len, args.steps, args.seed)
+    mx = example.train(cfg, args, data, convert=True, compiled=False)
+    assert mx["converted_weights"] == 3 and mx["fallbacks"] == 0 and len(mxfp8_calls) == 3 * args.steps
+    bf16 = example.train(cfg, args, data, convert=False, compiled=False)
+    for a, b in zip(mx["losses"], bf16["losses"]):
+        assert a != b and abs(a - b) <= 0.01 * abs(b), (mx["losses"], bf16["losses"])

@@ -7,6 +7,10 @@
 * :func:`permute_received` (:mod:`moe_quant.ep.permute`): received rows, in (source rank, local expert)
   order, to the expert-major order the grouped GEMM takes.
 * :class:`WireLog` (:mod:`moe_quant.ep.wire`): the bytes each leg hands to ``all_to_all_single``.
+* :mod:`moe_quant.ep.agree`: the settings every rank sends with its counts (ranks that disagree all raise).
+* :mod:`moe_quant.ep.capacity`: the sync-free mode (fixed capacity, static sizes, no host read).
+* :mod:`moe_quant.ep.titan`: torchtitan components (the dispatcher's ``Config``, a model converter);
+  imports torchtitan only when used.
 """
 
 from .dispatcher import EPDispatchMetadata, MXFP8TokenDispatcher

@@ -17,8 +17,10 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.utils._python_dispatch
 
 from .. import quantize as q
+from .. import validation
 from ..backends import GemmBackend, resolve_gemm_backend
 from ..moe import EPMoE, MoE
 from .wire import WireLog
@@ -182,4 +184,99 @@ def run_check(case: CheckCase, group=None, device="cpu", dtype=torch.bfloat16) -
     }
 
 
-__all__ = ["CheckCase", "run_check", "sqnr_db", "bits_equal"]
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a device tensor on the host (``.item()``, ``.tolist()``, data-dependent
+    shapes). ``Tensor.tolist`` of a CPU tensor does not dispatch, so it is counted by a patch too. The
+    grouped GEMM's offset value check is not counted: it runs on CPU tensors only (off on CUDA, where
+    it would be a sync)."""
+
+    BANNED = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "repeat_interleave", "_unique2"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.BANNED:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        seen, real = self.seen, self._tolist
+
+        def tolist(t):
+            seen.append("tolist")
+            return real(t)
+
+        torch.Tensor.tolist = tolist
+        self._check_values = validation.check_offset_values
+        check_values, mode = self._check_values, self
+
+        def unseen(*args, **kwargs):
+            n = len(mode.seen)
+            try:
+                return check_values(*args, **kwargs)
+            finally:
+                del mode.seen[n:]
+
+        validation.check_offset_values = unseen
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        validation.check_offset_values = self._check_values
+        return super().__exit__(*exc)
+
+
+def run_sync_free_check(case: CheckCase, capacity_factor: float, overflow: str = "error", group=None,
+                        steps: int = 2) -> dict:
+    """The EP block in the synced mode and in the sync-free mode (``capacity_factor``, ``overflow``), same
+    weights and inputs: are outputs and gradients bit-identical, how many host reads did the sync-free
+    steps after the first make, how many rows overflowed, what did ``check_overflow`` say."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_experts = case.experts_per_rank * world
+    torch.manual_seed(case.seed)
+    base = MoE(case.dim, case.hidden_dim, n_experts, case.top_k).to(torch.bfloat16)
+    models = {"synced": EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode),
+              "sync_free": EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode,
+                                          capacity_factor=capacity_factor, overflow=overflow)}
+    if case.convert:
+        for m in models.values():
+            _convert(m, case)
+    xs, gouts = _inputs(case, world, "cpu", torch.bfloat16)
+    res, host_reads = {}, {"synced": [], "sync_free": []}
+    for name, model in models.items():
+        if name == "synced" and overflow == "drop":
+            continue
+        outs = []
+        for step in range(steps):
+            x = xs[rank].clone().requires_grad_()
+            reads = _HostReads() if step > 0 else contextlib.nullcontext()
+            with reads:
+                scores, ids, counts = _routing(model, x, case, n_experts)
+                out = model.forward_routed(x, scores, ids, counts)
+                (out.float() * gouts[rank].float()).sum().backward()
+            if step > 0:
+                host_reads[name] += reads.seen
+            outs.append((out.detach(), x.grad))
+        res[name] = outs + [tuple(getattr(model.experts, w).grad for w in ("w1", "w2", "w3"))]
+    disp = models["sync_free"].dispatcher
+    try:
+        dropped, error = disp.check_overflow(), None
+    except ValueError as e:
+        dropped, error = None, str(e)
+    sf = res["sync_free"]
+    out = {"rank": rank, "host_reads": host_reads["sync_free"], "synced_host_reads": host_reads["synced"],
+           "dropped": dropped, "error": error,
+           "finite": bool(torch.isfinite(sf[0][0]).all()),
+           "check_again": disp.check_overflow()}
+    if "synced" in res:
+        sy = res["synced"]
+        out["out_equal"] = all(bits_equal(a[0], b[0]) for a, b in zip(sy[:steps], sf[:steps]))
+        out["xgrad_equal"] = all(bits_equal(a[1], b[1]) for a, b in zip(sy[:steps], sf[:steps]))
+        out["wgrad_equal"] = all(bits_equal(a, b) for a, b in zip(sy[steps], sf[steps]))
+    return out
+
+
+__all__ = ["CheckCase", "run_check", "run_sync_free_check", "sqnr_db", "bits_equal"]

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from .. import validation as v
 from ..numerics import ScaleMode
 from ..routing import sort_tokens_by_expert, unsort_tokens
-from .legs import Route, Wire, combine_rows, dispatch_rows, plan_route
+from . import agree, capacity
+from .legs import Route, Wire, combine_rows, dispatch_rows, exchange_counts, read_counts, route_from_counts
+from .wire import all_to_all_rows
 
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -29,11 +31,14 @@ class EPDispatchMetadata:
 
     token_indices_experts_sorted_N: torch.Tensor  # (T*K,) token of each sorted row  # noqa: N815
     topk_scores_experts_sorted_N: torch.Tensor  # (T*K,) its routing score  # noqa: N815
-    route: Route
+    route: Route | capacity.CapacityRoute | None  # None: local dispatch (no EP group)
+
+
+_LOCAL = "local"  # group sentinel: no EP group, dispatch on this rank only (torchtitan's ep_mesh=None)
 
 
 def _group_of(ep_mesh):
-    if ep_mesh is None or isinstance(ep_mesh, dist.ProcessGroup):
+    if ep_mesh is None or isinstance(ep_mesh, str) and ep_mesh == _LOCAL or isinstance(ep_mesh, dist.ProcessGroup):
         return ep_mesh
     if hasattr(ep_mesh, "get_group"):  # a 1-D DeviceMesh
         return ep_mesh.get_group()
@@ -47,15 +52,33 @@ class MXFP8TokenDispatcher:
         num_experts: experts of the whole model, a multiple of the group size; rank r holds experts
             ``[r * E_local, (r + 1) * E_local)``.
         top_k: experts per token.
-        group: the EP process group (any backend: nccl, gloo); :meth:`wire_meshes` sets it later too.
+        group: the EP process group (any backend: nccl, gloo), a 1-D DeviceMesh, ``None`` (the default
+            process group) or ``"local"`` (no EP: dispatch on this rank only, all experts local).
+            :meth:`wire_meshes` sets it later with torchtitan's meaning (``ep_mesh=None``: local).
         wire: ``"mxfp8"`` (dispatch forward and combine backward send MXFP8) or ``"bf16"`` (every leg
             sends the tensors' own dtype).
         scale_mode: scale rounding of the MXFP8 legs; use the converted experts' mode so their GEMMs
             reuse what was received (``"rceil"`` default, ``"floor"``).
+        capacity_factor: ``None`` (synced mode: one host read per dispatch) or a positive number: the
+            sync-free mode of :mod:`moe_quant.ep.capacity` (fixed capacity, static sizes, no host read).
+        overflow: sync-free mode: ``"error"`` (default: NaN outputs, :meth:`check_overflow` raises) or
+            ``"drop"`` (copies past capacity contribute zero, counted in ``dropped_rows``).
+
+    Ranks that disagree (on num_experts, top_k, wire, scale mode: checked by a one-time handshake per
+    group before the first dispatch; on the hidden size and the activation dtype: carried with every
+    counts exchange) or whose arguments are invalid on one rank only all raise one ``ValueError``
+    naming the setting and the ranks, before any token is sent (:mod:`moe_quant.ep.agree`).
+
+    The steps torchtitan's graph passes annotate on its ``AllToAllTokenDispatcher`` have methods of the
+    same names here: :meth:`_token_count_exchange` (the counts all-to-all) and
+    :meth:`_sync_token_count_exchange` (its one host read). The token exchanges run inside the
+    differentiable legs of :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute), so there is
+    no ``_dispatch_token_exchange`` / ``_combine_token_exchange`` method to annotate.
     """
 
     def __init__(self, num_experts: int, top_k: int, *, group=None, wire: Wire | str = Wire.MXFP8,
-                 scale_mode: ScaleMode | str = ScaleMode.RCEIL):
+                 scale_mode: ScaleMode | str = ScaleMode.RCEIL, capacity_factor: float | None = None,
+                 overflow: str = "error"):
         self.num_experts = v.check_size("num_experts", num_experts)
         self.top_k = v.check_size("top_k", top_k)
         if self.num_experts < 1:
@@ -65,22 +88,41 @@ class MXFP8TokenDispatcher:
         self.wire = Wire.parse(wire)
         self.scale_mode = ScaleMode.parse(scale_mode)
         self.group = _group_of(group)
+        if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
+                                                and not isinstance(capacity_factor, bool) and capacity_factor > 0):
+            raise ValueError(f"capacity_factor must be None (synced mode) or a positive number, got {capacity_factor!r}")
+        if overflow not in capacity.OVERFLOW:
+            raise ValueError(f"overflow must be one of {list(capacity.OVERFLOW)}, got {overflow!r}")
+        self.capacity_factor = capacity_factor
+        self.overflow = overflow
+        self.dropped_rows = None  # sync-free mode: device int64 counter of token copies past capacity
+        self._agreed = ()  # (group,): the group the one-time handshake passed on
+
+    @classmethod
+    def config_class(cls):
+        """torchtitan's ``Config`` for this dispatcher (imports torchtitan); see :func:`torchtitan_config`."""
+        from .titan import dispatcher_config_class
+
+        return dispatcher_config_class()
 
     def wire_meshes(self, *, ep_mesh=None, **_unused) -> None:
-        """Install the EP group (a ProcessGroup or a 1-D DeviceMesh), as torchtitan's dispatchers do."""
-        self.group = _group_of(ep_mesh)
+        """Install the EP group (a ProcessGroup or a 1-D DeviceMesh), as torchtitan's dispatchers do:
+        ``ep_mesh=None`` means no expert parallelism (local dispatch)."""
+        self.group = _LOCAL if ep_mesh is None else _group_of(ep_mesh)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.group, str)
 
     @property
     def ep_size(self) -> int:
-        return dist.get_world_size(self.group)
+        return 1 if self.is_local else dist.get_world_size(self.group)
 
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.ep_size
 
     def _check(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
         v.check_tensor("x_TD", x_TD, dtypes=_ACT_DTYPES, ndim=2)
         v.check_last_dim_blocks("x_TD", x_TD)
         t = x_TD.shape[0]
@@ -93,29 +135,138 @@ class MXFP8TokenDispatcher:
         for name, tensor in (("topk_scores_TK", topk_scores_TK), ("topk_expert_ids_TK", topk_expert_ids_TK),
                              ("num_local_tokens_per_expert_E", counts)):
             v.check_same_device(name, tensor, "x_TD", x_TD)
-        if self.num_experts % self.ep_size:
-            raise ValueError(f"num_experts = {self.num_experts} must be a multiple of the EP group size "
-                             f"{self.ep_size}")
+
+    def _settings(self, x_TD) -> list:
+        hidden = x_TD.shape[1] if isinstance(x_TD, torch.Tensor) and x_TD.ndim == 2 else -1
+        dtype = x_TD.dtype if isinstance(x_TD, torch.Tensor) else None
+        return agree.header(hidden=hidden, num_experts=self.num_experts, top_k=self.top_k, dtype=dtype,
+                            wire=self.wire, mode=self.scale_mode)
+
+    def handshake(self, device) -> None:
+        """Check once per group that every rank built the dispatcher alike (num_experts, top_k, wire, scale
+        mode), before the counts exchange (whose size depends on num_experts). One small all-to-all and
+        a host read; :meth:`dispatch` calls it before its first exchange on a group (call it yourself
+        before capturing a CUDA graph or compiling: skipped while tracing)."""
+        if self.is_local or self._agreed == (self.group,):
+            return
+        if torch.compiler.is_compiling():
+            # traced: the counts exchange checks top_k, wire and scale mode as runtime asserts, but a
+            # num_experts mismatch changes its size: run this eagerly first (the torchtitan component does,
+            # in wire_meshes)
+            return
+        world = dist.get_world_size(self.group)
+        mine = self._settings(None)
+        msg = torch.tensor(mine, dtype=torch.int64).to(device).expand(world, agree.SIZE).contiguous()
+        got = all_to_all_rows(msg, [1] * world, [1] * world, self.group, "counts").tolist()
+        message = agree.diagnose(got, skip=("hidden size", "dtype"))
+        if message is None and self.num_experts % world:
+            message = f"num_experts = {self.num_experts} must be a multiple of the EP group size {world}"
+        if message is not None:
+            raise ValueError(message)
+        self._agreed = (self.group,)
+
+    def _token_count_exchange(self, counts, rows: int, settings: list, mismatch, bad_args: bool, **kwargs):
+        """The counts all-to-all (with every rank's settings and problem code); no host read."""
+        return exchange_counts(counts, rows, self.group, settings=settings, mismatch=mismatch, bad_args=bad_args,
+                               **kwargs)
+
+    def _sync_token_count_exchange(self, msg, recv, rows: int):
+        """The one host synchronization: ``(input_splits, output_splits)``, or the same error on every rank."""
+        return read_counts(msg, recv, rows, self.group)
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         """Sort this rank's token copies by expert and send them to the experts' ranks.
 
         Returns ``(routed_input (M_recv, D), num_tokens_per_local_expert (E_local,) int32, metadata)``:
         the rows for this rank's experts, expert-major (for each expert, each source rank's rows in
-        that rank's token order). Synchronizes the host once (the split sizes).
+        that rank's token order). Synchronizes the host once (the split sizes). Without an EP group
+        (``"local"``) the sorted rows and the counts come back as they are, nothing is exchanged.
         """
-        self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        if self.is_local:
+            self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
+            metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
+                                          topk_scores_experts_sorted_N=scores_sorted, route=None)
+            return x_sorted, num_local_tokens_per_expert_E, metadata
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
+        if self.capacity_factor is not None:
+            # sync-free: peers never read the host, so an argument error raises here only (shapes and
+            # dtypes are the same on every rank of an SPMD program; the handshake checked the settings)
+            self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            self.handshake(x_TD.device)
+            return self._dispatch_sync_free(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        try:
+            self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            local_error = None
+        except (TypeError, ValueError) as exc:  # still take part in the exchange, so that peers raise too
+            local_error = exc
+        device = x_TD.device if isinstance(x_TD, torch.Tensor) else torch.device("cpu")
+        self.handshake(device)
+        settings = self._settings(x_TD)
+        if local_error is not None:
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+            msg, recv = self._token_count_exchange(counts, 0, settings, None, True)
+            try:
+                self._sync_token_count_exchange(msg, recv, 0)  # raises: this rank reported BAD_ARGS
+            except ValueError as group_error:  # peers raise this one; this rank its own error
+                raise local_error from group_error
         x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        mismatch = self._mismatch(topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        rows = token_idx.shape[0]
+        msg, recv = self._token_count_exchange(num_local_tokens_per_expert_E, rows, settings, mismatch, False)
+        input_splits, output_splits = self._sync_token_count_exchange(msg, recv, rows)
+        route = route_from_counts(recv, input_splits, output_splits, self.group, wire=self.wire, mode=self.scale_mode)
+        metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
+                                      topk_scores_experts_sorted_N=scores_sorted, route=route)
+        return dispatch_rows(x_sorted, route), route.num_tokens_per_local_expert, metadata
+
+    def _mismatch(self, topk_expert_ids_TK, counts):
         ids = topk_expert_ids_TK.reshape(-1)
         in_range = (ids >= 0) & (ids < self.num_experts)
         actual = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device).scatter_add(
             0, torch.where(in_range, ids, 0).to(torch.int64), in_range.to(torch.int64))
-        mismatch = (~in_range).any() | (actual != num_local_tokens_per_expert_E.to(torch.int64)).any()
-        route = plan_route(num_local_tokens_per_expert_E, ids.numel(), self.group, wire=self.wire,
-                           mode=self.scale_mode, mismatch=mismatch)
+        return (~in_range).any() | (actual != counts.to(torch.int64)).any()
+
+    def _dispatch_sync_free(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts):
+        """Fixed capacity (:mod:`moe_quant.ep.capacity`): static sizes, nothing read on the host."""
+        world, n_local = self.ep_size, self.num_local_experts
+        slots = capacity.slots_per_rank(x_TD.shape[0], self.top_k, world, n_local, self.capacity_factor)
+        x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        rows = token_idx.shape[0]
+        send_idx, send_valid, slot_of_row, kept, dropped = capacity.plan_send(counts, rows, world, slots)
+        settings = self._settings(x_TD)
+        msg, recv = self._token_count_exchange(counts, rows, settings, self._mismatch(topk_expert_ids_TK, counts),
+                                               False, payload=kept, extra=dropped.view(1))
+        head = recv[:, n_local:n_local + agree.SIZE]
+        bad = (head[:, 0] != 0).any() | (head[:, 1:] != msg[:1, n_local + 1:n_local + agree.SIZE]).any()
+        total_dropped = recv[:, -1].sum() + bad.to(torch.int64)  # the same on every rank
+        if self.dropped_rows is None or self.dropped_rows.device != x_TD.device:
+            self.dropped_rows = torch.zeros((), dtype=torch.int64, device=x_TD.device)
+        self.dropped_rows.add_(total_dropped)
+        src, valid, num_tokens_per_local_expert = capacity.plan_receive(recv[:, :n_local], slots)
+        route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode, slots=slots,
+                                       world=world, send_idx=send_idx, send_valid=send_valid, slot_of_row=slot_of_row,
+                                       src=src, valid=valid, num_tokens_per_local_expert=num_tokens_per_local_expert,
+                                       dropped=total_dropped)
         metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
                                       topk_scores_experts_sorted_N=scores_sorted, route=route)
-        return dispatch_rows(x_sorted, route), route.num_tokens_per_local_expert, metadata
+        return capacity.dispatch_rows(x_sorted, route), num_tokens_per_local_expert, metadata
+
+    def check_overflow(self) -> int:
+        """Sync-free mode: read (one host sync) and reset the count of token copies that overflowed the
+        capacity since the last call. ``overflow="error"``: raises a ``ValueError`` if any did (the steps
+        since the last call produced NaN outputs); ``overflow="drop"``: returns the count. Every rank
+        of the EP group holds the same count, so every rank raises together."""
+        if self.dropped_rows is None:
+            return 0
+        n = int(self.dropped_rows.item())
+        self.dropped_rows.zero_()
+        if n and self.overflow == "error":
+            raise ValueError(f"{n} token copies overflowed the EP receive capacity (capacity_factor="
+                             f"{self.capacity_factor}) or had invalid counts; the outputs of those steps are NaN. "
+                             f"Raise capacity_factor, or pass overflow='drop' to drop them (counted)")
+        return n
 
     def combine(self, routed_output, metadata: EPDispatchMetadata, x_TD, **_unused):
         """Send the expert outputs back, scale them by their routing scores and sum each token's rows.
@@ -126,9 +277,16 @@ class MXFP8TokenDispatcher:
         if not isinstance(metadata, EPDispatchMetadata):
             raise TypeError(f"metadata must be the EPDispatchMetadata dispatch returned, got {type(metadata).__name__}")
         v.check_tensor("routed_output", routed_output, dtypes=_ACT_DTYPES, ndim=2)
-        v.check_shape("routed_output", routed_output, (metadata.route.rows_received, x_TD.shape[1]),
-                      "(rows dispatch returned, D)")
-        y = combine_rows(routed_output, metadata.route)
+        rows = metadata.token_indices_experts_sorted_N.shape[0] if metadata.route is None else \
+            metadata.route.rows_received
+        v.check_shape("routed_output", routed_output, (rows, x_TD.shape[1]), "(rows dispatch returned, D)")
+        route = metadata.route
+        if isinstance(route, capacity.CapacityRoute):
+            y = capacity.combine_rows(routed_output, route)
+            if self.overflow == "error":  # NaN at the next host read: never a silently wrong step
+                y = torch.where(route.dropped > 0, float("nan"), y)
+        else:
+            y = routed_output if route is None else combine_rows(routed_output, route)
         return unsort_tokens(y, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N, x_TD)
 
 

@@ -31,7 +31,7 @@ from ..choices import Choice
 from .. import prequantized as pq
 from .. import quantize as q
 from ..numerics import ScaleMode, dequantize_blocks
-from . import permute
+from . import agree, permute
 from .wire import all_to_all_rows, pack_mxfp8, unpack_mxfp8
 
 
@@ -39,10 +39,6 @@ class Wire(Choice):
     MXFP8 = "mxfp8"  # dispatch forward and combine backward in MXFP8
     BF16 = "bf16"  # every leg in the tensors' own dtype
     __argname__ = "wire"
-
-
-# problem bits a rank reports with its counts, so that every rank raises instead of some hanging
-_NEGATIVE, _BAD_SUM, _MISMATCH = 1, 2, 4
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,48 +59,110 @@ class Route:
         return sum(self.output_splits)
 
 
-def _problems(bits: int) -> list:
-    return [what for bit, what in ((_NEGATIVE, "a negative count"), (_BAD_SUM, "counts that do not sum to the "
-            "number of routed rows (T * top_k)"), (_MISMATCH, "counts that do not match topk_expert_ids_TK "
-            "(or ids outside [0, num_experts))")) if bits & bit]
+_CONSTANTS: dict = {}
+
+
+def _constant(values: tuple, device) -> torch.Tensor:
+    """An int64 device tensor of ``values``, made once (no host-to-device copy in later steps: CUDA graphs)."""
+    key = (values, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=torch.int64).to(device)
+    return _CONSTANTS[key]
+
+
+def exchange_counts(num_local_tokens_per_expert_E: torch.Tensor, rows: int, group, *, settings: list,
+                    mismatch: torch.Tensor | None = None, bad_args: bool = False,
+                    payload: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> tuple:
+    """The token-count exchange: one small all-to-all of this rank's counts and its :mod:`.agree` header.
+
+    Returns ``(sent, received)`` int64 ``(R, E_local + agree.SIZE [+ len(extra)])`` device tensors;
+    nothing is read on the host. ``bad_args``: this rank's own arguments are invalid (it sends zero
+    counts and the flag). ``payload (R, E_local)``: sent in place of the counts (the problem code is
+    still the counts'); ``extra``: int64 values appended to every peer's row.
+    """
+    world = dist.get_world_size(group)
+    send = num_local_tokens_per_expert_E.to(torch.int64).view(world, -1)
+    code = (send < 0).any().to(torch.int64) * agree.NEGATIVE + (send.sum() != rows).to(torch.int64) * agree.BAD_SUM
+    if mismatch is not None:
+        code = code + mismatch.to(torch.int64) * agree.MISMATCH
+    if bad_args:
+        code = torch.full_like(code, agree.BAD_ARGS)
+    head = torch.cat([code.view(1), _constant(tuple(settings[1:]), send.device)])
+    if extra is not None:
+        head = torch.cat([head, extra.to(torch.int64).view(-1)])
+    if payload is not None:
+        send = payload.to(torch.int64).view(world, -1)
+    msg = torch.cat([send, head.expand(world, head.numel())], dim=1).contiguous()
+    recv = all_to_all_rows(msg, [1] * world, [1] * world, group, "counts")
+    return msg, recv
+
+
+def read_counts(msg: torch.Tensor, recv: torch.Tensor, rows: int, group) -> tuple:
+    """The one host synchronization of the synced mode: reads both messages, raises the same error on
+    every rank where any rank disagrees or reported a problem, returns ``(input_splits, output_splits)``."""
+    n_local = msg.shape[1] - agree.SIZE
+    host = torch.stack([msg, recv]).tolist()
+    sent, got = host[0], host[1]
+    if torch.compiler.is_compiling():  # values are unbacked SymInts: checked when the graph runs
+        return _check_traced(sent, got, n_local)
+    message = agree.diagnose([row[n_local:] for row in got])
+    if message is not None:
+        raise ValueError(message)
+    rank = dist.get_rank(group)
+    bad = {r: got[r][n_local] for r in range(len(got)) if got[r][n_local]}
+    if bad:
+        if rank in bad:
+            raise ValueError(f"num_local_tokens_per_expert_E on rank {rank} has {', '.join(agree.problems(bad[rank]))}: "
+                             f"{[c for row in sent for c in row[:n_local]]} for {rows} routed rows")
+        raise ValueError(f"num_local_tokens_per_expert_E is invalid on rank(s) {sorted(bad)} of the EP group "
+                         f"(see the error raised there); no tokens were exchanged")
+    return [sum(row[:n_local]) for row in sent], [sum(row[:n_local]) for row in got]
+
+
+def _check_traced(sent: list, got: list, n_local: int) -> tuple:
+    """:func:`read_counts` under ``torch.compile``: the same conditions as runtime asserts of the graph
+    (every rank checks every rank's header, so all raise together; a ``RuntimeError`` naming the setting)."""
+    mine = sent[0][n_local:]
+    for r, row in enumerate(got):
+        for i, field in enumerate(agree.FIELDS[1:], start=1):
+            what = f"EP ranks disagree on {field} (rank {r} differs from this rank); no tokens were exchanged"
+            torch._check(row[n_local + i] == mine[i], lambda: what)
+        what = f"EP rank {r} reported invalid dispatch arguments or counts; no tokens were exchanged"
+        torch._check(row[n_local] == 0, lambda: what)
+    for row in sent + got:
+        for c in row[:n_local]:
+            torch._check(c >= 0)
+    return [sum(row[:n_local]) for row in sent], [sum(row[:n_local]) for row in got]
+
+
+def route_from_counts(recv: torch.Tensor, input_splits: list, output_splits: list, group, *, wire: Wire,
+                      mode: ScaleMode) -> Route:
+    n_local = recv.shape[1] - agree.SIZE
+    recv_counts = recv[:, :n_local].to(torch.int32)
+    src, _, offs = permute._source_rows(recv_counts, sum(output_splits))
+    return Route(group=group, wire=wire, mode=mode, input_splits=input_splits, output_splits=output_splits,
+                 recv_counts=recv_counts, num_tokens_per_local_expert=torch.diff(offs, prepend=offs.new_zeros(1)),
+                 src=src)
 
 
 def plan_route(num_local_tokens_per_expert_E: torch.Tensor, rows: int, group, *, wire: Wire, mode: ScaleMode,
-               mismatch: torch.Tensor | None = None) -> Route:
+               mismatch: torch.Tensor | None = None, settings: list | None = None) -> Route:
     """Exchange the per-expert counts (one small all-to-all) and read the split sizes (one host sync).
 
     ``num_local_tokens_per_expert_E (E,)``: rows this rank sends to each global expert (experts are laid
     out rank-major: rank r holds experts ``[r * E_local, (r+1) * E_local)``); ``rows``: the number of sorted
     rows it sends; ``mismatch``: an optional 0-d bool device tensor, True where the caller found the counts
-    inconsistent with the routing. Every rank sends a problem code with its counts, so a bad value on one
-    rank raises the same ``ValueError`` on all of them (naming the rank) instead of leaving peers waiting.
+    inconsistent with the routing; ``settings``: the :func:`.agree.header` of the call (default: only
+    num_experts, wire and scale mode). Every rank sends a problem code and its settings with its counts,
+    so a bad value or a disagreement on one rank raises the same ``ValueError`` on all of them (naming
+    the ranks) instead of leaving peers waiting or exchanging garbage.
     """
-    world = dist.get_world_size(group)
-    counts = num_local_tokens_per_expert_E
-    n_local = counts.numel() // world
-    send = counts.to(torch.int64).view(world, n_local)
-    code = (send < 0).any().to(torch.int64) * _NEGATIVE + (send.sum() != rows).to(torch.int64) * _BAD_SUM
-    if mismatch is not None:
-        code = code + mismatch.to(torch.int64) * _MISMATCH
-    msg = torch.cat([send, code.expand(world, 1)], dim=1).contiguous()
-    recv = torch.empty_like(msg)
-    dist.all_to_all_single(recv, msg, group=group)
-    host = torch.stack([msg, recv]).tolist()  # the one device-to-host synchronization
-    sent, got = host[0], host[1]
-    rank = dist.get_rank(group)
-    bad = {r: got[r][n_local] for r in range(world) if got[r][n_local]}
-    if bad:
-        if rank in bad:
-            raise ValueError(f"num_local_tokens_per_expert_E on rank {rank} has {', '.join(_problems(bad[rank]))}: "
-                             f"{[c for row in sent for c in row[:n_local]]} for {rows} routed rows")
-        raise ValueError(f"num_local_tokens_per_expert_E is invalid on rank(s) {sorted(bad)} of the EP group "
-                         f"(see the error raised there); no tokens were exchanged")
-    recv_counts = recv[:, :n_local].to(torch.int32)
-    output_splits = [sum(row[:n_local]) for row in got]
-    src, _, offs = permute._source_rows(recv_counts, sum(output_splits))
-    return Route(group=group, wire=wire, mode=mode, input_splits=[sum(row[:n_local]) for row in sent],
-                 output_splits=output_splits, recv_counts=recv_counts,
-                 num_tokens_per_local_expert=torch.diff(offs, prepend=offs.new_zeros(1)), src=src)
+    if settings is None:
+        settings = agree.header(hidden=0, num_experts=num_local_tokens_per_expert_E.numel(), top_k=0,
+                                dtype=None, wire=wire, mode=mode)
+    msg, recv = exchange_counts(num_local_tokens_per_expert_E, rows, group, settings=settings, mismatch=mismatch)
+    input_splits, output_splits = read_counts(msg, recv, rows, group)
+    return route_from_counts(recv, input_splits, output_splits, group, wire=wire, mode=mode)
 
 
 def _expert_major(rows_received: torch.Tensor, route: Route) -> torch.Tensor:
@@ -177,4 +235,5 @@ def combine_rows(y_expert_major: torch.Tensor, route: Route) -> torch.Tensor:
     return _Combine.apply(y_expert_major, route)
 
 
-__all__ = ["Wire", "Route", "plan_route", "dispatch_rows", "combine_rows"]
+__all__ = ["Wire", "Route", "plan_route", "exchange_counts", "read_counts", "route_from_counts", "dispatch_rows",
+           "combine_rows"]

@@ -1,0 +1,187 @@
+"""Sync-free expert parallelism: a fixed receive capacity per rank pair, static all-to-all sizes.
+
+Each rank sends every peer exactly ``S`` row slots (``S = slots_per_rank(T, top_k, R, E_local,
+capacity_factor)``), so every all-to-all has sizes known on the host before any device work: no
+device-to-host synchronization in forward or backward, the same shapes every step (``torch.compile``
+sees no data-dependent size, a CUDA graph can capture the step). A rank receives ``R * S`` rows, in
+expert-major order first (the rows the grouped GEMM takes, ``num_tokens_per_local_expert`` summing to
+the rows really received), zero rows after them.
+
+The rows a rank sends to rank r are its sorted rows for r's experts, in order; those past the ``S``
+slots overflow. Overflow is never silent: the number of overflowing token copies of the whole EP group
+travels with the counts (every rank gets the same total, on the device) and is added to the
+dispatcher's ``dropped_rows`` counter. With ``overflow="error"`` (default) the combined output of
+every rank is NaN for that step, so the loss read at the next host read is NaN, and
+:meth:`MXFP8TokenDispatcher.check_overflow` (a host read, call it where the step syncs anyway, e.g.
+with the loss) raises a ``ValueError`` with the count. With ``overflow="drop"`` (explicit opt-in) the
+overflowing copies contribute zero, like a capacity-factor MoE, and ``dropped_rows`` counts them.
+Counts that are invalid on some rank (negative, wrong sum, not matching the ids) count as overflow of
+all that rank's rows in either mode (nothing raises without a host read).
+
+When nothing overflows, the outputs and gradients equal the synced mode's bit for bit: the same rows
+are quantized the same way and reach the same experts in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .. import backends, layouts
+from .. import prequantized as pq
+from .. import quantize as q
+from ..numerics import ScaleMode, dequantize_blocks
+from .legs import Wire
+from .wire import all_to_all_rows, pack_mxfp8, unpack_mxfp8
+
+OVERFLOW = ("error", "drop")
+
+
+def slots_per_rank(tokens: int, top_k: int, world: int, local_experts: int, capacity_factor: float) -> int:
+    """``S``: row slots a rank sends each peer, ``ceil(capacity_factor * T * top_k / R)``, at most
+    ``T * min(top_k, E_local)`` (every copy a peer can take; a factor ``>= R`` never overflows)."""
+    s = math.ceil(capacity_factor * tokens * top_k / world)
+    return max(0, min(s, tokens * min(top_k, local_experts)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CapacityRoute:
+    group: object
+    wire: Wire
+    mode: ScaleMode
+    slots: int  # S
+    world: int
+    send_idx: torch.Tensor  # (R*S,) sorted row in each send slot (0 where none)
+    send_valid: torch.Tensor  # (R*S,) bool
+    slot_of_row: torch.Tensor  # (N,) send slot of each sorted row, R*S where it overflows
+    src: torch.Tensor  # (R*S,) received slot of each expert-major row (0 where none)
+    valid: torch.Tensor  # (R*S,) bool: expert-major row t holds a received row
+    num_tokens_per_local_expert: torch.Tensor  # (E_local,) int32
+    dropped: torch.Tensor  # 0-d int64: token copies of the whole group past capacity (or invalid)
+
+    @property
+    def rows_received(self) -> int:
+        return self.world * self.slots
+
+
+def _kept(counts_re: torch.Tensor, slots: int) -> torch.Tensor:
+    """Rows of each (peer, expert) block that fit the peer's ``slots`` (first come, expert order)."""
+    ends = torch.cumsum(counts_re.clamp(min=0), 1).clamp(max=slots)
+    return torch.diff(ends, dim=1, prepend=ends.new_zeros(ends.shape[0], 1))
+
+
+def plan_send(counts: torch.Tensor, rows: int, world: int, slots: int):
+    """Sender side: ``(send_idx, send_valid, slot_of_row, kept (R, E_local), dropped)`` from this rank's
+    ``counts (E,)`` (sanitized: negative counts are 0, the running total is clamped to ``rows``)."""
+    dev = counts.device
+    c = counts.to(torch.int64).view(world, -1)
+    ends = layouts.sanitize_offsets(torch.cumsum(c.clamp(min=0).reshape(-1), 0), rows).view(world, -1)
+    rank_ends = ends[:, -1].contiguous()
+    rank_starts = torch.cat([rank_ends.new_zeros(1), rank_ends[:-1]])
+    n = rank_ends - rank_starts
+    kept_r = n.clamp(max=slots)
+    j = torch.arange(slots, device=dev)
+    send_idx = (rank_starts.unsqueeze(1) + j).reshape(-1)
+    send_valid = (j < kept_r.unsqueeze(1)).reshape(-1)
+    i = torch.arange(rows, device=dev)
+    r_i = layouts.group_of(i, rank_ends).clamp(max=world - 1)
+    j_i = i - rank_starts[r_i]
+    inside = (i < rank_ends[-1]) & (j_i < slots)
+    slot_of_row = torch.where(inside, r_i * slots + j_i, world * slots)
+    sizes = torch.diff(ends.reshape(-1), prepend=ends.new_zeros(1)).view(world, -1)
+    return torch.where(send_valid, send_idx, 0), send_valid, slot_of_row, _kept(sizes, slots), (n - kept_r).sum()
+
+
+def plan_receive(kept: torch.Tensor, slots: int):
+    """Receiver side: ``(src, valid, num_tokens_per_local_expert)`` from ``kept (R, E_local)``, the rows
+    each peer sent for each local expert (each peer's block starts at slot ``r * S``)."""
+    world, n_local = kept.shape
+    total = world * slots
+    within = torch.cumsum(kept, 1) - kept  # offset of block (r, e) inside peer r's slots
+    sizes_er = kept.t().reshape(-1)  # expert-major blocks (e, r)
+    dst_ends = torch.cumsum(sizes_er, 0)
+    dst_starts = dst_ends - sizes_er
+    t = torch.arange(total, device=kept.device)
+    if sizes_er.numel() == 0:
+        return t * 0, t < 0, kept.new_zeros(n_local).to(torch.int32)
+    b = layouts.group_of(t, dst_ends).clamp(max=sizes_er.numel() - 1)
+    valid = t < dst_ends[-1]
+    r, e = b % world, b // world
+    src = torch.where(valid, r * slots + within[r, e] + t - dst_starts[b], 0)
+    return src, valid, kept.sum(0).to(torch.int32)
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    rows = x.view(torch.uint8)[idx] if x.dtype.itemsize == 1 else x[idx]
+    return torch.where(keep.unsqueeze(1), rows, 0).view(x.dtype)
+
+
+def _scatter(x: torch.Tensor, dest: torch.Tensor, keep: torch.Tensor, size: int) -> torch.Tensor:
+    """``out (size, D)``, zero but for ``out[dest[i]] = x[i]`` where ``keep[i]``."""
+    out = x.new_zeros(size + 1, *x.shape[1:])
+    return out.index_copy_(0, torch.where(keep, dest, size), x)[:size]
+
+
+def _forward_leg(x_sorted: torch.Tensor, route: CapacityRoute, leg: str) -> torch.Tensor:
+    """Sorted rows -> slots -> all-to-all -> expert-major rows (MXFP8 on that wire)."""
+    s = [route.slots] * route.world
+    if route.wire is Wire.MXFP8:
+        data, scales = q.quantize_rowwise(x_sorted, route.mode)
+        buf = _gather(pack_mxfp8(data, scales), route.send_idx, route.send_valid)
+        data_r, scales_r = unpack_mxfp8(all_to_all_rows(buf, s, s, route.group, leg), x_sorted.shape[1])
+        data_p, scales_p = _gather(data_r, route.src, route.valid), _gather(scales_r, route.src, route.valid)
+        values = dequantize_blocks(data_p, scales_p, x_sorted.dtype)
+        if backends.supports_scaled_grouped_mm(x_sorted.device):
+            pq.remember(values, route.mode, data_p, scales_p.view(torch.float8_e8m0fnu))
+        else:
+            pq.remember(values, route.mode)
+        return values
+    recv = all_to_all_rows(_gather(x_sorted, route.send_idx, route.send_valid), s, s, route.group, leg)
+    return _gather(recv, route.src, route.valid)
+
+
+def _backward_leg(y: torch.Tensor, route: CapacityRoute, leg: str) -> torch.Tensor:
+    """Expert-major rows -> received slots -> all-to-all back -> sorted rows (overflowing rows zero)."""
+    s = [route.slots] * route.world
+    back = all_to_all_rows(_scatter(y.contiguous(), route.src, route.valid, route.rows_received), s, s,
+                           route.group, leg)
+    inside = route.slot_of_row < route.rows_received
+    return _gather(back, torch.where(inside, route.slot_of_row, 0), inside)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_sorted, route):
+        ctx.route = route
+        return _forward_leg(x_sorted, route, "dispatch")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _backward_leg(grad, ctx.route, "dispatch backward"), None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, route):
+        ctx.route = route
+        return _backward_leg(y, route, "combine")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _forward_leg(grad.contiguous(), ctx.route, "combine backward"), None
+
+
+def dispatch_rows(x_sorted: torch.Tensor, route: CapacityRoute) -> torch.Tensor:
+    """``(R*S, D)``: the received rows expert-major, then zeros; differentiable."""
+    return _Dispatch.apply(x_sorted, route)
+
+
+def combine_rows(y: torch.Tensor, route: CapacityRoute) -> torch.Tensor:
+    """``(N, D)``: this rank's sorted rows back from the experts (zero where they overflowed)."""
+    return _Combine.apply(y, route)
+
+
+__all__ = ["CapacityRoute", "OVERFLOW", "slots_per_rank", "plan_send", "plan_receive", "dispatch_rows",
+           "combine_rows"]

@@ -1,0 +1,107 @@
+"""Gloo CPU ranks for ``tests/test_torchtitan_ep.py``: torchtitan 0.3.0's ``RoutedExperts`` with converted
+experts and moe_quant's dispatcher (through its torchtitan ``Config``), EP over a 1-D device mesh of the
+world or EP off (``wire_meshes(ep_mesh=None)``), eager and ``torch.compile(fullgraph=True)``; and
+torchtitan's own ``AllToAllTokenDispatcher`` feeding the converted experts, eager and compiled."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+D, HIDDEN, E, K, T = 64, 96, 4, 2, 24
+
+
+def _bits_equal(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _sqnr(ref, x):
+    ref, x = ref.float(), x.float()
+    err = (ref - x).pow(2).sum()
+    return float("inf") if err == 0 else float(10 * torch.log10(ref.pow(2).sum() / err))
+
+
+def _block(dispatcher_cfg, ep: bool):
+    """A RoutedExperts of this rank (its E/R experts under EP, all E without), weights from one seed."""
+    from torchao.quantization import quantize_
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+
+    from moe_quant import MXFP8MoEConfig
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = E // world if ep else E
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(E, HIDDEN, D, generator=g) * 0.1, torch.randn(E, D, HIDDEN, generator=g) * 0.1,
+            torch.randn(E, HIDDEN, D, generator=g) * 0.1]
+    block = RoutedExperts.Config(inner_experts=GroupedExperts.Config(dim=D, hidden_dim=HIDDEN, num_experts=n),
+                                 token_dispatcher=dispatcher_cfg).build()
+    lo = rank * n if ep else 0
+    with torch.no_grad():
+        for p, w in zip((block.inner_experts.w1_EFD, block.inner_experts.w2_EDF, block.inner_experts.w3_EFD), full):
+            p.copy_(w[lo:lo + n])
+    block.to(torch.bfloat16)
+    quantize_(block, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
+    mesh = None
+    if ep:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    block.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    return block
+
+
+def _inputs():
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(1, T, D, generator=g).to(torch.bfloat16)
+    logits = torch.randn(T, E, generator=g)
+    if rank == 1:
+        logits[:, 0] += 4  # uneven: most of this rank's copies to expert 0
+    scores, ids = torch.topk(logits.softmax(-1), K, dim=-1)
+    counts = torch.zeros(E, dtype=torch.int64).scatter_add(0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int64))
+    gout = torch.randn(1, T, D, generator=g).to(torch.bfloat16)
+    return x, scores.view(1, T, K), ids.view(1, T, K), counts, gout
+
+
+def _step(fn, block, x, scores, ids, counts, gout):
+    for p in block.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_()
+    out = fn(x, scores, ids, counts)
+    (out.float() * gout.float()).sum().backward()
+    ws = [block.inner_experts.w1_EFD, block.inner_experts.w2_EDF, block.inner_experts.w3_EFD]
+    return [out.detach(), x.grad] + [w.grad.clone() for w in ws]
+
+
+def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager", capacity_factor=None) -> dict:
+    """Eager and compiled steps of one block; returns whether they are bit-identical, and the outputs."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from moe_quant.ep.titan import dispatcher_class, dispatcher_config
+
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    torch._dynamo.config.capture_scalar_outputs = True  # as torchtitan's compile does
+    set_spmd_backend("partial_dtensor")  # plain process groups (its default needs torchtitan's trainer set-up)
+    if dispatcher == "moe_quant":
+        cfg = dispatcher_config(num_experts=E, top_k=K, capacity_factor=capacity_factor)
+    else:
+        cfg = AllToAllTokenDispatcher.Config(num_experts=E, top_k=K)
+    block = _block(cfg, ep)
+    args = _inputs()
+    eager = _step(block, block, *args)
+    t0 = time.monotonic()
+    res = {"ours": isinstance(block.token_dispatcher, dispatcher_class()), "local": not ep,
+           "rows": int(args[3].sum()), "eager": [t.float().tolist() for t in eager[:2]],
+           "wgrads": [t.float().tolist() for t in eager[2:]]}
+    if compile_backend:
+        torch._dynamo.reset()
+        compiled = _step(torch.compile(block, backend=compile_backend, fullgraph=True), block, *args)
+        res["compiled_equal"] = [_bits_equal(a, b) for a, b in zip(eager, compiled)]
+    res["seconds"] = time.monotonic() - t0
+    return res
+
+
+__all__ = ["run", "D", "E", "K", "T"]
