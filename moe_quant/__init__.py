@@ -3,6 +3,9 @@
 Public API:
 
 * :func:`mxfp8_grouped_mm` -- differentiable MXFP8 drop-in for ``torch._grouped_mm``.
+* :func:`mxfp8_swiglu_experts` -- a whole SwiGLU expert block (three grouped GEMMs) in MXFP8 with fused
+  quantization passes; :func:`swiglu_experts_unfused` is the same block through three
+  :func:`mxfp8_grouped_mm` calls (equal bit for bit).
 * :func:`to_mxfp8` / :func:`from_mxfp8` -- quantize / dequantize along the last dim.
 * Scale layouts (docs/design.md section 3): :func:`to_blocked`, :func:`from_blocked`,
   :func:`to_blocked_m_groups`, :func:`from_blocked_m_groups`, :func:`to_blocked_k_groups`,
@@ -15,7 +18,7 @@ Public API:
   :class:`MXFP8ExpertWeight`, :func:`fallback_counts`; a reference MoE block in :mod:`moe_quant.moe`.
 """
 
-from .autograd import mxfp8_grouped_mm
+from .autograd import mxfp8_grouped_mm, mxfp8_swiglu_experts, swiglu_experts_unfused
 from .backends import GemmBackend
 from .conversion import MXFP8ExpertWeight, MXFP8MoEConfig, fallback_counts, reset_fallback_counts
 from .layouts import (
@@ -57,6 +60,7 @@ __all__ = [
     "from_blocked_m_groups",
     "from_mxfp8",
     "mxfp8_grouped_mm",
+    "mxfp8_swiglu_experts",
     "padded_group_offsets",
     "quantize_3d",
     "quantize_colwise_k_groups",
@@ -65,5 +69,6 @@ __all__ = [
     "to_blocked_3d",
     "to_blocked_k_groups",
     "to_blocked_m_groups",
+    "swiglu_experts_unfused",
     "to_mxfp8",
 ]
