@@ -118,7 +118,9 @@ class _SwiGLUExperts(torch.autograd.Function):
             if need_x:
                 dx = (_mm_dgrad(ga_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
                       + _mm_dgrad(gb_row, _w_dgrad(w3, mode, backend), offs).to(ctx.x_dtype))
-        dx, dw1, dw3, dw2 = _first_order_only((dx, dw1, dw3, dw2), (grad_y, a, b, w1, w3, w2))
+        # differentiating these again raises (grouped_mm.DOUBLE_BACKWARD_ERROR), as for mxfp8_grouped_mm
+        dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))
+        dw3, dw2 = _first_order_only((dw3, dw2), (grad_y, w3, w2))
         return dx, dw1, dw3, dw2, None, None, None
 
 
