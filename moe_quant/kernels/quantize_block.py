@@ -386,3 +386,53 @@ def compile_variant(variant: Variant, tvm_ffi: bool, extra_options: str = ""):
     args = make_fake_args(variant, tvm_ffi)
     opts = " ".join(o for o in (("--enable-tvm-ffi" if tvm_ffi else ""), extra_options) if o)
     return cute.compile(kernel, *args, options=opts)
+
+
+# ----------------------------------------------------------------------------- the SwiGLU math alone (tests)
+
+
+class SwiGLUMathKernel:
+    """The block kernel's SwiGLU math alone, elementwise over packed bf16x2 words (``int32`` tensors): ``out =
+    swiglu(a, b)``, ``grad_a(g, a, b)`` or ``grad_b(g, a)``. The quantized outputs of the block kernel cannot
+    show every bit of ``h``; this kernel runs the same PTX, so tests compare it with PyTorch's CUDA silu for
+    every bf16 value (tests/test_kernel_block_gpu.py)."""
+
+    THREADS = 256
+
+    def __init__(self, op: str):
+        self.op = op
+
+    @cute.jit
+    def __call__(self, g: cute.Tensor, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor, stream):
+        n = Int32(out.shape[0])
+        self.kernel(g, a, b, out, n).launch(grid=[(n + (self.THREADS - 1)) // self.THREADS, 1, 1],
+                                             block=[self.THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, g: cute.Tensor, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor, n: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        i = Int32(bid) * self.THREADS + Int32(tid)
+        if i < n:
+            if cutlass.const_expr(self.op == "swiglu"):
+                out[i] = swiglu_bf16x2(Int32(a[i]), Int32(b[i]))
+            elif cutlass.const_expr(self.op == "grad_a"):
+                out[i] = grad_a_bf16x2(Int32(g[i]), Int32(a[i]), Int32(b[i]))
+            else:
+                out[i] = grad_b_bf16x2(Int32(g[i]), Int32(a[i]))
+
+
+def run_swiglu_math(op: str, g, a, b):
+    """``op`` (``"swiglu"``, ``"grad_a"``, ``"grad_b"``) of bf16 CUDA tensors with an even number of elements,
+    through :class:`SwiGLUMathKernel` on the local GPU (compiled on each call: tests only)."""
+    import torch
+    import cuda.bindings.driver as cuda
+    from cutlass.cute.runtime import from_dlpack
+
+    words = [t.contiguous().view(torch.int32) for t in (g, a, b)]
+    out = torch.empty_like(words[1])
+    args = [from_dlpack(t, assumed_align=4).mark_layout_dynamic() for t in (*words, out)]
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    compiled = cute.compile(SwiGLUMathKernel(op), *args, stream)
+    compiled(*args, stream)
+    return out.view(torch.bfloat16).view(a.shape)
