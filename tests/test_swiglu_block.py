@@ -227,3 +227,16 @@ def test_h_not_multiple_of_32():
     x, w1, w3, w2, offs, _ = make_block([10], 0, 64, 48, 10)
     with pytest.raises(ValueError, match="w1: H"):
         mxfp8_swiglu_experts(x, w1, w3, w2, offs)
+
+
+def test_bench_block_cpu_smoke(tmp_path, capsys):
+    from benchmarks import bench_block
+
+    out = tmp_path / "block.json"
+    assert bench_block.main(["--device", "cpu", "--tiny", "--rounds", "1", "--shapes", "dsv3", "--m", "128",
+                             "--json", str(out)]) == 0
+    import json
+
+    res = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in res] == ["bf16", "unfused", "fused"]
+    assert "vs bf16" in capsys.readouterr().out
