@@ -82,9 +82,12 @@ def test_block_equals_unfused_bit_for_bit(groups, dh, mode, dtypes, seed):
 def test_block_path_taken_and_unfused_path_not(monkeypatch):
     counts = Counts(monkeypatch)
     calls = []
-    orig = gm.mxfp8_grouped_mm
-    monkeypatch.setattr(gm, "mxfp8_grouped_mm", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = gm._MXFP8GroupedMM.apply
+    monkeypatch.setattr(gm._MXFP8GroupedMM, "apply", lambda *a: calls.append(1) or orig(*a))
     x, w1, w3, w2, offs, gy = make_block([40, 0, 70], 5, 64, 96, 0)
+    run(swiglu_experts_unfused, x, w1, w3, w2, offs, gy)
+    assert len(calls) == 3 and counts.n == {"dual": 0, "swiglu": 0, "dswiglu": 0}  # the counters count
+    calls.clear()
     run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
     assert counts.n == {"dual": 2, "swiglu": 1, "dswiglu": 1}  # x and grad_y once each
     assert not calls

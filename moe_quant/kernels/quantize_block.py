@@ -137,7 +137,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.v = variant
         self.op = variant.op
         self.rceil = variant.mode == "rceil"
-        self.in_f32 = False  # bf16 inputs only (config_block)
+        self.in_f32 = False  # bf16 inputs only (config_block); read by the inherited helpers
         self.kgroups = True
         self.fake = variant.fake
         self.fake_f32 = False
@@ -259,10 +259,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
 
     @cute.jit
     def load_words(self, x, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32):
-        """8 tokens x 8 columns as loaded: per token 4 bf16x2 words (8 fp32 words for fp32 input), zeros
-        where the token or column is not real. Kept packed: the tile is live across both forms."""
-        if cutlass.const_expr(self.in_f32):
-            return self.load_tile(x, src0, n_real, r, col0, col_ok, t0)
+        """8 tokens x 8 columns as loaded: per token 4 bf16x2 words, zeros where the token or column is not
+        real. Kept packed: the tile is live across both forms."""
         words = []
         for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
             a0 = a1 = a2 = a3 = Int32(0)
@@ -273,16 +271,12 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
 
     def col_value(self, row_words, c: int):
         """Column ``c`` of one token's words as an fp32 bit pattern (the colwise pass)."""
-        if self.in_f32:
-            return row_words[c]
         w = row_words[c // 2]
         return w << 16 if c % 2 == 0 else w & Int32(-65536)
 
     def row_values(self, row_words) -> list:
         """One token's 8 columns as fp32 bit patterns (the rowwise pass). Unpacked with ``prmt`` rather than
         the colwise pass' shifts, so the compiler cannot merge the two unpacks into 64 live registers."""
-        if self.in_f32:
-            return list(row_words)
         out = []
         for w in row_words:
             out += [cu._asm(1, [w], "prmt.b32 $0, $1, 0, 0x1044;", "=r,r"),
@@ -292,8 +286,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
     @cute.jit
     def compute(self, o: cutlass.Constexpr, x0, x1, x2, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok,
                 t0: Int32):
-        """Output tensor ``o``'s 8 x 8 tile of this thread, packed as loaded (bf16x2 words; fp32 words for a
-        fp32 ``dual``); zeros past the tile's real tokens and columns (every op maps zeros to zeros)."""
+        """Output tensor ``o``'s 8 x 8 tile of this thread, packed as loaded (bf16x2 words); zeros past the tile's real tokens and columns (every op maps zeros to zeros)."""
         v0 = self.load_words(x0, src0, n_real, r, col0, col_ok, t0)
         out = v0
         if cutlass.const_expr(self.op != "dual"):
