@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from mx_strategies import group_sizes, offsets_from_sizes
 
+from benchmarks.bench_block import bf16_block
 from moe_quant import block_quantize as bq
 from moe_quant import mxfp8_swiglu_experts, swiglu_experts_unfused
 from moe_quant.autograd import grouped_mm as gm
@@ -96,12 +96,6 @@ def test_block_path_taken_and_unfused_path_not(monkeypatch):
 def test_block_differs_from_bf16_and_tracks_it():
     """The block really quantizes (not bf16 bit for bit) yet stays close to the bf16 block."""
     x, w1, w3, w2, offs, gy = make_block([100, 60, 90], 0, 128, 96, 3)
-
-    def bf16_block(x, w1, w3, w2, offs):
-        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-        h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-
     got = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
     ref = run(bf16_block, x, w1, w3, w2, offs, gy)
     for a, b in zip(got, ref):
@@ -179,12 +173,6 @@ def _saved_bytes(fn, *args):
 
 def test_saved_activations_at_most_bf16():
     x, w1, w3, w2, offs, _ = make_block([256, 128, 256], 0, 256, 128, 7)
-
-    def bf16_block(x, w1, w3, w2, offs):
-        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-        h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-
     weights = sum(w.untyped_storage().nbytes() for w in (w1, w3, w2))
     fused = _saved_bytes(mxfp8_swiglu_experts, x, w1, w3, w2, offs) - weights
     bf16 = _saved_bytes(bf16_block, x, w1, w3, w2, offs) - weights
