@@ -169,6 +169,11 @@ def mxfp8_swiglu_experts(
             computed (their output and input gradient are unspecified), as in ``torch._grouped_mm``.
         scale_mode, backend, validate_offsets: as in :func:`moe_quant.mxfp8_grouped_mm`.
 
+    Works under ``torch.compile(fullgraph=True)`` (the fused passes are ``torch.ops.moe_quant.block_*`` custom
+    ops), activation checkpointing, ``no_grad`` and ``inference_mode``; double backward raises as for
+    :func:`moe_quant.mxfp8_grouped_mm`. ``torch.func`` transforms (``vmap``, ``grad``) are not supported
+    (the per-GEMM path supports them).
+
     Returns:
         ``(M, D)`` bf16.
     """
