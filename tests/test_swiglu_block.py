@@ -231,3 +231,24 @@ def test_bench_block_cpu_smoke(tmp_path, capsys):
     res = json.loads(out.read_text())["results"]
     assert [r["variant"] for r in res] == ["bf16", "unfused", "fused"]
     assert "vs bf16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fake", [False, True])
+@pytest.mark.parametrize("m,r,sizes", [(300, 96, [100, 0, 150]), (0, 64, [0, 0]), (40, 32, [])])
+def test_kernel_op_shapes_match_the_reference_forms(fake, m, r, sizes):
+    """The block ops' fake implementations (what torch.compile traces) give the shapes and dtypes of the
+    reference forms the kernels must reproduce byte for byte."""
+    from moe_quant.kernels import ops_block
+
+    x = torch.randn(m, r).bfloat16()
+    offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)
+    for op, n in (("dual", 1), ("swiglu", 1), ("dswiglu", 2)):
+        outs = ops_block._fake_outputs(op, x, offs, fake)
+        forms = bq._kernel_forms(outs, fake)
+        assert len(forms) == n
+        want = bq._separate_forms(x, ScaleMode.RCEIL, offs, fake)
+        for got in forms:
+            for g, w in zip(got, want):
+                assert [(tuple(t.shape), t.dtype) for t in g] == [(tuple(t.shape), t.dtype) for t in w], op
+    schema = str(torch.ops.moe_quant.block_dswiglu.default._schema)
+    assert schema.endswith("-> Tensor[]"), schema
