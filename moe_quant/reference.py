@@ -9,6 +9,7 @@ Scales are returned as ``torch.float8_e8m0fnu``; data as ``torch.float8_e4m3fn``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import layouts
 from . import validation as v
@@ -114,6 +115,22 @@ def fake_quantize_colwise_k_groups(
     return fake_quantize_blocks(xp_t, mode, out_dtype), layouts.padded_group_offsets(offs, x.shape[0])
 
 
+# ----------------------------------------------------------------------------- SwiGLU of the expert block
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``h = silu(a) * b`` exactly as PyTorch evaluates ``F.silu(a) * b`` on ``a``'s device: ``silu(a)``
+    rounded to ``a``'s dtype, then the product rounded again. On CUDA this is PyTorch's silu kernel,
+    which the fused ``swiglu`` kernel reproduces instruction for instruction (kernels/NOTES_block.md)."""
+    return F.silu(a) * b
+
+
+def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_a, grad_b)`` of :func:`swiglu`, exactly as autograd computes them for ``F.silu(a) * b``:
+    ``grad_b = grad_h * silu(a)``, ``grad_a = silu_backward(grad_h * b, a)`` (each rounded to the dtype)."""
+    return torch.ops.aten.silu_backward(grad_h * b, a), grad_h * F.silu(a)
+
+
 # ----------------------------------------------------------------------------- 3D expert weights
 
 
@@ -152,4 +169,6 @@ __all__ = [
     "fake_quantize_colwise_k_groups",
     "quantize_3d",
     "fake_quantize_3d",
+    "swiglu",
+    "dswiglu",
 ]

@@ -168,6 +168,28 @@ def check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets: bool | None
     return check_offsets(offs, n_groups=e, total=m, device=A.device, validate=validate_offsets)
 
 
+def check_swiglu_experts_args(x, w1, w3, w2, offs, validate_offsets: bool | None) -> torch.Tensor:
+    """Inputs of ``mxfp8_swiglu_experts``: ``x (M, D)``, ``w1``/``w3 (E, H, D)``, ``w2 (E, D, H)``,
+    ``offs (E,)`` int32 (the :class:`moe_quant.moe.GroupedExperts` convention); returns ``offs`` as
+    :func:`check_offsets` does."""
+    check_tensor("x", x, dtypes=_A_DTYPES, ndim=2)
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        check_tensor(name, w, dtypes=_A_DTYPES, ndim=3)  # fp32 master weights are read as bf16
+        if w.device != x.device:
+            raise ValueError(f"{name} must be on the same device as x ({x.device}), got {w.device}")
+    m, d = x.shape
+    e, h, d1 = w1.shape
+    if d1 != d:
+        raise ValueError(f"w1 must be (E, H, D) with D = x.shape[1] = {d}, got shape {tuple(w1.shape)}")
+    if tuple(w3.shape) != (e, h, d):
+        raise ValueError(f"w3 must have the shape of w1 (E, H, D) = {(e, h, d)}, got {tuple(w3.shape)}")
+    if tuple(w2.shape) != (e, d, h):
+        raise ValueError(f"w2 must be (E, D, H) = {(e, d, h)} (w1's dims swapped), got {tuple(w2.shape)}")
+    check_block_multiple("x", "D (x.shape[1])", d)
+    check_block_multiple("w1", "H (w1.shape[1])", h)
+    return check_offsets(offs, n_groups=e, total=m, device=x.device, validate=validate_offsets)
+
+
 def check_last_dim_blocks(name: str, t: torch.Tensor) -> None:
     """The last dim of ``t`` (at least 1-D) is a whole number of MX blocks."""
     check_block_multiple(name, f"the last dim ({name}.shape[-1])", t.shape[-1])

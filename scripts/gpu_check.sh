@@ -2,7 +2,7 @@
 set -o pipefail
 # Run on the GPU machine from the repo root: the kernels' GPU tests, compute-sanitizer, benchmarks.
 #   bash scripts/gpu_check.sh [smoke] [tests] [sanitize] [cachetime] [bench] [bench-quick] [bench-32x1] [bench-permute]
-#                             [layer] [sweep] [moe] [titan]
+#                             [layer] [sweep] [moe] [titan] [block]
 # Logs go to $OUT (or ./out). HYPOTHESIS_PROFILE defaults to "gpu" (200 examples).
 set -u
 # needs a GPU; without one, say so in one line instead of running every stage into tracebacks
@@ -55,13 +55,15 @@ PY
       # compile (or load) every kernel first: cutlass-dsl's compile path probes driver entry points with
       # cuGetProcAddress, which memcheck reports as API errors; kernel launches are what is checked here
       python3 scripts/sanitize_1x32.py > /dev/null 2>&1; python3 scripts/sanitize_32x1.py > /dev/null 2>&1
-      python3 scripts/sanitize_permute.py > /dev/null 2>&1
+      python3 scripts/sanitize_permute.py > /dev/null 2>&1; python3 scripts/sanitize_block.py > /dev/null 2>&1
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
         python3 scripts/sanitize_1x32.py 2>&1 | tail -40 | tee "$OUT/memcheck.log" || rc=1
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
         python3 scripts/sanitize_32x1.py 2>&1 | tail -40 | tee -a "$OUT/memcheck.log" || rc=1
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
         python3 scripts/sanitize_permute.py 2>&1 | tail -40 | tee -a "$OUT/memcheck.log" || rc=1
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+        python3 scripts/sanitize_block.py 2>&1 | tail -40 | tee -a "$OUT/memcheck.log" || rc=1
       step racecheck
       timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
         python3 scripts/sanitize_1x32.py --quick 2>&1 | tail -20 | tee "$OUT/racecheck.log" || rc=1
@@ -69,6 +71,8 @@ PY
         python3 scripts/sanitize_32x1.py --quick 2>&1 | tail -20 | tee -a "$OUT/racecheck.log" || rc=1
       timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
         python3 scripts/sanitize_permute.py --quick 2>&1 | tail -20 | tee -a "$OUT/racecheck.log" || rc=1
+      timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
+        python3 scripts/sanitize_block.py --quick 2>&1 | tail -20 | tee -a "$OUT/racecheck.log" || rc=1
       ;;
     cachetime)
       step cachetime
@@ -103,6 +107,12 @@ PY
       step titan
       # torchtitan 0.3.0 must be importable (pip install -e ".[titan]", or its wheels on PYTHONPATH)
       timeout 590 python3 examples/torchtitan_train.py --json "$OUT/titan.json" 2>&1 | tee "$OUT/titan.log" || rc=1
+      ;;
+    block)
+      step block
+      # the SwiGLU expert block: its kernels' GPU tests, then bf16 vs unfused vs fused MXFP8 fwd+bwd
+      timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_block_gpu.py -rs 2>&1 | tee "$OUT/block_tests.log" || rc=1
+      timeout 580 python3 -m benchmarks.bench_block --json "$OUT/block.json" 2>&1 | tee "$OUT/block.log" || rc=1
       ;;
     bench-quick)
       step bench-quick

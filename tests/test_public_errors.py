@@ -44,8 +44,33 @@ def _data_and_scales(m=4, k=64):
     return mq.to_mxfp8(_x(m, k))
 
 
+def _block(x=None, w1=None, w3=None, w2=None, offs=None, **kw):
+    """``mq.mxfp8_swiglu_experts`` on a valid (M=8, D=64, H=32, E=2) block with one argument replaced."""
+    w = lambda *s: torch.randn(*s, dtype=BF16) * 0.1  # noqa: E731
+    return mq.mxfp8_swiglu_experts(_x(8, 64) if x is None else x, w(2, 32, 64) if w1 is None else w1,
+                                   w(2, 32, 64) if w3 is None else w3, w(2, 64, 32) if w2 is None else w2,
+                                   _offs(4, 8) if offs is None else offs, **kw)
+
+
 # (id, call, exception, argument name the message must contain)
 CASES = [
+    # ---- mxfp8_swiglu_experts
+    ("block x fp16", lambda: _block(x=_x(8, 64, torch.float16)), TypeError, "x"),
+    ("block x 1-D", lambda: _block(x=torch.randn(64, dtype=BF16)), ValueError, "x"),
+    ("block w1 D mismatch", lambda: _block(w1=torch.randn(2, 32, 96, dtype=BF16)), ValueError, "w1"),
+    ("block w3 shape", lambda: _block(w3=torch.randn(2, 64, 64, dtype=BF16)), ValueError, "w3"),
+    ("block w2 not swapped", lambda: _block(w2=torch.randn(2, 32, 64, dtype=BF16)), ValueError, "w2"),
+    ("block H 48", lambda: _block(w1=torch.randn(2, 48, 64, dtype=BF16), w3=torch.randn(2, 48, 64, dtype=BF16),
+                                  w2=torch.randn(2, 64, 48, dtype=BF16)), ValueError, "w1"),
+    ("block D 48", lambda: _block(x=_x(8, 48), w1=torch.randn(2, 32, 48, dtype=BF16),
+                                  w3=torch.randn(2, 32, 48, dtype=BF16), w2=torch.randn(2, 48, 32, dtype=BF16)),
+     ValueError, "x"),
+    ("block w2 int", lambda: _block(w2=torch.ones(2, 64, 32, dtype=torch.int32)), TypeError, "w2"),
+    ("block offs int64", lambda: _block(offs=torch.tensor([4, 8])), TypeError, "offs"),
+    ("block offs length", lambda: _block(offs=_offs(8)), ValueError, "offs"),
+    ("block offs past M", lambda: _block(offs=_offs(4, 9)), ValueError, "offs"),
+    ("block scale_mode", lambda: _block(scale_mode="round"), ValueError, "scale_mode"),
+    ("block backend", lambda: _block(backend="fast"), ValueError, "backend"),
     # ---- to_mxfp8
     ("to_mxfp8 last dim 33", lambda: mq.to_mxfp8(_x(4, 33)), ValueError, "x"),
     ("to_mxfp8 last dim 16", lambda: mq.to_mxfp8(_x(4, 16)), ValueError, "x"),

@@ -46,17 +46,32 @@ def _weight_operand(W_t, kind: tuple, compute):
     return active_operand(W_t, kind, run)
 
 
+_WEIGHT_FORMS = {  # (backend, gemm) -> the weight operand's form, computed from W_t (E, K, N) in bf16
+    (GemmBackend.EMULATED, "fwd"): lambda w, mode: q.fake_quantize_3d(w, mode, along_dim=-2),  # blocks along K
+    (GemmBackend.EMULATED, "dgrad"): lambda w, mode: q.fake_quantize_3d(w, mode, along_dim=-1),  # along N
+    # (E, N, K) with scales (E, N x K/32), and (E, K, N) with scales (E, K x N/32)
+    (GemmBackend.SCALED, "fwd"): lambda w, mode: q.quantize_3d(w.transpose(-2, -1), mode, along="k"),
+    (GemmBackend.SCALED, "dgrad"): lambda w, mode: q.quantize_3d(w.transpose(-2, -1), mode, along="n"),
+}
+
+
+def weight_operand(W_t, mode: ScaleMode, backend: GemmBackend, gemm: str):
+    """The ``gemm`` ("fwd" or "dgrad") operand of the weight view ``W_t`` on ``backend``: made here, or
+    reused from an active :func:`moe_quant.reuse_quantized_weights` scope. The one place the GEMMs of
+    :func:`mxfp8_grouped_mm` and of the SwiGLU expert block get their weight operands."""
+    form = _WEIGHT_FORMS[backend, gemm]
+    return _weight_operand(W_t, (backend.value, gemm, mode), lambda w: form(w, mode))
+
+
 def emulated_fwd(A, W_t, offs, mode: ScaleMode):
     a = pq.rowwise_values(A, mode)  # A's MXFP8 form may be known already (expert parallelism)
-    w = _weight_operand(W_t, ("emulated fwd", mode),  # blocks along K, W_t (E, K, N)
-                        lambda w: q.fake_quantize_3d(w, mode, along_dim=-2))
+    w = weight_operand(W_t, mode, GemmBackend.EMULATED, "fwd")
     return torch._grouped_mm(a, w, offs=offs)
 
 
 def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode):
     g = pq.rowwise_values(grad_out, mode)
-    w = _weight_operand(W_t, ("emulated dgrad", mode),  # blocks along N
-                        lambda w: q.fake_quantize_3d(w, mode, along_dim=-1))
+    w = weight_operand(W_t, mode, GemmBackend.EMULATED, "dgrad")
     return torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
 
 
@@ -76,15 +91,13 @@ def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
 
 def scaled_fwd(A, W_t, offs, mode: ScaleMode):
     a, a_s = pq.rowwise_operand(A, mode, offs)
-    w, w_s = _weight_operand(W_t, ("scaled fwd", mode),  # (E, N, K), scales (E, N x K/32)
-                             lambda w: q.quantize_3d(w.transpose(-2, -1), mode, along="k"))
+    w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "fwd")
     return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
 def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode):
     g, g_s = pq.rowwise_operand(grad_out, mode, offs)
-    w, w_s = _weight_operand(W_t, ("scaled dgrad", mode),  # (E, K, N), scales (E, K x N/32)
-                             lambda w: q.quantize_3d(w.transpose(-2, -1), mode, along="n"))
+    w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "dgrad")
     return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 

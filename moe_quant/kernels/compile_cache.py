@@ -65,7 +65,9 @@ def _src_hash(variant) -> str:
         return _SRC_HASH[module]
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for p in (here / f"{module}.py", here / "cute_utils.py", here.parent / "layouts.py", here.parent / "numerics.py"):
+    deps = tuple(here / f"{d}.py" for d in getattr(variant, "kernel_deps", ()))  # modules the kernel builds on
+    for p in (here / f"{module}.py", *deps, here / "cute_utils.py", here.parent / "layouts.py",
+              here.parent / "numerics.py"):
         h.update(p.read_bytes())
     try:
         from importlib.metadata import version

@@ -128,10 +128,14 @@ def absmax_bits_bf16(words) -> Int32:
     return best
 
 
-def quad_max(v) -> Int32:
-    """Max over the 4 consecutive lanes that hold one 32-element block."""
-    v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=1))
-    v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=2))
+QUAD_LANES = (1, 2)  # butterfly offsets of 4 consecutive lanes
+
+
+def quad_max(v, lanes=QUAD_LANES) -> Int32:
+    """Max over the 4 lanes that hold one 32-element block: consecutive lanes by default, or the lanes
+    reached by the butterfly offsets ``lanes`` (e.g. ``(4, 8)``: lanes ``l, l^4, l^8, l^12``)."""
+    for d in lanes:
+        v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=d))
     return v
 
 
@@ -243,11 +247,12 @@ def dequantize4_f32(word, scale_bits):
     return _asm(4, [word, scale_bits], _DQ4_F32_BODY, "=r,=r,=r,=r,r,r")
 
 
-def quantize_block8(xs, rceil: bool):
-    """This lane's 8 fp32 bit patterns of a 32-element block held by 4 consecutive lanes (a quad), as MXFP8:
-    ``(q0, q1, s, is_nan)`` -- two words of packed e4m3 bytes (canonical NaN for a non-finite block), the
-    block's e8m0 scale byte and whether it is NaN. amax over the quad, then the exact recipes above."""
-    amax = quad_max(absmax_bits(xs))
+def quantize_block8(xs, rceil: bool, lanes=QUAD_LANES):
+    """This lane's 8 fp32 bit patterns of a 32-element block held by 4 lanes (a quad: consecutive lanes, or
+    those of the butterfly offsets ``lanes``), as MXFP8: ``(q0, q1, s, is_nan)`` -- two words of packed e4m3
+    bytes (canonical NaN for a non-finite block), the block's e8m0 scale byte and whether it is NaN. amax
+    over the quad, then the exact recipes above."""
+    amax = quad_max(absmax_bits(xs), lanes)
     s = e8m0_from_amax_bits(amax, rceil)
     is_nan = s == E8M0_NAN
     rcp = e8m0_reciprocal_bits(s)

@@ -1,0 +1,112 @@
+"""The SwiGLU expert block fwd+bwd: bf16 vs unfused MXFP8 (three ``mxfp8_grouped_mm`` calls) vs fused MXFP8
+(``mxfp8_swiglu_experts``), ratios to bf16 taken in interleaved rounds, and peak memory.
+
+    python -m benchmarks.bench_block [--shapes dsv3,llama4] [--m 16384,131072] [--experts 8] [--rounds 5]
+        [--variants bf16,unfused,fused] [--json PATH] [--device cpu --tiny]
+
+Shapes: ``dsv3`` D = 7168, H = 2048 (w1/w3 ``(E, 2048, 7168)``, i.e. w13 ``(E, 4096, 7168)``; w2
+``(E, 7168, 2048)``); ``llama4`` D = 5120, H = 8192. Tokens split evenly over the experts (bf16's grouped
+GEMM backward wants groups that are multiples of 8). One step: ``y = block(x, w1, w3, w2, offs)``,
+``y.backward(grad)``, gradients dropped. Each round times every variant once (``do_bench`` median), so
+clock and thermal drift hit all variants alike; the table shows the median over rounds, the ratio to
+bf16 (median of the per-round ratios) and the peak memory one step allocates above its inputs.
+``--device cpu --tiny`` is a smoke run of every path (timings meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name
+from moe_quant import cli, mxfp8_swiglu_experts, swiglu_experts_unfused
+
+SHAPES = {"dsv3": (7168, 2048), "llama4": (5120, 8192)}
+TINY_SHAPES = {"dsv3": (256, 64), "llama4": (128, 256)}
+GIB = 1 << 30
+
+
+def bf16_block(x, w1, w3, w2, offs):
+    """The plain block (moe_quant.moe.GroupedExperts' computation)."""
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
+VARIANTS = {"bf16": bf16_block, "unfused": swiglu_experts_unfused, "fused": mxfp8_swiglu_experts}
+
+
+def make_inputs(m, d, h, e, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, d, device=device, generator=g).bfloat16().requires_grad_()
+    w1, w3 = ((torch.randn(e, h, d, device=device, generator=g) * d**-0.5).bfloat16().requires_grad_()
+              for _ in range(2))
+    w2 = (torch.randn(e, d, h, device=device, generator=g) * h**-0.5).bfloat16().requires_grad_()
+    offs = torch.arange(1, e + 1, device=device, dtype=torch.int32) * (m // e)
+    gy = torch.randn(m, d, device=device, generator=g).bfloat16()
+    return x, w1, w3, w2, offs, gy
+
+
+def step_fn(fn, x, w1, w3, w2, offs, gy):
+    def step():
+        y = fn(x, w1, w3, w2, offs)
+        y.backward(gy)
+        for t in (x, w1, w3, w2):
+            t.grad = None
+
+    return step
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=cli.comma_choices(*SHAPES), default=list(SHAPES))
+    p.add_argument("--m", type=cli.positive_int_list, default=None, help="tokens per step (default 16384,131072)")
+    p.add_argument("--experts", type=cli.positive_int, default=8)
+    p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds")
+    p.add_argument("--variants", type=cli.comma_choices(*VARIANTS), default=list(VARIANTS))
+    p.add_argument("--json", type=cli.writable_file, default=None, help="write every measured number to this file")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="small shapes (smoke runs)")
+    args = p.parse_args(argv)
+    device = cli.exit_unless_device_runs(p, args.device)
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    ms_list = args.m or ([256, 512] if args.tiny else [16384, 131072])
+    e = args.experts
+    results, rows = [], []
+    for shape in args.shapes:
+        d, h = shapes[shape]
+        for m in ms_list:
+            m = m // (8 * e) * (8 * e)  # even groups, each a multiple of 8
+            inputs = make_inputs(m, d, h, e, device)
+            steps = {v: step_fn(VARIANTS[v], *inputs) for v in args.variants}
+            times = {v: [] for v in steps}
+            for _ in range(args.rounds):
+                for v, fn in steps.items():
+                    times[v].append(bench_ms(fn, device))
+            peaks = {v: peak_memory_bytes(fn, device) for v, fn in steps.items()}
+            for v in steps:
+                ratios = [t / b for t, b in zip(times[v], times["bf16"])] if "bf16" in times else []
+                rec = dict(shape=shape, m=m, d=d, h=h, experts=e, variant=v, ms=statistics.median(times[v]),
+                           ms_rounds=times[v], ratio_to_bf16=statistics.median(ratios) if ratios else None,
+                           peak_bytes=peaks[v])
+                results.append(rec)
+                rows.append([shape, m, v, rec["ms"], "-" if rec["ratio_to_bf16"] is None else f"{rec['ratio_to_bf16']:.3f}x",
+                             "-" if peaks[v] is None else f"{peaks[v] / GIB:.2f}"])
+            del inputs, steps
+    print_table(f"SwiGLU expert block fwd+bwd on {device_name() if device.type == 'cuda' else 'cpu'} "
+                f"({args.rounds} interleaved rounds, E={e})",
+                ["shape", "M", "variant", "ms", "vs bf16", "peak GiB"], rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                           results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The SwiGLU expert block in MXFP8: ``y = (silu(x W1^T) * (x W3^T)) W2^T`` per expert, forward and
+backward, as one autograd function over its grouped GEMMs (docs/design.md, "The SwiGLU expert block").
+
+Every GEMM has exactly the MXFP8 numerics of :func:`moe_quant.mxfp8_grouped_mm`; what changes is how
+often and where the operands are quantized (:mod:`moe_quant.block_quantize`):
+
+=============  ==========================================================================
+forward        ``dual(x)``: x's rowwise form (w1 and w3 fwd, quantized once) and colwise
+               form (w1 / w3 wgrad, saved); ``a = x W1^T``, ``b = x W3^T``;
+               ``swiglu(a, b)``: both forms of ``h`` (w2 fwd; w2 wgrad, saved); ``y = h W2^T``
+backward       ``dual(grad_y)``: rowwise (w2 dgrad) and colwise (w2 wgrad);
+               ``dW2``; ``grad_h``; ``dswiglu(grad_h, a, b)``: both forms of ``grad_a`` and
+               ``grad_b``; ``dW1``, ``dW3``, ``dx = grad_a W1 + grad_b W3``
+saved          x's colwise form, ``a``, ``b`` (bf16) and h's colwise form: at most what the
+               bf16 block saves (x, a, b, silu(a), h)
+=============  ==========================================================================
+
+The output and every gradient equal :func:`swiglu_experts_unfused` (three ``mxfp8_grouped_mm`` calls and
+PyTorch's silu) bit for bit, on every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import block_quantize as bq
+from .. import quantize as q
+from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
+from ..layouts import row_major, sanitize_offsets
+from ..numerics import ScaleMode
+from ..validation import check_swiglu_experts_args
+from .grouped_mm import _GEMM_DTYPE, _first_order_only, _zero_empty_experts, mxfp8_grouped_mm, weight_operand
+
+# ----------------------------------------------------------------------------- GEMMs on quantized forms
+
+
+def _w_fwd(w: torch.Tensor, mode: ScaleMode, backend: GemmBackend):
+    """Forward operand of an expert weight ``w (E, N, K)`` (blocks along K), as mxfp8_grouped_mm builds it."""
+    return weight_operand(w.transpose(-2, -1), mode, backend, "fwd")
+
+
+def _w_dgrad(w: torch.Tensor, mode: ScaleMode, backend: GemmBackend):
+    """Dgrad operand of ``w (E, N, K)`` (blocks along N)."""
+    return weight_operand(w.transpose(-2, -1), mode, backend, "dgrad")
+
+
+def _mm_fwd(row: tuple, w_op, offs: torch.Tensor) -> torch.Tensor:
+    """``A @ W_t`` per group from A's rowwise form and the weight's forward operand: ``(M, N)`` bf16."""
+    if len(row) == 1:
+        return torch._grouped_mm(row[0], w_op, offs=offs)
+    (a, a_s), (w, w_s) = row, w_op
+    return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
+
+
+def _mm_dgrad(row: tuple, w_op, offs: torch.Tensor) -> torch.Tensor:
+    """``grad_out @ W`` per group from grad_out's rowwise form and the weight's dgrad operand."""
+    if len(row) == 1:
+        return torch._grouped_mm(row[0], w_op.transpose(-2, -1), offs=offs)
+    (g, g_s), (w, w_s) = row, w_op
+    return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
+
+
+def _mm_wgrad(g_col: tuple, a_col: tuple, offs: torch.Tensor, backend: GemmBackend, w_dtype) -> torch.Tensor:
+    """``dW (E, N, K)`` in the weight's dtype from the colwise forms of grad_out and A; empty experts zero."""
+    if len(g_col) == 2:
+        dw = torch._grouped_mm(g_col[0], a_col[0].t(), offs=g_col[1])
+    else:
+        dw = torch._scaled_grouped_mm(g_col[0], a_col[0].t(), g_col[1], a_col[1], offs=g_col[2],
+                                      out_dtype=_GEMM_DTYPE)
+    if not (backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(dw.device)):
+        dw = _zero_empty_experts(dw, offs)
+    return dw.to(w_dtype)
+
+
+# ----------------------------------------------------------------------------- the autograd function
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend):
+        fake = backend is GemmBackend.EMULATED
+        x_row, x_col = bq.dual(x, mode, offs, fake)
+        a = _mm_fwd(x_row, _w_fwd(w1, mode, backend), offs)
+        b = _mm_fwd(x_row, _w_fwd(w3, mode, backend), offs)
+        del x_row
+        h_row, h_col = bq.swiglu(a, b, mode, offs, fake)
+        y = _mm_fwd(h_row, _w_fwd(w2, mode, backend), offs)
+        ctx.save_for_backward(w1, w3, w2, offs, a, b, *x_col, *h_col)
+        ctx.n_col = len(x_col)
+        ctx.mode, ctx.backend, ctx.x_dtype = mode, backend, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        w1, w3, w2, offs, a, b, *cols = ctx.saved_tensors
+        x_col, h_col = tuple(cols[: ctx.n_col]), tuple(cols[ctx.n_col:])
+        mode, backend = ctx.mode, ctx.backend
+        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
+        with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
+            fake = backend is GemmBackend.EMULATED
+            g_row, g_col = bq.dual(row_major(grad_y), mode, offs, fake)
+            dw2 = _mm_wgrad(g_col, h_col, offs, backend, w2.dtype) if need_w2 else None
+            del g_col, h_col
+            grad_h = _mm_dgrad(g_row, _w_dgrad(w2, mode, backend), offs)
+            del g_row
+            (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
+            del grad_h
+            dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
+            dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
+            dx = None
+            if need_x:
+                dx = (_mm_dgrad(ga_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
+                      + _mm_dgrad(gb_row, _w_dgrad(w3, mode, backend), offs).to(ctx.x_dtype))
+        # differentiating these again raises (grouped_mm.DOUBLE_BACKWARD_ERROR), as for mxfp8_grouped_mm
+        dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))
+        dw3, dw2 = _first_order_only((dw3, dw2), (grad_y, w3, w2))
+        return dx, dw1, dw3, dw2, None, None, None
+
+
+# ----------------------------------------------------------------------------- public entry points
+
+
+def _degenerate(x, w1) -> bool:
+    """D = 0 or H = 0: no GEMM to run (torch._grouped_mm rejects these shapes)."""
+    return x.shape[1] == 0 or w1.shape[1] == 0
+
+
+def swiglu_experts_unfused(x, w1, w3, w2, offs, *, scale_mode: ScaleMode | str = ScaleMode.RCEIL,
+                           backend: GemmBackend | str = GemmBackend.AUTO,
+                           validate_offsets: bool | None = None) -> torch.Tensor:
+    """The SwiGLU expert block as three :func:`moe_quant.mxfp8_grouped_mm` calls and PyTorch's silu: the
+    per-GEMM path, and the oracle :func:`mxfp8_swiglu_experts` equals bit for bit."""
+    kw = dict(scale_mode=scale_mode, backend=backend, validate_offsets=validate_offsets)
+    h = F.silu(mxfp8_grouped_mm(x, w1.transpose(-2, -1), offs, **kw))
+    h = h * mxfp8_grouped_mm(x, w3.transpose(-2, -1), offs, **kw)
+    return mxfp8_grouped_mm(h, w2.transpose(-2, -1), offs, **kw)
+
+
+def mxfp8_swiglu_experts(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    scale_mode: ScaleMode | str = ScaleMode.RCEIL,
+    backend: GemmBackend | str = GemmBackend.AUTO,
+    validate_offsets: bool | None = None,
+) -> torch.Tensor:
+    """A SwiGLU expert block in MXFP8: ``y = (silu(x W1^T) * (x W3^T)) W2^T`` per token group, differentiable.
+
+    The computation of :class:`moe_quant.moe.GroupedExperts` (``F.silu(grouped_mm(x, w1^T)) *
+    grouped_mm(x, w3^T)``, then ``grouped_mm(., w2^T)``) with every GEMM in MXFP8, its operands quantized
+    in fused passes (:mod:`moe_quant.block_quantize`). Output and gradients equal
+    :func:`swiglu_experts_unfused` with the same arguments bit for bit.
+
+    Args:
+        x: ``(M, D)`` bf16 or fp32, tokens grouped by expert; D a multiple of 32.
+        w1, w3: ``(E, H, D)`` bf16 or fp32 (read as bf16; gradients in their dtype); H a multiple of 32.
+        w2: ``(E, D, H)``.
+        offs: ``(E,)`` int32 cumulative group ends (any sizes, 0 included); rows past ``offs[-1]`` are not
+            computed (their output and input gradient are unspecified), as in ``torch._grouped_mm``.
+        scale_mode, backend, validate_offsets: as in :func:`moe_quant.mxfp8_grouped_mm`.
+
+    Works under ``torch.compile(fullgraph=True)`` (the fused passes are ``torch.ops.moe_quant.block_*`` custom
+    ops), activation checkpointing, ``no_grad`` and ``inference_mode``; double backward raises as for
+    :func:`moe_quant.mxfp8_grouped_mm`. ``torch.func`` transforms (``vmap``, ``grad``) are not supported
+    (the per-GEMM path supports them).
+
+    Returns:
+        ``(M, D)`` bf16.
+    """
+    mode = ScaleMode.parse(scale_mode)
+    offs = check_swiglu_experts_args(x, w1, w3, w2, offs, validate_offsets)
+    gemm = resolve_gemm_backend(backend, x.device)
+    if _degenerate(x, w1):
+        return swiglu_experts_unfused(x, w1, w3, w2, offs, scale_mode=mode, backend=gemm, validate_offsets=False)
+    offs = sanitize_offsets(offs, x.shape[0]).to(torch.int32)
+    return _SwiGLUExperts.apply(row_major(x), w1, w3, w2, offs, mode, gemm)
+
+
+__all__ = ["mxfp8_swiglu_experts", "swiglu_experts_unfused"]

@@ -1,0 +1,106 @@
+"""The quantization passes of the SwiGLU expert block (:mod:`moe_quant.autograd.swiglu_block`).
+
+Each pass reads its inputs once and writes every MXFP8 form the block's GEMMs need of one tensor:
+
+* :func:`dual` -- ``x`` (forward) or ``grad_out`` (backward): the rowwise 1x32 form (fwd / dgrad operand)
+  and the colwise 32x1 K-groups form (wgrad operand).
+* :func:`swiglu` -- ``h = silu(a) * b`` computed and quantized in both forms (w2's forward operand and
+  w2's wgrad operand); ``h`` itself is never written.
+* :func:`dswiglu` -- the SwiGLU backward: ``grad_a`` and ``grad_b`` from ``grad_h``, ``a``, ``b``, each in
+  both forms (w1 / w3 dgrad and wgrad operands).
+
+A *form* is a tuple of tensors, as the GEMM backend takes it:
+
+=========  ==========================================  ===============================================
+backend    rowwise form                                colwise form
+=========  ==========================================  ===============================================
+emulated   ``(values (M, R) bf16,)``                    ``(values_t (R, Mp) bf16, padded_offs)``
+scaled     ``(data (M, R) e4m3, M-groups scales)``      ``(data_t (R, Mp) e4m3, K-groups scales, poffs)``
+=========  ==========================================  ===============================================
+
+The values are exactly those of :mod:`moe_quant.quantize` (``fake_quantize_rowwise``,
+``quantize_colwise_k_groups``, ...) of the same tensor, except that rows of the rowwise form past the
+last group's end are zero (no GEMM reads them; the kernels do not read them either). Runs the
+``block`` CuTe-DSL kernels on bf16 inputs where :func:`moe_quant.backends.use_quant_kernels` says so, and
+otherwise the SwiGLU of :mod:`moe_quant.reference` followed by the separate quantizers of
+:mod:`moe_quant.quantize`, bit-identical. ``offs`` must be sanitized already
+(:func:`moe_quant.layouts.sanitize_offsets`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backends, reference
+from . import quantize as q
+from .numerics import ScaleMode
+
+
+def _kernels_serve(*tensors: torch.Tensor) -> bool:
+    """The ``block`` kernels serve bf16 inputs on Hopper and newer (fp32 activations take the separate
+    1x32 and 32x1 passes of :mod:`moe_quant.quantize`, kernels there too)."""
+    return backends.use_quant_kernels(tensors[0]) and all(t.dtype == torch.bfloat16 for t in tensors)
+
+
+def rows_in_groups(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``t (M, R)`` with the rows past the last group's end (``offs[-1]``, sanitized) set to zero bytes."""
+    m = t.shape[0]
+    end = offs[-1:].to(torch.int64) if offs.numel() else offs.new_zeros(1, dtype=torch.int64)
+    keep = (torch.arange(m, device=t.device) < end).unsqueeze(1)
+    raw = t.view(torch.uint8) if t.element_size() == 1 else t
+    return torch.where(keep, raw, torch.zeros((), dtype=raw.dtype, device=t.device)).view(t.dtype)
+
+
+def _separate_forms(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool):
+    """Both forms by the per-GEMM quantizers (:mod:`moe_quant.quantize`: the reference, or the 1x32 and
+    32x1 kernels where they serve): two reads of ``x``. The oracle of the fused kernels."""
+    if fake:
+        row = (rows_in_groups(q.fake_quantize_rowwise(x, mode), offs),)
+        col = q.fake_quantize_colwise_k_groups(x, offs, mode)
+    else:
+        data, scales = q.quantize_rowwise(x, mode, offs)
+        row = (rows_in_groups(data, offs), scales)
+        col = q.quantize_colwise_k_groups(x, offs, mode)
+    return row, tuple(col)
+
+
+def _kernel_forms(outs: list, fake: bool):
+    """The ops' outputs (per tensor ``[row_data, col_data]``, with scales ``[row_data, row_scales,
+    col_data, col_scales]``; then ``poffs``) -> ``[(rowwise form, colwise form), ...]``, one per tensor."""
+    poffs, per = outs[-1], 2 if fake else 4
+    forms = []
+    for i in range(0, len(outs) - 1, per):
+        t = outs[i:i + per]
+        forms.append(((t[0],), (t[1], poffs)) if fake else ((t[0], t[1]), (t[2], t[3], poffs)))
+    return forms
+
+
+def dual(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool):
+    """``(rowwise form, colwise form)`` of ``x (M, R)`` (bf16 or fp32) in one read; ``fake``: the
+    dequantized bf16 values the emulated GEMM takes, else fp8 data and blocked scales."""
+    if _kernels_serve(x):
+        from .kernels import ops_block
+
+        return _kernel_forms(ops_block.block_dual(x, mode, offs, fake), fake)[0]
+    return _separate_forms(x, mode, offs, fake)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool):
+    """Both forms of ``h = silu(a) * b`` (:func:`moe_quant.reference.swiglu`), without writing ``h``."""
+    if _kernels_serve(a, b):
+        from .kernels import ops_block
+
+        return _kernel_forms(ops_block.block_swiglu(a, b, mode, offs, fake), fake)[0]
+    return _separate_forms(reference.swiglu(a, b), mode, offs, fake)
+
+
+def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor,
+            fake: bool):
+    """``((rowwise, colwise) of grad_a, (rowwise, colwise) of grad_b)`` of the SwiGLU backward
+    (:func:`moe_quant.reference.dswiglu`), without writing ``grad_a`` or ``grad_b``."""
+    if _kernels_serve(grad_h, a, b):
+        from .kernels import ops_block
+
+        return tuple(_kernel_forms(ops_block.block_dswiglu(grad_h, a, b, mode, offs, fake), fake))
+    grad_a, grad_b = reference.dswiglu(grad_h, a, b)
+    return _separate_forms(grad_a, mode, offs, fake), _separate_forms(grad_b, mode, offs, fake)

@@ -1,0 +1,62 @@
+"""Configuration of the SwiGLU expert block's fused quantization kernel (no cutlass import).
+
+One kernel, three ops (docs/design.md, "The SwiGLU expert block"; :mod:`moe_quant.block_quantize`):
+
+* ``dual`` -- ``x (M, R)`` read once; written in the rowwise 1x32 form (``(M, R)``, M-groups blocked
+  scales) and the colwise 32x1 K-groups form (``(R, Mp)``, K-groups blocked scales).
+* ``swiglu`` -- ``a``, ``b`` read once; ``h = silu(a) * b`` (PyTorch's CUDA silu, instruction for
+  instruction: kernels/NOTES_block.md) written in both forms, ``h`` itself never.
+* ``dswiglu`` -- ``grad_h``, ``a``, ``b`` read once; ``grad_a`` and ``grad_b`` of the SwiGLU written in
+  both forms each.
+
+Output kinds: ``float8_e4m3fn`` (data + e8m0 scales, the scaled GEMM's operands) or ``bfloat16``
+(the dequantized values, no scales: the emulated GEMM's operands).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+OPS = ("dual", "swiglu", "dswiglu")
+# bf16 only: the SwiGLU inputs are GEMM outputs; fp32 activations (fp32 models) take the 1x32 and 32x1
+# kernels instead (a fp32 8 x 8 tile live across both forms needs more than 128 registers)
+IN_DTYPES = ("bfloat16",)
+OUT_DTYPES = ("float8_e4m3fn", "bfloat16")
+MODES = ("rceil", "floor")
+N_INPUTS = {"dual": 1, "swiglu": 2, "dswiglu": 3}
+N_OUTPUTS = {"dual": 1, "swiglu": 1, "dswiglu": 2}  # tensors written in both forms
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Everything that changes the generated code of the block kernel (the compile-cache key, with the arch)."""
+
+    op: str  # "dual" | "swiglu" | "dswiglu"
+    in_dtype: str  # "bfloat16"
+    mode: str  # "rceil" | "floor"
+    out_dtype: str = "float8_e4m3fn"  # or "bfloat16": dequantized values, no scales
+
+    family = "block"
+    kernel_module = "quantize_block"  # compiled by compile_cache.compile_variant (never imported here)
+    kernel_deps = ("quantize_32x1",)  # sources the kernel module builds on (part of the disk-cache hash)
+
+    def __post_init__(self):
+        for name, allowed in (("op", OPS), ("in_dtype", IN_DTYPES), ("mode", MODES), ("out_dtype", OUT_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def fake(self) -> bool:
+        return self.out_dtype != "float8_e4m3fn"
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}"
+
+    def replace(self, **kw) -> "Variant":
+        return dataclasses.replace(self, **kw)
+
+
+def all_variants() -> list[Variant]:
+    return [Variant(op, i, m, o) for op in OPS for i in IN_DTYPES for m in MODES for o in OUT_DTYPES]

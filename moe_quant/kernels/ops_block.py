@@ -1,0 +1,149 @@
+"""Torch ops over the SwiGLU expert block's fused quantization kernel (``quantize_block.py``).
+
+Each op returns a list: per output tensor ``[row_data, row_scales, col_data, col_scales]`` (with ``fake``:
+``[row_data, col_data]``, the dequantized bf16 values), then the padded group ends ``poffs`` (the colwise
+layout's group offsets). Rowwise data ``(M, R)``, M-groups blocked scales
+``layouts.m_groups_blocked_shape(M, R/32, G)``, colwise data ``(R, Mp)``, K-groups blocked scales
+``layouts.k_groups_blocked_shape(R, M, G)``. Registered as ``torch.ops.moe_quant.block_*`` custom ops with fake implementations
+(``torch.compile(fullgraph=True)``); eager calls on plain tensors launch directly, as the other families.
+Arguments are checked by the caller (:mod:`moe_quant.block_quantize`); ``offs`` is sanitized or not, the
+kernel clamps it either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import layouts
+from ..numerics import BLOCK_SIZE, ScaleMode
+from . import compile_cache as cc
+from .config_block import N_OUTPUTS, Variant
+
+_FP8 = torch.float8_e4m3fn
+
+
+def _kernel(op: str, mode: str, fake: bool, device: torch.device) -> cc.Compiled:
+    out = "bfloat16" if fake else "float8_e4m3fn"
+    return cc.kernel_for(("block", op, mode, out), lambda: Variant(op, "bfloat16", mode, out), device)
+
+
+def _shapes(m: int, r: int, g: int):
+    """(row data, row scales, col data, col scales) shapes of one output tensor."""
+    return ((m, r), layouts.m_groups_blocked_shape(m, r // BLOCK_SIZE, g), (r, layouts.k_groups_padded_len(m, g)),
+            layouts.k_groups_blocked_shape(r, m, g))
+
+
+def _alloc(like: torch.Tensor, g: int, fake: bool, empty):
+    rd, rs, cd, cs = _shapes(like.shape[0], like.shape[1], g)
+    dt = torch.bfloat16 if fake else _FP8
+    return [empty(rd, dt), None if fake else empty(rs, torch.uint8), empty(cd, dt),
+            None if fake else empty(cs, torch.uint8)]
+
+
+def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool):
+    x = inputs[0]
+    m, r = x.shape
+    g = offs.shape[0]
+    outs = []
+    for _ in range(N_OUTPUTS[op]):
+        outs += _alloc(x, g, fake, lambda s, d: cc.empty(s, d, x.device))
+    for t in outs:
+        if t is not None and t.dtype == torch.uint8 and t.numel() > cc.INT32_MAX:
+            raise ValueError(f"block_{op}: scale buffer of {t.numel()} bytes exceeds the int32 index range")
+    poffs = cc.empty((g,), torch.int32, x.device)
+    if m * r and g:
+        args = [cc.aligned(t) for t in inputs] + [None] * (3 - len(inputs)) + outs + [None] * (8 - len(outs))
+        cc.launch(_kernel(op, mode, fake, x.device), *args, offs, poffs)
+    else:  # nothing to read: the padded offsets and all-zero outputs follow from the shapes
+        poffs.copy_(layouts.padded_group_offsets(offs, m))
+        for t in outs:
+            if t is not None:
+                t.view(torch.uint8).zero_()
+    return [t.view(torch.float8_e8m0fnu) if t.dtype == torch.uint8 else t for t in outs if t is not None] + [poffs]
+
+
+def _fake_outputs(op: str, x: torch.Tensor, offs: torch.Tensor, fake: bool):
+    outs = []
+    for _ in range(N_OUTPUTS[op]):
+        outs += _alloc(x, offs.shape[0], fake, lambda s, d: x.new_empty(s, dtype=torch.float8_e8m0fnu
+                                                                      if d == torch.uint8 else d))
+    return [t for t in outs if t is not None] + [offs.new_empty(offs.shape)]
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+
+
+@torch.library.custom_op("moe_quant::block_dual", mutates_args=(), device_types="cuda")
+def _block_dual_op(x: torch.Tensor, mode: str, offs: torch.Tensor, fake: bool) -> list[torch.Tensor]:
+    return _impl("dual", (x,), mode, offs, fake)
+
+
+@_block_dual_op.register_fake
+def _(x, mode, offs, fake):
+    return _fake_outputs("dual", x, offs, fake)
+
+
+@torch.library.custom_op("moe_quant::block_swiglu", mutates_args=(), device_types="cuda")
+def _block_swiglu_op(a: torch.Tensor, b: torch.Tensor, mode: str, offs: torch.Tensor,
+                     fake: bool) -> list[torch.Tensor]:
+    return _impl("swiglu", (a, b), mode, offs, fake)
+
+
+@_block_swiglu_op.register_fake
+def _(a, b, mode, offs, fake):
+    return _fake_outputs("swiglu", a, offs, fake)
+
+
+@torch.library.custom_op("moe_quant::block_dswiglu", mutates_args=(), device_types="cuda")
+def _block_dswiglu_op(
+    grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: str, offs: torch.Tensor, fake: bool
+) -> list[torch.Tensor]:
+    return _impl("dswiglu", (grad_h, a, b), mode, offs, fake)
+
+
+@_block_dswiglu_op.register_fake
+def _(grad_h, a, b, mode, offs, fake):
+    return _fake_outputs("dswiglu", grad_h, offs, fake)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check(op: str, inputs: tuple, offs) -> None:
+    x = inputs[0]
+    for t in inputs:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 2:
+            raise TypeError(f"block_{op}: inputs must be 2D bfloat16 tensors, got {getattr(t, 'dtype', type(t))}")
+        if t.shape != x.shape or t.device != x.device:
+            raise ValueError(f"block_{op}: inputs must share shape and device, got {tuple(t.shape)} on {t.device}")
+    if x.shape[1] % BLOCK_SIZE:
+        raise ValueError(f"block_{op}: R = {x.shape[1]} must be a multiple of {BLOCK_SIZE}")
+    if not x.is_cuda:
+        raise ValueError(f"block_{op}: inputs must be on a CUDA device, got {x.device}")
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
+        raise TypeError(f"block_{op}: offs must be a 1D int32 tensor on {x.device}")
+
+
+def _run(op: str, inputs: tuple, mode, offs, fake: bool):
+    mode = ScaleMode.parse(mode, "mode")
+    _check(op, inputs, offs)
+    if cc.via_dispatcher(inputs[0]):
+        return getattr(torch.ops.moe_quant, f"block_{op}")(*inputs, mode.value, offs, fake)
+    return _impl(op, inputs, mode.value, offs, fake)
+
+
+def block_dual(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor, fake: bool):
+    """Both forms of ``x (M, R)`` bf16 in one read: ``[row_data, row_scales, col_data, col_scales, poffs]``
+    (``[row_data, col_data, poffs]`` with ``fake``)."""
+    return _run("dual", (x,), mode, offs, fake)
+
+
+def block_swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor, fake: bool):
+    """Both forms of ``h = silu(a) * b`` (PyTorch's CUDA numerics): as :func:`block_dual`."""
+    return _run("swiglu", (a, b), mode, offs, fake)
+
+
+def block_dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode | str,
+                  offs: torch.Tensor, fake: bool):
+    """Both forms of ``grad_a``, then of ``grad_b`` (the SwiGLU backward), then ``poffs``."""
+    return _run("dswiglu", (grad_h, a, b), mode, offs, fake)

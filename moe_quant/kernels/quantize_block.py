@@ -1,0 +1,431 @@
+"""CuTe-DSL kernel: the fused quantization passes of the SwiGLU expert block (``dual``, ``swiglu``,
+``dswiglu``; :mod:`moe_quant.kernels.config_block`). One source for SM90 and SM100.
+
+Built on the colwise 32x1 kernel's K-groups tiling (:mod:`moe_quant.kernels.quantize_32x1`, whose group
+scan, tile loads, transposed stores and scale-tail zeroing it reuses): a CTA owns 128 tokens of one group
+(aligned to the group's start) x 128 columns; a thread holds 8 tokens x 8 columns. From those registers
+it writes both forms of each output tensor:
+
+* colwise 32x1 K-groups form: exactly as the 32x1 kernel (amax over the 4 consecutive lanes of a
+  32-token block, transposed 8-token stores, one 512-byte K-groups scale tile per CTA);
+* rowwise 1x32 form: a 32-column block of one token is held by lanes ``l, l^4, l^8, l^12`` (amax by two
+  butterfly shuffles at offsets 4 and 8); 8-byte (e4m3) or 16-byte (bf16) stores per token. The M-groups
+  blocked scale layout pads each group to 128 rows, so the CTA's 128 tokens are exactly row tile ``bx``
+  (its chunk index: ``P_g = 128 * first chunk of g``) and its 128 columns exactly column tile ``by``: a
+  CTA writes one whole 512-byte M-groups tile, padding rows and columns included (they hold the
+  zeros the tile loads, whose scale is 0).
+
+Tail CTAs (past the last real chunk) zero what no group covers: the colwise data and scale tails (as the
+32x1 kernel), the M-groups scale rows ``[128 * chunks, M + 128 G)`` and the rowwise data rows past the
+last group's end. Whatever ``offs`` holds, every write stays inside the buffers.
+
+The SwiGLU math reproduces PyTorch's CUDA ``silu`` / ``silu_backward`` and bf16 ``mul`` instruction for
+instruction (kernels/NOTES_block.md): ``expf`` as libdevice's sequence (``ex2.approx.ftz`` with the
+same range reduction and scaling, the ``1 + exp(-x)`` contracted into one fma), ``div.rn`` /
+``rcp.rn``, a bf16 rounding (``cvt.rn``) after each PyTorch op.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ..layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
+from ..numerics import BLOCK_SIZE
+from . import cute_utils as cu
+from .config_block import N_INPUTS, N_OUTPUTS, Variant, all_variants  # noqa: F401  (re-exported)
+from .quantize_32x1 import COLS_PER_THREAD, THREADS, TILE_COLS, TILE_TOKENS, TOKENS_PER_THREAD, Quantize32x1Kernel
+
+_INFO = 8  # shared words: the 32x1 group record (0..6) and, in tail CTAs, the last group's end (7)
+ROW_LANES = (4, 8)
+MIN_CTAS_PER_SM = 2  # butterfly offsets joining the 4 lanes of one token's 32-column block
+
+# ----------------------------------------------------------------------------- SwiGLU math (PyTorch's CUDA)
+
+# ``d = 1 + expf(-x)`` as nvcc compiles PyTorch's ``opmath_t(1) + ::exp(-x)`` (libdevice __nv_expf,
+# no fast math, fmad on: the final scaling multiply and the ``1 +`` are one fma). In: x; out: d.
+_ONE_PLUS_EXP_NEG = """neg.f32 n, x;
+fma.rn.f32 t, n, 0f3BBB989D, 0f3F000000;
+cvt.sat.f32.f32 t, t;
+fma.rm.f32 j, t, 0f437C0000, 0f4B400001;
+add.rn.f32 r, j, 0fCB40007F;
+neg.f32 r, r;
+fma.rn.f32 u, n, 0f3FB8AA3B, r;
+fma.rn.f32 u, n, 0f32A57060, u;
+mov.b32 jb, j;
+shl.b32 jb, jb, 23;
+mov.b32 sc, jb;
+ex2.approx.ftz.f32 e, u;
+fma.rn.f32 d, e, sc, 0f3F800000;
+"""
+
+# One element (fp32 x = a, b, g: bf16 values widened; z = 0): y = the op's fp32 result before the final
+# bf16 rounding, which the caller's cvt.rn.bf16x2 does (PyTorch's __float2bfloat16, RNE).
+_SILU_TIMES_B = _ONE_PLUS_EXP_NEG + """div.rn.f32 y, x, d;
+cvt.rn.bf16x2.f32 hb, y, z;
+mov.b32 s, hb;
+mul.rn.f32 y, s, b;
+"""  # h = bf16(silu(a)) * b
+
+_GRAD_A = """mul.rn.f32 gs, g, b;
+cvt.rn.bf16x2.f32 hb, gs, z;
+mov.b32 gs, hb;
+""" + _ONE_PLUS_EXP_NEG + """rcp.rn.f32 sg, d;
+mul.rn.f32 t1, gs, sg;
+sub.rn.f32 t2, 0f3F800000, sg;
+fma.rn.f32 t2, x, t2, 0f3F800000;
+mul.rn.f32 y, t1, t2;
+"""  # grad_a = silu_backward(bf16(g * b), a): sigmoid = rcp.rn of the same denominator
+
+_GRAD_B = _ONE_PLUS_EXP_NEG + """div.rn.f32 y, x, d;
+cvt.rn.bf16x2.f32 hb, y, z;
+mov.b32 s, hb;
+mul.rn.f32 y, g, s;
+"""  # grad_b = g * bf16(silu(a))
+
+
+def _packed(element: str, inputs: tuple) -> str:
+    """PTX of ``element`` on both bf16 halves of the packed input words ``$1..`` (named ``inputs``: any of
+    g, x (= a), b), the two results rounded to bf16 and packed into ``$0``."""
+    regs = ".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo;\n.reg .b32 jb, hb;\n"
+    body = "{\n" + regs + "mov.f32 z, 0f00000000;\n"
+    for half, unpack in (("lo", "shl.b32 hb, {w}, 16;"), ("hi", "and.b32 hb, {w}, 0xFFFF0000;")):
+        for k, name in enumerate(inputs):
+            body += unpack.format(w=f"${k + 1}") + f"\nmov.b32 {name}, hb;\n"
+        body += element
+        if half == "lo":
+            body += "mov.f32 ylo, y;\n"
+    return body + "cvt.rn.bf16x2.f32 $0, y, ylo;\n}"
+
+
+_SWIGLU_PTX = _packed(_SILU_TIMES_B, ("x", "b"))
+_GRAD_A_PTX = _packed(_GRAD_A, ("g", "x", "b"))
+_GRAD_B_PTX = _packed(_GRAD_B, ("g", "x"))
+
+
+def swiglu_bf16x2(a, b) -> Int32:
+    """``h = bf16(bf16(silu(a)) * b)`` of two packed bf16x2 words (PyTorch's ``F.silu(a) * b``)."""
+    return cu._asm(1, [a, b], _SWIGLU_PTX, "=r,r,r")
+
+
+def grad_a_bf16x2(g, a, b) -> Int32:
+    """``grad_a`` of ``h = F.silu(a) * b`` for ``grad_h = g`` (bf16x2 words): ``silu_backward(g * b, a)``."""
+    return cu._asm(1, [g, a, b], _GRAD_A_PTX, "=r,r,r,r")
+
+
+def grad_b_bf16x2(g, a) -> Int32:
+    """``grad_b = g * F.silu(a)`` (bf16x2 words)."""
+    return cu._asm(1, [g, a], _GRAD_B_PTX, "=r,r,r")
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+class QuantizeBlockKernel(Quantize32x1Kernel):
+    """The block's fused passes; see the module docstring.
+
+    Host entry ``__call__(x0, x1, x2, rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1, offs, poffs, stream)``:
+    inputs ``x0`` (``dual``: x; ``swiglu``: a; ``dswiglu``: grad_h), ``x1`` (b / a), ``x2`` (- / b), each
+    ``(M, R)`` (``None`` where unused); per output tensor (``1`` only for ``dswiglu``): rowwise data
+    ``(M, R)``, M-groups scales ``(M + 128 G, 4 ceil(R/128))`` uint8, colwise data ``(R, Mp)`` with
+    ``Mp = round_up(M, 32) + 32 G``, K-groups scales ``(round_up(R, 128), ceil(M/32) + 4 G)`` uint8
+    (scales ``None`` for bf16 outputs); ``offs`` int32 ``(G,)``; ``poffs`` int32 ``(G,)`` (written).
+    """
+
+    def __init__(self, variant: Variant):
+        self.v = variant
+        self.op = variant.op
+        self.rceil = variant.mode == "rceil"
+        self.in_f32 = False  # bf16 inputs only (config_block); read by the inherited helpers
+        self.kgroups = True
+        self.fake = variant.fake
+        self.fake_f32 = False
+        self.n_out = N_OUTPUTS[variant.op]
+
+    # ------------------------------------------------------------------ host
+
+    @cute.jit
+    def __call__(self, x0: cute.Tensor, x1, x2, rd0: cute.Tensor, rs0, cd0: cute.Tensor, cs0, rd1, rs1, cd1,
+                 cs1, offs: cute.Tensor, poffs: cute.Tensor, stream):
+        r = x0.shape[1]
+        ny = (r + (TILE_COLS - 1)) // TILE_COLS
+        n_groups = Int32(offs.shape[0])
+        row_stride = Int32(cd0.shape[1])  # Mp
+        # real chunks + tail chunks <= (Mp + 127 G + 127) / 128; one more so a tail CTA always exists
+        nx = (row_stride + (TILE_TOKENS - 1) * n_groups + (TILE_TOKENS - 1)) // TILE_TOKENS + 1
+        rp = Int32(0)
+        sw = Int32(0)
+        buf_rows = Int32(0)
+        if cutlass.const_expr(not self.fake):
+            rp = Int32(cs0.shape[0])
+            sw = Int32(cs0.shape[1])
+            buf_rows = Int32(rs0.shape[0])
+        self.kernel(x0, x1, x2, rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1, offs, poffs, Int32(x0.shape[0]),
+                    Int32(r), n_groups, row_stride, rp, sw, buf_rows, nx, Int32(ny)).launch(
+            grid=[nx * self.n_out, ny, 1], block=[THREADS, 1, 1], stream=stream,
+            # two CTAs per SM: ptxas keeps to 128 registers (the 8 x 8 tile is live across both forms)
+            min_blocks_per_mp=MIN_CTAS_PER_SM, preferred_smem_carveout=0)
+
+    # ------------------------------------------------------------------ device
+
+    @cute.kernel
+    def kernel(self, x0: cute.Tensor, x1, x2, rd0: cute.Tensor, rs0, cd0: cute.Tensor, cs0, rd1, rs1, cd1,
+               cs1, offs: cute.Tensor, poffs: cute.Tensor, m: Int32, r: Int32, n_groups: Int32, row_stride: Int32,
+               rp: Int32, sw: Int32, buf_rows: Int32, nx: Int32, ny: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        o_cta = Int32(bx) % self.n_out  # dswiglu: neighbouring CTAs write grad_a and grad_b of one tile
+        bx = Int32(bx) // self.n_out
+        by = Int32(by)
+        lane = tid % 32
+        warp = tid // 32
+
+        # ---- which tile (the 32x1 kernel's K-groups record)
+        info = cute.make_tensor(cute.arch.alloc_smem(Int32, _INFO, alignment=16), cute.make_layout(_INFO))
+        if warp == 0:
+            self.scan_groups(offs, poffs, m, n_groups, lane, bx, by, info)
+        cute.arch.sync_threads()
+        chunk_total = Int32(info[5])
+        src0 = Int64(0)  # first source row of the tile
+        n_real = Int32(0)  # real tokens in the tile (<= 0: none)
+        n_out = Int32(0)  # colwise tokens of the tile to write (real + zero padding; multiple of 32)
+        out_base = Int64(0)  # colwise output element of (column 0, token 0) of the tile
+        scale_base = Int64(0)  # byte of the tile's K-groups scale tile
+        tail = Int32(0)
+        if bx < chunk_total:
+            start = Int32(info[0])
+            size = Int32(info[1])
+            k = bx - Int32(info[3])
+            src0 = Int64(start) + Int64(k * TILE_TOKENS)
+            n_real = size - k * TILE_TOKENS
+            n_out = cutlass.min(cu.round_up_block(size) - k * TILE_TOKENS, Int32(TILE_TOKENS))
+            out_base = Int64(info[2]) + Int64(k * TILE_TOKENS)
+            tiles = (size + (TILE_TOKENS - 1)) // TILE_TOKENS
+            scale_base = Int64(info[3]) * Int64(4) * Int64(rp) + Int64(TILE_BYTES) * Int64(tiles * by + k)
+        else:
+            tail = Int32(1)
+            first = Int32(info[6]) + (bx - chunk_total) * TILE_TOKENS
+            n_out = cutlass.min(row_stride - first, Int32(TILE_TOKENS))
+            out_base = Int64(first)
+        # M-groups row-scale tile of this CTA: row tile bx, column tile by
+        mg_base = Int64(TILE_BYTES) * (Int64(bx) * Int64(ny) + Int64(by))
+
+        # ---- this thread's 8 columns and 8 tokens (the 32x1 geometry)
+        blk = warp // 2
+        quad = lane % 4
+        tile_col = (warp % 2) * (TILE_COLS // 2) + (lane // 4) * COLS_PER_THREAD
+        col0 = by * TILE_COLS + tile_col
+        t0 = blk * BLOCK_SIZE + quad * TOKENS_PER_THREAD
+        col_ok = col0 < r
+        write = col_ok & (blk * BLOCK_SIZE < n_out)
+        for o in cutlass.range_constexpr(self.n_out):
+            if o_cta == o:
+                words = self.compute(o, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
+                row_out, row_sc, col_out, col_sc = (rd0, rs0, cd0, cs0) if o == 0 else (rd1, rs1, cd1, cs1)
+                # colwise: per column, 8 tokens of one 32-token block
+                for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                    col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
+                    q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil)
+                    if write:
+                        self.store_tokens(col_out, out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0),
+                                          q0, q1, s, is_nan)
+                    if cutlass.const_expr(not self.fake):
+                        if tail == 0:
+                            if quad == c // 2:
+                                rr = tile_col + c
+                                byte = 16 * (rr % 32) + 4 * ((rr // 32) % 4) + blk
+                                cu.st_global_u8(col_sc.iterator + (scale_base + Int64(byte)), s)
+                # rowwise: per token, 8 columns of one 32-column block
+                for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+                    q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES)
+                    if col_ok & (t0 + i < n_real):
+                        dst = (src0 + Int64(t0 + i)) * Int64(r) + Int64(col0)
+                        if cutlass.const_expr(self.fake):
+                            cu.st_global_words(row_out.iterator + dst, cu.dequantize8(q0, q1, s, is_nan, False))
+                        else:
+                            cu.st_global_v2(row_out.iterator + dst, q0, q1)
+                    if cutlass.const_expr(not self.fake):
+                        if tail == 0:
+                            if (lane // 4) % 4 == i // 2:  # one lane of the block's four writes its scale
+                                rr = t0 + i
+                                byte = 16 * (rr % 32) + 4 * (rr // 32) + (warp % 2) * 2 + lane // 16
+                                cu.st_global_u8(row_sc.iterator + (mg_base + Int64(byte)), s)
+                if tail != 0:
+                    self.zero_tails(row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
+                                    ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp,
+                                    info)
+
+    @cute.jit
+    def load_words(self, x, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32):
+        """8 tokens x 8 columns as loaded: per token 4 bf16x2 words, zeros where the token or column is not
+        real. Kept packed: the tile is live across both forms."""
+        words = []
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            a0 = a1 = a2 = a3 = Int32(0)
+            if col_ok & (t0 + i < n_real):
+                a0, a1, a2, a3 = cu.ld_global_v4(x.iterator + ((src0 + Int64(t0 + i)) * Int64(r) + Int64(col0)))
+            words.append([a0, a1, a2, a3])
+        return words
+
+    def col_value(self, row_words, c: int):
+        """Column ``c`` of one token's words as an fp32 bit pattern (the colwise pass)."""
+        w = row_words[c // 2]
+        return w << 16 if c % 2 == 0 else w & Int32(-65536)
+
+    def row_values(self, row_words) -> list:
+        """One token's 8 columns as fp32 bit patterns (the rowwise pass). Unpacked with ``prmt`` rather than
+        the colwise pass' shifts, so the compiler cannot merge the two unpacks into 64 live registers."""
+        out = []
+        for w in row_words:
+            out += [cu._asm(1, [w], "prmt.b32 $0, $1, 0, 0x1044;", "=r,r"),
+                    cu._asm(1, [w], "prmt.b32 $0, $1, 0, 0x3244;", "=r,r")]
+        return out
+
+    @cute.jit
+    def compute(self, o: cutlass.Constexpr, x0, x1, x2, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok,
+                t0: Int32):
+        """Output tensor ``o``'s 8 x 8 tile of this thread, packed as loaded (bf16x2 words); zeros past the tile's real tokens and columns (every op maps zeros to zeros)."""
+        v0 = self.load_words(x0, src0, n_real, r, col0, col_ok, t0)
+        out = v0
+        if cutlass.const_expr(self.op != "dual"):
+            v1 = self.load_words(x1, src0, n_real, r, col0, col_ok, t0)
+            v2 = v1
+            if cutlass.const_expr(self.op == "dswiglu" and o == 0):
+                v2 = self.load_words(x2, src0, n_real, r, col0, col_ok, t0)
+            out = []
+            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+                row = []
+                for k in cutlass.range_constexpr(len(v0[i])):
+                    if cutlass.const_expr(self.op == "swiglu"):
+                        row.append(swiglu_bf16x2(v0[i][k], v1[i][k]))
+                    elif cutlass.const_expr(o == 0):
+                        row.append(grad_a_bf16x2(v0[i][k], v1[i][k], v2[i][k]))
+                    else:
+                        row.append(grad_b_bf16x2(v0[i][k], v1[i][k]))
+                out.append(row)
+        return out
+
+    @cute.jit
+    def zero_tails(self, rd, rs, cs, offs, m: Int32, r: Int32, n_groups: Int32,
+                   chunk_total: Int32, rp: Int32, sw: Int32, buf_rows: Int32, ny: Int32, q: Int32, n_tail: Int32,
+                   tid: Int32, lane: Int32, warp: Int32, info):
+        """Tail CTAs (``q`` of ``n_tail``): zero the rowwise data rows past the last group's end, the M-groups
+        scale rows past the last group's tiles and the K-groups scale tail of one output tensor."""
+        if warp == 0:  # the last group's sanitized end: clamp(max(offs), 0, M)
+            mx = Int32(0)
+            for sub in cutlass.range(0, (n_groups + 31) // 32, 1):
+                g = sub * 32 + lane
+                if g < n_groups:
+                    mx = cutlass.max(mx, cutlass.min(Int32(offs[g]), m))
+            for d in cutlass.range_constexpr(5):
+                mx = cutlass.max(mx, cute.arch.shuffle_sync_bfly(mx, offset=16 >> d))
+            if lane == 0:
+                info[7] = mx
+        cute.arch.sync_threads()
+        end = Int32(info[7])
+        esize = 2 if self.fake else 1
+        # rowwise data rows [end, M): 16-byte stores (R % 32 == 0 keeps them aligned)
+        first = Int64(end) * Int64(r) * Int64(esize)
+        n16 = Int32((Int64(m) * Int64(r) * Int64(esize) - first) // 16)
+        step = 16 // esize
+        for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
+            e0 = Int64(end) * Int64(r) + Int64(w) * Int64(step)
+            cu.st_global_v4(rd.iterator + e0, 0, 0, 0, 0)
+        if cutlass.const_expr(not self.fake):
+            # M-groups scale rows [128 chunk_total, buf_rows): 4-byte stores (a row is 4 ny bytes)
+            s_first = Int64(chunk_total) * Int64(TILE_ROWS) * Int64(4) * Int64(ny)
+            n4 = Int32((Int64(buf_rows) * Int64(4) * Int64(ny) - s_first) // 4)
+            for w in cutlass.range(q * THREADS + tid, n4, n_tail * THREADS):
+                cu.st_global_u32(rs.iterator + (s_first + Int64(w) * Int64(4)), 0)
+            self.zero_scale_tail(cs, chunk_total, rp, sw, q, n_tail, tid)
+
+
+def make_fake_args(variant: Variant, tvm_ffi: bool):
+    """Placeholder arguments for ``cute.compile``: dynamic M, R (R % 32 == 0), Mp, G, scale shapes."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    m = cute.sym_int32(symbol="M")
+    r = cute.sym_int32(divisibility=BLOCK_SIZE, symbol="R")
+    mp = cute.sym_int32(divisibility=K_GROUP_ALIGN, symbol="Mp")
+    g = cute.sym_int32(symbol="G")
+    in_dtype = cu.CUTLASS_DTYPES[variant.in_dtype]
+    out_dtype = cu.CUTLASS_DTYPES[variant.out_dtype]
+
+    def mat(dtype, rows, cols):
+        return make_fake_compact_tensor(dtype, (rows, cols), stride_order=(1, 0), assumed_align=16)
+
+    ins = [mat(in_dtype, m, r) if i < N_INPUTS[variant.op] else None for i in range(3)]
+    outs = []
+    for o in range(2):
+        if o >= N_OUTPUTS[variant.op]:
+            outs += [None] * 4
+            continue
+        rs = cs = None
+        if not variant.fake:
+            rs = mat(cutlass.Uint8, cute.sym_int32(symbol=f"RS{o}_rows"), cute.sym_int32(symbol=f"RS{o}_cols"))
+            cs = mat(cutlass.Uint8, cute.sym_int32(symbol=f"CS{o}_rows"), cute.sym_int32(symbol=f"CS{o}_cols"))
+        outs += [mat(out_dtype, m, r), rs, mat(out_dtype, r, mp), cs]
+    offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
+    poffs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()
+    return (*ins, *outs, offs, poffs, stream)
+
+
+def compile_variant(variant: Variant, tvm_ffi: bool, extra_options: str = ""):
+    """``cute.compile`` one variant for the arch in ``CUTE_DSL_ARCH`` (or the local GPU)."""
+    kernel = QuantizeBlockKernel(variant)
+    args = make_fake_args(variant, tvm_ffi)
+    opts = " ".join(o for o in (("--enable-tvm-ffi" if tvm_ffi else ""), extra_options) if o)
+    return cute.compile(kernel, *args, options=opts)
+
+
+# ----------------------------------------------------------------------------- the SwiGLU math alone (tests)
+
+
+class SwiGLUMathKernel:
+    """The block kernel's SwiGLU math alone, elementwise over packed bf16x2 words (``int32`` tensors): ``out =
+    swiglu(a, b)``, ``grad_a(g, a, b)`` or ``grad_b(g, a)``. The quantized outputs of the block kernel cannot
+    show every bit of ``h``; this kernel runs the same PTX, so tests compare it with PyTorch's CUDA silu for
+    every bf16 value (tests/test_kernel_block_gpu.py)."""
+
+    THREADS = 256
+
+    def __init__(self, op: str):
+        self.op = op
+
+    @cute.jit
+    def __call__(self, g: cute.Tensor, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor, stream):
+        n = Int32(out.shape[0])
+        self.kernel(g, a, b, out, n).launch(grid=[(n + (self.THREADS - 1)) // self.THREADS, 1, 1],
+                                             block=[self.THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, g: cute.Tensor, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor, n: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        i = Int32(bid) * self.THREADS + Int32(tid)
+        if i < n:
+            if cutlass.const_expr(self.op == "swiglu"):
+                out[i] = swiglu_bf16x2(Int32(a[i]), Int32(b[i]))
+            elif cutlass.const_expr(self.op == "grad_a"):
+                out[i] = grad_a_bf16x2(Int32(g[i]), Int32(a[i]), Int32(b[i]))
+            else:
+                out[i] = grad_b_bf16x2(Int32(g[i]), Int32(a[i]))
+
+
+def run_swiglu_math(op: str, g, a, b):
+    """``op`` (``"swiglu"``, ``"grad_a"``, ``"grad_b"``) of bf16 CUDA tensors with an even number of elements,
+    through :class:`SwiGLUMathKernel` on the local GPU (compiled on each call: tests only)."""
+    import torch
+    import cuda.bindings.driver as cuda
+    from cutlass.cute.runtime import from_dlpack
+
+    words = [t.contiguous().view(torch.int32) for t in (g, a, b)]
+    out = torch.empty_like(words[1])
+    args = [from_dlpack(t, assumed_align=4).mark_layout_dynamic() for t in (*words, out)]
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    compiled = cute.compile(SwiGLUMathKernel(op), *args, stream)
+    compiled(*args, stream)
+    return out.view(torch.bfloat16).view(a.shape)

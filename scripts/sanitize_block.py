@@ -1,0 +1,80 @@
+"""Cases for compute-sanitizer (memcheck / racecheck) over the SwiGLU block's fused kernels (``dual``,
+``swiglu``, ``dswiglu``; fp8 and bf16 outputs); each also checked byte for byte against the reference.
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_block.py [--quick]
+
+Ragged groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000, R % 128 != 0, rows past the
+last group.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+# Runnable as `python scripts/sanitize_block.py` from the repository root (root and tests/ on the path).
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from mx_strategies import make_values, offsets_from_sizes  # noqa: E402
+
+from benchmarks.timing import require_cuda  # noqa: E402
+from moe_quant import block_quantize as bq  # noqa: E402
+from moe_quant import layouts, reference  # noqa: E402
+from moe_quant.kernels import compile_cache, ops_block  # noqa: E402
+from moe_quant.numerics import ScaleMode  # noqa: E402
+
+compile_cache.POISON_OUTPUTS = True
+
+
+def same(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.cpu().contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def same_forms(got, want) -> bool:
+    return all(same(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+def case(name, m, r, offs_list, mode=ScaleMode.RCEIL):
+    offs_cpu = torch.tensor(offs_list, dtype=torch.int32)
+    offs = offs_cpu.cuda()
+    clean = layouts.sanitize_offsets(offs_cpu, m).to(torch.int32)
+    g, a, b = ((torch.zeros(m, r) if m * r == 0 else make_values((m, r), "wide", m + r + i)).bfloat16().cuda()
+               for i in range(3))
+    ok = True
+    for fake in (False, True):
+        got = bq._kernel_forms(ops_block.block_dual(g, mode, offs, fake), fake)[0]
+        ok &= same_forms(got, bq._separate_forms(g.cpu(), mode, clean, fake))
+        got = bq._kernel_forms(ops_block.block_swiglu(a, b, mode, offs, fake), fake)[0]
+        ok &= same_forms(got, bq._separate_forms(reference.swiglu(a, b).cpu(), mode, clean, fake))
+        got_a, got_b = bq._kernel_forms(ops_block.block_dswiglu(g, a, b, mode, offs, fake), fake)
+        grad_a, grad_b = reference.dswiglu(g, a, b)
+        ok &= same_forms(got_a, bq._separate_forms(grad_a.cpu(), mode, clean, fake))
+        ok &= same_forms(got_b, bq._separate_forms(grad_b.cpu(), mode, clean, fake))
+    torch.cuda.synchronize()
+    print(f"{name:44s} {'ok' if ok else 'MISMATCH'}", flush=True)
+    return ok
+
+
+def main():
+    require_cuda()
+    quick = "--quick" in sys.argv
+    cases = [
+        ("ragged groups, rows past the end", 1010, 224, offsets_from_sizes([0, 1, 31, 33, 127, 129, 300, 200]).tolist()),
+        ("offs past M, decreasing, negative", 500, 96, [100, 700, 50, -5, 10**6, 499]),
+        ("G=0", 300, 64, []),
+        ("M=0 with groups", 0, 128, [0, 0, 0]),
+        ("G=1000", 3100, 160, offsets_from_sizes([3] * 1000).tolist()),
+    ]
+    if quick:
+        cases = [cases[1], cases[4]]
+    ok = True
+    for name, m, r, offs in cases:
+        ok &= case(name, m, r, offs)
+    if not quick:
+        ok &= case("floor, R % 128 != 0", 400, 544, [150, 151, 399], ScaleMode.FLOOR)
+    print("ALL OK" if ok else "FAILURES", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

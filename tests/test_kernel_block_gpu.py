@@ -1,0 +1,225 @@
+"""CuTe-DSL kernels of the SwiGLU expert block (``dual``, ``swiglu``, ``dswiglu``) vs the reference, byte for
+byte (CUDA only), and the block end to end on the GPU.
+
+The reference: PyTorch's own SwiGLU on the GPU (``F.silu(a) * b`` and its autograd formulas, i.e. PyTorch's
+CUDA kernels), then the per-GEMM reference quantizers on the CPU. Every output buffer is filled with 0xFF
+bytes before the launch, so a byte the kernel does not write (group padding, tails, scale padding) shows
+up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from mx_strategies import DISTRIBUTIONS, group_sizes, make_values, offsets_from_sizes
+
+from moe_quant import block_quantize as bq
+from moe_quant import layouts, mxfp8_swiglu_experts, reference, swiglu_experts_unfused
+from moe_quant.kernels import compile_cache, ops_block
+from moe_quant.numerics import ScaleMode
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(compile_cache, "POISON_OUTPUTS", True)
+    yield
+
+
+def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str):
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} vs {want.dtype}"
+    g = got.contiguous().view(torch.uint8).cpu().reshape(-1)
+    w = want.contiguous().view(torch.uint8).cpu().reshape(-1)
+    bad = (g != w).nonzero().flatten()
+    if bad.numel():
+        i = bad[:8].tolist()
+        raise AssertionError(f"{what}: {bad.numel()} of {g.numel()} bytes differ; first at {i}: "
+                             f"got {g[i].tolist()} want {w[i].tolist()}")
+
+
+def reference_forms(t_gpu: torch.Tensor, offs_cpu: torch.Tensor, mode: ScaleMode, fake: bool):
+    """Both forms of a tensor by the CPU reference quantizers (offsets sanitized as the kernel does)."""
+    offs = layouts.sanitize_offsets(offs_cpu, t_gpu.shape[0]).to(torch.int32)
+    return bq._separate_forms(t_gpu.cpu(), mode, offs, fake)
+
+
+def check_forms(got, want, what: str):
+    (g_row, g_col), (w_row, w_col) = got, want
+    names = ("data", "scales") if len(w_row) == 2 else ("values",)
+    for n, a, b in zip(names, g_row, w_row):
+        assert_bytes_equal(a, b, f"{what} rowwise {n}")
+    names = ("data_t", "scales", "padded offs") if len(w_col) == 3 else ("values_t", "padded offs")
+    for n, a, b in zip(names, g_col, w_col):
+        assert_bytes_equal(a, b, f"{what} colwise {n}")
+
+
+def kernel_forms(outs, fake):
+    return bq._kernel_forms(outs, fake)
+
+
+dims_r = st.one_of(st.sampled_from([32, 64, 96, 128, 160, 224, 256, 544]), st.integers(1, 24).map(lambda n: 32 * n))
+settings_common = dict(
+    groups=group_sizes(max_groups=6, max_size=300),
+    r=dims_r,
+    dist=st.sampled_from(DISTRIBUTIONS),
+    mode=st.sampled_from(list(ScaleMode)),
+    fake=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    bad_offs=st.sampled_from([None, "negative", "past_m", "decreasing"]),
+)
+
+
+def make_offs(sizes, tail, bad):
+    offs = offsets_from_sizes(sizes)
+    m = sum(sizes) + tail
+    if bad == "negative" and offs.numel():
+        offs[0] = -5
+    elif bad == "past_m" and offs.numel():
+        offs[-1] = m + 77
+    elif bad == "decreasing" and offs.numel() > 1:
+        offs[0] = offs[-1] + 3
+    return offs, m
+
+
+def inputs(n, m, r, dist, seed):
+    return [make_values((m, r), dist, seed + i).cuda() for i in range(n)]
+
+
+@given(**settings_common)
+def test_dual(groups, r, dist, mode, fake, seed, bad_offs):
+    offs, m = make_offs(*groups, bad_offs)
+    (x,) = inputs(1, m, r, dist, seed)
+    got = kernel_forms(ops_block.block_dual(x, mode, offs.cuda(), fake), fake)[0]
+    check_forms(got, reference_forms(x, offs, mode, fake), "dual")
+
+
+@given(**settings_common)
+def test_swiglu(groups, r, dist, mode, fake, seed, bad_offs):
+    offs, m = make_offs(*groups, bad_offs)
+    a, b = inputs(2, m, r, dist, seed)
+    got = kernel_forms(ops_block.block_swiglu(a, b, mode, offs.cuda(), fake), fake)[0]
+    check_forms(got, reference_forms(reference.swiglu(a, b), offs, mode, fake), "swiglu")
+
+
+@given(**settings_common)
+def test_dswiglu(groups, r, dist, mode, fake, seed, bad_offs):
+    offs, m = make_offs(*groups, bad_offs)
+    g, a, b = inputs(3, m, r, dist, seed)
+    got_a, got_b = kernel_forms(ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), fake), fake)
+    grad_a, grad_b = reference.dswiglu(g, a, b)
+    check_forms(got_a, reference_forms(grad_a, offs, mode, fake), "dswiglu grad_a")
+    check_forms(got_b, reference_forms(grad_b, offs, mode, fake), "dswiglu grad_b")
+
+
+@pytest.mark.parametrize("op", ["dual", "swiglu", "dswiglu"])
+@pytest.mark.parametrize("m,r,sizes", [(0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1])])
+def test_degenerate_shapes(op, m, r, sizes):
+    offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)
+    xs = inputs({"dual": 1, "swiglu": 2, "dswiglu": 3}[op], m, r, "normal", 0)
+    for fake in (False, True):
+        outs = getattr(ops_block, f"block_{op}")(*xs, ScaleMode.RCEIL, offs.cuda(), fake)
+        if op == "dual":
+            refs = [reference_forms(xs[0], offs, ScaleMode.RCEIL, fake)]
+        elif op == "swiglu":
+            refs = [reference_forms(reference.swiglu(*xs), offs, ScaleMode.RCEIL, fake)]
+        else:
+            refs = [reference_forms(t, offs, ScaleMode.RCEIL, fake) for t in reference.dswiglu(*xs)]
+        for got, want in zip(kernel_forms(outs, fake), refs):
+            check_forms(got, want, f"{op} M={m} G={len(sizes)}")
+
+
+# ----------------------------------------------------------------------------- the SwiGLU math, every bf16 value
+
+
+def all_bf16() -> torch.Tensor:
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).cuda()
+
+
+def same_bits_or_both_nan(got: torch.Tensor, want: torch.Tensor, what: str):
+    both_nan = got.isnan() & want.isnan()
+    diff = (got.view(torch.int16) != want.view(torch.int16)) & ~both_nan
+    if diff.any():
+        i = diff.nonzero().flatten()[:8]
+        raise AssertionError(f"{what}: {int(diff.sum())} values differ, e.g. at {i.tolist()}: got "
+                             f"{got[i].float().tolist()} want {want[i].float().tolist()}")
+
+
+def test_swiglu_math_matches_pytorch_silu_for_every_bf16():
+    from moe_quant.kernels.quantize_block import run_swiglu_math
+
+    a = all_bf16()
+    one = torch.ones_like(a)
+    same_bits_or_both_nan(run_swiglu_math("swiglu", one, a, one), F.silu(a) * one, "silu(a) * 1")
+    same_bits_or_both_nan(run_swiglu_math("grad_b", one, a, one), one * F.silu(a), "1 * silu(a)")
+    same_bits_or_both_nan(run_swiglu_math("grad_a", one, a, one), torch.ops.aten.silu_backward(one * one, a),
+                          "silu_backward(1, a)")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_swiglu_math_matches_pytorch_on_random_triples(seed):
+    from moe_quant.kernels.quantize_block import run_swiglu_math
+
+    gen = torch.Generator().manual_seed(seed)
+    n = 1 << 20
+    g, a, b = ((torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 20, (n,), generator=gen).float()))
+               .bfloat16().cuda() for _ in range(3))
+    same_bits_or_both_nan(run_swiglu_math("swiglu", g, a, b), reference.swiglu(a, b), "swiglu")
+    grad_a, grad_b = reference.dswiglu(g, a, b)
+    same_bits_or_both_nan(run_swiglu_math("grad_a", g, a, b), grad_a, "grad_a")
+    same_bits_or_both_nan(run_swiglu_math("grad_b", g, a, b), grad_b, "grad_b")
+
+
+# ----------------------------------------------------------------------------- the block end to end
+
+
+@pytest.mark.parametrize("backend", ["emulated", "auto"])
+@pytest.mark.parametrize("sizes,tail", [([300, 0, 129, 33], 7), ([1000], 0), ([0, 0], 3)])
+def test_block_equals_unfused_on_gpu(backend, sizes, tail):
+    g = torch.Generator().manual_seed(0)
+    d, h, e = 256, 192, len(sizes)
+    m = sum(sizes) + tail
+    x = torch.randn(m, d, generator=g).bfloat16().cuda().requires_grad_()
+    ws = [(torch.randn(*s, generator=g) / math.sqrt(s[-1])).bfloat16().cuda().requires_grad_()
+          for s in ((e, h, d), (e, h, d), (e, d, h))]
+    gy = torch.randn(m, d, generator=g).bfloat16().cuda()
+    offs = offsets_from_sizes(sizes, "cuda")
+    res = []
+    for fn in (mxfp8_swiglu_experts, swiglu_experts_unfused):
+        for t in (x, *ws):
+            t.grad = None
+        y = fn(x, *ws, offs, backend=backend)
+        y.backward(gy)
+        res.append([y.detach()[: sum(sizes)], x.grad[: sum(sizes)]] + [w.grad for w in ws])
+    for name, a, b in zip(("y", "dx", "dw1", "dw3", "dw2"), *res):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_block_compiles_fullgraph_on_gpu(compile_backend):
+    """The block's kernel ops (``moe_quant::block_*``) trace through their fake implementations and the
+    compiled block equals eager bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    d, h, sizes = 128, 96, [200, 0, 57]
+    m = sum(sizes)
+    x = torch.randn(m, d, generator=g).bfloat16().cuda().requires_grad_()
+    ws = [(torch.randn(*s, generator=g) / math.sqrt(s[-1])).bfloat16().cuda().requires_grad_()
+          for s in ((3, h, d), (3, h, d), (3, d, h))]
+    gy = torch.randn(m, d, generator=g).bfloat16().cuda()
+    offs = offsets_from_sizes(sizes, "cuda")
+    torch._dynamo.reset()
+    res = []
+    for fn in (mxfp8_swiglu_experts, torch.compile(mxfp8_swiglu_experts, fullgraph=True, backend=compile_backend)):
+        for t in (x, *ws):
+            t.grad = None
+        y = fn(x, *ws, offs)
+        y.backward(gy)
+        res.append([y.detach(), x.grad] + [w.grad for w in ws])
+    for name, a, b in zip(("y", "dx", "dw1", "dw3", "dw2"), *res):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name

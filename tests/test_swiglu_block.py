@@ -1,0 +1,254 @@
+"""mxfp8_swiglu_experts: the fused SwiGLU expert block equals the unfused converted block (three
+mxfp8_grouped_mm calls and PyTorch's silu) bit for bit, output and every gradient; torch.compile,
+activation checkpointing, saved-activation memory, argument errors."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from mx_strategies import group_sizes, offsets_from_sizes
+
+from benchmarks.bench_block import bf16_block
+from moe_quant import block_quantize as bq
+from moe_quant import mxfp8_swiglu_experts, swiglu_experts_unfused
+from moe_quant.autograd import grouped_mm as gm
+from moe_quant.numerics import ScaleMode
+
+
+def make_block(sizes, tail, d, h, seed, x_dtype=torch.bfloat16, w_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    m, e = sum(sizes) + tail, len(sizes)
+    x = torch.randn(m, d, generator=g).to(x_dtype).requires_grad_()
+    w1 = (torch.randn(e, h, d, generator=g) / math.sqrt(d)).to(w_dtype).requires_grad_()
+    w3 = (torch.randn(e, h, d, generator=g) / math.sqrt(d)).to(w_dtype).requires_grad_()
+    w2 = (torch.randn(e, d, h, generator=g) / math.sqrt(h)).to(w_dtype).requires_grad_()
+    gy = torch.randn(m, d, generator=g).to(torch.bfloat16)
+    return x, w1, w3, w2, offsets_from_sizes(sizes), gy
+
+
+def run(fn, x, w1, w3, w2, offs, gy, **kw):
+    for t in (x, w1, w3, w2):
+        t.grad = None
+    y = fn(x, w1, w3, w2, offs, **kw)
+    y.backward(gy)
+    return [y.detach()] + [t.grad.clone() for t in (x, w1, w3, w2)]
+
+
+def assert_bits_equal(got, want, end):
+    """Output and dx compared on the rows the GEMMs compute (``< offs[-1]``); weight gradients whole."""
+    names = ("y", "dx", "dw1", "dw3", "dw2")
+    for name, a, b in zip(names, got, want):
+        if name in ("y", "dx"):
+            a, b = a[:end], b[:end]
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        ai = a.view(torch.int16 if a.element_size() == 2 else torch.int32)
+        bi = b.view(torch.int16 if b.element_size() == 2 else torch.int32)
+        assert torch.equal(ai, bi), f"{name}: {(ai != bi).sum().item()} of {ai.numel()} differ"
+
+
+class Counts:
+    """How often each fused pass and mxfp8_grouped_mm ran (the MXFP8 block path was taken)."""
+
+    def __init__(self, monkeypatch):
+        self.n = {"dual": 0, "swiglu": 0, "dswiglu": 0}
+        for name in self.n:
+            orig = getattr(bq, name)
+
+            def wrapped(*a, _orig=orig, _name=name, **k):
+                self.n[_name] += 1
+                return _orig(*a, **k)
+
+            monkeypatch.setattr(bq, name, wrapped)
+
+
+@given(
+    groups=group_sizes(max_groups=4, max_size=140),
+    dh=st.sampled_from([(32, 64), (64, 32), (96, 160)]),
+    mode=st.sampled_from(list(ScaleMode)),
+    dtypes=st.sampled_from([(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                            (torch.bfloat16, torch.float32)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_block_equals_unfused_bit_for_bit(groups, dh, mode, dtypes, seed):
+    sizes, tail = groups
+    x, w1, w3, w2, offs, gy = make_block(sizes, tail, *dh, seed, *dtypes)
+    got = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy, scale_mode=mode)
+    want = run(swiglu_experts_unfused, x, w1, w3, w2, offs, gy, scale_mode=mode)
+    assert_bits_equal(got, want, sum(sizes))
+
+
+def test_block_path_taken_and_unfused_path_not(monkeypatch):
+    counts = Counts(monkeypatch)
+    calls = []
+    orig = gm._MXFP8GroupedMM.apply
+    monkeypatch.setattr(gm._MXFP8GroupedMM, "apply", lambda *a: calls.append(1) or orig(*a))
+    x, w1, w3, w2, offs, gy = make_block([40, 0, 70], 5, 64, 96, 0)
+    run(swiglu_experts_unfused, x, w1, w3, w2, offs, gy)
+    assert len(calls) == 3 and counts.n == {"dual": 0, "swiglu": 0, "dswiglu": 0}  # the counters count
+    calls.clear()
+    run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
+    assert counts.n == {"dual": 2, "swiglu": 1, "dswiglu": 1}  # x and grad_y once each
+    assert not calls
+
+
+def test_block_differs_from_bf16_and_tracks_it():
+    """The block really quantizes (not bf16 bit for bit) yet stays close to the bf16 block."""
+    x, w1, w3, w2, offs, gy = make_block([100, 60, 90], 0, 128, 96, 3)
+    got = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
+    ref = run(bf16_block, x, w1, w3, w2, offs, gy)
+    for a, b in zip(got, ref):
+        assert not torch.equal(a, b)
+        err = (a.double() - b.double()).norm() / b.double().norm()
+        assert err < 0.1
+
+
+@pytest.mark.parametrize("sizes,tail", [([0, 0, 0], 0), ([0, 0, 0], 7), ([], 0), ([0, 33, 0], 0), ([1], 0)])
+def test_empty_and_tiny(sizes, tail):
+    if not sizes:
+        sizes = [0]
+    x, w1, w3, w2, offs, gy = make_block(sizes, tail, 32, 32, 1)
+    got = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
+    want = run(swiglu_experts_unfused, x, w1, w3, w2, offs, gy)
+    assert_bits_equal(got, want, sum(sizes))
+    for i, s in enumerate(sizes):  # an expert without tokens gets an exact zero gradient
+        if s == 0:
+            assert not got[2][i].any() and not got[4][i].any()
+
+
+@pytest.mark.parametrize("d,h", [(0, 32), (32, 0)])
+def test_zero_width(d, h):
+    x, w1, w3, w2, offs, gy = make_block([3, 2], 0, d, h, 2)
+    got = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
+    want = run(swiglu_experts_unfused, x, w1, w3, w2, offs, gy)
+    assert_bits_equal(got, want, 5)
+
+
+def test_only_requested_gradients():
+    x, w1, w3, w2, offs, gy = make_block([20, 30], 0, 64, 64, 4)
+    w1.requires_grad_(False)
+    x.requires_grad_(False)
+    y = mxfp8_swiglu_experts(x, w1, w3, w2, offs)
+    dw3, dw2 = torch.autograd.grad(y, (w3, w2), gy)
+    y2 = swiglu_experts_unfused(x, w1, w3, w2, offs)
+    ew3, ew2 = torch.autograd.grad(y2, (w3, w2), gy)
+    assert torch.equal(dw3, ew3) and torch.equal(dw2, ew2)
+
+
+def test_torch_compile_fullgraph():
+    x, w1, w3, w2, offs, gy = make_block([50, 0, 30], 4, 64, 96, 5)
+    want = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
+    torch._dynamo.reset()
+    compiled = torch.compile(mxfp8_swiglu_experts, fullgraph=True, backend="aot_eager")
+    got = run(compiled, x, w1, w3, w2, offs, gy)
+    assert_bits_equal(got, want, 80)
+
+
+def test_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    x, w1, w3, w2, offs, gy = make_block([50, 20], 0, 64, 64, 6)
+    want = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
+
+    def ckpt(x, w1, w3, w2, offs):
+        return checkpoint(mxfp8_swiglu_experts, x, w1, w3, w2, offs, use_reentrant=False)
+
+    got = run(ckpt, x, w1, w3, w2, offs, gy)
+    assert_bits_equal(got, want, 70)
+
+
+def _saved_bytes(fn, *args):
+    """Bytes of the tensors autograd saves for backward (each storage once)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+def test_saved_activations_at_most_bf16():
+    x, w1, w3, w2, offs, _ = make_block([256, 128, 256], 0, 256, 128, 7)
+    weights = sum(w.untyped_storage().nbytes() for w in (w1, w3, w2))
+    fused = _saved_bytes(mxfp8_swiglu_experts, x, w1, w3, w2, offs) - weights
+    bf16 = _saved_bytes(bf16_block, x, w1, w3, w2, offs) - weights
+    unfused = _saved_bytes(swiglu_experts_unfused, x, w1, w3, w2, offs) - weights
+    assert fused <= bf16, (fused, bf16)
+    assert fused < unfused, (fused, unfused)
+
+
+def test_double_backward_raises():
+    x, w1, w3, w2, offs, gy = make_block([20], 0, 32, 32, 8)
+    y = mxfp8_swiglu_experts(x, w1, w3, w2, offs)
+    (dx,) = torch.autograd.grad(y, x, gy, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dx.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "change,err,match",
+    [
+        (lambda a: a.update(x=a["x"].to(torch.float16)), TypeError, "x must have dtype"),
+        (lambda a: a.update(x=a["x"][:, :48]), ValueError, "w1 must be"),
+        (lambda a: a.update(w3=a["w3"][:, :, :32]), ValueError, "w3 must have the shape"),
+        (lambda a: a.update(w2=a["w2"].transpose(-2, -1)), ValueError, "w2 must be"),
+        (lambda a: a.update(w1=a["w1"][0]), ValueError, "w1 must be 3-D"),
+        (lambda a: a.update(offs=a["offs"].long()), TypeError, "offs must have dtype torch.int32"),
+        (lambda a: a.update(offs=a["offs"][:1]), ValueError, "offs must have one entry per expert"),
+        (lambda a: a.update(offs=torch.tensor([5, 3], dtype=torch.int32)), ValueError, "non-decreasing"),
+        (lambda a: a.update(offs=torch.tensor([5, 999], dtype=torch.int32)), ValueError, "past the number of rows"),
+        (lambda a: a.update(scale_mode="nearest"), ValueError, "scale_mode"),
+        (lambda a: a.update(backend="scaled"), ValueError, "backend='scaled'"),
+    ],
+)
+def test_bad_arguments(change, err, match):
+    x, w1, w3, w2, offs, _ = make_block([10, 20], 0, 64, 32, 9)
+    args = dict(x=x, w1=w1, w3=w3, w2=w2, offs=offs)
+    change(args)
+    kw = {k: args.pop(k) for k in ("scale_mode", "backend") if k in args}
+    with pytest.raises(err, match=match):
+        mxfp8_swiglu_experts(args["x"], args["w1"], args["w3"], args["w2"], args["offs"], **kw)
+
+
+def test_h_not_multiple_of_32():
+    x, w1, w3, w2, offs, _ = make_block([10], 0, 64, 48, 10)
+    with pytest.raises(ValueError, match="w1: H"):
+        mxfp8_swiglu_experts(x, w1, w3, w2, offs)
+
+
+def test_bench_block_cpu_smoke(tmp_path, capsys):
+    from benchmarks import bench_block
+
+    out = tmp_path / "block.json"
+    assert bench_block.main(["--device", "cpu", "--tiny", "--rounds", "1", "--shapes", "dsv3", "--m", "128",
+                             "--json", str(out)]) == 0
+    import json
+
+    res = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in res] == ["bf16", "unfused", "fused"]
+    assert "vs bf16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fake", [False, True])
+@pytest.mark.parametrize("m,r,sizes", [(300, 96, [100, 0, 150]), (0, 64, [0, 0]), (40, 32, [])])
+def test_kernel_op_shapes_match_the_reference_forms(fake, m, r, sizes):
+    """The block ops' fake implementations (what torch.compile traces) give the shapes and dtypes of the
+    reference forms the kernels must reproduce byte for byte."""
+    from moe_quant.kernels import ops_block
+
+    x = torch.randn(m, r).bfloat16()
+    offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)
+    for op, n in (("dual", 1), ("swiglu", 1), ("dswiglu", 2)):
+        outs = ops_block._fake_outputs(op, x, offs, fake)
+        forms = bq._kernel_forms(outs, fake)
+        assert len(forms) == n
+        want = bq._separate_forms(x, ScaleMode.RCEIL, offs, fake)
+        for got in forms:
+            for g, w in zip(got, want):
+                assert [(tuple(t.shape), t.dtype) for t in g] == [(tuple(t.shape), t.dtype) for t in w], op
+    schema = str(torch.ops.moe_quant.block_dswiglu.default._schema)
+    assert schema.endswith("-> Tensor[]"), schema
