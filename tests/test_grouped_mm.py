@@ -363,7 +363,7 @@ def test_scaled_path_arguments_pass_pytorch_meta_checks():
     A = torch.randn(m, k, dtype=torch.bfloat16, device="meta", requires_grad=True)
     W = torch.randn(e, n, k, dtype=torch.bfloat16, device="meta", requires_grad=True)
     offs = torch.empty(e, dtype=torch.int32, device="meta")
-    out = gm._MXFP8GroupedMM.apply(A, W.transpose(-2, -1), offs, ScaleMode.RCEIL, torch.bfloat16, GemmBackend.SCALED, None)
+    out = gm._MXFP8GroupedMM.apply(A, W.transpose(-2, -1), offs, ScaleMode.RCEIL, torch.bfloat16, GemmBackend.SCALED)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     out.backward(torch.empty_like(out))
     assert A.grad.shape == (m, k) and W.grad.shape == (e, n, k)
