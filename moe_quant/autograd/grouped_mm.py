@@ -111,9 +111,51 @@ def _empty_contraction(A, W_t) -> bool:
     return A.shape[1] == 0 or W_t.shape[2] == 0
 
 
+def _forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, weight_cache):
+    if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
+        return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
+    fwd, _, _ = _GEMMS[backend]
+    return fwd(A, W_t, offs, mode, weight_cache).to(out_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    A, W_t, offs, mode, _, backend, weight_cache = inputs
+    ctx.save_for_backward(A, W_t, offs)
+    ctx.mode, ctx.backend, ctx.weight_cache = mode, backend, weight_cache
+
+
+def _backward(ctx, grad_out):
+    A, W_t, offs = ctx.saved_tensors
+    with torch.no_grad():  # gradients of quantized operands: first order only, see _first_order_only
+        grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
+    grad_A, grad_W_t = _first_order_only((grad_A, grad_W_t), (grad_out, A, W_t))
+    return grad_A, grad_W_t, None, None, None, None, None
+
+
 class _MXFP8GroupedMM(torch.autograd.Function):
-    """The three GEMMs of one expert layer, in the ``forward`` + ``setup_context`` form that
-    ``torch.func`` transforms need (``vmap``, ``grad``).
+    """The three GEMMs of one expert layer (eager form: ``forward(ctx, ...)``).
+
+    ``torch.autograd.Function.apply`` binds every call's arguments with ``inspect.signature`` whenever
+    the Function defines ``setup_context`` (whatever its defaults), which costs more host time than
+    the rest of the call's Python; so eager calls outside ``torch.func`` transforms and ``torch.compile``
+    take this form, which has none. :class:`_MXFP8GroupedMMTransforms` is the same function in the
+    ``forward`` + ``setup_context`` form that transforms need; both share ``_forward``,
+    ``_setup_context`` and ``_backward``.
+    """
+
+    @staticmethod
+    def forward(ctx, A, W_t, offs, mode, out_dtype, backend, weight_cache):
+        inputs = (A, W_t, offs, mode, out_dtype, backend, weight_cache)
+        out = _forward(*inputs)
+        _setup_context(ctx, inputs, out)
+        return out
+
+    backward = staticmethod(_backward)
+
+
+class _MXFP8GroupedMMTransforms(torch.autograd.Function):
+    """:class:`_MXFP8GroupedMM` in the ``forward`` + ``setup_context`` form that ``torch.func`` transforms
+    need (``vmap``, ``grad``); also the form traced under ``torch.compile``.
 
     ``generate_vmap_rule``: under ``torch.vmap`` forward and backward run op by op on batched
     tensors, so a batch of ``A``, ``W_t`` and/or ``offs`` needs no rule of our own. Every op here
@@ -122,27 +164,9 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     """
 
     generate_vmap_rule = True
-
-    @staticmethod
-    def forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, weight_cache):
-        if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
-            return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
-        fwd, _, _ = _GEMMS[backend]
-        return fwd(A, W_t, offs, mode, weight_cache).to(out_dtype)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        A, W_t, offs, mode, _, backend, weight_cache = inputs
-        ctx.save_for_backward(A, W_t, offs)
-        ctx.mode, ctx.backend, ctx.weight_cache = mode, backend, weight_cache
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        A, W_t, offs = ctx.saved_tensors
-        with torch.no_grad():  # gradients of quantized operands: first order only, see _first_order_only
-            grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
-        grad_A, grad_W_t = _first_order_only((grad_A, grad_W_t), (grad_out, A, W_t))
-        return grad_A, grad_W_t, None, None, None, None, None
+    forward = staticmethod(_forward)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
 
 
 def _input_grads(ctx, grad_out, A, W_t, offs):
@@ -258,13 +282,15 @@ def mxfp8_grouped_mm(
     offs = check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets)
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
-    offs = sanitize_offsets(offs, A.shape[0]).to(torch.int32)
+    offs = sanitize_offsets(offs, A.shape[0], torch.int32)
     if weight_cache is not None:
         if not isinstance(weight_cache, QuantizedWeightCache):
             raise TypeError(f"weight_cache must be a QuantizedWeightCache or None, got {type(weight_cache).__name__}")
         weight_cache.check_serves(W_t)
+    fn = _MXFP8GroupedMM
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         # a compiled graph holds no Python-side state; a torch.func transform's tensors must not outlive it
         # (decided here: inside the autograd function the transform's levels are already peeled off)
         weight_cache = None
-    return _MXFP8GroupedMM.apply(row_major(A), W_t, offs, mode, out_dtype, gemm, weight_cache)
+        fn = _MXFP8GroupedMMTransforms
+    return fn.apply(row_major(A), W_t, offs, mode, out_dtype, gemm, weight_cache)
