@@ -66,8 +66,8 @@ def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
     Operands in the K-groups layout (tokens contiguous, each group padded with zeros to a
     multiple of 32), as the scaled path: no block mixes two experts, every group is aligned.
     """
-    g_t, padded_offs = q.fake_quantize_colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
-    a_t, _ = q.fake_quantize_colwise_k_groups(A, offs, mode)  # (K, Mp)
+    g_t, padded_offs = q.fake_colwise_k_groups(grad_out, offs, mode, _GEMM_DTYPE)  # (N, Mp)
+    a_t, _ = q.fake_colwise_k_groups(A, offs, mode, _GEMM_DTYPE)  # (K, Mp)
     return torch._grouped_mm(g_t, a_t.t(), offs=padded_offs)
 
 
@@ -89,8 +89,8 @@ def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode, cache=None):
 
 
 def scaled_wgrad(grad_out, A, offs, mode: ScaleMode):
-    g_t, g_s, padded_offs = q.quantize_colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
-    a_t, a_s, _ = q.quantize_colwise_k_groups(A, offs, mode)  # (K, Mp)
+    g_t, g_s, padded_offs = q.colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
+    a_t, a_s, _ = q.colwise_k_groups(A, offs, mode)  # (K, Mp)
     return torch._scaled_grouped_mm(g_t, a_t.t(), g_s, a_s, offs=padded_offs, out_dtype=_GEMM_DTYPE)
 
 
