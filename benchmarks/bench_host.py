@@ -22,11 +22,10 @@ most 10 us; no device-to-host synchronization (counted: ``cudaStreamSynchronize`
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from benchmarks.timing import device_name, host_us, print_table, prog_name, require_cuda
+from benchmarks.timing import device_name, host_us, print_table, prog_name, require_cuda, write_json
 from moe_quant import cli
 
 MAX_RATIO = 2.0  # mxfp8_grouped_mm fwd+bwd host time / torch._grouped_mm's
@@ -147,9 +146,7 @@ def main(argv=None) -> int:
                 ["size", "shape", "call", "host us", "profiler us", "launches", "syncs", "target", "result"], rows)
     results["pass"] = all(r["pass"] for r in results["grouped_mm"] + results["launches"])
     print("all host targets met" if results["pass"] else "host targets NOT all met")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from benchmarks.timing import Rotating, bench_us, device_name, print_table, require_cuda, tbps  # noqa: E402
+from benchmarks.timing import Rotating, bench_us, device_name, print_table, require_cuda, tbps, write_json  # noqa: E402
 from moe_quant import cli  # noqa: E402
 
 TARGET_PCT = 85.0
@@ -78,7 +77,8 @@ def q32_family():
     from moe_quant.kernels import config_32x1
 
     def variants(groups):
-        return {name: config_32x1.Variant("bfloat16", "rceil", groups, **kw) for name, kw in config_32x1.CANDIDATES.items()}
+        return {name: config_32x1.Variant("bfloat16", "rceil", groups, **kw)
+                for name, kw in config_32x1.CANDIDATES.items()}
 
     dev = torch.cuda.current_device()
     return {
@@ -100,7 +100,7 @@ def q32_check() -> bool:
     for m, r, offs in [(1000, 224, [0, 1, 32, 65, 192, 321, 621, 821]), (700, 192, list(range(2, 602, 2))),
                        (333, 96, [150, 150, 333]), (8192, 320, [1000, 1001, 4000, 8100]),
                        (500, 64, [-5, 2**31 - 1, 40, 7]), (64, 128, [])]:
-        x = make_values((r, m), "wide", m + r, torch.bfloat16).t().contiguous() if m * r else torch.zeros(m, r).bfloat16()
+        x = make_values((r, m), "wide", m + r, torch.bfloat16).t().contiguous()
         o = torch.tensor(offs, dtype=torch.int32)
         got = ops.quantize_32x1_k_groups(x.cuda(), ScaleMode.RCEIL, o.cuda())
         want = reference.quantize_colwise_k_groups(x, o, ScaleMode.RCEIL)
@@ -280,9 +280,7 @@ def main(argv=None) -> int:
         out[fam] = {"exact": res["exact"], "recommend": best,
                     "shapes": {f"{s[0]}x{s[1]}": v for s, v in res["shapes"].items()},
                     "targets": [f"{t[0]}x{t[1]}" for t in res["targets"]], "target_pct": TARGET_PCT}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 
