@@ -52,6 +52,16 @@ def profile_cpu(fn, n: int) -> dict:
     return {"profiler_us": cpu / n, "launches": launches / n, "syncs": syncs / n}
 
 
+def dlpack_exchange_api() -> bool | None:
+    """Whether TVM-FFI (once imported) has torch's C DLPack exchange API, its fast path for tensor arguments
+    (``torch.Tensor.__dlpack_c_exchange_api__``: torch's own, or tvm_ffi's JIT-built addon); None without tvm_ffi."""
+    try:
+        import tvm_ffi  # noqa: F401  (installs the addon where torch lacks the API)
+    except Exception:
+        return None
+    return hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+
+
 def grouped_mm_problem(m: int, k: int, n: int, e: int):
     from moe_quant import layouts
 
@@ -117,7 +127,10 @@ def main(argv=None) -> int:
     from moe_quant import mxfp8_grouped_mm
 
     impls = {"torch._grouped_mm": lambda a, w, o: torch._grouped_mm(a, w, offs=o), "mxfp8_grouped_mm": mxfp8_grouped_mm}
-    results = {"device": device_name(), "torch": torch.__version__, "grouped_mm": [], "launches": []}
+    results = {"device": device_name(), "torch": torch.__version__, "grouped_mm": [], "launches": [],
+               "tvm_ffi_dlpack_exchange_api": dlpack_exchange_api()}
+    print(f"TVM-FFI passes torch tensors through the C DLPack exchange API: {results['tvm_ffi_dlpack_exchange_api']} "
+          "(without it every tensor argument of a kernel call goes through the Python DLPack protocol)")
     rows = []
     for size, (m, k, n, e) in SIZES.items():
         problem = grouped_mm_problem(m, k, n, e)
