@@ -125,3 +125,24 @@ def test_device_without_index_is_decided_for_the_current_device(fresh_decisions)
     assert backends.resolve_gemm_backend("auto", cuda) is GemmBackend.SCALED
     fresh_decisions[0] = 2
     assert not backends.use_quant_kernels(SimpleNamespace(device=cuda))
+
+
+def test_gemm_checks_its_operands_once(monkeypatch):
+    """The quantizers the GEMMs call skip the public functions' checks (mxfp8_grouped_mm checked A, W_t, offs;
+    autograd hands back grad_out in the output's shape and dtype); the public functions still check."""
+    from moe_quant import quantize as q
+    from moe_quant import validation as v
+
+    checks, passes = [], []
+    for name in ("check_operand_2d", "check_group_offsets"):  # the quantizers' own checks
+        monkeypatch.setattr(v, name, lambda *a, _f=getattr(v, name), _n=name, **k: checks.append(_n) or _f(*a, **k))
+    for name in ("fake_rowwise", "fake_colwise_k_groups"):
+        monkeypatch.setattr(q, name, lambda *a, _f=getattr(q, name), _n=name, **k: passes.append(_n) or _f(*a, **k))
+    A, W, offs, g = _problem(2)
+    out = mxfp8_grouped_mm(A, W.transpose(-2, -1), offs)
+    torch.autograd.grad(out, (A, W), g)
+    assert sorted(passes) == ["fake_colwise_k_groups"] * 2 + ["fake_rowwise"] * 2  # precondition: A, grad_out
+    assert not checks
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q.fake_quantize_rowwise(torch.randn(4, 33), "rceil")
+    assert checks
