@@ -97,6 +97,15 @@ def fwd_bwd(impl, A, W, offs, grad):
     return run
 
 
+def fwd_only(impl, A, W, offs, grad):
+    """The forward alone (no autograd graph): where fwd+bwd's host time goes."""
+    def run():
+        with torch.no_grad():
+            impl(A, W.transpose(-2, -1), offs)
+
+    return run
+
+
 def quantize_launches() -> list[tuple[str, object, object]]:
     """(name, torch op call, compiled kernel call alone) of each quantize kernel, tiny inputs."""
     from moe_quant import layouts
@@ -157,6 +166,10 @@ def main(argv=None) -> int:
             rows.append([size, f"{m}x{k}->{n} E={e}", name + " fwd+bwd", r["host_us"], r["profiler_us"], r["launches"],
                          r["syncs"], f"{ratio:.2f}x (<= {MAX_RATIO}x)" if name == "mxfp8_grouped_mm" else "",
                          ("PASS" if ok else "FAIL") if name == "mxfp8_grouped_mm" else ""])
+        for name, impl in impls.items():  # diagnostic: the forward alone
+            run = fwd_only(impl, *problem)
+            per[name]["fwd_only_us"] = host_us(run, args.n, args.reps)
+            rows.append(["", "", f"  {name} fwd only (no_grad)", per[name]["fwd_only_us"], "", "", "", "", ""])
         results["grouped_mm"].append({"size": size, "shape": [m, k, n, e], **{k_: v for k_, v in per.items()},
                                       "ratio": ratio, "target_ratio": MAX_RATIO, "pass": ok})
     for name, op, raw in quantize_launches():
