@@ -23,7 +23,6 @@ import collections
 import contextlib
 import functools
 import inspect
-import json
 import math
 import platform
 import statistics
@@ -34,7 +33,15 @@ from unittest import mock
 
 import torch
 
-from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, profile_device_ops, prog_name
+from benchmarks.timing import (
+    bench_ms,
+    device_name,
+    peak_memory_bytes,
+    print_table,
+    profile_device_ops,
+    prog_name,
+    write_json,
+)
 from moe_quant import backends, cli, mxfp8_grouped_mm, reuse
 
 FAMILIES = {  # name: (K in, N out, G experts)
@@ -454,12 +461,6 @@ def run(args):
 
 MAIN_HEADER = ["shape", "implementation", "ms", "x bf16", "speedup vs torchao emu", "peak GiB over inputs",
                "out SQNR dB", "note"]
-
-
-def write_json(path: str, record: dict) -> None:
-    if path:
-        with open(path, "w") as fh:
-            json.dump(record, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -200,3 +200,12 @@ def host_us(fn, n: int = 100, reps: int = 20) -> float:
         best = min(best, time.perf_counter() - t0)
     torch.cuda.synchronize()
     return best / n * 1e6
+
+
+def write_json(path: str | None, record: dict) -> None:
+    """``record`` as JSON into ``path`` (``--json``); nothing when ``path`` is empty or None."""
+    if path:
+        import json
+
+        with open(path, "w") as fh:
+            json.dump(record, fh, indent=1)

@@ -55,10 +55,26 @@ def cutedsl_importable() -> bool:
     return importable("cutlass.cute", "MOE_QUANT_DISABLE_KERNELS")
 
 
+def _cacheable(device: torch.device) -> bool:
+    """A decision about ``device`` may be cached: it names one device (a CUDA device without an index means
+    whichever is current, which can change)."""
+    return device.type != "cuda" or device.index is not None
+
+
+_KERNELS_ON: dict = {}  # device -> use_quant_kernels' answer (capability and cutlass-dsl are fixed per process)
+
+
 def use_quant_kernels(x: torch.Tensor) -> bool:
     """True where the CuTe-DSL quantization kernels serve ``x`` (Hopper or newer, cutlass-dsl present)."""
-    cap = device_capability(x.device)
-    return cap is not None and cap >= (9, 0) and cutedsl_importable()
+    device = x.device
+    hit = _KERNELS_ON.get(device)
+    if hit is not None:
+        return hit
+    cap = device_capability(device)
+    ok = cap is not None and cap >= (9, 0) and cutedsl_importable()
+    if _cacheable(device):
+        _KERNELS_ON[device] = ok
+    return ok
 
 
 def supports_scaled_grouped_mm(device: torch.device) -> bool:
@@ -67,8 +83,22 @@ def supports_scaled_grouped_mm(device: torch.device) -> bool:
     return cap is not None and cap >= (10, 0)
 
 
+_RESOLVED: dict = {}  # (requested, device) -> backend, for requests that resolved (errors are raised every call)
+
+
 def resolve_gemm_backend(requested: GemmBackend | str, device: torch.device) -> GemmBackend:
     """``auto`` -> ``scaled`` on SM100+, else ``emulated``; an explicit ``scaled`` elsewhere is an error."""
+    key = (requested, device) if isinstance(requested, str) else None  # members are str too
+    hit = _RESOLVED.get(key) if key is not None else None
+    if hit is not None:
+        return hit
+    backend = _resolve(requested, device)
+    if key is not None and _cacheable(device):
+        _RESOLVED[key] = backend
+    return backend
+
+
+def _resolve(requested, device: torch.device) -> GemmBackend:
     backend = GemmBackend.parse(requested)
     if backend is GemmBackend.AUTO:
         return GemmBackend.SCALED if supports_scaled_grouped_mm(device) else GemmBackend.EMULATED

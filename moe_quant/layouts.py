@@ -84,13 +84,18 @@ def k_groups_blocked_shape(rows: int, m: int, n_groups: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- groups
 
 
-def sanitize_offsets(offs: torch.Tensor, total: int) -> torch.Tensor:
-    """Group ends clamped to ``[0, total]`` and made non-decreasing (int64, on ``offs``' device, no sync).
+def sanitize_offsets(offs: torch.Tensor, total: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Group ends clamped to ``[0, total]`` and made non-decreasing (``dtype``, on ``offs``' device, no sync).
 
     Valid offsets come back unchanged; whatever garbage ``offs`` holds, the result describes
-    groups inside ``[0, total)``, which is what every kernel and GEMM is given.
+    groups inside ``[0, total)``, which is what every kernel and GEMM is given. ``dtype=torch.int32``
+    of int32 ``offs`` (what the GEMMs take) is two kernels and no conversion.
     """
-    return offs.to(torch.int64).clamp(0, total).cummax(0).values
+    if dtype == torch.int32 and offs.dtype == torch.int32:
+        # int32 values are <= 2**31 - 1, so a larger bound clamps nothing (and does not fit the dtype)
+        hi = total if isinstance(total, torch.SymInt) or total < 2**31 else 2**31 - 1
+        return offs.clamp(0, hi).cummax(0).values
+    return offs.to(torch.int64).clamp(0, total).cummax(0).values.to(dtype)
 
 
 def group_bounds(offs: torch.Tensor, total: int, align: int):

@@ -82,19 +82,20 @@ def lookup(x: torch.Tensor, mode: ScaleMode) -> _Known | None:
 
 def rowwise_values(x: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """What the emulated GEMM sees of the rowwise operand ``x``: ``x`` itself (as ``out_dtype``) when its
-    MXFP8 form is known, else :func:`moe_quant.quantize.fake_quantize_rowwise`."""
+    MXFP8 form is known, else :func:`moe_quant.quantize.fake_quantize_rowwise` (arguments checked by the caller)."""
     if lookup(x, mode) is not None:
         return x.to(out_dtype)
-    return q.fake_quantize_rowwise(x, mode, out_dtype)
+    return q.fake_rowwise(x, mode, out_dtype)  # x checked by the caller (the grouped GEMM)
 
 
 def rowwise_operand(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor):
     """The scaled GEMM's rowwise operand ``(data, M-groups blocked scales)``: the known fp8 data and its
-    scales re-laid out for ``offs``, else :func:`moe_quant.quantize.quantize_rowwise`."""
+    scales re-laid out for ``offs``, else :func:`moe_quant.quantize.quantize_rowwise` (arguments checked by
+    the caller)."""
     known = lookup(x, mode)
     if known is not None and known.data is not None:
         return known.data, layouts.to_blocked_m_groups(known.scales, offs)
-    return q.quantize_rowwise(x, mode, offs)
+    return q.rowwise(x, mode, offs)  # x and offs checked by the caller (the grouped GEMM)
 
 
 __all__ = ["remember", "lookup", "rowwise_values", "rowwise_operand"]

@@ -32,11 +32,48 @@ def quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor 
     mode = ScaleMode.parse(mode, "mode")
     v.check_operand_2d("x", x, blocked_last_dim=True)
     v.check_group_offsets(offs, x, required=False)
+    return rowwise(x, mode, offs)
+
+
+# The grouped GEMM's hot path: the same computations as the public functions here, of arguments the caller
+# has checked (``mode`` a ScaleMode; x bf16/fp32 of the right rank, its blocked dims multiples of 32, offs
+# int32 on x's device), skipping the checks at every layer.
+
+
+def rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor | None):
+    """:func:`quantize_rowwise` of checked arguments."""
     if _kernels_serve(x):
         from .kernels import ops
 
-        return ops.quantize_1x32(x.contiguous(), mode, offs, scale_layout="blocked" if offs is not None else "plain")
+        return ops.run_quantize_1x32(x.contiguous(), mode.value, offs, "blocked" if offs is not None else "plain")
     return reference.quantize_rowwise(x, mode, offs)
+
+
+def fake_rowwise(x: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype):
+    """:func:`fake_quantize_rowwise` of checked arguments."""
+    if _kernels_serve(x):
+        from .kernels import ops
+
+        return ops.run_fake_quantize_1x32(x.contiguous(), mode.value, out_dtype)
+    return reference.fake_quantize_rowwise(x, mode, out_dtype)
+
+
+def colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode):
+    """:func:`quantize_colwise_k_groups` of checked arguments."""
+    if _kernels_serve(x, 1):
+        from .kernels import ops
+
+        return ops.run_quantize_32x1_k_groups(x.contiguous(), mode.value, offs)
+    return reference.quantize_colwise_k_groups(x, offs, mode)
+
+
+def fake_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype):
+    """:func:`fake_quantize_colwise_k_groups` of checked arguments."""
+    if _kernels_serve(x, 1):
+        from .kernels import ops
+
+        return ops.run_fake_quantize_32x1_k_groups(x.contiguous(), mode.value, offs, out_dtype)
+    return reference.fake_quantize_colwise_k_groups(x, offs, mode, out_dtype)
 
 
 def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
@@ -47,11 +84,7 @@ def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, out_dtype: tor
     mode = ScaleMode.parse(mode, "mode")
     v.check_operand_2d("x", x, blocked_last_dim=True)
     v.check_dtype_choice("out_dtype", out_dtype, v.OPERAND_DTYPES)
-    if _kernels_serve(x):
-        from .kernels import ops
-
-        return ops.fake_quantize_1x32(x.contiguous(), mode, out_dtype)
-    return reference.fake_quantize_rowwise(x, mode, out_dtype)
+    return fake_rowwise(x, mode, out_dtype)
 
 
 def quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode | str):
@@ -63,11 +96,7 @@ def quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMo
     mode = ScaleMode.parse(mode, "mode")
     v.check_operand_2d("x", x, blocked_last_dim=False)
     v.check_group_offsets(offs, x, required=True)
-    if _kernels_serve(x, 1):
-        from .kernels import ops
-
-        return ops.quantize_32x1_k_groups(x.contiguous(), mode, offs)
-    return reference.quantize_colwise_k_groups(x, offs, mode)
+    return colwise_k_groups(x, offs, mode)
 
 
 def fake_quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode | str, out_dtype=torch.bfloat16):
@@ -76,11 +105,7 @@ def fake_quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: Sc
     v.check_operand_2d("x", x, blocked_last_dim=False)
     v.check_group_offsets(offs, x, required=True)
     v.check_dtype_choice("out_dtype", out_dtype, v.OPERAND_DTYPES)
-    if _kernels_serve(x, 1):
-        from .kernels import ops
-
-        return ops.fake_quantize_32x1_k_groups(x.contiguous(), mode, offs, out_dtype)
-    return reference.fake_quantize_colwise_k_groups(x, offs, mode, out_dtype)
+    return fake_colwise_k_groups(x, offs, mode, out_dtype)
 
 
 def quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along: str):

@@ -408,7 +408,7 @@ def test_no_tokens_backward_hands_row_major_operands_to_the_quantizers(monkeypat
     tensor, which ``.contiguous()`` keeps as it is (it counts as contiguous) and the kernels reject.
     Every operand the backward quantizes must have row-major strides."""
     seen = []
-    for name in ("fake_quantize_rowwise", "fake_quantize_colwise_k_groups"):
+    for name in ("fake_rowwise", "fake_colwise_k_groups"):  # the quantizers the GEMMs call
         def spy(x, *args, _orig=getattr(q, name), _name=name, **kwargs):
             seen.append((_name, tuple(x.shape), x.stride()))
             return _orig(x, *args, **kwargs)
@@ -421,7 +421,7 @@ def test_no_tokens_backward_hands_row_major_operands_to_the_quantizers(monkeypat
     grad = torch.ones((), dtype=out.dtype).expand(out.shape)  # what out.float().sum().backward() hands back
     assert out.shape == (0, 32) and grad.stride() == (0, 0) and grad.is_contiguous()  # the precondition
     out.float().sum().backward()
-    assert ("fake_quantize_colwise_k_groups", (0, 32), (32, 1)) in seen  # grad_out reached wgrad
+    assert ("fake_colwise_k_groups", (0, 32), (32, 1)) in seen  # grad_out reached wgrad
     assert all(stride == torch.empty(shape).stride() for _, shape, stride in seen), seen
     assert A.grad.shape == (0, 64) and W.grad.shape == (3, 32, 64) and not W.grad.any()
 

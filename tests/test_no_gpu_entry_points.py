@@ -14,7 +14,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behavi
 
 @no_gpu
 @pytest.mark.parametrize("bench", ["bench_quantize", "bench_quantize_32x1", "bench_grouped_mm", "bench_moe", "bench_ep",
-                                   "bench_ep_block", "bench_block"])
+                                   "bench_ep_block", "bench_block", "bench_host"])
 def test_benchmark_without_gpu_exits_2_with_one_line(bench):
     proc = run_python("-m", f"benchmarks.{bench}")
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -23,14 +23,15 @@ def test_benchmark_without_gpu_exits_2_with_one_line(bench):
     assert f"python -m benchmarks.{bench}" in lines[0]
 
 
-def test_ab_script_runs_from_repo_root_without_pythonpath():
-    proc = run_python("scripts/ab_1x32.py", "--help", pythonpath=False)
+@pytest.mark.parametrize("script", ["ab_1x32.py", "ab_kernels.py"])
+def test_ab_script_runs_from_repo_root_without_pythonpath(script):
+    proc = run_python(f"scripts/{script}", "--help", pythonpath=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "usage" in proc.stdout
 
 
 @no_gpu
-@pytest.mark.parametrize("script", ["sanitize_1x32.py", "sanitize_32x1.py", "sanitize_block.py", "cache_timing.py"])
+@pytest.mark.parametrize("script", ["sanitize_1x32.py", "sanitize_32x1.py", "sanitize_block.py", "cache_timing.py", "ab_kernels.py"])
 def test_gpu_scripts_run_from_repo_root_and_say_they_need_a_gpu(script):
     proc = run_python(f"scripts/{script}", pythonpath=False)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -81,8 +81,8 @@ def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
     Operands in the K-groups layout (tokens contiguous, each group padded with zeros to a
     multiple of 32), as the scaled path: no block mixes two experts, every group is aligned.
     """
-    g_t, padded_offs = q.fake_quantize_colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
-    a_t, _ = q.fake_quantize_colwise_k_groups(A, offs, mode)  # (K, Mp)
+    g_t, padded_offs = q.fake_colwise_k_groups(grad_out, offs, mode, _GEMM_DTYPE)  # (N, Mp)
+    a_t, _ = q.fake_colwise_k_groups(A, offs, mode, _GEMM_DTYPE)  # (K, Mp)
     return torch._grouped_mm(g_t, a_t.t(), offs=padded_offs)
 
 
@@ -102,8 +102,8 @@ def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode):
 
 
 def scaled_wgrad(grad_out, A, offs, mode: ScaleMode):
-    g_t, g_s, padded_offs = q.quantize_colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
-    a_t, a_s, _ = q.quantize_colwise_k_groups(A, offs, mode)  # (K, Mp)
+    g_t, g_s, padded_offs = q.colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
+    a_t, a_s, _ = q.colwise_k_groups(A, offs, mode)  # (K, Mp)
     return torch._scaled_grouped_mm(g_t, a_t.t(), g_s, a_s, offs=padded_offs, out_dtype=_GEMM_DTYPE)
 
 
@@ -124,9 +124,55 @@ def _empty_contraction(A, W_t) -> bool:
     return A.shape[1] == 0 or W_t.shape[2] == 0
 
 
+def _forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
+    if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
+        return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
+    fwd, _, _ = _GEMMS[backend]
+    return fwd(A, W_t, offs, mode).to(out_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    A, W_t, offs, mode, _, backend = inputs
+    # only what backward reads, as the plain op: A for wgrad (dW), W_t for dgrad (dA). A write to a
+    # saved tensor before backward raises autograd's "modified by an inplace operation" error.
+    need_A, need_W = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ctx.save_for_backward(A if need_W else None, W_t if need_A else None, offs)
+    ctx.shapes = (A.shape, A.dtype, W_t.shape, W_t.dtype)
+    ctx.mode, ctx.backend = mode, backend
+
+
+def _backward(ctx, grad_out):
+    A, W_t, offs = ctx.saved_tensors
+    with torch.no_grad():  # gradients of quantized operands: first order only, see _first_order_only
+        grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
+    grad_A, grad_W_t = _first_order_only((grad_A, grad_W_t), (grad_out, A, W_t))
+    return grad_A, grad_W_t, None, None, None, None
+
+
 class _MXFP8GroupedMM(torch.autograd.Function):
-    """The three GEMMs of one expert layer, in the ``forward`` + ``setup_context`` form that
-    ``torch.func`` transforms need (``vmap``, ``grad``).
+    """The three GEMMs of one expert layer (eager form: ``forward(ctx, ...)``).
+
+    ``torch.autograd.Function.apply`` binds every call's arguments with ``inspect.signature`` whenever
+    the Function defines ``setup_context`` (whatever its defaults), which costs more host time than
+    the rest of the call's Python; so eager calls outside ``torch.func`` transforms and ``torch.compile``
+    take this form, which has none. :class:`_MXFP8GroupedMMTransforms` is the same function in the
+    ``forward`` + ``setup_context`` form that transforms need; both share ``_forward``,
+    ``_setup_context`` and ``_backward``.
+    """
+
+    @staticmethod
+    def forward(ctx, A, W_t, offs, mode, out_dtype, backend):
+        inputs = (A, W_t, offs, mode, out_dtype, backend)
+        out = _forward(*inputs)
+        _setup_context(ctx, inputs, out)
+        return out
+
+    backward = staticmethod(_backward)
+
+
+class _MXFP8GroupedMMTransforms(torch.autograd.Function):
+    """:class:`_MXFP8GroupedMM` in the ``forward`` + ``setup_context`` form that ``torch.func`` transforms
+    need (``vmap``, ``grad``); also the form traced under ``torch.compile``.
 
     ``generate_vmap_rule``: under ``torch.vmap`` forward and backward run op by op on batched
     tensors, so a batch of ``A``, ``W_t`` and/or ``offs`` needs no rule of our own. Every op here
@@ -135,31 +181,9 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     """
 
     generate_vmap_rule = True
-
-    @staticmethod
-    def forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
-        if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
-            return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
-        fwd, _, _ = _GEMMS[backend]
-        return fwd(A, W_t, offs, mode).to(out_dtype)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        A, W_t, offs, mode, _, backend = inputs
-        # only what backward reads, as the plain op: A for wgrad (dW), W_t for dgrad (dA). A write to a
-        # saved tensor before backward raises autograd's "modified by an inplace operation" error.
-        need_A, need_W = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.save_for_backward(A if need_W else None, W_t if need_A else None, offs)
-        ctx.shapes = (A.shape, A.dtype, W_t.shape, W_t.dtype)
-        ctx.mode, ctx.backend = mode, backend
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        A, W_t, offs = ctx.saved_tensors
-        with torch.no_grad():  # gradients of quantized operands: first order only, see _first_order_only
-            grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
-        grad_A, grad_W_t = _first_order_only((grad_A, grad_W_t), (grad_out, A, W_t))
-        return grad_A, grad_W_t, None, None, None, None
+    forward = staticmethod(_forward)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
 
 
 def _input_grads(ctx, grad_out, A, W_t, offs):
@@ -279,10 +303,15 @@ def mxfp8_grouped_mm(
     offs = check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets)
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
-    offs = sanitize_offsets(offs, A.shape[0]).to(torch.int32)
-    if not torch.compiler.is_compiling():
+    offs = sanitize_offsets(offs, A.shape[0], torch.int32)
+    fn = _MXFP8GroupedMM
+    if torch.compiler.is_compiling():
+        fn = _MXFP8GroupedMMTransforms
+    else:
         _check_no_forward_ad(A, W_t)
-    return _MXFP8GroupedMM.apply(row_major(A), W_t, offs, mode, out_dtype, gemm)
+        if torch._C._are_functorch_transforms_active():
+            fn = _MXFP8GroupedMMTransforms  # transforms need the setup_context form
+    return fn.apply(row_major(A), W_t, offs, mode, out_dtype, gemm)
 
 
 def _check_no_forward_ad(*tensors) -> None:

@@ -93,18 +93,18 @@ def _routing(model: MoE, x: torch.Tensor, case: CheckCase, n_experts: int):
 
 @contextlib.contextmanager
 def _count_rowwise_quantizations(counter: list):
-    """Counts the GEMMs' rowwise quantizations (the emulated GEMM's ``fake_quantize_rowwise``)."""
-    original = q.fake_quantize_rowwise
+    """Counts the GEMMs' rowwise quantizations (the emulated GEMM's ``fake_rowwise``)."""
+    original = q.fake_rowwise
 
     def counting(*args, **kwargs):
         counter[0] += 1
         return original(*args, **kwargs)
 
-    q.fake_quantize_rowwise = counting
+    q.fake_rowwise = counting
     try:
         yield
     finally:
-        q.fake_quantize_rowwise = original
+        q.fake_rowwise = original
 
 
 def _run(model, xs_local, routings, gouts, forward):

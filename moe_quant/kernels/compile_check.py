@@ -44,7 +44,8 @@ def _worker(arch: str) -> None:
 
 
 def all_variants() -> list:
-    """Every variant the package can launch: ``all_variants()`` of each ``config_*`` module (one per family)."""
+    """Every variant the package can launch, ``all_variants()`` of each ``config_*`` module (one per family),
+    then the A/B candidates a family offers (its ``candidate_variants()``, ``scripts/ab_kernels.py``)."""
     import importlib
     import pkgutil
 
@@ -53,7 +54,9 @@ def all_variants() -> list:
     out = []
     for info in sorted(pkgutil.iter_modules(here), key=lambda i: i.name):
         if info.name.startswith("config_"):
-            out += importlib.import_module(f"{__package__}.{info.name}").all_variants()
+            mod = importlib.import_module(f"{__package__}.{info.name}")
+            out += mod.all_variants()
+            out += [v for v in getattr(mod, "candidate_variants", list)() if v not in out]
     return out
 
 

@@ -24,10 +24,11 @@ OUT_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 MODES = ("rceil", "floor")
 
 TILE_TOKENS = 128  # tokens of one CTA tile: four 32-token blocks, one 512-byte scale tile
-TILE_COLS = 128  # columns of x (rows of the transposed output / of the scale matrix) per CTA
-THREADS = 256
+TILE_COLS = 128  # default columns of x (rows of the transposed output / of the scale matrix) per CTA
 COLS_PER_THREAD = 8  # one 16-byte bf16 load per token row
 TOKENS_PER_THREAD = 8  # consecutive tokens of one column: one 8/16/32-byte transposed store
+HALF_COLS = 64  # columns of one warp: 8 lanes x 8 columns (each block of 32 tokens is 4 lanes deep)
+TILE_COLS_CHOICES = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class Variant:
     mode: str  # "rceil" | "floor"
     groups: str  # "kgroups" | "uniform"
     out_dtype: str = "float8_e4m3fn"  # or "bfloat16" | "float32": dequantized values, no scales
+    # Columns per CTA (64: half a scale tile, 128 threads; 128: one whole tile, 256 threads). Every CTA
+    # loads 128 tokens; a 64-column grid has two CTAs per 128-row scale tile, so rows past R still get
+    # their zero scales. An A/B candidate (scripts/ab_kernels.py); the default is the measured one.
+    tile_cols: int = TILE_COLS
 
     family = "q32x1"
     kernel_module = "quantize_32x1"  # compiled by compile_cache.compile_variant (never imported here)
@@ -46,6 +51,13 @@ class Variant:
         for name, allowed in (("in_dtype", IN_DTYPES), ("mode", MODES), ("groups", GROUPS), ("out_dtype", OUT_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.tile_cols not in TILE_COLS_CHOICES:
+            raise ValueError(f"tile_cols must be one of {TILE_COLS_CHOICES}, got {self.tile_cols!r}")
+
+    @property
+    def threads(self) -> int:
+        """4 warps (one per 32-token block) per 64 columns."""
+        return 4 * 32 * (self.tile_cols // HALF_COLS)
 
     @property
     def fake(self) -> bool:
@@ -53,7 +65,8 @@ class Variant:
 
     @property
     def key(self) -> str:
-        return f"{self.in_dtype}-{self.mode}-{self.groups}-{self.out_dtype}"
+        tile = "" if self.tile_cols == TILE_COLS else f"-c{self.tile_cols}"  # the default's key is unchanged
+        return f"{self.in_dtype}-{self.mode}-{self.groups}-{self.out_dtype}{tile}"
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -61,3 +74,12 @@ class Variant:
 
 def all_variants() -> list[Variant]:
     return [Variant(i, m, g, o) for i in IN_DTYPES for m in MODES for g in GROUPS for o in OUT_DTYPES]
+
+
+# A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
+# every arch (compile_check) on the operand the targets measure: bf16 in, rceil, both group kinds, e4m3 out.
+CANDIDATES = {"c128 (default)": {}, "c64": {"tile_cols": 64}}
+
+
+def candidate_variants() -> list[Variant]:
+    return [Variant("bfloat16", "rceil", g, **kw) for kw in CANDIDATES.values() if kw for g in GROUPS]

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 OUTS = ("dequant", "blocked", "plain")
 DEQUANT_DTYPES = ("bfloat16", "float32")
 CHUNK = 16  # fp8 bytes per lane per load (one 16-byte vector; half a 32-element block)
-THREADS = 256
-ITERS = 4  # chunks per thread: all loads of a CTA issued before the first store
+THREADS = 256  # default threads per CTA
+ITERS = 4  # default chunks per thread: all loads of a CTA issued before the first store
 # (source rank, expert) blocks the in-kernel table holds (shared memory: 3 int32 per block, 3 per expert);
 # permute_received runs the reference beyond it.
 MAX_BLOCKS = 1024
@@ -30,6 +30,12 @@ class Variant:
 
     out: str  # "dequant" | "blocked" | "plain"
     out_dtype: str = "float8_e4m3fn"  # dequant: "bfloat16" | "float32"
+    # Launch shape, A/B candidates (scripts/ab_kernels.py); the defaults are the measured ones.
+    threads: int = THREADS
+    iters: int = ITERS
+    # 0: one CTA per ``threads * iters`` chunks. N > 0: at most N data CTAs, each building the group table
+    # once and then looping over chunk ranges (a persistent grid: the table's cost paid N times, not per range).
+    max_data_ctas: int = 0
 
     family = "perm"
     kernel_module = "permute_mxfp8"  # compiled by compile_cache.compile_variant (never imported here)
@@ -42,10 +48,17 @@ class Variant:
                 raise ValueError(f"dequant out_dtype must be one of {DEQUANT_DTYPES}, got {self.out_dtype!r}")
         elif self.out_dtype != "float8_e4m3fn":
             raise ValueError(f"out_dtype of out={self.out!r} is float8_e4m3fn, got {self.out_dtype!r}")
+        if self.threads % 32 or not (64 <= self.threads <= 1024):
+            raise ValueError(f"threads must be a multiple of 32 in [64, 1024], got {self.threads}")
+        if not (1 <= self.iters <= 16):
+            raise ValueError(f"iters must be in [1, 16], got {self.iters}")
+        if self.max_data_ctas < 0:
+            raise ValueError(f"max_data_ctas must be >= 0, got {self.max_data_ctas}")
 
     @property
     def key(self) -> str:
-        return f"{self.out}-{self.out_dtype}-t{THREADS}i{ITERS}b{MAX_BLOCKS}"
+        grid = f"p{self.max_data_ctas}" if self.max_data_ctas else ""
+        return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{grid}"
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -53,3 +66,20 @@ class Variant:
 
 def all_variants() -> list[Variant]:
     return [Variant("dequant", d) for d in DEQUANT_DTYPES] + [Variant("blocked"), Variant("plain")]
+
+
+# A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
+# every arch (compile_check) on the output the targets measure (blocked).
+CANDIDATES = {
+    "t256i4 (default)": {},
+    "t256i8": {"iters": 8},
+    "t128i8": {"threads": 128, "iters": 8},
+    # persistent grids sized to what an H100 (132 SMs) holds at once: 60 registers (i4) -> 4 CTAs per SM,
+    # 106 (i8) -> 2 (ptxas, sm_90a)
+    "t256i4 persistent 132x4": {"max_data_ctas": 132 * 4},
+    "t256i8 persistent 132x2": {"iters": 8, "max_data_ctas": 132 * 2},
+}
+
+
+def candidate_variants() -> list[Variant]:
+    return [Variant("blocked", **kw) for kw in CANDIDATES.values() if kw]

@@ -138,9 +138,15 @@ def quantize_1x32(
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"{fn}: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
     _check_device(x, fn)
+    return run_quantize_1x32(x, mode.value, offs, scale_layout)
+
+
+def run_quantize_1x32(x: torch.Tensor, mode: str, offs, scale_layout: str):
+    """:func:`quantize_1x32` of arguments its caller has checked (``mode`` a value string): the custom op
+    while tracing or on a tensor subclass, else the launch itself (the autograd functions' hot path)."""
     if cc.via_dispatcher(x):
-        return torch.ops.moe_quant.quantize_1x32(x, mode.value, offs, scale_layout)
-    return _quantize_impl(x, mode.value, offs, scale_layout)
+        return torch.ops.moe_quant.quantize_1x32(x, mode, offs, scale_layout)
+    return _quantize_impl(x, mode, offs, scale_layout)
 
 
 def fake_quantize_1x32(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -155,9 +161,14 @@ def fake_quantize_1x32(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.
     if out_dtype not in FAKE_OUT_DTYPES:
         raise TypeError(f"{fn}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     _check_device(x, fn)
+    return run_fake_quantize_1x32(x, mode.value, out_dtype)
+
+
+def run_fake_quantize_1x32(x: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`fake_quantize_1x32` of checked arguments (see :func:`run_quantize_1x32`)."""
     if cc.via_dispatcher(x):
-        return torch.ops.moe_quant.fake_quantize_1x32(x, mode.value, out_dtype)
-    return _fake_impl(x, mode.value, out_dtype)
+        return torch.ops.moe_quant.fake_quantize_1x32(x, mode, out_dtype)
+    return _fake_impl(x, mode, out_dtype)
 
 
 # ----------------------------------------------------------------------------- 3D along K: the 1x32 kernel
@@ -194,20 +205,24 @@ def quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str):
     N x K/32) e8m0)``: the 1x32 kernel on ``(E*N, K)`` with E groups of N rows, whose M-groups layout is
     the per-expert blocked layout (the whole-matrix blocked layout when N % 128 == 0)."""
     fn = "quantize_3d_along_k"
+    mode = ScaleMode.parse(mode, "mode")
     _check_w(w, fn, dims=((2, "K"),))
     e, n, k = w.shape
     rp, cp = layouts.blocked_shape(n, k // BLOCK_SIZE)
     x = w.view(e * n, k)
     if n % layouts.TILE_ROWS == 0:
-        data, scales = quantize_1x32(x, mode, None, scale_layout="blocked")
+        data, scales = run_quantize_1x32(x, mode.value, None, "blocked")
     else:
-        data, scales = quantize_1x32(x, mode, _uniform_offsets(e, n, w.device))
+        data, scales = run_quantize_1x32(x, mode.value, _uniform_offsets(e, n, w.device), "blocked")
         scales = scales[: e * rp]
     return data.view(e, n, k), scales.reshape(e, rp * cp)
 
 
 def fake_quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
     """Dequantized ``w (E, N, K)`` in blocks of 32 along K (same shape), in one pass."""
-    _check_w(w, "fake_quantize_3d_along_k", dims=((2, "K"),))
+    fn = "fake_quantize_3d_along_k"
+    mode = ScaleMode.parse(mode, "mode")
+    _check_w(w, fn, dims=((2, "K"),))
+    _check_out_dtype(fn, out_dtype)
     e, n, k = w.shape
-    return fake_quantize_1x32(w.view(e * n, k), mode, out_dtype).view(e, n, k)
+    return run_fake_quantize_1x32(w.view(e * n, k), mode.value, out_dtype).view(e, n, k)

@@ -124,9 +124,15 @@ def quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.T
     _check_x(x, fn)
     _check_offs(offs, x, fn)
     _check_device(x, fn)
+    return run_quantize_32x1_k_groups(x, mode.value, offs)
+
+
+def run_quantize_32x1_k_groups(x: torch.Tensor, mode: str, offs: torch.Tensor):
+    """:func:`quantize_32x1_k_groups` of arguments its caller has checked (``mode`` a value string): the custom
+    op while tracing or on a tensor subclass, else the launch itself (the autograd functions' hot path)."""
     if cc.via_dispatcher(x):
-        return torch.ops.moe_quant.quantize_32x1_k_groups(x, mode.value, offs)
-    return _quantize_32x1_k_groups_impl(x, mode.value, offs, torch.float8_e4m3fn)
+        return torch.ops.moe_quant.quantize_32x1_k_groups(x, mode, offs)
+    return _quantize_32x1_k_groups_impl(x, mode, offs, torch.float8_e4m3fn)
 
 
 def fake_quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor,
@@ -140,9 +146,14 @@ def fake_quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: to
     _check_offs(offs, x, fn)
     _check_out_dtype(fn, out_dtype)
     _check_device(x, fn)
+    return run_fake_quantize_32x1_k_groups(x, mode.value, offs, out_dtype)
+
+
+def run_fake_quantize_32x1_k_groups(x: torch.Tensor, mode: str, offs: torch.Tensor, out_dtype: torch.dtype):
+    """:func:`fake_quantize_32x1_k_groups` of checked arguments (see :func:`run_quantize_32x1_k_groups`)."""
     if cc.via_dispatcher(x):
-        return torch.ops.moe_quant.fake_quantize_32x1_k_groups(x, mode.value, offs, out_dtype)
-    data, _, poffs = _quantize_32x1_k_groups_impl(x, mode.value, offs, out_dtype)
+        return torch.ops.moe_quant.fake_quantize_32x1_k_groups(x, mode, offs, out_dtype)
+    data, _, poffs = _quantize_32x1_k_groups_impl(x, mode, offs, out_dtype)
     return data, poffs
 
 

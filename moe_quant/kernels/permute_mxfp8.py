@@ -27,7 +27,7 @@ from cutlass import Int32, Int64
 from ..layouts import TILE_ROWS
 from ..numerics import BLOCK_SIZE, E8M0_NAN
 from . import cute_utils as cu
-from .config_permute import CHUNK, ITERS, MAX_BLOCKS, THREADS, Variant, all_variants  # noqa: F401
+from .config_permute import CHUNK, MAX_BLOCKS, Variant, all_variants  # noqa: F401
 
 CHUNKS_PER_BLOCK = BLOCK_SIZE // CHUNK  # 2
 
@@ -43,6 +43,9 @@ class PermuteMxfp8Kernel:
         self.out = variant.out
         self.f32 = variant.out_dtype == "float32"
         self.blocked = variant.out == "blocked"
+        self.threads = variant.threads
+        self.iters = variant.iters
+        self.max_data_ctas = variant.max_data_ctas
 
     # ------------------------------------------------------------------ host
 
@@ -54,9 +57,12 @@ class PermuteMxfp8Kernel:
         kb = k // BLOCK_SIZE
         nc = (kb + 3) // 4
         n_chunks = Int64(m) * Int64(k) // CHUNK
-        per_cta = THREADS * ITERS
+        per_cta = self.threads * self.iters
         n_data = Int32((n_chunks + (per_cta - 1)) // per_cta)
         n_data = cutlass.max(n_data, Int32(1))  # CTA 0 writes offs even with no rows
+        n_grid = n_data  # data CTAs launched
+        if cutlass.const_expr(self.max_data_ctas > 0):
+            n_grid = cutlass.min(n_data, Int32(self.max_data_ctas))
         n_pad = Int32(0)
         buf_rows = Int32(0)
         if cutlass.const_expr(self.blocked):
@@ -64,15 +70,15 @@ class PermuteMxfp8Kernel:
             n_pad = (buf_rows + (TILE_ROWS - 1)) // TILE_ROWS
         self.kernel(
             data, scales, counts, out, out_scales, offs, Int32(m), Int32(k), Int32(kb), Int32(nc),
-            Int32(counts.shape[0]), Int32(counts.shape[1]), n_chunks, n_pad, buf_rows,
-        ).launch(grid=[n_pad + n_data, 1, 1], block=[THREADS, 1, 1], stream=stream)
+            Int32(counts.shape[0]), Int32(counts.shape[1]), n_chunks, n_pad, buf_rows, n_data, n_grid,
+        ).launch(grid=[n_pad + n_grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device
 
     @cute.kernel
     def kernel(self, data: cute.Tensor, scales: cute.Tensor, counts: cute.Tensor, out: cute.Tensor, out_scales,
                offs: cute.Tensor, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32, n_experts: Int32,
-               n_chunks: Int64, n_pad: Int32, buf_rows: Int32):
+               n_chunks: Int64, n_pad: Int32, buf_rows: Int32, n_data: Int32, n_grid: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
@@ -96,11 +102,24 @@ class PermuteMxfp8Kernel:
             if bid < n_pad:
                 self.pad_tile(out_scales, nc, bid * TILE_ROWS, n_experts, buf_rows, tid, g_end, g_shift, g_pend)
             else:
+                self.data_tiles(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
+                                bid - n_pad, n_data, n_grid, tid, t_dend, t_shift, g_shift)
+        else:
+            self.data_tiles(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
+                            bid, n_data, n_grid, tid, t_dend, t_shift, g_shift)
+
+    @cute.jit
+    def data_tiles(self, data, scales, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32,
+                   n_blocks: Int32, n_chunks: Int64, dbid: Int32, n_data: Int32, n_grid: Int32, tid: Int32,
+                   t_dend, t_shift, g_shift):
+        """Data CTA ``dbid``'s chunk range; with a persistent grid, ranges ``dbid, dbid + n_grid, ...``."""
+        if cutlass.const_expr(self.max_data_ctas > 0):
+            for t in cutlass.range(dbid, n_data, n_grid, unroll=1):
                 self.data_tile(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
-                               bid - n_pad, tid, t_dend, t_shift, g_shift)
+                               t, tid, t_dend, t_shift, g_shift)
         else:
             self.data_tile(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
-                           bid, tid, t_dend, t_shift, g_shift)
+                           dbid, tid, t_dend, t_shift, g_shift)
 
     @cute.jit
     def build_tables(self, counts, offs, m: Int32, n_ranks: Int32, n_experts: Int32, n_blocks: Int32, tid: Int32,
@@ -186,14 +205,14 @@ class PermuteMxfp8Kernel:
                 nreal = cutlass.min(cutlass.max(Int32(g_end[j]) - (p0 - Int32(g_shift[j])), Int32(0)),
                                     Int32(TILE_ROWS))
                 in_group = Int32(1)
-        cu.zero_scale_tile_padding(out_scales, p0, nc, buf_rows, in_group, nreal, tid, THREADS)
+        cu.zero_scale_tile_padding(out_scales, p0, nc, buf_rows, in_group, nreal, tid, self.threads)
 
     @cute.jit
     def data_tile(self, data, scales, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32,
                   n_blocks: Int32, n_chunks: Int64, dbid: Int32, tid: Int32, t_dend, t_shift, g_shift):
         lane = tid % 32
         kc = k // CHUNK  # chunks per row
-        base = Int64(dbid) * Int64(THREADS * ITERS)
+        base = Int64(dbid) * Int64(self.threads * self.iters)
         last = cutlass.max(n_chunks - 1, Int64(0))
         total = Int32(0)
         if n_blocks > 0:
@@ -209,14 +228,14 @@ class PermuteMxfp8Kernel:
         srcs = []
         brows = []
         valids = []
-        for u in cutlass.range_constexpr(ITERS):
-            j = c0 + (u * THREADS) + tid
+        for u in cutlass.range_constexpr(self.iters):
+            j = c0 + (u * self.threads) + tid
             dr = Int32(0)
             if kc > 0:
                 dr = j // kc
             t = r0 + dr
             cc = j - dr * kc
-            ch = base + (u * THREADS) + Int64(tid)
+            ch = base + (u * self.threads) + Int64(tid)
             valid = Int32(0)
             src = Int32(0)
             brow = Int32(0)
@@ -234,13 +253,13 @@ class PermuteMxfp8Kernel:
             valids.append(valid)
         words = []
         sbytes = []
-        for u in cutlass.range_constexpr(ITERS):
+        for u in cutlass.range_constexpr(self.iters):
             src_off = cutlass.min(Int64(srcs[u]) * Int64(k) + Int64(cols[u]) * CHUNK, last * CHUNK)
             words.append(cu.ld_global_v4(data.iterator + src_off))
             sbytes.append(cu.ld_global_u8(scales.iterator + (Int64(srcs[u]) * Int64(kb) + Int64(cols[u] // 2))))
         # ---- stores
-        for u in cutlass.range_constexpr(ITERS):
-            ch = base + (u * THREADS) + Int64(tid)
+        for u in cutlass.range_constexpr(self.iters):
+            ch = base + (u * self.threads) + Int64(tid)
             if ch < n_chunks:
                 ok = valids[u] != 0
                 w0, w1, w2, w3 = words[u]

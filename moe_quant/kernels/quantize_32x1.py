@@ -9,7 +9,8 @@ scale columns of that group), columns ``[128 y, 128 y + 128)``. Its scales are t
 512-byte tile of the blocked layout (128 scale rows x 4 scale columns), and every transposed
 output row gets 128 consecutive tokens.
 
-* Warp ``w`` takes block ``b = w // 2`` (tokens ``32 b ..``) and column half ``w % 2``; lane
+* (Default ``tile_cols`` = 128, 256 threads; with 64, 128 threads and half a scale tile per CTA.)
+  Warp ``w`` takes block ``b = w // 2`` (tokens ``32 b ..``) and column half ``w % 2``; lane
   ``l`` takes 8 columns (``l // 4``) and 8 consecutive tokens (``8 (l % 4) ..``) of the block.
   Every warp load instruction reads 4 rows x 128 contiguous bytes; all 8 (16 for fp32) loads of a
   thread are issued before the first use.
@@ -41,8 +42,7 @@ from ..numerics import BLOCK_SIZE
 from . import cute_utils as cu
 from .config_32x1 import (  # noqa: F401  (re-exported: the kernel's config)
     COLS_PER_THREAD,
-    THREADS,
-    TILE_COLS,
+    HALF_COLS,
     TILE_TOKENS,
     TOKENS_PER_THREAD,
     Variant,
@@ -71,13 +71,17 @@ class Quantize32x1Kernel:
         self.kgroups = variant.groups == "kgroups"
         self.fake = variant.fake
         self.fake_f32 = variant.out_dtype == "float32"
+        self.tile_cols = variant.tile_cols
+        self.threads = variant.threads
+        self.halves = variant.tile_cols // HALF_COLS  # warps per 32-token block
 
     # ------------------------------------------------------------------ host
 
     @cute.jit
     def __call__(self, x: cute.Tensor, out: cute.Tensor, scales, offs, poffs, stream):
         r = x.shape[1]
-        ny = (r + (TILE_COLS - 1)) // TILE_COLS
+        # whole 128-row scale tiles: a 64-column grid covers each with two CTAs (pad rows get zero scales)
+        ny = (r + (TILE_ROWS - 1)) // TILE_ROWS * (TILE_ROWS // self.tile_cols)
         nx = Int32(0)
         n_groups = Int32(0)
         row_stride = Int32(0)
@@ -97,7 +101,7 @@ class Quantize32x1Kernel:
             nx = n_groups * ((row_stride + (TILE_TOKENS - 1)) // TILE_TOKENS)
             rp = (Int32(r) + (TILE_ROWS - 1)) // TILE_ROWS * TILE_ROWS
         self.kernel(x, out, scales, offs, poffs, Int32(x.shape[0]), Int32(r), n_groups, row_stride, rp, sw, nx,
-                    Int32(ny)).launch(grid=[nx, ny, 1], block=[THREADS, 1, 1], stream=stream)
+                    Int32(ny)).launch(grid=[nx, ny, 1], block=[self.threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device
 
@@ -109,6 +113,8 @@ class Quantize32x1Kernel:
         tid = Int32(tid)
         bx = Int32(bx)
         by = Int32(by)
+        ty = by * self.tile_cols // TILE_ROWS  # the 128-row scale tile of this CTA's columns
+        row0 = by * self.tile_cols - ty * TILE_ROWS  # its first row there (0, or 64 for a 64-column grid)
         lane = tid % 32
         warp = tid // 32
 
@@ -136,7 +142,7 @@ class Quantize32x1Kernel:
                 out_base = Int64(info[2]) + Int64(k * TILE_TOKENS)
                 tiles = (size + (TILE_TOKENS - 1)) // TILE_TOKENS
                 scale_base = (Int64(info[3]) * Int64(4) * Int64(rp)
-                              + Int64(TILE_BYTES) * Int64(tiles * by + k))
+                              + Int64(TILE_BYTES) * Int64(tiles * ty + k))
             else:
                 tail = Int32(1)
                 first = Int32(info[6]) + (bx - chunk_total) * TILE_TOKENS
@@ -150,13 +156,13 @@ class Quantize32x1Kernel:
             n_real = cutlass.min(row_stride - k * TILE_TOKENS, Int32(TILE_TOKENS))
             n_out = n_real
             out_base = Int64(e) * Int64(r) * Int64(row_stride) + Int64(k * TILE_TOKENS)
-            scale_base = Int64(e) * Int64(rp) * Int64(4 * nch) + Int64(TILE_BYTES) * Int64(nch * by + k)
+            scale_base = Int64(e) * Int64(rp) * Int64(4 * nch) + Int64(TILE_BYTES) * Int64(nch * ty + k)
 
         # ---- this thread's 8 columns and 8 tokens
-        blk = warp // 2
+        blk = warp // self.halves
         quad = lane % 4
-        tile_col = (warp % 2) * (TILE_COLS // 2) + (lane // 4) * COLS_PER_THREAD
-        col0 = by * TILE_COLS + tile_col
+        tile_col = (warp % self.halves) * HALF_COLS + (lane // 4) * COLS_PER_THREAD
+        col0 = by * self.tile_cols + tile_col
         t0 = blk * BLOCK_SIZE + quad * TOKENS_PER_THREAD
         col_ok = col0 < r
         vals = self.load_tile(x, src0, n_real, r, col0, col_ok, t0)
@@ -171,9 +177,9 @@ class Quantize32x1Kernel:
                 self.store_tokens(out, dst, q0, q1, s, is_nan)
             if cutlass.const_expr(not self.fake):
                 if tail == 0:
-                    # lane q of the block's quad writes columns 2q, 2q+1: rows 128 y + tile_col + c of the tile
+                    # lane q of the block's quad writes columns 2q, 2q+1: rows row0 + tile_col + c of scale tile ty
                     if quad == c // 2:
-                        rr = tile_col + c
+                        rr = row0 + tile_col + c
                         byte = 16 * (rr % 32) + 4 * ((rr // 32) % 4) + blk
                         cu.st_global_u8(scales.iterator + (scale_base + Int64(byte)), s)
 
@@ -267,7 +273,7 @@ class Quantize32x1Kernel:
         shared by the ``n_tail`` tail CTAs (``q`` is this CTA's rank among them)."""
         start = Int64(chunk_total) * Int64(4) * Int64(rp)
         n16 = Int32((Int64(rp) * Int64(sw) - start) // 16)
-        for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
+        for w in cutlass.range(q * self.threads + tid, n16, n_tail * self.threads):
             cu.st_global_v4(scales.iterator + (start + Int64(w) * Int64(16)), 0, 0, 0, 0)
 
 

@@ -1,0 +1,193 @@
+"""Host (CPU) time of the MXFP8 grouped GEMM and of each quantize kernel launch, against the host targets.
+
+    python -m benchmarks.bench_host [--n 100] [--reps 20] [--json PATH]
+
+Per call, eager, warm, inputs already on the GPU:
+
+* ``host us``: ``time.perf_counter`` around batches of ``--n`` calls with no synchronization inside the
+  batch (few enough calls that the launch queue never fills, so the GPU never throttles the loop); the
+  best batch of ``--reps`` (:func:`benchmarks.timing.host_us`).
+* ``profiler us``: the CPU time ``torch.profiler`` attributes to the ops of the same calls (the sum of every
+  event's self CPU time, per call; excludes Python between ops), and ``launches``: CUDA kernel launches per
+  call (``cudaLaunchKernel`` / ``cuLaunchKernel`` / ``cudaLaunchKernelExC`` / ``cuLaunchKernelEx`` events).
+
+Rows: ``torch._grouped_mm`` fwd+bwd (bf16) vs ``mxfp8_grouped_mm`` fwd+bwd (default backend) at a tiny and a
+small-M size; each quantize kernel through its torch op (1x32 with M-groups, 32x1 K-groups, the permute
+kernel's blocked output), and the compiled kernel called alone (the TVM-FFI call). Targets (issue 20):
+``mxfp8_grouped_mm`` fwd+bwd at most 2x ``torch._grouped_mm``'s host time; each kernel launch (its op) at
+most 10 us; no device-to-host synchronization (``syncs``: a call under ``torch.cuda.set_sync_debug_mode("error")``,
+which raises on ``.item()``, ``.cpu()``, stream synchronizations, must not raise).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.timing import device_name, host_us, print_table, prog_name, require_cuda, write_json
+from moe_quant import cli
+
+MAX_RATIO = 2.0  # mxfp8_grouped_mm fwd+bwd host time / torch._grouped_mm's
+MAX_LAUNCH_US = 10.0  # host time of one quantize kernel launch (its torch op)
+SIZES = {"tiny": (256, 256, 256, 8), "small-M": (2048, 2048, 1024, 8)}  # M, K, N, experts
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # not the calls' time
+
+
+def profile_cpu(fn, n: int) -> dict:
+    """``torch.profiler`` over ``n`` calls: CPU us per call (sum of self CPU times) and kernel launches per call;
+    ``syncs``: 1 if a call synchronizes the device with the host (``torch.cuda.set_sync_debug_mode("error")``
+    raises on it), else 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    launches = sum(1 for e in events if e.name in LAUNCH_EVENTS)
+    cpu = sum(e.self_cpu_time_total for e in events if e.name not in SYNC_EVENTS)
+    return {"profiler_us": cpu / n, "launches": launches / n, "syncs": int(synchronizes(fn))}
+
+
+def synchronizes(fn) -> bool:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return False
+
+
+def dlpack_exchange_api() -> bool | None:
+    """Whether TVM-FFI (once imported) has torch's C DLPack exchange API, its fast path for tensor arguments
+    (``torch.Tensor.__dlpack_c_exchange_api__``: torch's own, or tvm_ffi's JIT-built addon); None without tvm_ffi."""
+    try:
+        import tvm_ffi  # noqa: F401  (installs the addon where torch lacks the API)
+    except Exception:
+        return None
+    return hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+
+
+def grouped_mm_problem(m: int, k: int, n: int, e: int):
+    from moe_quant import layouts
+
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.rand(e, generator=g) + 0.1
+    ends = layouts.round_up((torch.cumsum(sizes, 0) / sizes.sum() * m).long(), 32).clamp(max=m)
+    ends[-1] = m
+    offs = ends.to(torch.int32).cuda()
+    A = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    return A, W, offs, grad
+
+
+def fwd_bwd(impl, A, W, offs, grad):
+    def run():
+        out = impl(A, W.transpose(-2, -1), offs)
+        torch.autograd.grad(out, (A, W), grad)
+
+    return run
+
+
+def fwd_only(impl, A, W, offs, grad):
+    """The forward alone (no autograd graph): where fwd+bwd's host time goes."""
+    def run():
+        with torch.no_grad():
+            impl(A, W.transpose(-2, -1), offs)
+
+    return run
+
+
+def quantize_launches() -> list[tuple[str, object, object]]:
+    """(name, torch op call, compiled kernel call alone) of each quantize kernel, tiny inputs."""
+    from moe_quant import layouts
+    from moe_quant.kernels import ops, ops_1x32, ops_32x1, ops_permute
+
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
+    d = torch.empty(256, 256, device="cuda", dtype=torch.float8_e4m3fn)
+    sc = torch.empty(layouts.m_groups_blocked_shape(256, 8, 2), device="cuda", dtype=torch.uint8)
+    k1 = ops_1x32._kernel_for(x, "rceil", "mgroups", "float8_e4m3fn")
+
+    (r, mp), (sr, sw) = ops_32x1._k_groups_shapes(256, 256, 2)
+    d32 = torch.empty(r, mp, device="cuda", dtype=torch.float8_e4m3fn)
+    s32 = torch.empty(sr, sw, device="cuda", dtype=torch.uint8)
+    p32 = torch.empty(2, device="cuda", dtype=torch.int32)
+    k32 = ops_32x1._kernel_32x1(x, "rceil", "kgroups", torch.float8_e4m3fn)
+
+    data = torch.randint(0, 127, (256, 256), device="cuda", dtype=torch.uint8)
+    scales = torch.randint(100, 140, (256, 8), device="cuda", dtype=torch.uint8)
+    counts = torch.tensor([[60, 40], [100, 56]], dtype=torch.int32, device="cuda")
+    pd = torch.empty(256, 256, device="cuda", dtype=torch.uint8)
+    ps = torch.empty(layouts.m_groups_blocked_shape(256, 8, 2), device="cuda", dtype=torch.uint8)
+    po = torch.empty(2, device="cuda", dtype=torch.int32)
+    kp = ops_permute._kernel("blocked", torch.bfloat16, x.device)
+    return [
+        ("quantize_1x32 (M-groups)", lambda: ops.quantize_1x32(x, "rceil", offs), lambda: k1(x, d, sc, offs)),
+        ("quantize_32x1_k_groups", lambda: ops.quantize_32x1_k_groups(x, "rceil", offs),
+         lambda: k32(x, d32, s32, offs, p32)),
+        ("permute_mxfp8 (blocked)", lambda: ops_permute.permute_mxfp8(data, scales, counts, "blocked"),
+         lambda: kp(data, scales, counts, pd, ps, po)),
+    ]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=cli.positive_int, default=100, help="calls per timed batch")
+    p.add_argument("--reps", type=cli.positive_int, default=20, help="timed batches (the best is kept)")
+    p.add_argument("--json", type=cli.writable_file, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    require_cuda(argv)
+    from moe_quant import mxfp8_grouped_mm
+
+    impls = {"torch._grouped_mm": lambda a, w, o: torch._grouped_mm(a, w, offs=o), "mxfp8_grouped_mm": mxfp8_grouped_mm}
+    results = {"device": device_name(), "torch": torch.__version__, "grouped_mm": [], "launches": [],
+               "tvm_ffi_dlpack_exchange_api": dlpack_exchange_api()}
+    print(f"TVM-FFI passes torch tensors through the C DLPack exchange API: {results['tvm_ffi_dlpack_exchange_api']} "
+          "(without it every tensor argument of a kernel call goes through the Python DLPack protocol)")
+    rows = []
+    for size, (m, k, n, e) in SIZES.items():
+        problem = grouped_mm_problem(m, k, n, e)
+        per = {}
+        for name, impl in impls.items():
+            run = fwd_bwd(impl, *problem)
+            per[name] = {"host_us": host_us(run, args.n, args.reps), **profile_cpu(run, args.n)}
+        ratio = per["mxfp8_grouped_mm"]["host_us"] / per["torch._grouped_mm"]["host_us"]
+        ok = ratio <= MAX_RATIO and per["mxfp8_grouped_mm"]["syncs"] == 0
+        for name, r in per.items():
+            rows.append([size, f"{m}x{k}->{n} E={e}", name + " fwd+bwd", r["host_us"], r["profiler_us"], r["launches"],
+                         r["syncs"], f"{ratio:.2f}x (<= {MAX_RATIO}x)" if name == "mxfp8_grouped_mm" else "",
+                         ("PASS" if ok else "FAIL") if name == "mxfp8_grouped_mm" else ""])
+        for name, impl in impls.items():  # diagnostic: the forward alone
+            run = fwd_only(impl, *problem)
+            per[name]["fwd_only_us"] = host_us(run, args.n, args.reps)
+            rows.append(["", "", f"  {name} fwd only (no_grad)", per[name]["fwd_only_us"], "", "", "", "", ""])
+        results["grouped_mm"].append({"size": size, "shape": [m, k, n, e], **{k_: v for k_, v in per.items()},
+                                      "ratio": ratio, "target_ratio": MAX_RATIO, "pass": ok})
+    for name, op, raw in quantize_launches():
+        r = {"host_us": host_us(op, args.n, args.reps), **profile_cpu(op, args.n)}
+        raw_us = host_us(raw, args.n, args.reps)
+        ok = r["host_us"] <= MAX_LAUNCH_US and r["syncs"] == 0
+        rows.append(["launch", "256x256", name, r["host_us"], r["profiler_us"], r["launches"], r["syncs"],
+                     f"<= {MAX_LAUNCH_US} us", "PASS" if ok else "FAIL"])
+        rows.append(["", "", "  of which: compiled kernel alone", raw_us, "", "", "", "", ""])
+        results["launches"].append({"name": name, **r, "compiled_kernel_us": raw_us, "target_us": MAX_LAUNCH_US,
+                                    "pass": ok})
+    print_table(f"host time per eager call ({results['device']}, torch {torch.__version__})",
+                ["size", "shape", "call", "host us", "profiler us", "launches", "syncs", "target", "result"], rows)
+    results["pass"] = all(r["pass"] for r in results["grouped_mm"] + results["launches"])
+    print("all host targets met" if results["pass"] else "host targets NOT all met")
+    write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

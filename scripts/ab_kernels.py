@@ -1,0 +1,288 @@
+"""A/B of the 32x1 and permute kernel candidates (``CANDIDATES`` in ``config_32x1`` / ``config_permute``), one process.
+
+    python scripts/ab_kernels.py [--family q32x1,perm] [--rounds 5] [--json PATH]
+
+For each candidate: first byte-exact against the reference (every output byte, padding included: outputs
+are filled with 0xFF before the launch) on ragged, empty and garbage-offset cases; then timed through the
+same torch op the benchmarks time (the candidate's compiled kernel put in the op's place), against a bf16
+memcpy of the same input, in interleaved rounds (every candidate and the memcpy once per round). Prints
+% of memcpy per shape (median, min-max over rounds), the targets (32x1 at (8192, 2048) >= 85%, permute
+blocked at M = 32768 >= 85%) and which candidate to make the default: the best mean over the family's
+shapes among those that are byte-exact and no slower than the default on any shape by more than the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+# Runnable as `python scripts/ab_kernels.py` from the repository root: the root (moe_quant, benchmarks) and
+# tests/ (the shared strategies) on the path.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from benchmarks.timing import Rotating, bench_us, device_name, print_table, require_cuda, tbps, write_json  # noqa: E402
+from moe_quant import cli  # noqa: E402
+
+TARGET_PCT = 85.0
+Q32_SHAPES = [(8192, 2048), (32768, 2048), (32768, 7168), (131072, 2048)]  # (M, R), G = 8 ragged
+Q32_TARGET = (8192, 2048)
+PERM_SHAPES = [(8192, 2048), (32768, 2048), (32768, 7168), (131072, 7168)]  # (M, K), 8 ranks x 8 experts
+PERM_TARGETS = [(32768, 2048), (32768, 7168)]
+
+
+@contextlib.contextmanager
+def in_place_of(fast_key: tuple, kernel):
+    """Run the op whose compile-cache fast key is ``fast_key`` with ``kernel`` instead (same arguments)."""
+    from moe_quant.kernels import compile_cache as cc
+
+    old = cc._FAST.get(fast_key)
+    cc._FAST[fast_key] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            cc._FAST.pop(fast_key, None)
+        else:
+            cc._FAST[fast_key] = old
+
+
+@contextlib.contextmanager
+def poisoned():
+    from moe_quant.kernels import compile_cache as cc
+
+    cc.POISON_OUTPUTS = True
+    try:
+        yield
+    finally:
+        cc.POISON_OUTPUTS = False
+
+
+def same_bytes(got, want) -> bool:
+    from mx_strategies import to_bytes
+
+    return (tuple(got.shape) == tuple(want.shape) and got.dtype == want.dtype
+            and torch.equal(to_bytes(got.cpu()), to_bytes(want.cpu())))
+
+
+# ----------------------------------------------------------------------------- 32x1
+
+
+def q32_family():
+    from moe_quant.kernels import config_32x1
+
+    def variants(groups):
+        return {name: config_32x1.Variant("bfloat16", "rceil", groups, **kw)
+                for name, kw in config_32x1.CANDIDATES.items()}
+
+    dev = torch.cuda.current_device()
+    return {
+        "kgroups": (variants("kgroups"), ("q32x1", torch.bfloat16, "rceil", "kgroups", torch.float8_e4m3fn, dev)),
+        "uniform": (variants("uniform"), ("q32x1", torch.bfloat16, "rceil", "uniform", torch.float8_e4m3fn, dev)),
+    }
+
+
+def q32_check() -> bool:
+    """kgroups: ragged, empty groups, rows past the last group, many groups, garbage offsets, R % 128 = 64;
+    uniform (3D along N): N % 128 != 0, K % 128 = 64."""
+    from mx_strategies import make_values
+
+    from moe_quant import reference
+    from moe_quant.kernels import ops
+    from moe_quant.numerics import ScaleMode
+
+    ok = True
+    for m, r, offs in [(1000, 224, [0, 1, 32, 65, 192, 321, 621, 821]), (700, 192, list(range(2, 602, 2))),
+                       (333, 96, [150, 150, 333]), (8192, 320, [1000, 1001, 4000, 8100]),
+                       (500, 64, [-5, 2**31 - 1, 40, 7]), (64, 128, [])]:
+        x = make_values((r, m), "wide", m + r, torch.bfloat16).t().contiguous()
+        o = torch.tensor(offs, dtype=torch.int32)
+        got = ops.quantize_32x1_k_groups(x.cuda(), ScaleMode.RCEIL, o.cuda())
+        want = reference.quantize_colwise_k_groups(x, o, ScaleMode.RCEIL)
+        ok &= all(same_bytes(g, w) for g, w in zip(got, want))
+    for e, n, k in [(3, 96, 192), (2, 160, 64), (4, 256, 320), (1, 32, 32)]:
+        w = make_values((e, n, k), "normal", e * n + k, torch.bfloat16)
+        got = ops.quantize_3d_along_n(w.cuda(), ScaleMode.RCEIL)
+        want = reference.quantize_3d(w, ScaleMode.RCEIL, "n")
+        ok &= all(same_bytes(g, w_) for g, w_ in zip(got, want))
+    return ok
+
+
+def q32_cases():
+    """(label, bytes, make inputs, call) per timed shape."""
+    from benchmarks.bench_quantize import group_offsets
+    from benchmarks.bench_quantize_32x1 import k_groups_bytes
+    from moe_quant.kernels import ops
+
+    for m, r in Q32_SHAPES:
+        offs = group_offsets(m, 8, ragged=True)
+        yield ((m, r), k_groups_bytes(m, r, 8, "mxfp8"),
+               lambda m=m, r=r: (torch.randn(m, r, device="cuda", dtype=torch.bfloat16),),
+               lambda x, offs=offs: ops.quantize_32x1_k_groups(x, "rceil", offs))
+
+
+# ----------------------------------------------------------------------------- permute
+
+
+def perm_family():
+    from moe_quant.kernels import config_permute
+
+    variants = {name: config_permute.Variant("blocked", **kw) for name, kw in config_permute.CANDIDATES.items()}
+    return {"blocked": (variants, ("perm", "blocked", "float8_e4m3fn", torch.cuda.current_device()))}
+
+
+def perm_check() -> bool:
+    from mx_strategies import make_values
+
+    from moe_quant import to_mxfp8
+    from moe_quant.ep.permute import reference_permute_received
+    from moe_quant.kernels import ops_permute
+
+    ok = True
+    g = torch.Generator().manual_seed(0)
+    big = torch.randint(0, 2 * 20000 // 256, (8, 32), generator=g)
+    big[0], big[:, -1] = 0, 0  # a rank that sends nothing, an empty expert
+    for counts, m, k in [([[-5, 2**31 - 1], [3, 3]], 100, 64), (big.tolist(), 20000, 2048),
+                         (torch.randint(0, 600, (64, 16), generator=g).tolist(), 5000, 224),
+                         ([[30, 0, 200], [0, 0, 17], [64, 1, 128]], 700, 7168), ([[]], 50, 64),
+                         ([[1000] * 8] * 8, 40000, 96)]:
+        data, scales = to_mxfp8(make_values((m, k), "normal", m + k))
+        c = torch.tensor(counts, dtype=torch.int64).clamp(-(2**31), 2**31 - 1).to(torch.int32)
+        c = c.reshape(len(counts), -1)
+        got = ops_permute.permute_mxfp8(data.cuda(), scales.cuda(), c.cuda(), "blocked")
+        want = reference_permute_received(data, scales, c, out="blocked")
+        ok &= len(got) == len(want) and all(same_bytes(a, b) for a, b in zip(got, want))
+    return ok
+
+
+def perm_cases():
+    from moe_quant import layouts
+    from moe_quant.kernels import ops_permute
+
+    for m, k in PERM_SHAPES:
+        gen = torch.Generator().manual_seed(m + k)
+        w = torch.rand(64, generator=gen) + 0.05
+        counts = (w / w.sum() * m).floor().to(torch.int32)
+        counts[-1] += m - int(counts.sum())
+        counts = counts.view(8, 8).cuda()
+        sr, sc = layouts.m_groups_blocked_shape(m, k // 32, 8)
+        nb = m * k + m * k // 32 + m * k + sr * sc
+
+        def make(m=m, k=k):
+            return (torch.randint(0, 127, (m, k), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn),
+                    torch.randint(100, 140, (m, k // 32), device="cuda", dtype=torch.uint8))
+
+        yield (m, k), nb, make, lambda d, s, counts=counts: ops_permute.permute_mxfp8(d, s, counts, "blocked")
+
+
+FAMILIES = {
+    "q32x1": (q32_family, q32_check, q32_cases, "kgroups", [Q32_TARGET]),
+    "perm": (perm_family, perm_check, perm_cases, "blocked", PERM_TARGETS),
+}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def memcpy_call(shape):
+    rot = Rotating(lambda: (torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+                            torch.empty(shape, device="cuda", dtype=torch.bfloat16)))
+
+    def run():
+        src, dst = rot.next()
+        dst.copy_(src)
+
+    return run, 2 * 2 * shape[0] * shape[1]
+
+
+def run_family(name: str, rounds: int) -> dict:
+    from moe_quant.kernels import compile_cache as cc
+
+    make_family, check, cases, timed_kind, targets = FAMILIES[name]
+    arch = cc.arch(torch.device("cuda"))
+    kinds = make_family()
+    names = list(kinds[timed_kind][0])
+    exact = {}
+    for cand in names:
+        kernels = {kind: (cc.get_kernel(variants[cand], arch), key) for kind, (variants, key) in kinds.items()}
+        with contextlib.ExitStack() as stack:
+            for kern, key in kernels.values():
+                stack.enter_context(in_place_of(key, kern))
+            with poisoned():
+                exact[cand] = check()
+        print(f"{name} {cand}: byte-exact vs reference (every byte, padding included): {exact[cand]}", flush=True)
+    variants, key = kinds[timed_kind]
+    kerns = {c: cc.get_kernel(variants[c], arch) for c in names if exact[c]}
+    shapes = {}
+    for shape, nbytes, make, call in cases():
+        rot = Rotating(make)
+        copy, copy_bytes = memcpy_call(shape)
+        pct = {c: [] for c in kerns}
+        for _ in range(rounds):
+            copy_tbps = tbps(copy_bytes, bench_us(copy))
+            for c, kern in kerns.items():
+                with in_place_of(key, kern):
+                    call(*rot.next())  # warm
+                    us = bench_us(lambda: call(*rot.next()))
+                pct[c].append(100 * tbps(nbytes, us) / copy_tbps)
+        shapes[shape] = pct
+        del rot
+        torch.cuda.empty_cache()
+    return {"exact": exact, "shapes": shapes, "targets": targets}
+
+
+def recommend(res: dict) -> str | None:
+    """Best mean median % over the shapes among byte-exact candidates not slower than the default (the first
+    candidate) on any shape by more than that shape's spread (max - min over rounds of either)."""
+    shapes = res["shapes"]
+    if not shapes:
+        return None
+    names = list(next(iter(shapes.values())))
+    default = names[0]
+
+    def med(c, s):
+        return statistics.median(shapes[s][c])
+
+    def spread(c, s):
+        return max(shapes[s][c]) - min(shapes[s][c])
+
+    ok = [c for c in names if all(med(c, s) >= med(default, s) - max(spread(c, s), spread(default, s)) for s in shapes)]
+    return max(ok, key=lambda c: sum(med(c, s) for s in shapes)) if ok else default
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", type=cli.comma_choices(*FAMILIES), default=list(FAMILIES))
+    p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved timing rounds")
+    p.add_argument("--json", type=cli.writable_file, default=None)
+    args = p.parse_args(argv)
+    require_cuda(argv)
+    out = {"device": device_name(), "torch": torch.__version__}
+    for fam in args.family:
+        res = run_family(fam, args.rounds)
+        names = list(next(iter(res["shapes"].values()))) if res["shapes"] else []
+        rows = []
+        for shape, pct in res["shapes"].items():
+            target = shape in [tuple(t) for t in res["targets"]]
+            rows.append([f"{shape[0]}x{shape[1]}" + (" *" if target else "")]
+                        + [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+                           + ("" if not target else (" PASS" if statistics.median(v) >= TARGET_PCT else " FAIL"))
+                           for v in pct.values()])
+        print_table(f"{fam}: % of memcpy, median (min-max) over {args.rounds} interleaved rounds "
+                    f"(* target >= {TARGET_PCT}%) ({device_name()})", ["shape"] + names, rows)
+        best = recommend(res)
+        print(f"{fam}: make default -> {best}", flush=True)
+        out[fam] = {"exact": res["exact"], "recommend": best,
+                    "shapes": {f"{s[0]}x{s[1]}": v for s, v in res["shapes"].items()},
+                    "targets": [f"{t[0]}x{t[1]}" for t in res["targets"]], "target_pct": TARGET_PCT}
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

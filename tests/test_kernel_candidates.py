@@ -1,0 +1,44 @@
+"""A/B kernel candidates (config_32x1 / config_permute CANDIDATES): distinct cache keys, compile-checked, the
+defaults' keys unchanged; no cutlass import (config modules)."""
+
+import pytest
+
+from moe_quant.kernels import config_32x1, config_permute
+
+
+def test_default_keys_unchanged():
+    """Defaults keep their keys (the on-disk cache and the measured kernels stay what they were)."""
+    assert config_32x1.Variant("bfloat16", "rceil", "kgroups").key == "bfloat16-rceil-kgroups-float8_e4m3fn"
+    assert config_permute.Variant("blocked").key == "blocked-float8_e4m3fn-t256i4b1024"
+    assert not config_32x1.CANDIDATES[next(iter(config_32x1.CANDIDATES))]  # the first candidate is the default
+    assert not config_permute.CANDIDATES[next(iter(config_permute.CANDIDATES))]
+
+
+@pytest.mark.parametrize("config", [config_32x1, config_permute])
+def test_candidates_have_distinct_keys_and_are_compile_checked(config):
+    pytest.importorskip("cutlass")
+    from moe_quant.kernels import compile_check
+
+    cands = config.candidate_variants()
+    assert len(cands) == sum(1 for kw in config.CANDIDATES.values() if kw) * (
+        len(config_32x1.GROUPS) if config is config_32x1 else 1)
+    keys = [v.key for v in cands] + [v.key for v in config.all_variants()]
+    assert len(set(keys)) == len(keys)
+    names = {compile_check.variant_name(v) for v in compile_check.all_variants()}
+    assert {compile_check.variant_name(v) for v in cands} <= names
+
+
+@pytest.mark.parametrize("make", [
+    lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=32),
+    lambda: config_permute.Variant("blocked", threads=100),
+    lambda: config_permute.Variant("blocked", iters=0),
+    lambda: config_permute.Variant("blocked", max_data_ctas=-1),
+])
+def test_bad_tiles_raise(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_32x1_threads_follow_tile_cols():
+    assert config_32x1.Variant("bfloat16", "rceil", "kgroups").threads == 256
+    assert config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=64).threads == 128
