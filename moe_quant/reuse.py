@@ -36,14 +36,27 @@ _ACTIVE: list["Scope"] = []
 _CHUNK = 1 << 22  # elements per fingerprint step (bounds its temporary memory)
 
 
-def _fingerprint(p: torch.Tensor) -> torch.Tensor:
-    """An int64 device scalar of the bytes of ``p``, position-weighted (a swap of two values changes it)."""
+def _words(p: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``p`` as one flat integer tensor, in the widest word that divides them (int64 for a
+    bf16 weight whose size is a multiple of 4: a quarter of the elements to hash)."""
     flat = p.detach().reshape(-1)
-    bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    nbytes, offset = flat.numel() * flat.element_size(), flat.storage_offset() * flat.element_size()
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if size >= flat.element_size() and nbytes % size == 0 and offset % size == 0:
+            return flat.view(dtype)
+    return flat.view(torch.int8)
+
+
+def _fingerprint(p: torch.Tensor) -> torch.Tensor:
+    """An int64 device scalar of the bytes of ``p``, position-weighted (a swap of two words changes it);
+    integer arithmetic wraps, so the value does not depend on the reduction order."""
+    words = _words(p)
     total = torch.zeros((), dtype=torch.int64, device=p.device)
-    mult = (torch.arange(min(_CHUNK, bits.numel()), dtype=torch.int64, device=p.device) * 2654435761) % 2147483629 + 1
-    for i, start in enumerate(range(0, bits.numel(), _CHUNK)):
-        chunk = bits[start:start + _CHUNK].to(torch.int64)
+    mult = (torch.arange(min(_CHUNK, words.numel()), dtype=torch.int64, device=p.device) * 2654435761) % 2147483629 + 1
+    for i, start in enumerate(range(0, words.numel(), _CHUNK)):
+        chunk = words[start:start + _CHUNK]
+        if chunk.dtype != torch.int64:
+            chunk = chunk.to(torch.int64)
         total += (chunk * mult[:chunk.numel()]).sum() * (2 * i + 1)
     return total
 
