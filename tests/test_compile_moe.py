@@ -147,3 +147,24 @@ def test_no_host_sync_detector_detects():
     with pytest.raises(AssertionError, match="_local_scalar_dense"):
         with _NoHostSync():
             torch.ones(3).sum().item()
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (8, 0)])
+def test_kernel_choice_traces_as_a_constant(monkeypatch, capability):
+    """The kernel-or-reference decision (``backends.use_quant_kernels``, taken inside the traced forwards
+    of the per-GEMM and block autograd functions) compiles with fullgraph where it says "kernels": on a
+    GPU dynamo cannot trace its import check. Here a CPU tensor poses as a device of ``capability``, and
+    the import check runs uncached, as on a process's first call."""
+    from moe_quant import backends
+
+    monkeypatch.setattr(backends, "device_capability", lambda device: capability)
+    backends._cutedsl_importable.cache_clear()
+    want = capability >= (9, 0) and backends._cutedsl_importable()
+    backends._cutedsl_importable.cache_clear()
+    torch._dynamo.reset()
+
+    def f(x):
+        return x + 1 if backends.use_quant_kernels(x) else x - 1
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(torch.zeros(2))
+    assert torch.equal(out, torch.full((2,), 1.0 if want else -1.0))
