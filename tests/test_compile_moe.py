@@ -109,14 +109,14 @@ def test_compiled_fallback_is_counted():
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_converted_block_runs_mxfp8_not_bf16(backend, mxfp8_calls):
+def test_compiled_converted_block_runs_mxfp8_not_bf16(backend, mxfp8_calls, block_calls):
     """The traced graph calls the MXFP8 GEMM (counted while tracing) and its output sits at the MXFP8
     noise level against the unconverted block (~25 dB here), not at bf16's (~49 dB)."""
     calls = mxfp8_calls
     plain, moe = make_moe(convert=False), make_moe()
     x = batches(1)[0]
     out = torch.compile(moe, backend=backend, fullgraph=True)(x)
-    assert len(calls) == 3 and not fallback_counts()
+    assert len(calls) == 3 and len(block_calls) == 1 and not fallback_counts()  # the fused block, traced
     assert 15 < sqnr(plain(x), out) < 40
 
 
