@@ -225,11 +225,12 @@ def test_bench_block_cpu_smoke(tmp_path, capsys):
 
     out = tmp_path / "block.json"
     assert bench_block.main(["--device", "cpu", "--tiny", "--rounds", "1", "--shapes", "dsv3", "--m", "128",
-                             "--json", str(out)]) == 0
+                             "--micro-batches", "2", "--json", str(out)]) == 0
     import json
 
     res = json.loads(out.read_text())["results"]
-    assert [r["variant"] for r in res] == ["bf16", "unfused", "fused"]
+    assert [r["variant"] for r in res] == ["bf16", "unfused", "fused", "unfused+reuse", "fused+reuse"]
+    assert [r["micro_batches"] for r in res] == [1, 1, 1, 2, 2]
     assert "vs bf16" in capsys.readouterr().out
 
 
