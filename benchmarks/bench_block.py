@@ -1,8 +1,10 @@
 """The SwiGLU expert block fwd+bwd: bf16 vs unfused MXFP8 (three ``mxfp8_grouped_mm`` calls) vs fused MXFP8
-(``mxfp8_swiglu_experts``), ratios to bf16 taken in interleaved rounds, and peak memory.
+(``mxfp8_swiglu_experts``), each MXFP8 path also with its weights quantized once per optimizer step
+(``+reuse``), ratios to bf16 taken in interleaved rounds, and peak memory.
 
     python -m benchmarks.bench_block [--shapes dsv3,llama4] [--m 16384,131072] [--experts 8] [--rounds 5]
-        [--variants bf16,unfused,fused] [--json PATH] [--device cpu --tiny]
+        [--variants bf16,unfused,fused,unfused+reuse,fused+reuse] [--micro-batches 4] [--json PATH]
+        [--device cpu --tiny]
 
 Shapes: ``dsv3`` D = 7168, H = 2048 (w1/w3 ``(E, 2048, 7168)``, i.e. w13 ``(E, 4096, 7168)``; w2
 ``(E, 7168, 2048)``); ``llama4`` D = 5120, H = 8192. Tokens split evenly over the experts (bf16's grouped
@@ -10,6 +12,10 @@ GEMM backward wants groups that are multiples of 8). One step: ``y = block(x, w1
 ``y.backward(grad)``, gradients dropped. Each round times every variant once (``do_bench`` median), so
 clock and thermal drift hit all variants alike; the table shows the median over rounds, the ratio to
 bf16 (median of the per-round ratios) and the peak memory one step allocates above its inputs.
+A ``+reuse`` step is ``--micro-batches`` such fwd+bwd passes inside one
+:func:`moe_quant.reuse_quantized_weights` scope (the weights quantized on the first, reused by the others;
+gradients dropped after each pass as in the other variants): its ms is per micro-batch, the step's time
+divided by their number, so it compares with the others' one pass.
 ``--device cpu --tiny`` is a smoke run of every path (timings meaningless).
 """
 
@@ -24,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name
-from moe_quant import cli, mxfp8_swiglu_experts, swiglu_experts_unfused
+from moe_quant import cli, mxfp8_swiglu_experts, reuse_quantized_weights, swiglu_experts_unfused
 
 SHAPES = {"dsv3": (7168, 2048), "llama4": (5120, 8192)}
 TINY_SHAPES = {"dsv3": (256, 64), "llama4": (128, 256)}
@@ -38,7 +44,8 @@ def bf16_block(x, w1, w3, w2, offs):
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
 
-VARIANTS = {"bf16": bf16_block, "unfused": swiglu_experts_unfused, "fused": mxfp8_swiglu_experts}
+VARIANTS = {"bf16": bf16_block, "unfused": swiglu_experts_unfused, "fused": mxfp8_swiglu_experts,
+            "unfused+reuse": swiglu_experts_unfused, "fused+reuse": mxfp8_swiglu_experts}
 
 
 def make_inputs(m, d, h, e, device):
@@ -52,14 +59,27 @@ def make_inputs(m, d, h, e, device):
     return x, w1, w3, w2, offs, gy
 
 
-def step_fn(fn, x, w1, w3, w2, offs, gy):
-    def step():
+def step_fn(fn, x, w1, w3, w2, offs, gy, micro_batches: int = 1):
+    """One fwd+bwd; with ``micro_batches`` > 1 that many inside one reuse scope (weights quantized once)."""
+    def one():
         y = fn(x, w1, w3, w2, offs)
         y.backward(gy)
         for t in (x, w1, w3, w2):
             t.grad = None
 
+    if micro_batches == 1:
+        return one
+
+    def step():
+        with reuse_quantized_weights([w1, w3, w2]):
+            for _ in range(micro_batches):
+                one()
+
     return step
+
+
+def micro_batches_of(variant: str, micro_batches: int) -> int:
+    return micro_batches if variant.endswith("+reuse") else 1
 
 
 def main(argv=None) -> int:
@@ -69,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=cli.positive_int, default=8)
     p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds")
     p.add_argument("--variants", type=cli.comma_choices(*VARIANTS), default=list(VARIANTS))
+    p.add_argument("--micro-batches", type=cli.positive_int, default=4,
+                   help="fwd+bwd passes per step of the +reuse variants (weights quantized once per step)")
     p.add_argument("--json", type=cli.writable_file, default=None, help="write every measured number to this file")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes (smoke runs)")
@@ -83,15 +105,17 @@ def main(argv=None) -> int:
         for m in ms_list:
             m = m // (8 * e) * (8 * e)  # even groups, each a multiple of 8
             inputs = make_inputs(m, d, h, e, device)
-            steps = {v: step_fn(VARIANTS[v], *inputs) for v in args.variants}
+            mbs = {v: micro_batches_of(v, args.micro_batches) for v in args.variants}
+            steps = {v: step_fn(VARIANTS[v], *inputs, micro_batches=mbs[v]) for v in args.variants}
             times = {v: [] for v in steps}
             for _ in range(args.rounds):
                 for v, fn in steps.items():
-                    times[v].append(bench_ms(fn, device))
+                    times[v].append(bench_ms(fn, device) / mbs[v])  # per micro-batch
             peaks = {v: peak_memory_bytes(fn, device) for v, fn in steps.items()}
             for v in steps:
                 ratios = [t / b for t, b in zip(times[v], times["bf16"])] if "bf16" in times else []
-                rec = dict(shape=shape, m=m, d=d, h=h, experts=e, variant=v, ms=statistics.median(times[v]),
+                rec = dict(shape=shape, m=m, d=d, h=h, experts=e, variant=v, micro_batches=mbs[v],
+                           ms=statistics.median(times[v]),
                            ms_rounds=times[v], ratio_to_bf16=statistics.median(ratios) if ratios else None,
                            peak_bytes=peaks[v])
                 results.append(rec)

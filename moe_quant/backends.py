@@ -50,9 +50,18 @@ def importable(module: str, disable_env: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def cutedsl_importable() -> bool:
-    """nvidia-cutlass-dsl is installed (``MOE_QUANT_DISABLE_KERNELS=1`` forces the reference)."""
+def _cutedsl_importable() -> bool:
     return importable("cutlass.cute", "MOE_QUANT_DISABLE_KERNELS")
+
+
+@torch._dynamo.assume_constant_result
+def cutedsl_importable() -> bool:
+    """nvidia-cutlass-dsl is installed (``MOE_QUANT_DISABLE_KERNELS=1`` forces the reference); cached.
+
+    A constant to ``torch.compile``: dynamo runs it in Python while it traces (it cannot trace an import,
+    nor does it honour the cache), so every kernel-or-reference decision (:func:`use_quant_kernels`, the
+    per-GEMM and the block paths alike) traces to a constant."""
+    return _cutedsl_importable()
 
 
 def _cacheable(device: torch.device) -> bool:

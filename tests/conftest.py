@@ -50,9 +50,27 @@ def spy_on(monkeypatch, owner, name: str) -> list:
 
 
 @pytest.fixture
-def mxfp8_calls(monkeypatch):
-    """Calls of moe_quant's MXFP8 grouped GEMM (conversion looks ``moe_quant.autograd.mxfp8_grouped_mm``
+def block_calls(monkeypatch):
+    """Calls of moe_quant's fused SwiGLU expert block (conversion looks ``moe_quant.autograd.mxfp8_swiglu_experts``
     up on each call), counted also while ``torch.compile`` traces."""
     import moe_quant.autograd
 
-    return spy_on(monkeypatch, moe_quant.autograd, "mxfp8_grouped_mm")
+    return spy_on(monkeypatch, moe_quant.autograd, "mxfp8_swiglu_experts")
+
+
+@pytest.fixture
+def mxfp8_calls(monkeypatch, block_calls):
+    """MXFP8 grouped GEMMs of converted modules, counted also while ``torch.compile`` traces: each call of
+    ``moe_quant.autograd.mxfp8_grouped_mm`` as ``(A, B_t, offs)``, and three per fused block call (w1, w3,
+    w2: ``(x, w1^T, offs)``, ``(x, w3^T, offs)``, ``(None, w2^T, offs)``; the block never exposes w2's A)."""
+    import moe_quant.autograd
+
+    calls = spy_on(monkeypatch, moe_quant.autograd, "mxfp8_grouped_mm")
+    block = moe_quant.autograd.mxfp8_swiglu_experts  # block_calls' spy
+
+    def spy(x, w1, w3, w2, offs, **kwargs):
+        calls.extend([(x, w1.transpose(-2, -1), offs), (x, w3.transpose(-2, -1), offs), (None, w2.transpose(-2, -1), offs)])
+        return block(x, w1, w3, w2, offs, **kwargs)
+
+    monkeypatch.setattr(moe_quant.autograd, "mxfp8_swiglu_experts", spy)
+    return calls

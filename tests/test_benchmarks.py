@@ -1,6 +1,7 @@
 """CPU checks of the benchmark helpers whose real use is on the GPU: kernel categories of the
 layer breakdown, aligned ragged offsets, the MoE benchmark's balanced routing, the layer plot."""
 
+import contextlib
 import argparse
 import importlib
 import importlib.util
@@ -289,3 +290,26 @@ def test_plot_script_rejects_an_unwritable_out_before_reading(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         plot.main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "no_such_dir" / "layer.png")])
     assert exc.value.code == 2 and "argument --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["fused+reuse", "unfused+reuse"])
+def test_bench_block_reuse_variants_quantize_weights_once_per_step(variant, monkeypatch):
+    """A ``+reuse`` step runs its micro-batches in one reuse scope: every weight operand after the first
+    micro-batch's is served from the scope."""
+    from benchmarks import bench_block
+
+    scopes = []
+    real = bench_block.reuse_quantized_weights
+
+    @contextlib.contextmanager
+    def spy(weights):
+        with real(weights) as scope:
+            scopes.append(scope)
+            yield scope
+
+    monkeypatch.setattr(bench_block, "reuse_quantized_weights", spy)
+    inputs = bench_block.make_inputs(64, 64, 32, 2, torch.device("cpu"))
+    mbs = bench_block.micro_batches_of(variant, 3)
+    bench_block.step_fn(bench_block.VARIANTS[variant], *inputs, micro_batches=mbs)()
+    assert mbs == 3 and len(scopes) == 1
+    assert scopes[0].misses == 6 and scopes[0].hits == 2 * 6  # fwd and dgrad operands of w1, w3, w2

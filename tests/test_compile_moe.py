@@ -109,14 +109,14 @@ def test_compiled_fallback_is_counted():
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_converted_block_runs_mxfp8_not_bf16(backend, mxfp8_calls):
+def test_compiled_converted_block_runs_mxfp8_not_bf16(backend, mxfp8_calls, block_calls):
     """The traced graph calls the MXFP8 GEMM (counted while tracing) and its output sits at the MXFP8
     noise level against the unconverted block (~25 dB here), not at bf16's (~49 dB)."""
     calls = mxfp8_calls
     plain, moe = make_moe(convert=False), make_moe()
     x = batches(1)[0]
     out = torch.compile(moe, backend=backend, fullgraph=True)(x)
-    assert len(calls) == 3 and not fallback_counts()
+    assert len(calls) == 3 and len(block_calls) == 1 and not fallback_counts()  # the fused block, traced
     assert 15 < sqnr(plain(x), out) < 40
 
 
@@ -147,3 +147,24 @@ def test_no_host_sync_detector_detects():
     with pytest.raises(AssertionError, match="_local_scalar_dense"):
         with _NoHostSync():
             torch.ones(3).sum().item()
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (8, 0)])
+def test_kernel_choice_traces_as_a_constant(monkeypatch, capability):
+    """The kernel-or-reference decision (``backends.use_quant_kernels``, taken inside the traced forwards
+    of the per-GEMM and block autograd functions) compiles with fullgraph where it says "kernels": on a
+    GPU dynamo cannot trace its import check. Here a CPU tensor poses as a device of ``capability``, and
+    the import check runs uncached, as on a process's first call."""
+    from moe_quant import backends
+
+    monkeypatch.setattr(backends, "device_capability", lambda device: capability)
+    backends._cutedsl_importable.cache_clear()
+    want = capability >= (9, 0) and backends._cutedsl_importable()
+    backends._cutedsl_importable.cache_clear()
+    torch._dynamo.reset()
+
+    def f(x):
+        return x + 1 if backends.use_quant_kernels(x) else x - 1
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(torch.zeros(2))
+    assert torch.equal(out, torch.full((2,), 1.0 if want else -1.0))

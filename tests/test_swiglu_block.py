@@ -225,11 +225,12 @@ def test_bench_block_cpu_smoke(tmp_path, capsys):
 
     out = tmp_path / "block.json"
     assert bench_block.main(["--device", "cpu", "--tiny", "--rounds", "1", "--shapes", "dsv3", "--m", "128",
-                             "--json", str(out)]) == 0
+                             "--micro-batches", "2", "--json", str(out)]) == 0
     import json
 
     res = json.loads(out.read_text())["results"]
-    assert [r["variant"] for r in res] == ["bf16", "unfused", "fused"]
+    assert [r["variant"] for r in res] == ["bf16", "unfused", "fused", "unfused+reuse", "fused+reuse"]
+    assert [r["micro_batches"] for r in res] == [1, 1, 1, 2, 2]
     assert "vs bf16" in capsys.readouterr().out
 
 
@@ -252,3 +253,37 @@ def test_kernel_op_shapes_match_the_reference_forms(fake, m, r, sizes):
                 assert [(tuple(t.shape), t.dtype) for t in g] == [(tuple(t.shape), t.dtype) for t in w], op
     schema = str(torch.ops.moe_quant.block_dswiglu.default._schema)
     assert schema.endswith("-> Tensor[]"), schema
+
+
+def _saved_bytes(fn, *args) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn(*args)`` runs."""
+    storages = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("backend", ["emulated"])
+def test_block_saves_at_most_what_the_bf16_block_saves(backend):
+    """Activation memory: the block saves x's colwise form, a, b and h's colwise form (and the weights),
+    no more bytes than the bf16 block saves (x, a, b, silu(a), h and the weights)."""
+    g = torch.Generator().manual_seed(0)
+    m, d, h, e = 512, 128, 64, 4
+    x = torch.randn(m, d, generator=g).bfloat16().requires_grad_()
+    ws = [(torch.randn(*s, generator=g) / 8).bfloat16().requires_grad_() for s in ((e, h, d), (e, h, d), (e, d, h))]
+    offs = torch.arange(1, e + 1, dtype=torch.int32) * (m // e)
+
+    def bf16(x, w1, w3, w2, offs):
+        a = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        hh = torch.nn.functional.silu(a) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(hh, w2.transpose(-2, -1), offs=offs)
+
+    fused = _saved_bytes(lambda *a: mxfp8_swiglu_experts(*a, backend=backend), x, *ws, offs)
+    plain = _saved_bytes(bf16, x, *ws, offs)
+    assert 0 < fused <= plain, (fused, plain)

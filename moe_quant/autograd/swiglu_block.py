@@ -106,12 +106,17 @@ class _SwiGLUExperts(torch.autograd.Function):
             del g_row
             (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
             del grad_h
+            # each transient freed once used, and dx summed in place: the backward's peak is the saved
+            # tensors plus about two (M, D) tensors, not five
             dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
+            del ga_col
             dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
+            del gb_col, x_col
             dx = None
             if need_x:
-                dx = (_mm_dgrad(ga_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
-                      + _mm_dgrad(gb_row, _w_dgrad(w3, mode, backend), offs).to(ctx.x_dtype))
+                dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
+                del ga_row
+                dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend), offs).to(ctx.x_dtype))
         # differentiating these again raises (grouped_mm.DOUBLE_BACKWARD_ERROR), as for mxfp8_grouped_mm
         dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))
         dw3, dw2 = _first_order_only((dw3, dw2), (grad_y, w3, w2))

@@ -1,8 +1,10 @@
 """Converted forwards of the SwiGLU expert modules conversion knows, all through :func:`swiglu_experts`.
 
 ``swiglu_experts(x, w1, w3, w2, offs, config)`` is the one place where a block of routed SwiGLU
-experts runs: ``silu(x @ w1^T) * (x @ w3^T) @ w2^T`` per expert, three MXFP8 grouped GEMMs. A fused
-expert-block implementation replaces this function and every converted module follows.
+experts runs: ``silu(x @ w1^T) * (x @ w3^T) @ w2^T`` per expert, three MXFP8 grouped GEMMs. Where the
+fused block (:func:`moe_quant.mxfp8_swiglu_experts`) serves the call it runs that (same numerics, bit
+for bit, fewer quantization passes); otherwise the three GEMMs of :func:`moe_quant.conversion.gemm.grouped_mm`
+(each MXFP8 or its counted fallback).
 """
 
 from __future__ import annotations
@@ -10,14 +12,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import autograd as _autograd
 from .config import MXFP8MoEConfig
-from .gemm import grouped_mm
+from .gemm import grouped_mm, unsupported_reason
+
+
+def block_serves(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                 config: MXFP8MoEConfig) -> bool:
+    """The fused block serves this call: bf16 activations and bf16 GEMM outputs (``config.out_dtype`` None
+    or bf16), no ``torch.func`` transform active (the block is no functorch-aware function), and each of
+    the three GEMMs one that :func:`grouped_mm` would run in MXFP8 (no counted fallback)."""
+    if x.dtype != torch.bfloat16 or config.out_dtype not in (None, torch.bfloat16):
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    # h (w2's A) is (M, F) bf16 like x: the reasons depend on A's rank and dtype only
+    return all(unsupported_reason(x, w.transpose(-2, -1), offs, torch.bfloat16) is None for w in (w1, w3, w2))
 
 
 def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                    config: MXFP8MoEConfig) -> torch.Tensor:
     """``x (M, D)`` tokens grouped by expert (``offs (E,)`` int32 cumulative ends); ``w1``, ``w3``
     ``(E, F, D)``, ``w2`` ``(E, D, F)`` (``(out, in)`` per expert) -> ``(M, D)``."""
+    if block_serves(x, w1, w3, w2, offs, config):
+        # looked up on each call: tests and tools may wrap it
+        return _autograd.mxfp8_swiglu_experts(x, w1, w3, w2, offs, scale_mode=config.scale_mode,
+                                              backend=config.backend)
     h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs, config))
     h = h * grouped_mm(x, w3.transpose(-2, -1), offs, config)
     return grouped_mm(h, w2.transpose(-2, -1), offs, config)
