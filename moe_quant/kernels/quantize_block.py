@@ -35,7 +35,10 @@ from ..layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
 from ..numerics import BLOCK_SIZE
 from . import cute_utils as cu
 from .config_block import N_INPUTS, N_OUTPUTS, Variant, all_variants  # noqa: F401  (re-exported)
-from .quantize_32x1 import COLS_PER_THREAD, THREADS, TILE_COLS, TILE_TOKENS, TOKENS_PER_THREAD, Quantize32x1Kernel
+from .config_32x1 import HALF_COLS, TILE_COLS
+from .quantize_32x1 import COLS_PER_THREAD, TILE_TOKENS, TOKENS_PER_THREAD, Quantize32x1Kernel
+
+THREADS = 4 * 32 * (TILE_COLS // HALF_COLS)  # the 32x1 kernel's default tile: 128 columns, 256 threads
 
 _INFO = 8  # shared words: the 32x1 group record (0..6) and, in tail CTAs, the last group's end (7)
 ROW_LANES = (4, 8)
@@ -142,6 +145,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.fake = variant.fake
         self.fake_f32 = False
         self.n_out = N_OUTPUTS[variant.op]
+        self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
 
     # ------------------------------------------------------------------ host
 
