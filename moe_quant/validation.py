@@ -52,7 +52,7 @@ def check_size(name: str, value) -> int:
     if torch.compiler.is_compiling() and isinstance(value, int) and not isinstance(value, bool):
         # Dynamo presents a size read from device data (an unbacked SymInt) as an int here, and
         # operator.index would specialize it: check it symbolically instead (a runtime assert)
-        torch._check(value >= 0, lambda: f"{name} must be a non-negative int")
+        torch._check(value >= 0, lambda name=name: f"{name} must be a non-negative int")  # bound: dynamo 2.11 reads no closure
         return value
     if isinstance(value, bool) or isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a non-negative int, got {type(value).__name__}")

@@ -121,14 +121,15 @@ def read_counts(msg: torch.Tensor, recv: torch.Tensor, rows: int, group) -> tupl
 
 def _check_traced(sent: list, got: list, n_local: int) -> tuple:
     """:func:`read_counts` under ``torch.compile``: the same conditions as runtime asserts of the graph
-    (every rank checks every rank's header, so all raise together; a ``RuntimeError`` naming the setting)."""
+    (every rank checks every rank's header, so all raise together; a ``RuntimeError`` naming the setting).
+    Messages are bound as default arguments: dynamo in torch 2.11 cannot read a message lambda's closure."""
     mine = sent[0][n_local:]
     for r, row in enumerate(got):
         for i, field in enumerate(agree.FIELDS[1:], start=1):
             what = f"EP ranks disagree on {field} (rank {r} differs from this rank); no tokens were exchanged"
-            torch._check(row[n_local + i] == mine[i], lambda: what)
+            torch._check(row[n_local + i] == mine[i], lambda what=what: what)
         what = f"EP rank {r} reported invalid dispatch arguments or counts; no tokens were exchanged"
-        torch._check(row[n_local] == 0, lambda: what)
+        torch._check(row[n_local] == 0, lambda what=what: what)
     for row in sent + got:
         for c in row[:n_local]:
             torch._check(c >= 0)
