@@ -158,6 +158,7 @@ def test_kernel_choice_traces_as_a_constant(monkeypatch, capability):
     from moe_quant import backends
 
     monkeypatch.setattr(backends, "device_capability", lambda device: capability)
+    monkeypatch.setattr(backends, "_KERNELS_ON", {})  # decisions cached per device by earlier calls
     backends._cutedsl_importable.cache_clear()
     want = capability >= (9, 0) and backends._cutedsl_importable()
     backends._cutedsl_importable.cache_clear()
