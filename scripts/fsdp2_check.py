@@ -131,12 +131,18 @@ def run_case(num_experts: int, args, device, rank: int, world: int) -> dict:
     seen_types = set()
     mxfp8_calls = [0]
     real_gemm = moe_quant.autograd.mxfp8_grouped_mm
+    real_block = moe_quant.autograd.mxfp8_swiglu_experts
 
     def counting_gemm(*a, **k):  # the conversion looks the GEMM up on each call
         mxfp8_calls[0] += 1
         return real_gemm(*a, **k)
 
+    def counting_block(*a, **k):  # the fused SwiGLU block: its three grouped GEMMs
+        mxfp8_calls[0] += 3
+        return real_block(*a, **k)
+
     moe_quant.autograd.mxfp8_grouped_mm = counting_gemm
+    moe_quant.autograd.mxfp8_swiglu_experts = counting_block
 
     def record(mod, inputs):
         seen_types.update(type(getattr(mod, n)).__name__ for n in ("w1", "w2", "w3"))
@@ -176,6 +182,7 @@ def run_case(num_experts: int, args, device, rank: int, world: int) -> dict:
     for h in hooks:
         h.remove()
     moe_quant.autograd.mxfp8_grouped_mm = real_gemm
+    moe_quant.autograd.mxfp8_swiglu_experts = real_block
 
     # final parameters, gathered
     param_rel = 0.0

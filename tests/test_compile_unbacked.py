@@ -43,14 +43,14 @@ def _gmm(x, w, keep):
 def calls(monkeypatch):
     """Counts the emulated GEMMs' rowwise quantizations (precondition: the MXFP8 path ran, not a fallback)."""
     seen = []
-    real = moe_quant.quantize.fake_quantize_rowwise
+    real = moe_quant.quantize.fake_rowwise
 
     def spy(*args, **kwargs):
         if not torch.compiler.is_compiling():  # counted in eager (a traced side effect is not allowed)
             seen.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(moe_quant.quantize, "fake_quantize_rowwise", spy)
+    monkeypatch.setattr(moe_quant.quantize, "fake_rowwise", spy)
     return seen
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import autograd as _autograd
+from .. import prequantized
+from ..numerics import ScaleMode
 from .config import MXFP8MoEConfig
 from .gemm import grouped_mm, unsupported_reason
 
@@ -26,6 +28,8 @@ def block_serves(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.
         return False
     if torch._C._are_functorch_transforms_active():
         return False
+    if prequantized.lookup(x, ScaleMode.parse(config.scale_mode)) is not None:
+        return False  # x arrived in MXFP8 (expert parallelism's wire): the per-GEMM path reuses that form
     # h (w2's A) is (M, F) bf16 like x: the reasons depend on A's rank and dtype only
     return all(unsupported_reason(x, w.transpose(-2, -1), offs, torch.bfloat16) is None for w in (w1, w3, w2))
 
