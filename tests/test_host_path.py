@@ -49,7 +49,7 @@ def test_eager_call_binds_no_signature(monkeypatch):
     assert len(eager) == 1 and not transforms  # the MXFP8 path ran, in the eager form
     assert not n_sig
     ref = gm._MXFP8GroupedMMTransforms.apply(A, W.transpose(-2, -1), offs, gm.ScaleMode.RCEIL, torch.bfloat16,
-                                             GemmBackend.EMULATED, None)
+                                             GemmBackend.EMULATED)
     ref = (ref, *torch.autograd.grad(ref, (A, W), g))
     for a, b, c in zip(got, want, ref):
         assert torch.equal(a, b) and torch.equal(a, c)
