@@ -1,0 +1,71 @@
+"""Where the GPU time of the SwiGLU expert block goes: a torch.profiler kernel table of one bf16 step, one
+fused MXFP8 step and one ``reuse_quantized_weights`` step of several micro-batches (per micro-batch).
+
+    python scripts/profile_block.py [--shape dsv3|llama4] [--m 16384] [--micro-batches 4] [--top 25]
+
+GPU only (one line and exit status 2 elsewhere). Prints, per variant, the CUDA time of every kernel
+(summed over the step, divided by its micro-batches) and the step's wall time between CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks.bench_block import SHAPES, VARIANTS, make_inputs, step_fn
+from moe_quant import cli
+
+
+def profile(fn, micro_batches: int, top: int) -> str:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / micro_batches
+    with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name[:90]
+            us, n = kernels.get(name, (0.0, 0))
+            kernels[name] = (us + ev.device_time / micro_batches, n + 1)
+    total = sum(us for us, _ in kernels.values())
+    lines = [f"  wall {wall:.3f} ms per micro-batch, kernels {total / 1e3:.3f} ms (idle {wall - total / 1e3:.3f} ms)"]
+    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {us / 1e3:8.3f} ms  {n / micro_batches:5.1f}x  {name}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/profile_block.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=list(SHAPES), default="dsv3")
+    p.add_argument("--m", type=cli.positive_int, default=16384)
+    p.add_argument("--experts", type=cli.positive_int, default=8)
+    p.add_argument("--micro-batches", type=cli.positive_int, default=4)
+    p.add_argument("--variants", type=cli.comma_choices(*VARIANTS), default=["bf16", "fused", "fused+reuse"])
+    p.add_argument("--top", type=cli.positive_int, default=25)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    device = cli.exit_unless_device_runs(p, args.device)
+    d, h = SHAPES[args.shape]
+    inputs = make_inputs(args.m, d, h, args.experts, device)
+    for v in args.variants:
+        mb = args.micro_batches if v.endswith("+reuse") else 1
+        print(f"{v} ({args.shape}, M={args.m}, micro-batches {mb})", flush=True)
+        print(profile(step_fn(VARIANTS[v], *inputs, micro_batches=mb), mb, args.top), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
