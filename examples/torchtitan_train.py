@@ -19,7 +19,8 @@ its trainer) is not installed, so the routing bias stays zero in every run.
 For each of ``--modes`` (eager, compiled: ``torch.compile`` of each transformer block, as torchtitan
 does) it runs bf16 then MXFP8 and prints median step time over the steps after ``--warmup``, the
 ratio to bf16, the loss (first, last) and the largest relative loss difference to bf16 over all
-steps, peak CUDA memory, and the grouped-mm calls that fell back to the plain op.
+steps (with both modes, also that measure between the bf16 eager and compiled runs: a noise floor), peak
+CUDA memory, and the grouped-mm calls that fell back to the plain op.
 
 torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims``, which torch 2.11 lacks.
 For this single-process run (no FSDP) the script puts a placeholder under that name when it is
@@ -243,6 +244,12 @@ def summarize(runs: list[dict], warmup: int) -> list[str]:
                 f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}  max |dloss|/loss vs bf16 "
                 f"{100 * r['max_rel_loss_diff']:.3f}%  peak {peak}  fallbacks {r['fallbacks']}"
             )
+    both = {r["compiled"]: r for r in runs if not r["convert"]}
+    if len(both) == 2:
+        # the same bf16 model, eager vs torch.compile (other fusions, other bf16 roundings): how far two runs
+        # of equally valid numerics drift apart on this task, to read the MXFP8-vs-bf16 differences against
+        floor = max(abs(a - b) / abs(b) for a, b in zip(both[True]["losses"], both[False]["losses"]))
+        lines.append(f"noise floor: bf16 compiled vs bf16 eager, max |dloss|/loss {100 * floor:.3f}%")
     return lines
 
 

@@ -189,3 +189,17 @@ def test_converter_entry_point_converts_experts_and_dispatcher(mxfp8_calls):
     bf16 = example.train(cfg, args, data, convert=False, compiled=False)
     for a, b in zip(mx["losses"], bf16["losses"]):
         assert a != b and abs(a - b) <= 0.01 * abs(b), (mx["losses"], bf16["losses"])
+
+
+def test_summary_reports_the_bf16_eager_vs_compiled_noise_floor():
+    """With both modes the summary reads the MXFP8-vs-bf16 loss differences against how far the bf16 eager and
+    compiled runs drift apart (max relative difference over the steps)."""
+    def run(convert, compiled, losses):
+        return dict(convert=convert, compiled=compiled, losses=losses, step_s=[1.0, 1.0], peak_gib=None, fallbacks=0)
+
+    runs = [run(False, False, [4.0, 2.0]), run(True, False, [4.0, 2.02]),
+            run(False, True, [4.0, 2.05]), run(True, True, [4.04, 2.05])]
+    lines = example.summarize(runs, warmup=0)
+    assert "max |dloss|/loss vs bf16 1.000%" in lines[1] and "max |dloss|/loss vs bf16 1.000%" in lines[3]
+    assert lines[-1] == "noise floor: bf16 compiled vs bf16 eager, max |dloss|/loss 2.500%"
+    assert not any("noise floor" in line for line in example.summarize(runs[:2], warmup=0))
