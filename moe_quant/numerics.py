@@ -113,10 +113,11 @@ def dequantize_blocks(
     """
     k = data.shape[-1]
     q = data.reshape(*data.shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
-    value = (q * e8m0_to_fp32(scale).unsqueeze(-1)).to(out_dtype)
-    # set NaN after the cast: vectorized fp32->bf16 casts pick their own NaN bits (0xFFFF on x86)
-    value = torch.where(value.isnan(), torch.full((), float("nan"), dtype=out_dtype, device=value.device), value)
-    return value.reshape(data.shape)
+    value = (q * e8m0_to_fp32(scale).unsqueeze(-1)).to(out_dtype).reshape(data.shape)
+    # set NaN after the cast: vectorized fp32->bf16 casts pick their own NaN bits (0xFFFF on x86). The result
+    # is a tensor of its own, no view of an intermediate: autograd Functions save these values for backward,
+    # and dynamo cannot carry a saved view of a forward intermediate into the backward graph
+    return torch.where(value.isnan(), torch.full((), float("nan"), dtype=out_dtype, device=value.device), value)
 
 
 def fake_quantize_blocks(
