@@ -1,9 +1,13 @@
 """The quantization passes of the SwiGLU expert block (:mod:`moe_quant.autograd.swiglu_block`).
 
-Each pass reads its inputs once and writes every MXFP8 form the block's GEMMs need of one tensor:
+Each pass reads its inputs once and writes every MXFP8 form the block's GEMMs need of one tensor at
+that point:
 
-* :func:`dual` -- ``x`` (forward) or ``grad_out`` (backward): the rowwise 1x32 form (fwd / dgrad operand)
-  and the colwise 32x1 K-groups form (wgrad operand).
+* :func:`rowwise` -- ``x`` (forward): its rowwise 1x32 form (the fwd operand of w1 and w3, made once for
+  both); :func:`colwise` -- ``x`` again (backward): its colwise 32x1 K-groups form (their wgrad operand).
+  ``x`` is saved by reference, as the bf16 block saves it, rather than a quantized copy of it.
+* :func:`dual` -- ``grad_out`` (backward): the rowwise 1x32 form (dgrad operand) and the colwise 32x1
+  K-groups form (wgrad operand).
 * :func:`swiglu` -- ``h = silu(a) * b`` computed and quantized in both forms (w2's forward operand and
   w2's wgrad operand); ``h`` itself is never written.
 * :func:`dswiglu` -- the SwiGLU backward: ``grad_a`` and ``grad_b`` from ``grad_h``, ``a``, ``b``, each in
@@ -32,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import backends, reference
+from . import prequantized as pq
 from . import quantize as q
 from .numerics import ScaleMode
 
@@ -73,6 +78,20 @@ def _kernel_forms(outs: list, fake: bool):
         t = outs[i:i + per]
         forms.append(((t[0],), (t[1], poffs)) if fake else ((t[0], t[1]), (t[2], t[3], poffs)))
     return forms
+
+
+def rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
+    """``x``'s rowwise form alone (one 1x32 pass), as the per-GEMM path makes its A: the forward's operand of
+    w1 and w3. Rows past the last group's end are quantized values, not zeros (no GEMM reads them)."""
+    return (pq.rowwise_values(x, mode),) if fake else tuple(pq.rowwise_operand(x, mode, offs))
+
+
+def colwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
+    """``x``'s colwise 32x1 K-groups form alone (one pass): w1's and w3's wgrad operand, made in the
+    backward from ``x``, so that no quantized copy of ``x`` lives from forward to backward."""
+    if fake:
+        return tuple(q.fake_colwise_k_groups(x, offs, mode, torch.bfloat16))
+    return tuple(q.colwise_k_groups(x, offs, mode))
 
 
 def dual(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool):

@@ -5,14 +5,15 @@ Every GEMM has exactly the MXFP8 numerics of :func:`moe_quant.mxfp8_grouped_mm`;
 often and where the operands are quantized (:mod:`moe_quant.block_quantize`):
 
 =============  ==========================================================================
-forward        ``dual(x)``: x's rowwise form (w1 and w3 fwd, quantized once) and colwise
-               form (w1 / w3 wgrad, saved); ``a = x W1^T``, ``b = x W3^T``;
+forward        ``rowwise(x)``: x's rowwise form (w1 and w3 fwd, quantized once);
+               ``a = x W1^T``, ``b = x W3^T``;
                ``swiglu(a, b)``: both forms of ``h`` (w2 fwd; w2 wgrad, saved); ``y = h W2^T``
 backward       ``dual(grad_y)``: rowwise (w2 dgrad) and colwise (w2 wgrad);
                ``dW2``; ``grad_h``; ``dswiglu(grad_h, a, b)``: both forms of ``grad_a`` and
-               ``grad_b``; ``dW1``, ``dW3``, ``dx = grad_a W1 + grad_b W3``
-saved          x's colwise form, ``a``, ``b`` (bf16) and h's colwise form: at most what the
-               bf16 block saves (x, a, b, silu(a), h)
+               ``grad_b``; ``colwise(x)`` (w1 / w3 wgrad); ``dW1``, ``dW3``,
+               ``dx = grad_a W1 + grad_b W3``
+saved          ``x`` (by reference, as the bf16 block saves it), ``a``, ``b`` (bf16) and h's
+               colwise form: less than the bf16 block saves (x, a, b, silu(a), h)
 =============  ==========================================================================
 
 The output and every gradient equal :func:`swiglu_experts_unfused` (three ``mxfp8_grouped_mm`` calls and
@@ -80,21 +81,21 @@ class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend):
         fake = backend is GemmBackend.EMULATED
-        x_row, x_col = bq.dual(x, mode, offs, fake)
+        x_row = bq.rowwise(x, mode, offs, fake)
         a = _mm_fwd(x_row, _w_fwd(w1, mode, backend), offs)
         b = _mm_fwd(x_row, _w_fwd(w3, mode, backend), offs)
         del x_row
         h_row, h_col = bq.swiglu(a, b, mode, offs, fake)
         y = _mm_fwd(h_row, _w_fwd(w2, mode, backend), offs)
-        ctx.save_for_backward(w1, w3, w2, offs, a, b, *x_col, *h_col)
-        ctx.n_col = len(x_col)
+        # x itself, as the bf16 block saves it: its colwise form is made in backward (one more read of x)
+        # instead of living from forward to backward as a second (M, D) tensor
+        ctx.save_for_backward(w1, w3, w2, offs, x, a, b, *h_col)
         ctx.mode, ctx.backend, ctx.x_dtype = mode, backend, x.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        w1, w3, w2, offs, a, b, *cols = ctx.saved_tensors
-        x_col, h_col = tuple(cols[: ctx.n_col]), tuple(cols[ctx.n_col:])
+        w1, w3, w2, offs, x, a, b, *h_col = ctx.saved_tensors
         mode, backend = ctx.mode, ctx.backend
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
         with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
@@ -108,6 +109,7 @@ class _SwiGLUExperts(torch.autograd.Function):
             del grad_h
             # each transient freed once used, and dx summed in place: the backward's peak is the saved
             # tensors plus about two (M, D) tensors, not five
+            x_col = bq.colwise(x, mode, offs, fake) if need_w1 or need_w3 else None
             dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
             del ga_col
             dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
