@@ -76,14 +76,20 @@ _KERNELS_ON: dict = {}  # device -> use_quant_kernels' answer (capability and cu
 def use_quant_kernels(x: torch.Tensor) -> bool:
     """True where the CuTe-DSL quantization kernels serve ``x`` (Hopper or newer, cutlass-dsl present)."""
     device = x.device
+    if torch.compiler.is_compiling():  # traced to a constant; a cache would add a guard on its contents
+        return _kernels_serve(device)
     hit = _KERNELS_ON.get(device)
     if hit is not None:
         return hit
-    cap = device_capability(device)
-    ok = cap is not None and cap >= (9, 0) and cutedsl_importable()
+    ok = _kernels_serve(device)
     if _cacheable(device):
         _KERNELS_ON[device] = ok
     return ok
+
+
+def _kernels_serve(device: torch.device) -> bool:
+    cap = device_capability(device)
+    return cap is not None and cap >= (9, 0) and cutedsl_importable()
 
 
 def supports_scaled_grouped_mm(device: torch.device) -> bool:
@@ -97,6 +103,10 @@ _RESOLVED: dict = {}  # (requested, device) -> backend, for requests that resolv
 
 def resolve_gemm_backend(requested: GemmBackend | str, device: torch.device) -> GemmBackend:
     """``auto`` -> ``scaled`` on SM100+, else ``emulated``; an explicit ``scaled`` elsewhere is an error."""
+    if torch.compiler.is_compiling():
+        # dynamo traces the decision to a constant; reading the host-time cache would guard the graph on the
+        # cache's contents, and the entry the first call adds would recompile it
+        return _resolve(requested, device)
     key = (requested, device) if isinstance(requested, str) else None  # members are str too
     hit = _RESOLVED.get(key) if key is not None else None
     if hit is not None:

@@ -11,7 +11,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.quantization import quantize_
 
 from moe_quant.conversion import MXFP8MoEConfig, fallback_counts, gemm, is_converted, reset_fallback_counts
+from moe_quant import backends
 from moe_quant.moe import MoE
+
+
+@pytest.fixture(autouse=True)
+def cold_decision_caches(monkeypatch):
+    """Each test starts as in a fresh process: the backend decisions' host-time caches empty (an entry added
+    by the first call had made a compiled graph that read the cache recompile; earlier tests hid that)."""
+    monkeypatch.setattr(backends, "_KERNELS_ON", {})
+    monkeypatch.setattr(backends, "_RESOLVED", {})
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 64, 96, 4, 2, 128
 
