@@ -2,7 +2,7 @@
 set -o pipefail
 # Run on the GPU machine from the repo root: the kernels' GPU tests, compute-sanitizer, benchmarks.
 #   bash scripts/gpu_check.sh [smoke] [tests] [sanitize] [cachetime] [bench] [bench-quick] [bench-32x1] [bench-permute]
-#                             [layer] [sweep] [moe] [titan] [block]
+#                             [layer] [sweep] [moe] [titan] [block] [profile] [host] [ep-block] [ab]
 # Logs go to $OUT (or ./out). HYPOTHESIS_PROFILE defaults to "gpu" (200 examples).
 set -u
 # needs a GPU; without one, say so in one line instead of running every stage into tracebacks
@@ -113,6 +113,23 @@ PY
       # the SwiGLU expert block: its kernels' GPU tests, then bf16 vs unfused vs fused MXFP8 fwd+bwd
       timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_block_gpu.py -rs 2>&1 | tee "$OUT/block_tests.log" || rc=1
       timeout 580 python3 -m benchmarks.bench_block --json "$OUT/block.json" 2>&1 | tee "$OUT/block.log" || rc=1
+      ;;
+    profile)
+      step profile
+      # where the block's GPU time goes: kernel tables of bf16, fused and fused+reuse (DeepSeek-V3, M = 16384)
+      timeout 580 python3 scripts/profile_block.py 2>&1 | tee "$OUT/profile_block.log" || rc=1
+      ;;
+    host)
+      step host
+      timeout 580 python3 -m benchmarks.bench_host --json "$OUT/host.json" 2>&1 | tee "$OUT/host.log" || rc=1
+      ;;
+    ep-block)
+      step ep-block
+      timeout 580 python3 -m benchmarks.bench_ep_block 2>&1 | tee "$OUT/ep_block.log" || rc=1
+      ;;
+    ab)
+      step ab
+      timeout 580 python3 scripts/ab_kernels.py --rounds 5 2>&1 | tee "$OUT/ab.log" || rc=1
       ;;
     bench-quick)
       step bench-quick

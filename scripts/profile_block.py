@@ -4,18 +4,23 @@ fused MXFP8 step and one ``reuse_quantized_weights`` step of several micro-batch
     python scripts/profile_block.py [--shape dsv3|llama4] [--m 16384] [--micro-batches 4] [--top 25]
 
 GPU only (one line and exit status 2 elsewhere). Prints, per variant, the CUDA time of every kernel
-(summed over the step, divided by its micro-batches) and the step's wall time between CUDA events.
+(summed over the step, divided by its micro-batches), the step's wall time between CUDA events, and the
+host (CPU) time the step's Python takes to enqueue its work (a GPU that idles while the host is behind
+shows as wall time above the kernels' sum).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.bench_block import SHAPES, VARIANTS, make_inputs, step_fn
-from moe_quant import cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from the repository root as documented
+from benchmarks.bench_block import SHAPES, VARIANTS, make_inputs, step_fn  # noqa: E402
+from moe_quant import cli  # noqa: E402
 
 
 def profile(fn, micro_batches: int, top: int) -> str:
@@ -27,7 +32,9 @@ def profile(fn, micro_batches: int, top: int) -> str:
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     fn()
+    host = (time.perf_counter() - t0) * 1e3 / micro_batches  # CPU time to enqueue the step
     end.record()
     torch.cuda.synchronize()
     wall = start.elapsed_time(end) / micro_batches
@@ -41,14 +48,15 @@ def profile(fn, micro_batches: int, top: int) -> str:
             us, n = kernels.get(name, (0.0, 0))
             kernels[name] = (us + ev.device_time / micro_batches, n + 1)
     total = sum(us for us, _ in kernels.values())
-    lines = [f"  wall {wall:.3f} ms per micro-batch, kernels {total / 1e3:.3f} ms (idle {wall - total / 1e3:.3f} ms)"]
+    lines = [f"  wall {wall:.3f} ms per micro-batch, kernels {total / 1e3:.3f} ms (idle {wall - total / 1e3:.3f} ms), "
+             f"host {host:.3f} ms"]
     for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.3f} ms  {n / micro_batches:5.1f}x  {name}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/profile_block.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="profile_block.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=list(SHAPES), default="dsv3")
     p.add_argument("--m", type=cli.positive_int, default=16384)
     p.add_argument("--experts", type=cli.positive_int, default=8)

@@ -40,6 +40,14 @@ def test_gpu_scripts_run_from_repo_root_and_say_they_need_a_gpu(script):
 
 
 @no_gpu
+def test_profile_block_from_repo_root_says_it_needs_a_gpu():
+    proc = run_python("scripts/profile_block.py", pythonpath=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [f"profile_block.py: --device cuda: needs a CUDA GPU, and torch "
+                                                f"{torch.__version__} sees none (no GPU, or a CPU-only build)"]
+
+
+@no_gpu
 def test_fsdp2_check_on_cuda_without_gpu_says_so():
     proc = run_python("scripts/fsdp2_check.py", "--device", "cuda", pythonpath=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
