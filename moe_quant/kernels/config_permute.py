@@ -15,6 +15,11 @@ import dataclasses
 from dataclasses import dataclass
 
 OUTS = ("dequant", "blocked", "plain")
+# How a CTA's chunks are chosen (docs in permute_mxfp8.py): "gather" -- consecutive destination chunks, each
+# loaded from the source row the group table gives (the loads wait for the table); "scatter" -- consecutive
+# source chunks, loaded first (no table needed), stored to the destination row the table gives (the table is
+# built while the loads are in flight).
+ORDERS = ("gather", "scatter")
 DEQUANT_DTYPES = ("bfloat16", "float32")
 CHUNK = 16  # fp8 bytes per lane per load (one 16-byte vector; half a 32-element block)
 THREADS = 256  # default threads per CTA
@@ -33,6 +38,7 @@ class Variant:
     # Launch shape, A/B candidates (scripts/ab_kernels.py); the defaults are the measured ones.
     threads: int = THREADS
     iters: int = ITERS
+    order: str = "gather"
     # 0: one CTA per ``threads * iters`` chunks. N > 0: at most N data CTAs, each building the group table
     # once and then looping over chunk ranges (a persistent grid: the table's cost paid N times, not per range).
     max_data_ctas: int = 0
@@ -54,11 +60,17 @@ class Variant:
             raise ValueError(f"iters must be in [1, 16], got {self.iters}")
         if self.max_data_ctas < 0:
             raise ValueError(f"max_data_ctas must be >= 0, got {self.max_data_ctas}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if self.order == "scatter" and self.max_data_ctas:
+            raise ValueError("order='scatter' loads before the table is built: one chunk range per CTA "
+                             f"(max_data_ctas=0), got max_data_ctas={self.max_data_ctas}")
 
     @property
     def key(self) -> str:
         grid = f"p{self.max_data_ctas}" if self.max_data_ctas else ""
-        return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{grid}"
+        order = "" if self.order == "gather" else f"-{self.order}"  # gather keys as before the field
+        return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{grid}{order}"
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -78,6 +90,7 @@ CANDIDATES = {
     # 106 (i8) -> 2 (ptxas, sm_90a)
     "t256i4 persistent 132x4": {"max_data_ctas": 132 * 4},
     "t256i8 persistent 132x2": {"iters": 8, "max_data_ctas": 132 * 2},
+    "scatter t256i4": {"order": "scatter"},
 }
 
 

@@ -46,6 +46,10 @@ class PermuteMxfp8Kernel:
         self.threads = variant.threads
         self.iters = variant.iters
         self.max_data_ctas = variant.max_data_ctas
+        self.scatter = variant.order == "scatter"
+        # Scatter holds its loaded chunks in registers across the table build: its scans are not unrolled
+        # (fewer registers live; their latency hides behind the loads). Gather keeps the compiler's choice.
+        self.table_unroll = 1 if self.scatter else 0
 
     # ------------------------------------------------------------------ host
 
@@ -96,6 +100,33 @@ class PermuteMxfp8Kernel:
             g_shift = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
             g_pend = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
         n_blocks = n_ranks * n_experts
+        if cutlass.const_expr(self.scatter):
+            # Data CTAs first, then the pad CTAs. Every CTA issues its loads before the table exists (a pad
+            # CTA's chunks all lie past the end: its loads all read the last chunk, one sector per warp).
+            words, sbytes = self.load_src_chunks(data, scales, n_chunks, bid, tid)
+            self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == 0,
+                              t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend)
+            if cutlass.const_expr(self.blocked):
+                if bid >= n_data:
+                    self.pad_tile(out_scales, nc, (bid - n_data) * TILE_ROWS, n_experts, buf_rows, tid,
+                                  g_end, g_shift, g_pend)
+                else:
+                    self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid,
+                                      words, sbytes, t_a, t_shift, g_shift)
+            else:
+                self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid,
+                                  words, sbytes, t_a, t_shift, g_shift)
+        else:
+            self.gather_kernel(data, scales, counts, out, out_scales, offs, m, k, kb, nc, n_ranks, n_experts,
+                               n_blocks, n_chunks, n_pad, buf_rows, n_data, n_grid, tid, bid,
+                               t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend)
+
+    @cute.jit
+    def gather_kernel(self, data, scales, counts, out, out_scales, offs, m: Int32, k: Int32, kb: Int32, nc: Int32,
+                      n_ranks: Int32, n_experts: Int32, n_blocks: Int32, n_chunks: Int64, n_pad: Int32,
+                      buf_rows: Int32, n_data: Int32, n_grid: Int32, tid: Int32, bid: Int32,
+                      t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend):
+        """Pad CTAs first, then the data CTAs; the table before any load."""
         self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == n_pad,
                           t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend)
         if cutlass.const_expr(self.blocked):
@@ -129,7 +160,7 @@ class PermuteMxfp8Kernel:
         # ---- r-major: sanitized sizes and source starts (saturating running total: min(sum, M))
         if warp == 0:
             carry = Int32(0)
-            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1):
+            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
                 b = sub * 32 + lane
                 raw = Int32(0)
                 if b < n_blocks:
@@ -143,14 +174,14 @@ class PermuteMxfp8Kernel:
                 prev = cute.arch.shuffle_sync_up(end, offset=1)
                 prev = Int32(cutlass.select_(lane == 0, carry, prev))
                 if b < n_blocks:
-                    t_a[b] = end - prev
+                    t_a[b] = end
                     t_b[b] = prev
                 carry = cute.arch.shuffle_sync(end, offset=31)
         cute.arch.sync_threads()
         # ---- expert-major: destination ends and row shifts; offs
         if warp == 0:
             carry = Int32(0)
-            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1):
+            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
                 i = sub * 32 + lane
                 sz = Int32(0)
                 src = Int32(0)
@@ -159,12 +190,15 @@ class PermuteMxfp8Kernel:
                 if i < n_blocks:
                     e = i // n_ranks
                     r = i - e * n_ranks
-                    sz = Int32(t_a[r * n_experts + e])
                     src = Int32(t_b[r * n_experts + e])
+                    sz = Int32(t_a[r * n_experts + e]) - src
                 dend = carry + cu.warp_inclusive_sum(sz, lane)
                 if i < n_blocks:
                     t_dend[i] = dend
-                    t_shift[i] = src - (dend - sz)
+                    if cutlass.const_expr(self.scatter):
+                        t_shift[r * n_experts + e] = src - (dend - sz)  # r-major: searched by source row
+                    else:
+                        t_shift[i] = src - (dend - sz)
                     if writes_offs:
                         if r == n_ranks - 1:
                             cu.st_global_u32(offs.iterator + e, dend)
@@ -179,7 +213,7 @@ class PermuteMxfp8Kernel:
             if warp == 0:
                 carry_end = Int32(0)
                 carry_pend = Int32(0)
-                for sub in cutlass.range(0, (n_experts + 31) // 32, 1):
+                for sub in cutlass.range(0, (n_experts + 31) // 32, 1, unroll=self.table_unroll):
                     e = sub * 32 + lane
                     raw = Int32(0)
                     if e < n_experts:
@@ -192,6 +226,74 @@ class PermuteMxfp8Kernel:
                         g_shift[e] = shift
                         g_pend[e] = pend
             cute.arch.sync_threads()
+
+    @cute.jit
+    def chunk_coords(self, k: Int32, dbid: Int32, tid: Int32):
+        """Chunk index, row and column (in chunks) of each of this thread's ``iters`` chunks of CTA range
+        ``dbid``: ``base + u * threads + tid``, ``base = dbid * threads * iters``."""
+        kc = cutlass.max(k // CHUNK, Int32(1))  # chunks per row (K > 0 wherever the kernel is launched)
+        base = Int64(dbid) * Int64(self.threads * self.iters)
+        r0 = Int32(base // Int64(kc))
+        c0 = Int32(base - Int64(r0) * Int64(kc))
+        chs = []
+        rows = []
+        cols = []
+        for u in cutlass.range_constexpr(self.iters):
+            j = c0 + (u * self.threads) + tid
+            dr = j // kc
+            chs.append(base + (u * self.threads) + Int64(tid))
+            rows.append(r0 + dr)
+            cols.append(j - dr * kc)
+        return chs, rows, cols
+
+    @cute.jit
+    def load_src_chunks(self, data, scales, n_chunks: Int64, dbid: Int32, tid: Int32):
+        """Scatter: this thread's source chunks of range ``dbid`` and their scale bytes, loaded before anything
+        else (no table needed: the source side is the input's own order). A chunk's scale byte is byte
+        ``chunk // 2`` of ``scales`` (K/16 chunks and K/32 scales per row). Chunks past the end read the last."""
+        base = Int64(dbid) * Int64(self.threads * self.iters)
+        last = cutlass.max(n_chunks - 1, Int64(0))
+        words = []
+        sbytes = []
+        for u in cutlass.range_constexpr(self.iters):
+            ch = cutlass.min(base + (u * self.threads) + Int64(tid), last)
+            words.append(cu.ld_global_v4(data.iterator + ch * CHUNK))
+            sbytes.append(cu.ld_global_u8(scales.iterator + ch // CHUNKS_PER_BLOCK))
+        return words, sbytes
+
+    @cute.jit
+    def scatter_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
+                     n_chunks: Int64, dbid: Int32, tid: Int32, words, sbytes, t_end, t_shift, g_shift):
+        """Scatter: store the loaded chunks of range ``dbid`` (source rows ``rows``) at their destination rows:
+        source row ``s < T`` of r-major block b (the first with ``src_end > s``) goes to ``s - shift[b]``;
+        a row ``s >= T`` is output row ``s`` itself, zeroed. Rows below and past T are bijections of
+        ``[0, T)`` and ``[T, M)``: every output chunk is written exactly once."""
+        kc = cutlass.max(k // CHUNK, Int32(1))
+        chs, rows, cols = self.chunk_coords(k, dbid, tid)  # after the table: fewer registers held across it
+        total = Int32(0)
+        if n_blocks > 0:
+            total = Int32(t_end[n_blocks - 1])
+        dsts = []
+        brows = []
+        valids = []
+        for u in cutlass.range_constexpr(self.iters):
+            src = rows[u]
+            dst = src
+            brow = Int32(0)
+            valid = Int32(0)
+            if src < total:
+                valid = Int32(1)
+                b = cu.upper_bound(t_end, n_blocks, src)
+                dst = src - Int32(t_shift[b])
+                if cutlass.const_expr(self.blocked):
+                    brow = dst + Int32(g_shift[b % n_experts])
+            dsts.append(dst)
+            brows.append(brow)
+            valids.append(valid)
+        for u in cutlass.range_constexpr(self.iters):
+            if chs[u] < n_chunks:
+                self.store_chunk(out, out_scales, kb, nc, Int64(dsts[u]) * Int64(kc) + Int64(cols[u]), dsts[u],
+                                 cols[u], brows[u], valids[u] != 0, words[u], sbytes[u])
 
     @cute.jit
     def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32,
@@ -261,29 +363,36 @@ class PermuteMxfp8Kernel:
         for u in cutlass.range_constexpr(self.iters):
             ch = base + (u * self.threads) + Int64(tid)
             if ch < n_chunks:
-                ok = valids[u] != 0
-                w0, w1, w2, w3 = words[u]
-                w0 = Int32(cutlass.select_(ok, w0, Int32(0)))
-                w1 = Int32(cutlass.select_(ok, w1, Int32(0)))
-                w2 = Int32(cutlass.select_(ok, w2, Int32(0)))
-                w3 = Int32(cutlass.select_(ok, w3, Int32(0)))
-                s = Int32(cutlass.select_(ok, sbytes[u], Int32(0)))
-                if cutlass.const_expr(self.out == "dequant"):
-                    is_nan = s == E8M0_NAN
-                    lo = cu.canonical_nan_words(cu.dequantize8(w0, w1, s, is_nan, self.f32), self.f32)
-                    hi = cu.canonical_nan_words(cu.dequantize8(w2, w3, s, is_nan, self.f32), self.f32)
-                    dst = out.iterator + ch * CHUNK
-                    cu.st_global_words(dst, lo)
-                    cu.st_global_words(dst + 8, hi)
+                self.store_chunk(out, out_scales, kb, nc, ch, rows[u], cols[u], brows[u], valids[u] != 0, words[u],
+                                 sbytes[u])
+
+    @cute.jit
+    def store_chunk(self, out, out_scales, kb: Int32, nc: Int32, ch: Int64, row: Int32, col: Int32, brow: Int32,
+                    ok, words, sbyte):
+        """Output chunk ``ch`` (output row ``row``, chunk column ``col``; blocked scale row ``brow``): the loaded
+        16 bytes and scale byte where ``ok``, else zeros (a row past the total)."""
+        w0, w1, w2, w3 = words
+        w0 = Int32(cutlass.select_(ok, w0, Int32(0)))
+        w1 = Int32(cutlass.select_(ok, w1, Int32(0)))
+        w2 = Int32(cutlass.select_(ok, w2, Int32(0)))
+        w3 = Int32(cutlass.select_(ok, w3, Int32(0)))
+        s = Int32(cutlass.select_(ok, sbyte, Int32(0)))
+        if cutlass.const_expr(self.out == "dequant"):
+            is_nan = s == E8M0_NAN
+            lo = cu.canonical_nan_words(cu.dequantize8(w0, w1, s, is_nan, self.f32), self.f32)
+            hi = cu.canonical_nan_words(cu.dequantize8(w2, w3, s, is_nan, self.f32), self.f32)
+            dst = out.iterator + ch * CHUNK
+            cu.st_global_words(dst, lo)
+            cu.st_global_words(dst + 8, hi)
+        else:
+            cu.st_global_v4(out.iterator + ch * CHUNK, w0, w1, w2, w3)
+            if col % CHUNKS_PER_BLOCK == 0:
+                c = col // CHUNKS_PER_BLOCK
+                if cutlass.const_expr(self.out == "plain"):
+                    cu.st_global_u8(out_scales.iterator + (Int64(row) * Int64(kb) + Int64(c)), s)
                 else:
-                    cu.st_global_v4(out.iterator + ch * CHUNK, w0, w1, w2, w3)
-                    if cols[u] % CHUNKS_PER_BLOCK == 0:
-                        c = cols[u] // CHUNKS_PER_BLOCK
-                        if cutlass.const_expr(self.out == "plain"):
-                            cu.st_global_u8(out_scales.iterator + (Int64(rows[u]) * Int64(kb) + Int64(c)), s)
-                        else:
-                            if ok:
-                                cu.store_blocked_scale(out_scales, brows[u], c, kb, nc, s)
+                    if ok:
+                        cu.store_blocked_scale(out_scales, brow, c, kb, nc, s)
 
 
 def make_fake_args(variant: Variant, tvm_ffi: bool):
