@@ -88,9 +88,10 @@ class PermuteMxfp8Kernel:
         tid = Int32(tid)
         bid = Int32(bid)
         layout = cute.make_layout(MAX_BLOCKS)
-        t_a = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # r-major sizes
-        t_b = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # r-major src starts
-        t_dend = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # e-major dst ends
+        t_send = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # r-major src ends
+        t_dend = None
+        if cutlass.const_expr(not self.scatter):  # gather searches the e-major destination ends
+            t_dend = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
         t_shift = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # src - dst
         g_end = None
         g_shift = None
@@ -105,30 +106,30 @@ class PermuteMxfp8Kernel:
             # CTA's chunks all lie past the end: its loads all read the last chunk, one sector per warp).
             words, sbytes = self.load_src_chunks(data, scales, n_chunks, bid, tid)
             self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == 0,
-                              t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend)
+                              t_send, t_dend, t_shift, g_end, g_shift, g_pend)
             if cutlass.const_expr(self.blocked):
                 if bid >= n_data:
                     self.pad_tile(out_scales, nc, (bid - n_data) * TILE_ROWS, n_experts, buf_rows, tid,
                                   g_end, g_shift, g_pend)
                 else:
                     self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid,
-                                      words, sbytes, t_a, t_shift, g_shift)
+                                      words, sbytes, t_send, t_shift, g_shift)
             else:
                 self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid,
-                                  words, sbytes, t_a, t_shift, g_shift)
+                                  words, sbytes, t_send, t_shift, g_shift)
         else:
             self.gather_kernel(data, scales, counts, out, out_scales, offs, m, k, kb, nc, n_ranks, n_experts,
                                n_blocks, n_chunks, n_pad, buf_rows, n_data, n_grid, tid, bid,
-                               t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend)
+                               t_send, t_dend, t_shift, g_end, g_shift, g_pend)
 
     @cute.jit
     def gather_kernel(self, data, scales, counts, out, out_scales, offs, m: Int32, k: Int32, kb: Int32, nc: Int32,
                       n_ranks: Int32, n_experts: Int32, n_blocks: Int32, n_chunks: Int64, n_pad: Int32,
                       buf_rows: Int32, n_data: Int32, n_grid: Int32, tid: Int32, bid: Int32,
-                      t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend):
+                      t_send, t_dend, t_shift, g_end, g_shift, g_pend):
         """Pad CTAs first, then the data CTAs; the table before any load."""
         self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == n_pad,
-                          t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend)
+                          t_send, t_dend, t_shift, g_end, g_shift, g_pend)
         if cutlass.const_expr(self.blocked):
             if bid < n_pad:
                 self.pad_tile(out_scales, nc, bid * TILE_ROWS, n_experts, buf_rows, tid, g_end, g_shift, g_pend)
@@ -154,10 +155,10 @@ class PermuteMxfp8Kernel:
 
     @cute.jit
     def build_tables(self, counts, offs, m: Int32, n_ranks: Int32, n_experts: Int32, n_blocks: Int32, tid: Int32,
-                     writes_offs, t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend):
+                     writes_offs, t_send, t_dend, t_shift, g_end, g_shift, g_pend):
         lane = tid % 32
         warp = tid // 32
-        # ---- r-major: sanitized sizes and source starts (saturating running total: min(sum, M))
+        # ---- r-major: sanitized source ends (saturating running total: min(sum, M)); block b starts at b - 1's end
         if warp == 0:
             carry = Int32(0)
             for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
@@ -171,11 +172,8 @@ class PermuteMxfp8Kernel:
                     if lane >= (1 << d):
                         v = v + cutlass.min(y, m - v)
                 end = carry + cutlass.min(v, m - carry)
-                prev = cute.arch.shuffle_sync_up(end, offset=1)
-                prev = Int32(cutlass.select_(lane == 0, carry, prev))
                 if b < n_blocks:
-                    t_a[b] = end
-                    t_b[b] = prev
+                    t_send[b] = end
                 carry = cute.arch.shuffle_sync(end, offset=31)
         cute.arch.sync_threads()
         # ---- expert-major: destination ends and row shifts; offs
@@ -187,20 +185,25 @@ class PermuteMxfp8Kernel:
                 src = Int32(0)
                 e = Int32(0)
                 r = Int32(0)
+                b = Int32(0)
                 if i < n_blocks:
                     e = i // n_ranks
                     r = i - e * n_ranks
-                    src = Int32(t_b[r * n_experts + e])
-                    sz = Int32(t_a[r * n_experts + e]) - src
+                    b = r * n_experts + e
+                    if b > 0:
+                        src = Int32(t_send[b - 1])
+                    sz = Int32(t_send[b]) - src
                 dend = carry + cu.warp_inclusive_sum(sz, lane)
                 if i < n_blocks:
-                    t_dend[i] = dend
                     if cutlass.const_expr(self.scatter):
-                        t_shift[r * n_experts + e] = src - (dend - sz)  # r-major: searched by source row
+                        t_shift[b] = src - (dend - sz)  # r-major: searched by source row
                     else:
+                        t_dend[i] = dend
                         t_shift[i] = src - (dend - sz)
-                    if writes_offs:
-                        if r == n_ranks - 1:
+                    if r == n_ranks - 1:
+                        if cutlass.const_expr(self.blocked):
+                            g_end[e] = dend  # the expert's end, sanitized in the next step
+                        if writes_offs:
                             cu.st_global_u32(offs.iterator + e, dend)
                 carry = cute.arch.shuffle_sync(dend, offset=31)
             if writes_offs:
@@ -218,7 +221,7 @@ class PermuteMxfp8Kernel:
                     raw = Int32(0)
                     if e < n_experts:
                         if n_ranks > 0:
-                            raw = Int32(t_dend[e * n_ranks + n_ranks - 1])
+                            raw = Int32(g_end[e])
                     ge, shift, pend, carry_end, carry_pend = cu.m_groups_table_step(raw, m, lane, carry_end,
                                                                                      carry_pend)
                     if e < n_experts:
