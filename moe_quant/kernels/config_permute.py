@@ -20,6 +20,9 @@ OUTS = ("dequant", "blocked", "plain")
 # source chunks, loaded first (no table needed), stored to the destination row the table gives (the table is
 # built while the loads are in flight).
 ORDERS = ("gather", "scatter")
+# Where scatter holds its loaded chunks while the table is built: "registers" (16 bytes each), or "smem" (each
+# thread's chunks copied by cp.async into shared memory, no register held: fewer registers, more CTAs per SM).
+STAGINGS = ("registers", "smem")
 DEQUANT_DTYPES = ("bfloat16", "float32")
 CHUNK = 16  # fp8 bytes per lane per load (one 16-byte vector; half a 32-element block)
 THREADS = 256  # default threads per CTA
@@ -39,6 +42,7 @@ class Variant:
     threads: int = THREADS
     iters: int = ITERS
     order: str = "gather"
+    staging: str = "registers"  # scatter only
     # 0: one CTA per ``threads * iters`` chunks. N > 0: at most N data CTAs, each building the group table
     # once and then looping over chunk ranges (a persistent grid: the table's cost paid N times, not per range).
     max_data_ctas: int = 0
@@ -62,6 +66,10 @@ class Variant:
             raise ValueError(f"max_data_ctas must be >= 0, got {self.max_data_ctas}")
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if self.staging not in STAGINGS:
+            raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
+        if self.staging != "registers" and self.order != "scatter":
+            raise ValueError(f"staging={self.staging!r} is for order='scatter', got order={self.order!r}")
         if self.order == "scatter" and self.max_data_ctas:
             raise ValueError("order='scatter' loads before the table is built: one chunk range per CTA "
                              f"(max_data_ctas=0), got max_data_ctas={self.max_data_ctas}")
@@ -70,6 +78,8 @@ class Variant:
     def key(self) -> str:
         grid = f"p{self.max_data_ctas}" if self.max_data_ctas else ""
         order = "" if self.order == "gather" else f"-{self.order}"  # gather keys as before the field
+        if self.staging != "registers":
+            order += f"-{self.staging}"
         return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{grid}{order}"
 
     def replace(self, **kw) -> "Variant":
@@ -91,6 +101,7 @@ CANDIDATES = {
     "t256i4 persistent 132x4": {"max_data_ctas": 132 * 4},
     "t256i8 persistent 132x2": {"iters": 8, "max_data_ctas": 132 * 2},
     "scatter t256i4": {"order": "scatter"},
+    "scatter t256i4 smem": {"order": "scatter", "staging": "smem"},
 }
 
 

@@ -47,6 +47,7 @@ class PermuteMxfp8Kernel:
         self.iters = variant.iters
         self.max_data_ctas = variant.max_data_ctas
         self.scatter = variant.order == "scatter"
+        self.smem_staging = variant.staging == "smem"
         # Scatter holds its loaded chunks in registers across the table build: its scans are not unrolled
         # (fewer registers live; their latency hides behind the loads). Gather keeps the compiler's choice.
         self.table_unroll = 1 if self.scatter else 0
@@ -104,9 +105,15 @@ class PermuteMxfp8Kernel:
         if cutlass.const_expr(self.scatter):
             # Data CTAs first, then the pad CTAs. Every CTA issues its loads before the table exists (a pad
             # CTA's chunks all lie past the end: its loads all read the last chunk, one sector per warp).
-            words, sbytes = self.load_src_chunks(data, scales, n_chunks, bid, tid)
+            stage = None
+            if cutlass.const_expr(self.smem_staging):
+                stage = cute.arch.alloc_smem(Int32, self.threads * self.iters * (CHUNK // 4), alignment=16)
+            words, sbytes = self.load_src_chunks(data, scales, n_chunks, bid, tid, stage)
             self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == 0,
                               t_send, t_dend, t_shift, g_end, g_shift, g_pend)
+            if cutlass.const_expr(self.smem_staging):
+                cute.arch.cp_async_wait_group(0)  # this thread's own copies (every CTA: none left in flight)
+                words = stage
             if cutlass.const_expr(self.blocked):
                 if bid >= n_data:
                     self.pad_tile(out_scales, nc, (bid - n_data) * TILE_ROWS, n_experts, buf_rows, tid,
@@ -250,18 +257,28 @@ class PermuteMxfp8Kernel:
         return chs, rows, cols
 
     @cute.jit
-    def load_src_chunks(self, data, scales, n_chunks: Int64, dbid: Int32, tid: Int32):
+    def load_src_chunks(self, data, scales, n_chunks: Int64, dbid: Int32, tid: Int32, stage):
         """Scatter: this thread's source chunks of range ``dbid`` and their scale bytes, loaded before anything
         else (no table needed: the source side is the input's own order). A chunk's scale byte is byte
-        ``chunk // 2`` of ``scales`` (K/16 chunks and K/32 scales per row). Chunks past the end read the last."""
+        ``chunk // 2`` of ``scales`` (K/16 chunks and K/32 scales per row). Chunks past the end read the last
+        (with ``stage``, smem staging: are not read, their copy zero-fills). Returns the 16-byte words (None with
+        ``stage``: each chunk copied to ``stage`` at ``(u * threads + tid) * 16`` bytes) and the scale bytes."""
         base = Int64(dbid) * Int64(self.threads * self.iters)
         last = cutlass.max(n_chunks - 1, Int64(0))
         words = []
         sbytes = []
         for u in cutlass.range_constexpr(self.iters):
-            ch = cutlass.min(base + (u * self.threads) + Int64(tid), last)
-            words.append(cu.ld_global_v4(data.iterator + ch * CHUNK))
-            sbytes.append(cu.ld_global_u8(scales.iterator + ch // CHUNKS_PER_BLOCK))
+            ch = base + (u * self.threads) + Int64(tid)
+            src = data.iterator + cutlass.min(ch, last) * CHUNK
+            if cutlass.const_expr(self.smem_staging):
+                n_read = Int32(cutlass.select_(ch < n_chunks, Int32(CHUNK), Int32(0)))
+                cu.cp_async_16(stage + (u * self.threads + tid) * (CHUNK // 4), src, n_read)
+            else:
+                words.append(cu.ld_global_v4(src))
+            sbytes.append(cu.ld_global_u8(scales.iterator + cutlass.min(ch, last) // CHUNKS_PER_BLOCK))
+        if cutlass.const_expr(self.smem_staging):
+            cute.arch.cp_async_commit_group()
+            words = None
         return words, sbytes
 
     @cute.jit
@@ -295,8 +312,12 @@ class PermuteMxfp8Kernel:
             valids.append(valid)
         for u in cutlass.range_constexpr(self.iters):
             if chs[u] < n_chunks:
+                if cutlass.const_expr(self.smem_staging):  # read where stored: 4 registers live, not 16
+                    w = cu.ld_global_v4(words + (u * self.threads + tid) * (CHUNK // 4))
+                else:
+                    w = words[u]
                 self.store_chunk(out, out_scales, kb, nc, Int64(dsts[u]) * Int64(kc) + Int64(cols[u]), dsts[u],
-                                 cols[u], brows[u], valids[u] != 0, words[u], sbytes[u])
+                                 cols[u], brows[u], valids[u] != 0, w, sbytes[u])
 
     @cute.jit
     def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32,
