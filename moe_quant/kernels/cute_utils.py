@@ -385,6 +385,26 @@ def upper_bound(t, n: Int32, key: Int32) -> Int32:
 
 
 @cute.jit
+def upper_bounds(t, n: Int32, keys) -> list:
+    """:func:`upper_bound` of every key in ``keys`` (a list; ``n >= 1``), searched together level by level:
+    per level one shared-memory load per key, the keys' loads independent of each other, so the search
+    costs ``floor(log2 n) + 1`` dependent loads, not that many per key one key after the other. Branchless
+    binary lifting (``pos`` counts the entries ``<= key``); a key with no entry above it gets ``n - 1``."""
+    pos = cute.make_rmem_tensor(len(keys), Int32)
+    for u in cutlass.range_constexpr(len(keys)):
+        pos[u] = Int32(0)
+    step = Int32(1) << (Int32(31) - Int32(cute.arch.clz(n)))  # the largest power of two <= n
+    while step > 0:
+        for u in cutlass.range_constexpr(len(keys)):
+            p = Int32(pos[u])
+            nxt = p + step
+            below = Int32(t[cutlass.min(nxt, n) - 1]) <= keys[u]
+            pos[u] = Int32(cutlass.select_((nxt <= n) & below, nxt, p))
+        step = step >> 1
+    return [cutlass.min(Int32(pos[u]), n - 1) for u in range(len(keys))]
+
+
+@cute.jit
 def store_blocked_scale(scales, r: Int32, c: Int32, kb: Int32, nc: Int32, s: Int32):
     """Scale byte ``s`` of buffer row ``r``, column ``c`` into a blocked scale buffer (``nc`` column tiles,
     ``kb`` real columns); the row's last real scale also zeroes its pad columns ``[kb, 4 nc)``, which live

@@ -293,20 +293,17 @@ class PermuteMxfp8Kernel:
         total = Int32(0)
         if n_blocks > 0:
             total = Int32(t_end[n_blocks - 1])
+        # every chunk's block, searched together (a row past the total gets some block, unused)
+        blocks = cu.upper_bounds(t_end, cutlass.max(n_blocks, Int32(1)), rows)
         dsts = []
         brows = []
         valids = []
         for u in cutlass.range_constexpr(self.iters):
-            src = rows[u]
-            dst = src
+            valid = rows[u] < total
+            dst = Int32(cutlass.select_(valid, rows[u] - Int32(t_shift[blocks[u]]), rows[u]))
             brow = Int32(0)
-            valid = Int32(0)
-            if src < total:
-                valid = Int32(1)
-                b = cu.upper_bound(t_end, n_blocks, src)
-                dst = src - Int32(t_shift[b])
-                if cutlass.const_expr(self.blocked):
-                    brow = dst + Int32(g_shift[b % n_experts])
+            if cutlass.const_expr(self.blocked):
+                brow = dst + Int32(g_shift[blocks[u] % cutlass.max(n_experts, Int32(1))])
             dsts.append(dst)
             brows.append(brow)
             valids.append(valid)
@@ -317,7 +314,7 @@ class PermuteMxfp8Kernel:
                 else:
                     w = words[u]
                 self.store_chunk(out, out_scales, kb, nc, Int64(dsts[u]) * Int64(kc) + Int64(cols[u]), dsts[u],
-                                 cols[u], brows[u], valids[u] != 0, w, sbytes[u])
+                                 cols[u], brows[u], valids[u], w, sbytes[u])
 
     @cute.jit
     def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32,
