@@ -102,6 +102,8 @@ CANDIDATES = {
     "t256i8 persistent 132x2": {"iters": 8, "max_data_ctas": 132 * 2},
     "scatter t256i4": {"order": "scatter"},
     "scatter t256i4 smem": {"order": "scatter", "staging": "smem"},
+    "scatter t128i4 smem": {"order": "scatter", "staging": "smem", "threads": 128},
+    "scatter t256i8": {"order": "scatter", "iters": 8},
 }
 
 
