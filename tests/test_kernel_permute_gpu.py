@@ -2,8 +2,6 @@
 default and every A/B candidate (``config_permute.CANDIDATES``: gather and scatter orders, register and
 shared-memory staging), each for every output kind."""
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given
@@ -17,20 +15,12 @@ from tests.mx_strategies import DISTRIBUTIONS, make_values, received_counts, to_
 pytestmark = pytest.mark.gpu
 
 CANDIDATES = list(config_permute.CANDIDATES)  # the first is the default (no fields changed)
-OPS = [("dequant", "bfloat16"), ("dequant", "float32"), ("blocked", "float8_e4m3fn"), ("plain", "float8_e4m3fn")]
 
 
-@contextlib.contextmanager
 def candidate(name: str):
     """Every output kind's op launches A/B candidate ``name`` in place of its default variant."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    arch = compile_cache.arch(dev)
-    with contextlib.ExitStack() as stack:
-        for out, dtype in OPS:
-            v = config_permute.Variant(out, dtype, **config_permute.CANDIDATES[name])
-            stack.enter_context(compile_cache.in_place_of(("perm", out, dtype, dev.index),
-                                                          compile_cache.get_kernel(v, arch)))
-        yield
+    return ops_permute.variants_in_place(dev, **config_permute.CANDIDATES[name])
 
 
 @pytest.fixture(autouse=True)
