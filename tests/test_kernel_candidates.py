@@ -32,7 +32,10 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=32),
     lambda: config_permute.Variant("blocked", threads=100),
     lambda: config_permute.Variant("blocked", iters=0),
-    lambda: config_permute.Variant("blocked", max_data_ctas=-1),
+    lambda: config_permute.Variant("blocked", order="rows"),
+    lambda: config_permute.Variant("blocked", staging="smem"),  # gather has no staging
+    lambda: config_permute.Variant("blocked", order="scatter", staging="tmem"),
+    lambda: config_permute.Variant("blocked", order="scatter", staging="smem", iters=8),  # past the 24 KB stage
 ])
 def test_bad_tiles_raise(make):
     with pytest.raises(ValueError):

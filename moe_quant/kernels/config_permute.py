@@ -27,9 +27,12 @@ DEQUANT_DTYPES = ("bfloat16", "float32")
 CHUNK = 16  # fp8 bytes per lane per load (one 16-byte vector; half a 32-element block)
 THREADS = 256  # default threads per CTA
 ITERS = 4  # default chunks per thread: all loads of a CTA issued before the first store
-# (source rank, expert) blocks the in-kernel table holds (shared memory: 3 int32 per block, 3 per expert);
-# permute_received runs the reference beyond it.
+# (source rank, expert) blocks the in-kernel table holds (shared memory: 3 int32 per block for gather, 2 for
+# scatter; 3 per expert for blocked); permute_received runs the reference beyond it.
 MAX_BLOCKS = 1024
+# Shared memory a CTA may stage its chunks in (staging="smem"): with the table (20 KB) under the 48 KB of
+# static shared memory.
+MAX_STAGE_BYTES = 24 * 1024
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,6 @@ class Variant:
     iters: int = ITERS
     order: str = "gather"
     staging: str = "registers"  # scatter only
-    # 0: one CTA per ``threads * iters`` chunks. N > 0: at most N data CTAs, each building the group table
-    # once and then looping over chunk ranges (a persistent grid: the table's cost paid N times, not per range).
-    max_data_ctas: int = 0
 
     family = "perm"
     kernel_module = "permute_mxfp8"  # compiled by compile_cache.compile_variant (never imported here)
@@ -62,25 +62,22 @@ class Variant:
             raise ValueError(f"threads must be a multiple of 32 in [64, 1024], got {self.threads}")
         if not (1 <= self.iters <= 16):
             raise ValueError(f"iters must be in [1, 16], got {self.iters}")
-        if self.max_data_ctas < 0:
-            raise ValueError(f"max_data_ctas must be >= 0, got {self.max_data_ctas}")
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         if self.staging not in STAGINGS:
             raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
         if self.staging != "registers" and self.order != "scatter":
             raise ValueError(f"staging={self.staging!r} is for order='scatter', got order={self.order!r}")
-        if self.order == "scatter" and self.max_data_ctas:
-            raise ValueError("order='scatter' loads before the table is built: one chunk range per CTA "
-                             f"(max_data_ctas=0), got max_data_ctas={self.max_data_ctas}")
+        if self.staging == "smem" and self.threads * self.iters * CHUNK > MAX_STAGE_BYTES:
+            raise ValueError(f"staging='smem' holds threads * iters * {CHUNK} bytes, at most {MAX_STAGE_BYTES}: "
+                             f"got threads={self.threads}, iters={self.iters}")
 
     @property
     def key(self) -> str:
-        grid = f"p{self.max_data_ctas}" if self.max_data_ctas else ""
         order = "" if self.order == "gather" else f"-{self.order}"  # gather keys as before the field
         if self.staging != "registers":
             order += f"-{self.staging}"
-        return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{grid}{order}"
+        return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{order}"
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -91,19 +88,15 @@ def all_variants() -> list[Variant]:
 
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
-# every arch (compile_check) on the output the targets measure (blocked).
+# every arch (compile_check) on the output the targets measure (blocked). Measured and dropped (H100,
+# 2026-11-24, blocked at (32768, 2048), % of memcpy; default gather t256i4 77.7): gather t256i8 54.5,
+# gather t128i8 65.7, gather t256i4 on a persistent grid of 132x4 CTAs building the table once each 74.6.
 CANDIDATES = {
-    "t256i4 (default)": {},
-    "t256i8": {"iters": 8},
-    "t128i8": {"threads": 128, "iters": 8},
-    # persistent grids sized to what an H100 (132 SMs) holds at once: 60 registers (i4) -> 4 CTAs per SM,
-    # 106 (i8) -> 2 (ptxas, sm_90a)
-    "t256i4 persistent 132x4": {"max_data_ctas": 132 * 4},
-    "t256i8 persistent 132x2": {"iters": 8, "max_data_ctas": 132 * 2},
-    "scatter t256i4": {"order": "scatter"},
+    "gather t256i4 (default)": {},
+    # ptxas, sm_90a: 40 registers, 36 KB shared memory -> 6 CTAs per SM (gather t256i4: 48 registers -> 5)
     "scatter t256i4 smem": {"order": "scatter", "staging": "smem"},
-    "scatter t128i4 smem": {"order": "scatter", "staging": "smem", "threads": 128},
-    "scatter t256i8": {"order": "scatter", "iters": 8},
+    # 48 registers, 20 KB -> 5 CTAs per SM
+    "scatter t256i4": {"order": "scatter"},
 }
 
 
