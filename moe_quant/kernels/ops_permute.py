@@ -28,8 +28,8 @@ def _shapes(m: int, k: int, n_experts: int, out: str):
     return m, k // BLOCK_SIZE
 
 
-# (out, out_dtype name) of every op: the variants the default launches
-OPS = [("dequant", name) for name in _DEQUANT_DTYPES.values()] + [("blocked", "float8_e4m3fn"), ("plain", "float8_e4m3fn")]
+# (out, out_dtype name) of every op, as its variant names them
+OPS = [("dequant", name) for name in _DEQUANT_DTYPES.values()] + [(out, "float8_e4m3fn") for out in ("blocked", "plain")]
 
 
 def _kernel(out: str, out_dtype: torch.dtype, device: torch.device) -> cc.Compiled:
