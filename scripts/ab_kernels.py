@@ -37,22 +37,6 @@ PERM_TARGETS = [(32768, 2048), (32768, 7168)]
 
 
 @contextlib.contextmanager
-def in_place_of(fast_key: tuple, kernel):
-    """Run the op whose compile-cache fast key is ``fast_key`` with ``kernel`` instead (same arguments)."""
-    from moe_quant.kernels import compile_cache as cc
-
-    old = cc._FAST.get(fast_key)
-    cc._FAST[fast_key] = kernel
-    try:
-        yield
-    finally:
-        if old is None:
-            cc._FAST.pop(fast_key, None)
-        else:
-            cc._FAST[fast_key] = old
-
-
-@contextlib.contextmanager
 def poisoned():
     from moe_quant.kernels import compile_cache as cc
 
@@ -212,7 +196,7 @@ def run_family(name: str, rounds: int) -> dict:
         kernels = {kind: (cc.get_kernel(variants[cand], arch), key) for kind, (variants, key) in kinds.items()}
         with contextlib.ExitStack() as stack:
             for kern, key in kernels.values():
-                stack.enter_context(in_place_of(key, kern))
+                stack.enter_context(cc.in_place_of(key, kern))
             with poisoned():
                 exact[cand] = check()
         print(f"{name} {cand}: byte-exact vs reference (every byte, padding included): {exact[cand]}", flush=True)
@@ -226,7 +210,7 @@ def run_family(name: str, rounds: int) -> dict:
         for _ in range(rounds):
             copy_tbps = tbps(copy_bytes, bench_us(copy))
             for c, kern in kerns.items():
-                with in_place_of(key, kern):
+                with cc.in_place_of(key, kern):
                     call(*rot.next())  # warm
                     us = bench_us(lambda: call(*rot.next()))
                 pct[c].append(100 * tbps(nbytes, us) / copy_tbps)

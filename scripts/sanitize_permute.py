@@ -4,7 +4,8 @@ also checked byte for byte against the reference.
     compute-sanitizer --tool memcheck python scripts/sanitize_permute.py [--quick]
 
 Ragged blocks, a silent rank, empty experts, negative / overflowing counts, totals past M, M = 0, K = 0,
-E = 0, 1024 blocks, raw fp8 / e8m0 bytes, every output kind.
+E = 0, 1024 blocks, raw fp8 / e8m0 bytes, every output kind; for the default variant and every A/B
+candidate (``config_permute.CANDIDATES``: the gather and scatter orders, register and cp.async staging).
 """
 
 import sys
@@ -18,7 +19,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from benchmarks.timing import require_cuda  # noqa: E402
 from moe_quant.ep.permute import OUT_KINDS, reference_permute_received  # noqa: E402
-from moe_quant.kernels import compile_cache, ops_permute  # noqa: E402
+from moe_quant.kernels import compile_cache, config_permute, ops_permute  # noqa: E402
 
 compile_cache.POISON_OUTPUTS = True
 
@@ -54,12 +55,17 @@ def main():
         ("E=0", [[]], 50, 64),
         ("1024 blocks", [[3] * 32 for _ in range(32)], 3100, 160),
         ("rows past the total", [[10, 20]], 300, 7168),
+        ("K=1056: 66 chunks per row", [[13, 0, 40], [7, 2, 1]], 90, 1056),
     ]
     if quick:
         cases = [cases[0], cases[5]]
     ok = True
-    for name, counts, m, k in cases:
-        ok &= case(name, counts, m, k)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for cand, fields in config_permute.CANDIDATES.items():
+        print(f"-- {cand}", flush=True)
+        with ops_permute.variants_in_place(dev, **fields):
+            for name, counts, m, k in cases:
+                ok &= case(name, counts, m, k)
     print("ALL OK" if ok else "FAILURES", flush=True)
     sys.exit(0 if ok else 1)
 

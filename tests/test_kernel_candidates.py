@@ -1,5 +1,5 @@
 """A/B kernel candidates (config_32x1 / config_permute CANDIDATES): distinct cache keys, compile-checked, the
-defaults' keys unchanged; no cutlass import (config modules)."""
+defaults' keys as recorded here; no cutlass import (config modules)."""
 
 import pytest
 
@@ -7,9 +7,13 @@ from moe_quant.kernels import config_32x1, config_permute
 
 
 def test_default_keys_unchanged():
-    """Defaults keep their keys (the on-disk cache and the measured kernels stay what they were)."""
+    """Defaults keep their keys (the on-disk cache and the measured kernels stay what they were) until a change
+    of default records its new key here."""
     assert config_32x1.Variant("bfloat16", "rceil", "kgroups").key == "bfloat16-rceil-kgroups-float8_e4m3fn"
-    assert config_permute.Variant("blocked").key == "blocked-float8_e4m3fn-t256i4b1024"
+    # permute: scatter with smem staging since 2026-11-25; gather keeps its key
+    assert config_permute.Variant("blocked").key == "blocked-float8_e4m3fn-t256i4b1024-scatter-smem"
+    assert config_permute.Variant("blocked", order="gather", staging="registers").key == \
+        "blocked-float8_e4m3fn-t256i4b1024"
     assert not config_32x1.CANDIDATES[next(iter(config_32x1.CANDIDATES))]  # the first candidate is the default
     assert not config_permute.CANDIDATES[next(iter(config_permute.CANDIDATES))]
 
@@ -32,7 +36,10 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=32),
     lambda: config_permute.Variant("blocked", threads=100),
     lambda: config_permute.Variant("blocked", iters=0),
-    lambda: config_permute.Variant("blocked", max_data_ctas=-1),
+    lambda: config_permute.Variant("blocked", order="rows"),
+    lambda: config_permute.Variant("blocked", order="gather"),  # gather has no smem staging
+    lambda: config_permute.Variant("blocked", staging="tmem"),
+    lambda: config_permute.Variant("blocked", iters=8),  # past the 24 KB stage
 ])
 def test_bad_tiles_raise(make):
     with pytest.raises(ValueError):

@@ -1,4 +1,6 @@
-"""GPU: the received-rows permutation kernel byte-exact against the reference, outputs poisoned first."""
+"""GPU: the received-rows permutation kernel byte-exact against the reference, outputs poisoned first; the
+default and every A/B candidate (``config_permute.CANDIDATES``: gather and scatter orders, register and
+shared-memory staging), each for every output kind."""
 
 import pytest
 import torch
@@ -7,10 +9,18 @@ from hypothesis import strategies as st
 
 from moe_quant import backends, to_mxfp8
 from moe_quant.ep.permute import OUT_KINDS, reference_permute_received
-from moe_quant.kernels import compile_cache, ops_permute
+from moe_quant.kernels import compile_cache, config_permute, ops_permute
 from tests.mx_strategies import DISTRIBUTIONS, make_values, received_counts, to_bytes
 
 pytestmark = pytest.mark.gpu
+
+CANDIDATES = list(config_permute.CANDIDATES)  # the first is the default (no fields changed)
+
+
+def candidate(name: str):
+    """Every output kind's op launches A/B candidate ``name`` in place of its default variant."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return ops_permute.variants_in_place(dev, **config_permute.CANDIDATES[name])
 
 
 @pytest.fixture(autouse=True)
@@ -40,29 +50,56 @@ def check(counts, m, k, seed, dist="normal", raw_bytes=False):
                 assert torch.equal(to_bytes(g_.cpu()), to_bytes(w_)), (out, out_dtype, i, counts, m, k)
 
 
+@pytest.mark.parametrize("cand", CANDIDATES)
 @given(rc=received_counts(max_ranks=8, max_experts=9), k=st.sampled_from([32, 64, 96, 160, 512]),
        dist=st.sampled_from(DISTRIBUTIONS), seed=st.integers(0, 2**31 - 1), raw=st.booleans())
-def test_matches_reference(rc, k, dist, seed, raw):
+def test_matches_reference(cand, rc, k, dist, seed, raw):
     counts, m = rc
     if not counts:
         counts = [[]]
-    check(counts, m, k, seed, dist, raw_bytes=raw)
+    with candidate(cand):
+        check(counts, m, k, seed, dist, raw_bytes=raw)
 
 
-@pytest.mark.parametrize("r,e,m,k", [(1, 1, 1, 32), (8, 32, 20000, 2048), (64, 16, 5000, 224), (32, 32, 3000, 7168)])
-def test_large_and_many_blocks(r, e, m, k):
+@pytest.mark.parametrize("cand", CANDIDATES)
+@given(r=st.integers(1, 32), e=st.integers(1, 32), m=st.integers(1, 3000), k=st.sampled_from([32, 224, 1056]),
+       seed=st.integers(0, 2**31 - 1), zeros=st.floats(0, 1), bad=st.booleans())
+def test_many_blocks_and_garbage_counts(cand, r, e, m, k, seed, zeros, bad):
+    """Up to 1024 blocks (the table's limit), a share of them empty; with ``bad``, negative, huge and
+    overflowing counts and totals past M. Many rows per CTA and many CTAs per block."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, max(2, 3 * m // (r * e)), (r, e), generator=g)
+    counts[torch.rand(r, e, generator=g) < zeros] = 0
+    if bad:
+        pick = torch.randint(0, 5, (r, e), generator=g)
+        counts[pick == 1] = -7
+        counts[pick == 2] = 2**31 - 1
+        counts[pick == 3] = -(2**31)
+    with candidate(cand):
+        check(counts.tolist(), m, k, seed, raw_bytes=True)
+
+
+@pytest.mark.parametrize("cand", CANDIDATES)
+@pytest.mark.parametrize("r,e,m,k", [(1, 1, 1, 32), (8, 32, 20000, 2048), (64, 16, 5000, 224), (32, 32, 3000, 7168),
+                                     (8, 8, 40000, 96), (2, 3, 300, 32)])
+def test_large_and_many_blocks(cand, r, e, m, k):
     g = torch.Generator().manual_seed(r * e)
     counts = torch.randint(0, max(1, 2 * m // (r * e)), (r, e), generator=g)
     counts[0] = 0  # a rank that sends nothing
     counts[:, -1] = 0  # an empty expert
-    check(counts.tolist(), m, k, 7)
+    with candidate(cand):
+        check(counts.tolist(), m, k, 7)
 
 
-def test_bad_counts_and_empty():
-    check([[-5, 2**31 - 1], [3, 3]], 100, 64, 1)  # negative, overflowing, total past M
-    check([[0, 0, 0]], 0, 64, 2)  # M = 0: no launch, offs all zero, blocked buffer zero
-    check([[4, 4]], 8, 0, 3)  # K = 0
-    check([[]], 50, 64, 4)  # E = 0: every row is past the total
+@pytest.mark.parametrize("cand", CANDIDATES)
+def test_bad_counts_and_empty(cand):
+    with candidate(cand):
+        check([[-5, 2**31 - 1], [3, 3]], 100, 64, 1)  # negative, overflowing, total past M
+        check([[0, 0, 0]], 0, 64, 2)  # M = 0: no launch, offs all zero, blocked buffer zero
+        check([[4, 4]], 8, 0, 3)  # K = 0
+        check([[]], 50, 64, 4)  # E = 0: every row is past the total
+        check([[0, 0], [0, 0]], 70, 64, 5)  # no rows at all: every output row zero
+        check([[1000]], 1, 32, 6)  # one row, count past M
 
 
 def test_past_table_falls_back_to_reference():

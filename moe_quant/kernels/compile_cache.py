@@ -18,6 +18,7 @@ kernel sources and the cutlass-dsl / tvm-ffi versions.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import os
@@ -244,6 +245,22 @@ def kernel_for(key: tuple, make_variant, device: torch.device) -> Compiled:
     if k is None:
         k = _FAST[fast] = get_kernel(make_variant(), arch(device))
     return k
+
+
+@contextlib.contextmanager
+def in_place_of(fast_key: tuple, kernel: Compiled):
+    """Within the block, the op whose fast key is ``fast_key`` (``kernel_for``'s key plus the device index)
+    launches ``kernel`` (another variant of the same kernel: same arguments) instead of its own: how the A/B
+    script and the GPU tests run the candidates (``CANDIDATES`` of a config module) through the ops."""
+    old = _FAST.get(fast_key)
+    _FAST[fast_key] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            _FAST.pop(fast_key, None)
+        else:
+            _FAST[fast_key] = old
 
 
 def via_dispatcher(t: torch.Tensor) -> bool:

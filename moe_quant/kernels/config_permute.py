@@ -15,13 +15,24 @@ import dataclasses
 from dataclasses import dataclass
 
 OUTS = ("dequant", "blocked", "plain")
+# How a CTA's chunks are chosen (docs in permute_mxfp8.py): "gather" -- consecutive destination chunks, each
+# loaded from the source row the group table gives (the loads wait for the table); "scatter" -- consecutive
+# source chunks, loaded first (no table needed), stored to the destination row the table gives (the table is
+# built while the loads are in flight).
+ORDERS = ("gather", "scatter")
+# Where scatter holds its loaded chunks while the table is built: "registers" (16 bytes each), or "smem" (each
+# thread's chunks copied by cp.async into shared memory, no register held: fewer registers, more CTAs per SM).
+STAGINGS = ("registers", "smem")
 DEQUANT_DTYPES = ("bfloat16", "float32")
 CHUNK = 16  # fp8 bytes per lane per load (one 16-byte vector; half a 32-element block)
 THREADS = 256  # default threads per CTA
 ITERS = 4  # default chunks per thread: all loads of a CTA issued before the first store
-# (source rank, expert) blocks the in-kernel table holds (shared memory: 3 int32 per block, 3 per expert);
-# permute_received runs the reference beyond it.
+# (source rank, expert) blocks the in-kernel table holds (shared memory: 3 int32 per block for gather, 2 for
+# scatter; 3 per expert for blocked); permute_received runs the reference beyond it.
 MAX_BLOCKS = 1024
+# Shared memory a CTA may stage its chunks in (staging="smem"): with the table (20 KB) under the 48 KB of
+# static shared memory.
+MAX_STAGE_BYTES = 24 * 1024
 
 
 @dataclass(frozen=True)
@@ -33,9 +44,8 @@ class Variant:
     # Launch shape, A/B candidates (scripts/ab_kernels.py); the defaults are the measured ones.
     threads: int = THREADS
     iters: int = ITERS
-    # 0: one CTA per ``threads * iters`` chunks. N > 0: at most N data CTAs, each building the group table
-    # once and then looping over chunk ranges (a persistent grid: the table's cost paid N times, not per range).
-    max_data_ctas: int = 0
+    order: str = "scatter"
+    staging: str = "smem"  # scatter only ("registers" for gather)
 
     family = "perm"
     kernel_module = "permute_mxfp8"  # compiled by compile_cache.compile_variant (never imported here)
@@ -52,13 +62,22 @@ class Variant:
             raise ValueError(f"threads must be a multiple of 32 in [64, 1024], got {self.threads}")
         if not (1 <= self.iters <= 16):
             raise ValueError(f"iters must be in [1, 16], got {self.iters}")
-        if self.max_data_ctas < 0:
-            raise ValueError(f"max_data_ctas must be >= 0, got {self.max_data_ctas}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if self.staging not in STAGINGS:
+            raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
+        if self.staging != "registers" and self.order != "scatter":
+            raise ValueError(f"staging={self.staging!r} is for order='scatter', got order={self.order!r}")
+        if self.staging == "smem" and self.threads * self.iters * CHUNK > MAX_STAGE_BYTES:
+            raise ValueError(f"staging='smem' holds threads * iters * {CHUNK} bytes, at most {MAX_STAGE_BYTES}: "
+                             f"got threads={self.threads}, iters={self.iters}")
 
     @property
     def key(self) -> str:
-        grid = f"p{self.max_data_ctas}" if self.max_data_ctas else ""
-        return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{grid}"
+        order = "" if self.order == "gather" else f"-{self.order}"  # gather keys as before the field
+        if self.staging != "registers":
+            order += f"-{self.staging}"
+        return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{order}"
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -69,15 +88,19 @@ def all_variants() -> list[Variant]:
 
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
-# every arch (compile_check) on the output the targets measure (blocked).
+# every arch (compile_check) on the output the targets measure (blocked). Measured and dropped (H100,
+# 2026-11-24, blocked at (32768, 2048), % of memcpy; the default then, gather t256i4, 77.7): gather t256i8
+# 54.5, gather t128i8 65.7, gather t256i4 on a persistent grid of 132x4 CTAs building the table once each 74.6.
+# The default since is scatter t256i4 smem: it does strictly less before its loads (address arithmetic only;
+# the table and the searches, no more work than gather's, run while the loads are in flight), with fewer
+# registers; its A/B against gather waits for the GPU.
 CANDIDATES = {
-    "t256i4 (default)": {},
-    "t256i8": {"iters": 8},
-    "t128i8": {"threads": 128, "iters": 8},
-    # persistent grids sized to what an H100 (132 SMs) holds at once: 60 registers (i4) -> 4 CTAs per SM,
-    # 106 (i8) -> 2 (ptxas, sm_90a)
-    "t256i4 persistent 132x4": {"max_data_ctas": 132 * 4},
-    "t256i8 persistent 132x2": {"iters": 8, "max_data_ctas": 132 * 2},
+    # ptxas, sm_90a: 40 registers, 36 KB shared memory -> 6 CTAs per SM
+    "scatter t256i4 smem (default)": {},
+    # 48 registers, 20 KB -> 5 CTAs per SM
+    "scatter t256i4 registers": {"staging": "registers"},
+    # the default until 2026-11-25 (77.7% above): 48 registers, 24 KB -> 5 CTAs per SM
+    "gather t256i4": {"order": "gather", "staging": "registers"},
 }
 
 

@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, vector
+from cutlass._mlir.dialects import llvm, nvvm, vector
 from cutlass.cutlass_dsl import T
 
 from ..layouts import TILE_BYTES, TILE_COLS, TILE_ROWS, blocked_offset  # noqa: F401  (re-exported)
@@ -69,7 +69,7 @@ def _asm(ret_types, args, text: str, constraints: str):
 
 
 def ld_global_v4(ptr) -> tuple:
-    """16-byte load (``ld.global.v4.b32``); ``ptr`` must be 16-byte aligned."""
+    """16-byte load (``ld.global.v4.b32``, or ``ld.shared`` for a shared-memory ``ptr``); 16-byte aligned."""
     vec = cute.arch.load(ptr, ir.VectorType.get([4], T.i32()))
     return tuple(Int32(vector.extract(vec, [], [i])) for i in range(4))
 
@@ -82,6 +82,15 @@ def st_global_v4(ptr, a, b, c, d) -> None:
 def ld_global_u8(ptr) -> Int32:
     """One byte, zero-extended."""
     return Int32(cute.arch.load(ptr, Uint8))
+
+
+def cp_async_16(smem_ptr, gmem_ptr, src_bytes) -> None:
+    """``cp.async.cg.shared.global``: 16 bytes from ``gmem_ptr`` to ``smem_ptr`` (both 16-byte aligned) with no
+    register held while in flight; only the first ``src_bytes`` (0..16) are read, the rest of the 16 are
+    zero-filled (0: no read at all). The issuing thread sees them after ``cute.arch.cp_async_commit_group()``
+    and ``cute.arch.cp_async_wait_group(0)``."""
+    nvvm.cp_async_shared_global(smem_ptr.llvm_ptr, gmem_ptr.llvm_ptr, 16, nvvm.LoadCacheModifierKind.CG,
+                                cp_size=_i32(src_bytes))
 
 
 def st_global_v2(ptr, a, b) -> None:
@@ -373,6 +382,26 @@ def upper_bound(t, n: Int32, key: Int32) -> Int32:
         else:
             lo = mid + 1
     return lo
+
+
+@cute.jit
+def upper_bounds(t, n: Int32, keys) -> list:
+    """:func:`upper_bound` of every key in ``keys`` (a list; ``n >= 1``), searched together level by level:
+    per level one shared-memory load per key, the keys' loads independent of each other, so the search
+    costs ``floor(log2 n) + 1`` dependent loads, not that many per key one key after the other. Branchless
+    binary lifting (``pos`` counts the entries ``<= key``); a key with no entry above it gets ``n - 1``."""
+    pos = cute.make_rmem_tensor(len(keys), Int32)
+    for u in cutlass.range_constexpr(len(keys)):
+        pos[u] = Int32(0)
+    step = Int32(1) << (Int32(31) - Int32(cute.arch.clz(n)))  # the largest power of two <= n
+    while step > 0:
+        for u in cutlass.range_constexpr(len(keys)):
+            p = Int32(pos[u])
+            nxt = p + step
+            below = Int32(t[cutlass.min(nxt, n) - 1]) <= keys[u]
+            pos[u] = Int32(cutlass.select_((nxt <= n) & below, nxt, p))
+        step = step >> 1
+    return [cutlass.min(Int32(pos[u]), n - 1) for u in range(len(keys))]
 
 
 @cute.jit

@@ -4,6 +4,8 @@ argument checks and the reference are :func:`moe_quant.ep.permute_received`. Sam
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import layouts
@@ -26,9 +28,25 @@ def _shapes(m: int, k: int, n_experts: int, out: str):
     return m, k // BLOCK_SIZE
 
 
+# (out, out_dtype name) of every op, as its variant names them
+OPS = [("dequant", name) for name in _DEQUANT_DTYPES.values()] + [(out, "float8_e4m3fn") for out in ("blocked", "plain")]
+
+
 def _kernel(out: str, out_dtype: torch.dtype, device: torch.device) -> cc.Compiled:
     name = _DEQUANT_DTYPES[out_dtype] if out == "dequant" else "float8_e4m3fn"
     return cc.kernel_for(("perm", out, name), lambda: Variant(out, name), device)
+
+
+@contextlib.contextmanager
+def variants_in_place(device: torch.device, **fields):
+    """Within the block, every op on ``device`` launches ``Variant(out, out_dtype, **fields)`` (an A/B
+    candidate's fields, ``config_permute.CANDIDATES``) instead of its default variant (GPU tests, sanitizer)."""
+    arch = cc.arch(device)
+    with contextlib.ExitStack() as stack:
+        for out, name in OPS:
+            kernel = cc.get_kernel(Variant(out, name, **fields), arch)
+            stack.enter_context(cc.in_place_of(("perm", out, name, device.index), kernel))
+        yield
 
 
 def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):

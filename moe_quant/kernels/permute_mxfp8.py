@@ -5,17 +5,31 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
 
 * Group table, in every CTA, by warp 0 with warp scans into shared memory (no host read, no second
   launch): counts clamped to ``[0, M]`` and summed r-major with a saturating add (the running total
-  clamped to M, no int32 overflow whatever the counts), giving each (r, e) block's source start and
-  size; then an expert-major scan giving each block's destination end and row shift ``src - dst``;
-  for ``blocked``, the experts' padded starts ``P_e`` (:func:`cute_utils.m_groups_table_step`,
-  the same definition as ``layouts.group_bounds``). CTA 0 writes ``offs``.
-* Data: the output is a flat array of 16-byte fp8 chunks (half a 32-element block); a CTA owns
-  ``ITERS * THREADS`` consecutive chunks, binary-searches the destination row of each in the table, then
-  issues all its 16-byte loads (and the scale bytes) before the first store. Rows past the total are zero.
+  clamped to M, no int32 overflow whatever the counts), giving each (r, e) block's source end (a block
+  starts where the previous one ends); then an expert-major scan giving each block's destination end and
+  row shift ``src - dst``; for ``blocked``, the experts' padded starts ``P_e``
+  (:func:`cute_utils.m_groups_table_step`, the same definition as ``layouts.group_bounds``). One CTA
+  writes ``offs``.
+* Data: the input and the output are flat arrays of 16-byte fp8 chunks (half a 32-element block); a CTA
+  owns ``iters * threads`` consecutive chunks, ``iters`` per thread, all loaded before the first store.
+  Two orders (``Variant.order``):
+
+  - ``gather``: consecutive *destination* chunks. The CTA builds the table, binary-searches each chunk's
+    destination row in it (source row = row + shift), then loads: every load waits for the table.
+  - ``scatter``: consecutive *source* chunks. The source side needs no table (the input's own order:
+    chunk ``c`` is bytes ``16 c`` and scale byte ``c / 2``), so the CTA issues its loads first and builds
+    the table while they are in flight; then it searches each source row's block (all chunks at once,
+    :func:`cute_utils.upper_bounds`) and stores at row - shift. Source rows ``< T`` map one to one onto
+    output rows ``< T``, rows ``>= T`` onto themselves (zeroed): every output chunk is written once.
+    The loaded chunks wait in registers (``staging="registers"``) or, copied by ``cp.async``, in shared
+    memory (``"smem"``: no register held, so fewer registers and more CTAs per SM).
+
+  Output rows past the total ``T`` are zero.
 * ``dequant`` writes ``fp32(q) * 2**(s-127)`` rounded to bf16 (or fp32), canonical NaN; ``plain`` the fp8
   chunk and its scale byte; ``blocked`` the fp8 chunk and the scale at its M-groups blocked byte, the
-  row's last scale also zeroing the pad columns, and extra CTAs at the front of the grid (one per 128-row
-  tile of the scale buffer) zero every other byte that holds no real scale, as the 1x32 kernel does.
+  row's last scale also zeroing the pad columns, and extra CTAs (one per 128-row tile of the scale buffer;
+  gather: at the front of the grid, scatter: after the data CTAs) zero every other byte that holds no real
+  scale, as the 1x32 kernel does.
 """
 
 from __future__ import annotations
@@ -30,13 +44,15 @@ from . import cute_utils as cu
 from .config_permute import CHUNK, MAX_BLOCKS, Variant, all_variants  # noqa: F401
 
 CHUNKS_PER_BLOCK = BLOCK_SIZE // CHUNK  # 2
+CHUNK_WORDS = CHUNK // 4  # int32 words per chunk
 
 
 class PermuteMxfp8Kernel:
     """Host entry ``__call__(data, scales, counts, out, out_scales, offs, stream)``: ``data (M, K)`` and
     ``scales (M, K/32)`` uint8; ``counts (R, E)`` int32; ``out (M, K)`` (bf16/fp32 for dequant, else uint8);
     ``out_scales`` uint8 (``None`` for dequant): ``(M, K/32)`` plain or ``(M + 128 E, 4 ceil(K/128))``
-    blocked; ``offs (E,)`` int32. Needs ``R * E <= MAX_BLOCKS`` and ``E <= MAX_BLOCKS``."""
+    blocked; ``offs (E,)`` int32. Needs ``R * E <= MAX_BLOCKS`` and ``E <= MAX_BLOCKS``, and ``M K > 0``
+    (the op launches nothing otherwise)."""
 
     def __init__(self, variant: Variant):
         self.v = variant
@@ -45,7 +61,11 @@ class PermuteMxfp8Kernel:
         self.blocked = variant.out == "blocked"
         self.threads = variant.threads
         self.iters = variant.iters
-        self.max_data_ctas = variant.max_data_ctas
+        self.scatter = variant.order == "scatter"
+        self.smem_staging = variant.staging == "smem"
+        # Scatter builds the table while its loads are in flight: its scans are not unrolled (fewer registers
+        # live next to the loaded chunks; their latency hides behind the loads). Gather keeps the compiler's.
+        self.table_unroll = 1 if self.scatter else 0
 
     # ------------------------------------------------------------------ host
 
@@ -59,10 +79,7 @@ class PermuteMxfp8Kernel:
         n_chunks = Int64(m) * Int64(k) // CHUNK
         per_cta = self.threads * self.iters
         n_data = Int32((n_chunks + (per_cta - 1)) // per_cta)
-        n_data = cutlass.max(n_data, Int32(1))  # CTA 0 writes offs even with no rows
-        n_grid = n_data  # data CTAs launched
-        if cutlass.const_expr(self.max_data_ctas > 0):
-            n_grid = cutlass.min(n_data, Int32(self.max_data_ctas))
+        n_data = cutlass.max(n_data, Int32(1))  # one CTA writes offs even with no rows
         n_pad = Int32(0)
         buf_rows = Int32(0)
         if cutlass.const_expr(self.blocked):
@@ -70,23 +87,24 @@ class PermuteMxfp8Kernel:
             n_pad = (buf_rows + (TILE_ROWS - 1)) // TILE_ROWS
         self.kernel(
             data, scales, counts, out, out_scales, offs, Int32(m), Int32(k), Int32(kb), Int32(nc),
-            Int32(counts.shape[0]), Int32(counts.shape[1]), n_chunks, n_pad, buf_rows, n_data, n_grid,
-        ).launch(grid=[n_pad + n_grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            Int32(counts.shape[0]), Int32(counts.shape[1]), n_chunks, n_pad, buf_rows, n_data,
+        ).launch(grid=[n_pad + n_data, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device
 
     @cute.kernel
     def kernel(self, data: cute.Tensor, scales: cute.Tensor, counts: cute.Tensor, out: cute.Tensor, out_scales,
                offs: cute.Tensor, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32, n_experts: Int32,
-               n_chunks: Int64, n_pad: Int32, buf_rows: Int32, n_data: Int32, n_grid: Int32):
+               n_chunks: Int64, n_pad: Int32, buf_rows: Int32, n_data: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
         bid = Int32(bid)
         layout = cute.make_layout(MAX_BLOCKS)
-        t_a = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # r-major sizes
-        t_b = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # r-major src starts
-        t_dend = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # e-major dst ends
+        t_send = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # r-major src ends
+        t_dend = None
+        if cutlass.const_expr(not self.scatter):  # gather searches the e-major destination ends
+            t_dend = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
         t_shift = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)  # src - dst
         g_end = None
         g_shift = None
@@ -95,41 +113,51 @@ class PermuteMxfp8Kernel:
             g_end = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
             g_shift = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
             g_pend = cute.make_tensor(cute.arch.alloc_smem(Int32, MAX_BLOCKS, alignment=16), layout)
+        tables = (t_send, t_dend, t_shift, g_end, g_shift, g_pend)
         n_blocks = n_ranks * n_experts
-        self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == n_pad,
-                          t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend)
-        if cutlass.const_expr(self.blocked):
-            if bid < n_pad:
-                self.pad_tile(out_scales, nc, bid * TILE_ROWS, n_experts, buf_rows, tid, g_end, g_shift, g_pend)
+        if cutlass.const_expr(self.scatter):
+            # Data CTAs first, then the pad CTAs. Every CTA issues its loads before the table exists (a pad
+            # CTA's chunks all lie past the end: they read the last chunk, or nothing with smem staging).
+            stage = None
+            if cutlass.const_expr(self.smem_staging):
+                stage = cute.arch.alloc_smem(Int32, self.threads * self.iters * CHUNK_WORDS, alignment=16)
+            words, sbytes = self.load_src_chunks(data, scales, n_chunks, bid, tid, stage)
+            self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == 0, tables)
+            if cutlass.const_expr(self.smem_staging):
+                cute.arch.cp_async_wait_group(0)  # this thread's own copies (every CTA: none left in flight)
+                words = stage
+            if cutlass.const_expr(self.blocked):
+                if bid >= n_data:
+                    self.pad_tile(out_scales, nc, (bid - n_data) * TILE_ROWS, n_experts, buf_rows, tid, tables)
+                else:
+                    self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
+                                      sbytes, tables)
             else:
-                self.data_tiles(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
-                                bid - n_pad, n_data, n_grid, tid, t_dend, t_shift, g_shift)
+                self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
+                                  sbytes, tables)
         else:
-            self.data_tiles(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
-                            bid, n_data, n_grid, tid, t_dend, t_shift, g_shift)
-
-    @cute.jit
-    def data_tiles(self, data, scales, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32,
-                   n_blocks: Int32, n_chunks: Int64, dbid: Int32, n_data: Int32, n_grid: Int32, tid: Int32,
-                   t_dend, t_shift, g_shift):
-        """Data CTA ``dbid``'s chunk range; with a persistent grid, ranges ``dbid, dbid + n_grid, ...``."""
-        if cutlass.const_expr(self.max_data_ctas > 0):
-            for t in cutlass.range(dbid, n_data, n_grid, unroll=1):
-                self.data_tile(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
-                               t, tid, t_dend, t_shift, g_shift)
-        else:
-            self.data_tile(data, scales, out, out_scales, m, k, kb, nc, n_ranks, n_blocks, n_chunks,
-                           dbid, tid, t_dend, t_shift, g_shift)
+            # Pad CTAs first, then the data CTAs; the table before any load.
+            self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == n_pad, tables)
+            if cutlass.const_expr(self.blocked):
+                if bid < n_pad:
+                    self.pad_tile(out_scales, nc, bid * TILE_ROWS, n_experts, buf_rows, tid, tables)
+                else:
+                    self.gather_tile(data, scales, out, out_scales, k, kb, nc, n_ranks, n_blocks, n_chunks,
+                                     bid - n_pad, tid, tables)
+            else:
+                self.gather_tile(data, scales, out, out_scales, k, kb, nc, n_ranks, n_blocks, n_chunks, bid, tid,
+                                 tables)
 
     @cute.jit
     def build_tables(self, counts, offs, m: Int32, n_ranks: Int32, n_experts: Int32, n_blocks: Int32, tid: Int32,
-                     writes_offs, t_a, t_b, t_dend, t_shift, g_end, g_shift, g_pend):
+                     writes_offs, tables):
+        t_send, t_dend, t_shift, g_end, g_shift, g_pend = tables
         lane = tid % 32
         warp = tid // 32
-        # ---- r-major: sanitized sizes and source starts (saturating running total: min(sum, M))
+        # ---- r-major: sanitized source ends (saturating running total: min(sum, M)); block b starts at b - 1's end
         if warp == 0:
             carry = Int32(0)
-            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1):
+            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
                 b = sub * 32 + lane
                 raw = Int32(0)
                 if b < n_blocks:
@@ -140,33 +168,38 @@ class PermuteMxfp8Kernel:
                     if lane >= (1 << d):
                         v = v + cutlass.min(y, m - v)
                 end = carry + cutlass.min(v, m - carry)
-                prev = cute.arch.shuffle_sync_up(end, offset=1)
-                prev = Int32(cutlass.select_(lane == 0, carry, prev))
                 if b < n_blocks:
-                    t_a[b] = end - prev
-                    t_b[b] = prev
+                    t_send[b] = end
                 carry = cute.arch.shuffle_sync(end, offset=31)
         cute.arch.sync_threads()
-        # ---- expert-major: destination ends and row shifts; offs
+        # ---- expert-major: destination ends and row shifts (gather: e-major, scatter: r-major); offs
         if warp == 0:
             carry = Int32(0)
-            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1):
+            for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
                 i = sub * 32 + lane
                 sz = Int32(0)
                 src = Int32(0)
                 e = Int32(0)
                 r = Int32(0)
+                b = Int32(0)
                 if i < n_blocks:
                     e = i // n_ranks
                     r = i - e * n_ranks
-                    sz = Int32(t_a[r * n_experts + e])
-                    src = Int32(t_b[r * n_experts + e])
+                    b = r * n_experts + e
+                    if b > 0:
+                        src = Int32(t_send[b - 1])
+                    sz = Int32(t_send[b]) - src
                 dend = carry + cu.warp_inclusive_sum(sz, lane)
                 if i < n_blocks:
-                    t_dend[i] = dend
-                    t_shift[i] = src - (dend - sz)
-                    if writes_offs:
-                        if r == n_ranks - 1:
+                    if cutlass.const_expr(self.scatter):
+                        t_shift[b] = src - (dend - sz)  # searched by source row
+                    else:
+                        t_dend[i] = dend
+                        t_shift[i] = src - (dend - sz)
+                    if r == n_ranks - 1:
+                        if cutlass.const_expr(self.blocked):
+                            g_end[e] = dend  # the expert's end, sanitized in the next step
+                        if writes_offs:
                             cu.st_global_u32(offs.iterator + e, dend)
                 carry = cute.arch.shuffle_sync(dend, offset=31)
             if writes_offs:
@@ -179,12 +212,12 @@ class PermuteMxfp8Kernel:
             if warp == 0:
                 carry_end = Int32(0)
                 carry_pend = Int32(0)
-                for sub in cutlass.range(0, (n_experts + 31) // 32, 1):
+                for sub in cutlass.range(0, (n_experts + 31) // 32, 1, unroll=self.table_unroll):
                     e = sub * 32 + lane
                     raw = Int32(0)
                     if e < n_experts:
                         if n_ranks > 0:
-                            raw = Int32(t_dend[e * n_ranks + n_ranks - 1])
+                            raw = Int32(g_end[e])
                     ge, shift, pend, carry_end, carry_pend = cu.m_groups_table_step(raw, m, lane, carry_end,
                                                                                      carry_pend)
                     if e < n_experts:
@@ -194,9 +227,9 @@ class PermuteMxfp8Kernel:
             cute.arch.sync_threads()
 
     @cute.jit
-    def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32,
-                 g_end, g_shift, g_pend):
+    def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32, tables):
         """Zero the bytes of scale-buffer row tile ``p0 / 128`` that hold no real scale."""
+        _, _, _, g_end, g_shift, g_pend = tables
         nreal = Int32(0)
         in_group = Int32(0)
         if n_experts > 0:
@@ -208,46 +241,57 @@ class PermuteMxfp8Kernel:
         cu.zero_scale_tile_padding(out_scales, p0, nc, buf_rows, in_group, nreal, tid, self.threads)
 
     @cute.jit
-    def data_tile(self, data, scales, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32,
-                  n_blocks: Int32, n_chunks: Int64, dbid: Int32, tid: Int32, t_dend, t_shift, g_shift):
-        lane = tid % 32
+    def chunk_coords(self, k: Int32, dbid: Int32, tid: Int32, k_positive: cutlass.Constexpr = False):
+        """Index, row and column (in chunks) of each of this thread's ``iters`` chunks of CTA range ``dbid``:
+        chunk ``dbid * threads * iters + u * threads + tid`` for ``u < iters``."""
         kc = k // CHUNK  # chunks per row
+        if cutlass.const_expr(k_positive):  # the compiler drops the guards below (ptxas: 2 registers fewer)
+            kc = cutlass.max(kc, Int32(1))
         base = Int64(dbid) * Int64(self.threads * self.iters)
-        last = cutlass.max(n_chunks - 1, Int64(0))
-        total = Int32(0)
-        if n_blocks > 0:
-            total = Int32(t_dend[n_blocks - 1])
         r0 = Int32(0)
         c0 = Int32(0)
         if kc > 0:
             r0 = Int32(base // Int64(kc))
             c0 = Int32(base - Int64(r0) * Int64(kc))
-        # ---- destination row, source row (and blocked scale row) of every chunk; then all loads
+        chs = []
         rows = []
         cols = []
-        srcs = []
-        brows = []
-        valids = []
         for u in cutlass.range_constexpr(self.iters):
             j = c0 + (u * self.threads) + tid
             dr = Int32(0)
             if kc > 0:
                 dr = j // kc
-            t = r0 + dr
-            cc = j - dr * kc
-            ch = base + (u * self.threads) + Int64(tid)
+            chs.append(base + (u * self.threads) + Int64(tid))
+            rows.append(r0 + dr)
+            cols.append(j - dr * kc)
+        return chs, rows, cols
+
+    @cute.jit
+    def gather_tile(self, data, scales, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32,
+                    n_blocks: Int32, n_chunks: Int64, dbid: Int32, tid: Int32, tables):
+        """Gather: destination chunks of range ``dbid``; each one's source row from the table, then the loads."""
+        _, t_dend, t_shift, _, g_shift, _ = tables
+        last = cutlass.max(n_chunks - 1, Int64(0))
+        total = Int32(0)
+        if n_blocks > 0:
+            total = Int32(t_dend[n_blocks - 1])
+        chs, rows, cols = self.chunk_coords(k, dbid, tid)
+        # ---- source row (and blocked scale row) of every chunk; then all loads
+        srcs = []
+        brows = []
+        valids = []
+        for u in cutlass.range_constexpr(self.iters):
+            t = rows[u]
             valid = Int32(0)
             src = Int32(0)
             brow = Int32(0)
-            if ch < n_chunks:
+            if chs[u] < n_chunks:
                 if t < total:
                     valid = Int32(1)
                     i = cu.upper_bound(t_dend, n_blocks, t)
                     src = t + Int32(t_shift[i])
                     if cutlass.const_expr(self.blocked):
                         brow = t + Int32(g_shift[i // n_ranks])
-            rows.append(t)
-            cols.append(cc)
             srcs.append(src)
             brows.append(brow)
             valids.append(valid)
@@ -259,31 +303,90 @@ class PermuteMxfp8Kernel:
             sbytes.append(cu.ld_global_u8(scales.iterator + (Int64(srcs[u]) * Int64(kb) + Int64(cols[u] // 2))))
         # ---- stores
         for u in cutlass.range_constexpr(self.iters):
+            if chs[u] < n_chunks:
+                self.store_chunk(out, out_scales, kb, nc, chs[u], rows[u], cols[u], brows[u], valids[u] != 0,
+                                 words[u], sbytes[u])
+
+    @cute.jit
+    def load_src_chunks(self, data, scales, n_chunks: Int64, dbid: Int32, tid: Int32, stage):
+        """Scatter: issue the loads of this thread's source chunks of range ``dbid`` and their scale bytes (no
+        table needed). A chunk's scale byte is byte ``chunk // 2`` of ``scales`` (K/16 chunks and K/32 scales
+        per row). A chunk past the end reads the last one (staged: reads nothing, its copy zero-fills).
+        Returns the chunks' words (staged in ``stage``, at ``(u * threads + tid) * 16`` bytes: None) and the
+        scale bytes."""
+        base = Int64(dbid) * Int64(self.threads * self.iters)
+        last = cutlass.max(n_chunks - 1, Int64(0))
+        words = []
+        sbytes = []
+        for u in cutlass.range_constexpr(self.iters):
             ch = base + (u * self.threads) + Int64(tid)
-            if ch < n_chunks:
-                ok = valids[u] != 0
-                w0, w1, w2, w3 = words[u]
-                w0 = Int32(cutlass.select_(ok, w0, Int32(0)))
-                w1 = Int32(cutlass.select_(ok, w1, Int32(0)))
-                w2 = Int32(cutlass.select_(ok, w2, Int32(0)))
-                w3 = Int32(cutlass.select_(ok, w3, Int32(0)))
-                s = Int32(cutlass.select_(ok, sbytes[u], Int32(0)))
-                if cutlass.const_expr(self.out == "dequant"):
-                    is_nan = s == E8M0_NAN
-                    lo = cu.canonical_nan_words(cu.dequantize8(w0, w1, s, is_nan, self.f32), self.f32)
-                    hi = cu.canonical_nan_words(cu.dequantize8(w2, w3, s, is_nan, self.f32), self.f32)
-                    dst = out.iterator + ch * CHUNK
-                    cu.st_global_words(dst, lo)
-                    cu.st_global_words(dst + 8, hi)
+            src = data.iterator + cutlass.min(ch, last) * CHUNK
+            if cutlass.const_expr(self.smem_staging):
+                n_read = Int32(cutlass.select_(ch < n_chunks, Int32(CHUNK), Int32(0)))
+                cu.cp_async_16(stage + (u * self.threads + tid) * CHUNK_WORDS, src, n_read)
+            else:
+                words.append(cu.ld_global_v4(src))
+            sbytes.append(cu.ld_global_u8(scales.iterator + cutlass.min(ch, last) // CHUNKS_PER_BLOCK))
+        if cutlass.const_expr(self.smem_staging):
+            cute.arch.cp_async_commit_group()
+            words = None
+        return words, sbytes
+
+    @cute.jit
+    def scatter_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
+                     n_chunks: Int64, dbid: Int32, tid: Int32, words, sbytes, tables):
+        """Scatter: store the loaded source chunks of range ``dbid`` (``words``: the words, or the stage they
+        were copied to) at their destination rows: source row ``s < T`` of r-major block b (the first with
+        source end ``> s``) goes to row ``s - shift[b]``; a row ``s >= T`` is output row ``s`` itself, zeroed."""
+        t_send, _, t_shift, _, g_shift, _ = tables
+        kc = cutlass.max(k // CHUNK, Int32(1))
+        chs, rows, cols = self.chunk_coords(k, dbid, tid, True)  # after the table: fewer registers held across it
+        total = Int32(0)
+        if n_blocks > 0:
+            total = Int32(t_send[n_blocks - 1])
+        # every chunk's block, searched together (a row past the total gets some block, unused)
+        blocks = cu.upper_bounds(t_send, cutlass.max(n_blocks, Int32(1)), rows)
+        for u in cutlass.range_constexpr(self.iters):
+            valid = rows[u] < total
+            dst = Int32(cutlass.select_(valid, rows[u] - Int32(t_shift[blocks[u]]), rows[u]))
+            brow = Int32(0)
+            if cutlass.const_expr(self.blocked):
+                brow = dst + Int32(g_shift[blocks[u] % cutlass.max(n_experts, Int32(1))])
+            if cutlass.const_expr(self.smem_staging):  # read where stored: 4 registers live, not 16
+                w = cu.ld_global_v4(words + (u * self.threads + tid) * CHUNK_WORDS)
+            else:
+                w = words[u]
+            if chs[u] < n_chunks:
+                self.store_chunk(out, out_scales, kb, nc, Int64(dst) * Int64(kc) + Int64(cols[u]), dst, cols[u],
+                                 brow, valid, w, sbytes[u])
+
+    @cute.jit
+    def store_chunk(self, out, out_scales, kb: Int32, nc: Int32, ch: Int64, row: Int32, col: Int32, brow: Int32,
+                    ok, words, sbyte):
+        """Output chunk ``ch`` (output row ``row``, chunk column ``col``; blocked scale row ``brow``): the loaded
+        16 bytes and scale byte where ``ok``, else zeros (a row past the total)."""
+        w0, w1, w2, w3 = words
+        w0 = Int32(cutlass.select_(ok, w0, Int32(0)))
+        w1 = Int32(cutlass.select_(ok, w1, Int32(0)))
+        w2 = Int32(cutlass.select_(ok, w2, Int32(0)))
+        w3 = Int32(cutlass.select_(ok, w3, Int32(0)))
+        s = Int32(cutlass.select_(ok, sbyte, Int32(0)))
+        if cutlass.const_expr(self.out == "dequant"):
+            is_nan = s == E8M0_NAN
+            lo = cu.canonical_nan_words(cu.dequantize8(w0, w1, s, is_nan, self.f32), self.f32)
+            hi = cu.canonical_nan_words(cu.dequantize8(w2, w3, s, is_nan, self.f32), self.f32)
+            dst = out.iterator + ch * CHUNK
+            cu.st_global_words(dst, lo)
+            cu.st_global_words(dst + 8, hi)
+        else:
+            cu.st_global_v4(out.iterator + ch * CHUNK, w0, w1, w2, w3)
+            if col % CHUNKS_PER_BLOCK == 0:
+                c = col // CHUNKS_PER_BLOCK
+                if cutlass.const_expr(self.out == "plain"):
+                    cu.st_global_u8(out_scales.iterator + (Int64(row) * Int64(kb) + Int64(c)), s)
                 else:
-                    cu.st_global_v4(out.iterator + ch * CHUNK, w0, w1, w2, w3)
-                    if cols[u] % CHUNKS_PER_BLOCK == 0:
-                        c = cols[u] // CHUNKS_PER_BLOCK
-                        if cutlass.const_expr(self.out == "plain"):
-                            cu.st_global_u8(out_scales.iterator + (Int64(rows[u]) * Int64(kb) + Int64(c)), s)
-                        else:
-                            if ok:
-                                cu.store_blocked_scale(out_scales, brows[u], c, kb, nc, s)
+                    if ok:
+                        cu.store_blocked_scale(out_scales, brow, c, kb, nc, s)
 
 
 def make_fake_args(variant: Variant, tvm_ffi: bool):
