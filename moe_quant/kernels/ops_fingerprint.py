@@ -28,7 +28,8 @@ def pieces(address: int, n: int) -> list[tuple[int, int, bool]]:
     the others start at a 16-byte aligned address."""
     head = -address % VEC  # bytes before the first 16-byte boundary
     if head % 8:  # the words straddle 8-byte boundaries: none can be read in place
-        return [(s, min(STAGE_BYTES, n - s), True) for s in range(0, n, STAGE_BYTES)]
+        stage = min(STAGE_BYTES, MAX_LAUNCH_BYTES)
+        return [(s, min(stage, n - s), True) for s in range(0, n, stage)]
     out = [(0, min(head, n), True)] if head and n else []  # one word before the boundary (or all of a short tensor)
     return out + [(s, min(MAX_LAUNCH_BYTES, n - s), False) for s in range(head, n, MAX_LAUNCH_BYTES)]
 
