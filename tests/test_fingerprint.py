@@ -159,3 +159,10 @@ def test_the_op_reads_an_8_byte_aligned_tensor_in_place():
         plan = ops_fingerprint.pieces(b.data_ptr(), b.numel())
         assert [st for _, _, st in plan] == ([True] if head else []) + [False]
         assert plan[0][:2] == ((0, 8) if head else (0, 1000))
+
+
+@pytest.mark.parametrize("n", [0, 5, 4096])
+def test_the_custom_op_has_a_meta_implementation(n):
+    """``torch.ops.moe_quant.fingerprint`` (what ``torch.compile`` would trace) gives an int64 scalar."""
+    out = torch.ops.moe_quant.fingerprint(torch.empty(n, dtype=torch.uint8, device="meta"))
+    assert out.shape == () and out.dtype == torch.int64 and out.device.type == "meta"
