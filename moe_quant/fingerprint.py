@@ -32,19 +32,14 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .kernels.config_fingerprint import WORD_KEY, WORD_MIX
+from .kernels.config_fingerprint import WORD_KEY, WORD_MIX, as_int64
 
 CHUNK_WORDS = 1 << 22  # words per step of the reference (bounds its temporaries to a few 32 MiB tensors)
 _LOW32 = 0xFFFFFFFF
 
 
-def _int64(v: int) -> int:
-    """A 64-bit pattern as the two's-complement Python int an int64 tensor holds."""
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-_KEY = _int64(WORD_KEY)
-_MIX = _int64(WORD_MIX)
+_KEY = as_int64(WORD_KEY)
+_MIX = as_int64(WORD_MIX)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from moe_quant import fingerprint as fp
 from moe_quant.kernels import ops_fingerprint
-from moe_quant.kernels.config_fingerprint import WORD_KEY, WORD_MIX
+from moe_quant.kernels.config_fingerprint import WORD_KEY, WORD_MIX, as_int64
 
 MASK = (1 << 64) - 1
 
@@ -90,8 +90,8 @@ HIGH_BIT_DIFFS = [1 << 63, 3 << 62, 0xFFFF << 48, 1 << 44, (1 << 64) - (1 << 20)
 def test_a_swap_of_two_words_differing_in_their_high_bits_changes_it(distance, diff):
     words = torch.zeros(distance + 3, dtype=torch.int64)
     base = 0x0123456789ABCDEF
-    words[1] = fp._int64(base)
-    words[1 + distance] = fp._int64(base ^ diff)
+    words[1] = as_int64(base)
+    words[1 + distance] = as_int64(base ^ diff)
     assert value(_swapped(words, 1, 1 + distance)) != value(words)
 
 

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 WORD_KEY = 0x9E3779B97F4A7C15  # round(2**64 / golden ratio), odd: word position -> 64-bit key
 WORD_MIX = 0xFF51AFD7ED558CCD  # odd 64-bit multiplier of the word mix (a bijection of the 64-bit words)
 
+
+def as_int64(v: int) -> int:
+    """A 64-bit pattern as the two's-complement Python int an int64 holds (how the constants enter int64 math)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
 VEC = 16  # bytes per load (one 16-byte vector: two 64-bit words)
 THREADS = 256
 ITERS = 4  # vectors per thread per grid-stride step, all loads issued before the first term

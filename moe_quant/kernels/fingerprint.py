@@ -27,15 +27,11 @@ from cutlass._mlir.dialects import vector
 from cutlass.cutlass_dsl import T
 
 from . import cute_utils as cu
-from .config_fingerprint import VEC, WORD_KEY, WORD_MIX, Variant, all_variants  # noqa: F401
+from .config_fingerprint import VEC, WORD_KEY, WORD_MIX, Variant, all_variants, as_int64  # noqa: F401
 
 
-def _int64(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-KEY = _int64(WORD_KEY)
-MIX = _int64(WORD_MIX)
+KEY = as_int64(WORD_KEY)
+MIX = as_int64(WORD_MIX)
 LOW32 = 0xFFFFFFFF
 
 
