@@ -16,7 +16,7 @@ writes through ``.data`` or ``state_dict()`` tensors), and raises ``RuntimeError
 (results computed inside the scope may then have used stale operands). The fingerprint
 (:mod:`moe_quant.fingerprint`: a position-keyed, mixed sum of the weight's 64-bit words mod 2**64, which
 any change of one word changes) costs one read of each served weight at its first use and one on exit,
-on CUDA a CuTe-DSL kernel at memory bandwidth; nothing inside forward or backward synchronizes with the
+on Hopper and newer one CuTe-DSL kernel that reads the bytes once; nothing inside forward or backward synchronizes with the
 host, and the comparison on exit does once per device (all served weights' fingerprints at once).
 
 Not served inside the scope (every call quantizes, as outside it): under ``torch.compile``,
