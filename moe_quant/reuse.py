@@ -13,9 +13,11 @@ quantized once and reused by the later micro-batches. The contract is the user's
 the weights do not change inside the scope; on exit the scope checks it: for each weight it served,
 the parameter's version counter, storage and shape, and a fingerprint of its bytes (which also sees
 writes through ``.data`` or ``state_dict()`` tensors), and raises ``RuntimeError`` if one changed
-(results computed inside the scope may then have used stale operands). The fingerprints cost one
-read of each served weight at its first use and one on exit; nothing inside forward or backward
-synchronizes with the host (the comparison on exit does, once).
+(results computed inside the scope may then have used stale operands). The fingerprint
+(:mod:`moe_quant.fingerprint`: a position-keyed, mixed sum of the weight's 64-bit words mod 2**64, which
+any change of one word changes) costs one read of each served weight at its first use and one on exit,
+on Hopper and newer one CuTe-DSL kernel that reads the bytes once; nothing inside forward or backward synchronizes with the
+host, and the comparison on exit does once per device (all served weights' fingerprints at once).
 
 Not served inside the scope (every call quantizes, as outside it): under ``torch.compile``,
 ``torch.inference_mode`` and ``torch.func`` transforms, and parameters that are not ``model``'s when
@@ -32,33 +34,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .fingerprint import fingerprint
+
 _ACTIVE: list["Scope"] = []
-_CHUNK = 1 << 22  # elements per fingerprint step (bounds its temporary memory)
-
-
-def _words(p: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``p`` as one flat integer tensor, in the widest word that divides them (int64 for a
-    bf16 weight whose size is a multiple of 4: a quarter of the elements to hash)."""
-    flat = p.detach().reshape(-1)
-    nbytes, offset = flat.numel() * flat.element_size(), flat.storage_offset() * flat.element_size()
-    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if size >= flat.element_size() and nbytes % size == 0 and offset % size == 0:
-            return flat.view(dtype)
-    return flat.view(torch.int8)
-
-
-def _fingerprint(p: torch.Tensor) -> torch.Tensor:
-    """An int64 device scalar of the bytes of ``p``, position-weighted (a swap of two words changes it);
-    integer arithmetic wraps, so the value does not depend on the reduction order."""
-    words = _words(p)
-    total = torch.zeros((), dtype=torch.int64, device=p.device)
-    mult = (torch.arange(min(_CHUNK, words.numel()), dtype=torch.int64, device=p.device) * 2654435761) % 2147483629 + 1
-    for i, start in enumerate(range(0, words.numel(), _CHUNK)):
-        chunk = words[start:start + _CHUNK]
-        if chunk.dtype != torch.int64:
-            chunk = chunk.to(torch.int64)
-        total += (chunk * mult[:chunk.numel()]).sum() * (2 * i + 1)
-    return total
 
 
 def _state(p: torch.Tensor) -> tuple:
@@ -86,7 +64,7 @@ class Scope:
             self.hits += 1
             return hit
         if id(param) not in self.served:
-            self.served[id(param)] = (param, _state(param), _fingerprint(param))
+            self.served[id(param)] = (param, _state(param), fingerprint(param))
         value = self.entries[key] = compute()
         self.misses += 1
         return value
@@ -100,11 +78,16 @@ class Scope:
             _ACTIVE.remove(self)
 
     def check(self) -> None:
-        names = {}
-        changed = []
-        for param, state, fp in self.served.values():
-            if _state(param) != state or not bool(_fingerprint(param) == fp):
-                changed.append(param)
+        flags = {}  # id -> changed?, in the order the weights were served
+        by_device: dict = {}  # weights of unchanged state: compared by fingerprint, all of a device at once
+        for key, (param, state, fp) in self.served.items():
+            flags[key] = _state(param) != state
+            if not flags[key]:
+                by_device.setdefault(fp.device, []).append((key, fp, fingerprint(param)))
+        for items in by_device.values():  # one host synchronization per device
+            differ = (torch.stack([old for _, old, _ in items]) != torch.stack([new for *_, new in items])).tolist()
+            flags.update((key, d) for (key, _, _), d in zip(items, differ))
+        changed = [self.served[key][0] for key, c in flags.items() if c]
         if changed:
             names = ", ".join(f"{tuple(p.shape)}" for p in changed)
             raise RuntimeError(

@@ -56,6 +56,7 @@ PY
       # cuGetProcAddress, which memcheck reports as API errors; kernel launches are what is checked here
       python3 scripts/sanitize_1x32.py > /dev/null 2>&1; python3 scripts/sanitize_32x1.py > /dev/null 2>&1
       python3 scripts/sanitize_permute.py > /dev/null 2>&1; python3 scripts/sanitize_block.py > /dev/null 2>&1
+      python3 scripts/sanitize_fingerprint.py > /dev/null 2>&1
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
         python3 scripts/sanitize_1x32.py 2>&1 | tail -40 | tee "$OUT/memcheck.log" || rc=1
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
@@ -64,6 +65,8 @@ PY
         python3 scripts/sanitize_permute.py 2>&1 | tail -40 | tee -a "$OUT/memcheck.log" || rc=1
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
         python3 scripts/sanitize_block.py 2>&1 | tail -40 | tee -a "$OUT/memcheck.log" || rc=1
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+        python3 scripts/sanitize_fingerprint.py 2>&1 | tail -40 | tee -a "$OUT/memcheck.log" || rc=1
       step racecheck
       timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
         python3 scripts/sanitize_1x32.py --quick 2>&1 | tail -20 | tee "$OUT/racecheck.log" || rc=1
@@ -73,6 +76,8 @@ PY
         python3 scripts/sanitize_permute.py --quick 2>&1 | tail -20 | tee -a "$OUT/racecheck.log" || rc=1
       timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
         python3 scripts/sanitize_block.py --quick 2>&1 | tail -20 | tee -a "$OUT/racecheck.log" || rc=1
+      timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
+        python3 scripts/sanitize_fingerprint.py --quick 2>&1 | tail -20 | tee -a "$OUT/racecheck.log" || rc=1
       ;;
     cachetime)
       step cachetime

@@ -264,6 +264,10 @@ CLI_ERRORS = [
     ("bench_quantize_32x1", ["--r", "33"], "argument --r"),
     ("bench_quantize_32x1", ["--w", "8x100x64"], "argument --w"),
     ("bench_quantize_32x1", ["--groups", "0"], "argument --groups"),
+    ("bench_fingerprint", ["--w", "8x2048"], "argument --w"),
+    ("bench_fingerprint", ["--variants", "default,t9"], "argument --variants"),
+    ("bench_fingerprint", ["--ctas-per-sm", "8,0"], "argument --ctas-per-sm"),
+    ("bench_fingerprint", ["--weights", "0"], "argument --weights"),
 ]
 
 
@@ -282,6 +286,14 @@ _BAD_DEVICES = ["meta", "garbage"] + ([] if torch.cuda.is_available() else ["cud
 def test_benchmark_unusable_device_is_one_line(bench, device, monkeypatch, capsys):
     module = importlib.import_module(f"benchmarks.{bench}")
     lines = _cli_error(module, ["--device", device], monkeypatch, capsys).strip().splitlines()
+    assert len(lines) == 1 and f"--device {device}" in lines[0].replace("'", ""), lines
+
+
+@pytest.mark.parametrize("device", ["cpu", *_BAD_DEVICES])
+def test_bench_fingerprint_off_cuda_is_one_line(device, monkeypatch, capsys):
+    from benchmarks import bench_fingerprint
+
+    lines = _cli_error(bench_fingerprint, ["--device", device], monkeypatch, capsys).strip().splitlines()
     assert len(lines) == 1 and f"--device {device}" in lines[0].replace("'", ""), lines
 
 

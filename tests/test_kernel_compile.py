@@ -1,4 +1,4 @@
-"""CI without a GPU: every kernel variant (every family: 1x32, 32x1, permute, block) compiles for sm_90a and sm_100a (CuTe DSL cross-compile).
+"""CI without a GPU: every kernel variant (every family: 1x32, 32x1, permute, block, fingerprint) compiles for sm_90a and sm_100a (CuTe DSL cross-compile).
 
 Runs moe_quant.kernels.compile_check (one subprocess per arch, in parallel) and checks that
 ptxas reports no register spills and no local-memory stack frame for any variant. The

@@ -14,7 +14,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behavi
 
 @no_gpu
 @pytest.mark.parametrize("bench", ["bench_quantize", "bench_quantize_32x1", "bench_grouped_mm", "bench_moe", "bench_ep",
-                                   "bench_ep_block", "bench_block", "bench_host"])
+                                   "bench_ep_block", "bench_block", "bench_host", "bench_fingerprint"])
 def test_benchmark_without_gpu_exits_2_with_one_line(bench):
     proc = run_python("-m", f"benchmarks.{bench}")
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -31,7 +31,8 @@ def test_ab_script_runs_from_repo_root_without_pythonpath(script):
 
 
 @no_gpu
-@pytest.mark.parametrize("script", ["sanitize_1x32.py", "sanitize_32x1.py", "sanitize_block.py", "cache_timing.py", "ab_kernels.py"])
+@pytest.mark.parametrize("script", ["sanitize_1x32.py", "sanitize_32x1.py", "sanitize_block.py", "sanitize_fingerprint.py",
+                                    "cache_timing.py", "ab_kernels.py"])
 def test_gpu_scripts_run_from_repo_root_and_say_they_need_a_gpu(script):
     proc = run_python(f"scripts/{script}", pythonpath=False)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -144,3 +144,19 @@ def test_bad_argument(bad):
     with pytest.raises(TypeError, match="model must be"):
         with reuse_quantized_weights(bad):
             pass
+
+
+def test_exit_fingerprints_each_served_weight_again_and_names_only_the_changed_one(monkeypatch):
+    import moe_quant.reuse as reuse
+
+    calls = spy_on(monkeypatch, reuse, "fingerprint")
+    m = model()
+    with pytest.raises(RuntimeError, match=r"reuse_quantized_weights: 1 weight\(s\) it served changed"):
+        with reuse_quantized_weights(m) as scope:
+            for x in micro_batches(2):
+                m(x).float().sum().backward()
+            served = len(scope.served)
+            assert len(calls) == served  # at first use only
+            with torch.no_grad():
+                m.layers[1].moe.experts.w2.data.add_(1)  # one weight, through an alias: only the bytes tell
+    assert served == 6 and len(calls) == 2 * served  # w1, w3, w2 of two layers: once more each on exit

@@ -101,7 +101,7 @@ class Compiled:
     __slots__ = ("fn", "tvm", "source", "owner")
 
     def __init__(self, fn, tvm: bool, source: str, owner=None):
-        self.fn = fn  # with TVM-FFI: the positional-only tvm_ffi.Function (the kernel's tensors, in order)
+        self.fn = fn  # with TVM-FFI: the positional-only tvm_ffi.Function (the kernel's arguments, in order)
         self.tvm = tvm
         self.source = source  # "compiled" | "disk"
         self.owner = owner  # keeps the compiled module (and its engine) alive
@@ -114,8 +114,8 @@ class Compiled:
         from cutlass.cute.runtime import from_dlpack
 
         def conv(t):
-            if t is None:
-                return None
+            if not isinstance(t, torch.Tensor):  # None, or a scalar argument (an int)
+                return t
             align = 4 if t.dtype == torch.int32 else 16
             return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
 
