@@ -10,8 +10,8 @@ def test_default_keys_unchanged():
     """Defaults keep their keys (the on-disk cache and the measured kernels stay what they were) until a change
     of default records its new key here."""
     assert config_32x1.Variant("bfloat16", "rceil", "kgroups").key == "bfloat16-rceil-kgroups-float8_e4m3fn"
-    # permute: scatter with smem staging since 2026-11-25; gather keeps its key
-    assert config_permute.Variant("blocked").key == "blocked-float8_e4m3fn-t256i4b1024-scatter-smem"
+    # permute: scatter with register staging since 2026-11-26 (the A/B on the H100); gather keeps its key
+    assert config_permute.Variant("blocked").key == "blocked-float8_e4m3fn-t256i4b1024-scatter"
     assert config_permute.Variant("blocked", order="gather", staging="registers").key == \
         "blocked-float8_e4m3fn-t256i4b1024"
     assert not config_32x1.CANDIDATES[next(iter(config_32x1.CANDIDATES))]  # the first candidate is the default

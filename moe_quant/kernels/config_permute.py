@@ -45,7 +45,7 @@ class Variant:
     threads: int = THREADS
     iters: int = ITERS
     order: str = "scatter"
-    staging: str = "smem"  # scatter only ("registers" for gather)
+    staging: str = "registers"  # "smem": scatter only
 
     family = "perm"
     kernel_module = "permute_mxfp8"  # compiled by compile_cache.compile_variant (never imported here)
@@ -91,14 +91,16 @@ def all_variants() -> list[Variant]:
 # every arch (compile_check) on the output the targets measure (blocked). Measured and dropped (H100,
 # 2026-11-24, blocked at (32768, 2048), % of memcpy; the default then, gather t256i4, 77.7): gather t256i8
 # 54.5, gather t128i8 65.7, gather t256i4 on a persistent grid of 132x4 CTAs building the table once each 74.6.
-# The default since is scatter t256i4 smem: it does strictly less before its loads (address arithmetic only;
-# the table and the searches, no more work than gather's, run while the loads are in flight), with fewer
-# registers; its A/B against gather waits for the GPU.
+# Scatter (each CTA owns consecutive input chunks: its loads need no table; the table is built and searched
+# while they are in flight) measured on the H100 (2026-11-26, `ab_kernels.py --family perm --rounds 5`,
+# blocked, % of memcpy, median over rounds at 8192x2048 / 32768x2048 / 32768x7168 / 131072x7168):
+# scatter registers 65.5 / 83.4 / 88.2 / 91.5 (the default since), scatter smem 66.5 / 82.1 / 87.9 / 91.3,
+# gather 58.0 / 78.3 / 85.3 / 88.2.
 CANDIDATES = {
-    # ptxas, sm_90a: 40 registers, 36 KB shared memory -> 6 CTAs per SM
-    "scatter t256i4 smem (default)": {},
-    # 48 registers, 20 KB -> 5 CTAs per SM
-    "scatter t256i4 registers": {"staging": "registers"},
+    # ptxas, sm_90a: 48 registers, 20 KB shared memory -> 5 CTAs per SM
+    "scatter t256i4 registers (default)": {},
+    # the chunks staged in shared memory with cp.async: 40 registers, 36 KB -> 6 CTAs per SM
+    "scatter t256i4 smem": {"staging": "smem"},
     # the default until 2026-11-25 (77.7% above): 48 registers, 24 KB -> 5 CTAs per SM
     "gather t256i4": {"order": "gather", "staging": "registers"},
 }
