@@ -37,9 +37,9 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_permute.Variant("blocked", threads=100),
     lambda: config_permute.Variant("blocked", iters=0),
     lambda: config_permute.Variant("blocked", order="rows"),
-    lambda: config_permute.Variant("blocked", order="gather"),  # gather has no smem staging
+    lambda: config_permute.Variant("blocked", order="gather", staging="smem"),  # gather has no smem staging
     lambda: config_permute.Variant("blocked", staging="tmem"),
-    lambda: config_permute.Variant("blocked", iters=8),  # past the 24 KB stage
+    lambda: config_permute.Variant("blocked", staging="smem", iters=8),  # past the 24 KB stage
 ])
 def test_bad_tiles_raise(make):
     with pytest.raises(ValueError):
