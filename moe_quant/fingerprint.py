@@ -11,7 +11,7 @@ arithmetic modulo ``2**64``::
     mix(x)  = xs(xs(x) * WORD_MIX),   xs(x) = x XOR (x >> 32)   (logical shift)
 
 returned as an int64 tensor of one element (two's complement) on ``t``'s device; ``WORD_KEY`` and
-``WORD_MIX`` are odd constants (:mod:`moe_quant.kernels.config_fingerprint`).
+``WORD_MIX`` are odd constants (below).
 
 * Integer arithmetic modulo ``2**64`` is exact and its sum does not depend on the order of the terms: the
   chunked reference below and the CUDA kernel (any grid, any split into launches) give the same value.
@@ -32,7 +32,17 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .kernels.config_fingerprint import WORD_KEY, WORD_MIX, as_int64
+
+# The definition's constants, read by the kernel too (moe_quant/kernels/config_fingerprint.py): a change here
+# changes the kernel's generated code and its disk-cache hash.
+WORD_KEY = 0x9E3779B97F4A7C15  # round(2**64 / golden ratio), odd: word position -> 64-bit key
+WORD_MIX = 0xFF51AFD7ED558CCD  # odd 64-bit multiplier of the word mix (a bijection of the 64-bit words)
+
+
+def as_int64(v: int) -> int:
+    """A 64-bit pattern as the two's-complement Python int an int64 holds (how the constants enter int64 math)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
 
 CHUNK_WORDS = 1 << 22  # words per step of the reference (bounds its temporaries to a few 32 MiB tensors)
 _LOW32 = 0xFFFFFFFF

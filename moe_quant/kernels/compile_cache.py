@@ -66,7 +66,9 @@ def _src_hash(variant) -> str:
         return _SRC_HASH[module]
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    deps = tuple(here / f"{d}.py" for d in getattr(variant, "kernel_deps", ()))  # modules the kernel builds on
+    # modules the kernel builds on: a kernels module by its name, or a moe_quant module (``moe_quant.X``: X.py)
+    deps = tuple(here / f"{d}.py" if (here / f"{d}.py").exists() else here.parent / f"{d}.py"
+                 for d in getattr(variant, "kernel_deps", ()))
     for p in (here / f"{module}.py", *deps, here / "cute_utils.py", here.parent / "layouts.py",
               here.parent / "numerics.py"):
         h.update(p.read_bytes())
