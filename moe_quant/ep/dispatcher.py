@@ -188,6 +188,7 @@ class MXFP8TokenDispatcher:
             raise ValueError(message)
         if self.capacity_factor is not None:
             self._bound = agree.token_bound(got)
+            self._counter(device)  # made here, eagerly: a compiled dispatch finds it (no retrace for it)
         self._agreed = (self.group,)
 
     @property
@@ -281,9 +282,7 @@ class MXFP8TokenDispatcher:
         head = recv[:, n_local:n_local + agree.SIZE]
         bad = (head[:, 0] != 0).any() | (head[:, 1:] != msg[:1, n_local + 1:n_local + agree.SIZE]).any()
         total_dropped = recv[:, -1].sum() + bad.to(torch.int64)  # the same on every rank
-        if self.dropped_rows is None or self.dropped_rows.device != x_TD.device:
-            self.dropped_rows = torch.zeros((), dtype=torch.int64, device=x_TD.device)
-        self.dropped_rows.add_(total_dropped)
+        self._counter(x_TD.device).add_(total_dropped)
         src, valid, num_tokens_per_local_expert = capacity.plan_receive(recv[:, :n_local], slots)
         route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode, slots=slots,
                                        world=world, send_idx=send_idx, send_valid=send_valid, slot_of_row=slot_of_row,
@@ -292,6 +291,13 @@ class MXFP8TokenDispatcher:
         metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
                                       topk_scores_experts_sorted_N=scores_sorted, route=route)
         return capacity.dispatch_rows(x_sorted, route), num_tokens_per_local_expert, metadata
+
+    def _counter(self, device) -> torch.Tensor:
+        """``dropped_rows`` on ``device`` (made on first use)."""
+        device = torch.device(device)
+        if self.dropped_rows is None or self.dropped_rows.device != device:
+            self.dropped_rows = torch.zeros((), dtype=torch.int64, device=device)
+        return self.dropped_rows
 
     def check_overflow(self) -> int:
         """Sync-free mode: read (one host sync) and reset the count of token copies that overflowed the
