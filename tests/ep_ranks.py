@@ -98,6 +98,17 @@ def _job(job):
         import titan_ranks
 
         return titan_ranks.run(**arg)
+    if kind == "titan_model":
+        import titan_model_ranks
+
+        return titan_model_ranks.run(**arg)
+    if kind == "titan_model_state":  # rank 0 writes the reference weights the model jobs load
+        import titan_model_ranks
+
+        if dist.get_rank() == 0:
+            titan_model_ranks.write_state(**arg)
+        dist.barrier()
+        return None
     if kind in ("sync_free", "token_bound"):
         from moe_quant.ep.check import run_sync_free_check, run_token_bound_check
 
