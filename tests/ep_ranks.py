@@ -69,6 +69,10 @@ def _bad_dispatch(kind: str, bad_rank: int):
         disp = MXFP8TokenDispatcher(num_experts, 1, capacity_factor=2.0, max_tokens=16 if rank == bad_rank else 8)
     elif kind == "bad_hidden_one_rank" and rank == bad_rank:  # an argument error only this rank sees
         x = torch.randn(8, 48, dtype=torch.bfloat16)
+    elif kind == "sync_free_bad_hidden_one_rank":  # the same at a sync-free first dispatch
+        disp = MXFP8TokenDispatcher(num_experts, 1, capacity_factor=2.0)
+        if rank == bad_rank:
+            x = torch.randn(8, 48, dtype=torch.bfloat16)
     elif kind == "bad_counts_len_one_rank" and rank == bad_rank:
         counts = torch.cat([counts, counts.new_zeros(1)])
     elif kind == "experts_not_multiple":

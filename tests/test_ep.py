@@ -33,6 +33,7 @@ CASES_2 = {
        for what in ("hidden", "dtype", "experts", "top_k", "wire", "scale_mode")},
     "bad_hidden_one_rank": ("bad", {"kind": "bad_hidden_one_rank", "bad_rank": 0}),
     "bad_counts_len_one_rank": ("bad", {"kind": "bad_counts_len_one_rank", "bad_rank": 1}),
+    "sync_free_bad_hidden_one_rank": ("bad", {"kind": "sync_free_bad_hidden_one_rank", "bad_rank": 1}),
     "after_errors": ("check", {**ROUTER, "seed": 5}),
     "sync_free": ("sync_free", {"case": ROUTER, "capacity_factor": 2.0}),
     "sync_free_tight": ("sync_free", {"case": {**ROUTER, "seed": 7}, "capacity_factor": 1.25}),
@@ -62,6 +63,7 @@ CASES_4 = {
     "bad_negative": ("bad", {"kind": "negative", "bad_rank": 3}),
     "disagree_hidden": ("bad", {"kind": "disagree_hidden", "bad_rank": 2}),
     "bad_hidden_one_rank": ("bad", {"kind": "bad_hidden_one_rank", "bad_rank": 3}),
+    "sync_free_bad_hidden_one_rank": ("bad", {"kind": "sync_free_bad_hidden_one_rank", "bad_rank": 2}),
     "after_errors": ("check", {**ROUTER, "tokens": (5, 9, 0, 3), "seed": 6}),
     "sync_free": ("sync_free", {"case": {**ROUTER, "seed": 3}, "capacity_factor": 4.0}),
     "sync_free_overflow": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 2.0}),
@@ -210,6 +212,8 @@ def test_disagreement_among_four_ranks(ep4):
 @pytest.mark.parametrize("world, case, bad_rank, own", [
     (2, "bad_hidden_one_rank", 0, "x_TD"), (2, "bad_counts_len_one_rank", 1, "num_local_tokens_per_expert_E"),
     (4, "bad_hidden_one_rank", 3, "x_TD"),
+    # sync-free, first dispatch: told through the handshake (the one host read of that mode)
+    (2, "sync_free_bad_hidden_one_rank", 1, "x_TD"), (4, "sync_free_bad_hidden_one_rank", 2, "x_TD"),
 ])
 def test_argument_error_on_one_rank_raises_on_every_rank(world, case, bad_rank, own, ep2, ep4):
     """An error only one rank can see: that rank raises its own error, every peer a ValueError naming it,

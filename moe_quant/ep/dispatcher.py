@@ -74,11 +74,13 @@ class MXFP8TokenDispatcher:
     only all raise one ``ValueError`` naming the setting and the ranks, before any token is sent
     (:mod:`moe_quant.ep.agree`).
 
-    The steps torchtitan's graph passes annotate on its ``AllToAllTokenDispatcher`` have methods of the
-    same names here: :meth:`_token_count_exchange` (the counts all-to-all) and
-    :meth:`_sync_token_count_exchange` (its one host read). The token exchanges run inside the
-    differentiable legs of :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute), so there is
-    no ``_dispatch_token_exchange`` / ``_combine_token_exchange`` method to annotate.
+    The count steps have the names of torchtitan's ``AllToAllTokenDispatcher`` methods:
+    :meth:`_token_count_exchange` (the counts all-to-all) and :meth:`_sync_token_count_exchange` (its one
+    host read). torchtitan's graph passes (its graph_trainer experiment) do not tag them here: they wrap
+    torchtitan's own class attributes, which this class does not inherit, and expect bare tagged
+    all-to-all nodes, while the token exchanges here run inside the differentiable legs of
+    :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute); the README's torchtitan section says
+    what that means for them.
     """
 
     def __init__(self, num_experts: int, top_k: int, *, group=None, wire: Wire | str = Wire.MXFP8,
@@ -155,7 +157,14 @@ class MXFP8TokenDispatcher:
         return agree.header(hidden=hidden, num_experts=self.num_experts, top_k=self.top_k, dtype=dtype,
                             wire=self.wire, mode=self.scale_mode)
 
-    def handshake(self, device, tokens: int | None = None) -> None:
+    def _handshake_due(self, tokens) -> bool:
+        """The next :meth:`handshake` with ``tokens`` exchanges (a collective with a host read on every rank)."""
+        if self.is_local:
+            return False
+        return self._agreed != (self.group,) or (self.capacity_factor is not None and self._bound is None
+                                                 and tokens is not None)
+
+    def handshake(self, device, tokens: int | None = None, *, bad_args: bool = False) -> None:
         """Check once per group that every rank built the dispatcher alike (num_experts, top_k, wire, scale
         mode, capacity factor, overflow, max_tokens), before the counts exchange (whose size depends on
         num_experts). One small all-to-all and a host read; :meth:`dispatch` calls it before its first
@@ -163,12 +172,11 @@ class MXFP8TokenDispatcher:
         tracing). ``tokens``: this rank's token count T of the coming dispatch; in the sync-free mode
         without ``max_tokens`` the largest T of the ranks becomes the token bound (:attr:`token_bound`),
         so that every rank sends and receives the same number of slots; until it is fixed (a handshake
-        without ``tokens``, or T = 0 on every rank), the next dispatch runs the handshake again."""
-        if self.is_local:
+        without ``tokens``, or T = 0 on every rank), the next dispatch runs the handshake again.
+        ``bad_args``: this rank's dispatch arguments are invalid (every rank then raises)."""
+        if not self._handshake_due(tokens):
             return
         agreed = self._agreed == (self.group,)
-        if agreed and not (self.capacity_factor is not None and self._bound is None and tokens is not None):
-            return
         if torch.compiler.is_compiling():
             # traced: the counts exchange checks top_k, wire and scale mode as runtime asserts, but a
             # num_experts mismatch changes its size: run this eagerly first (the torchtitan component does,
@@ -179,6 +187,8 @@ class MXFP8TokenDispatcher:
         world = dist.get_world_size(self.group)
         mine = agree.handshake_row(self._settings(None), capacity_factor=self.capacity_factor,
                                    overflow=self.overflow, max_tokens=self.max_tokens, tokens=tokens)
+        if bad_args:
+            mine[0] = agree.BAD_ARGS
         msg = torch.tensor(mine, dtype=torch.int64).to(device).expand(world, len(mine)).contiguous()
         got = all_to_all_rows(msg, [1] * world, [1] * world, self.group, "counts").tolist()
         message = agree.diagnose(got, fields=agree.HANDSHAKE_FIELDS, skip=("hidden size", "dtype", "tokens"))
@@ -223,10 +233,20 @@ class MXFP8TokenDispatcher:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
         if self.capacity_factor is not None:
-            # sync-free: peers never read the host, so an argument error raises here only (dtypes and the
-            # shapes but T are the same on every rank of an SPMD program; the handshake checked the
-            # settings; T may differ: the sizes come from the agreed token bound, not from T)
-            self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            # sync-free: peers read the host only in a handshake (the first dispatch on a group, until the
+            # token bound is fixed): an argument error found then reaches every rank through it; later it
+            # raises here only (dtypes and the shapes but T are the same on every rank of an SPMD
+            # program; T may differ: the sizes come from the agreed token bound, not from T)
+            try:
+                self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            except (TypeError, ValueError) as local_error:
+                if self._handshake_due(-1) and not torch.compiler.is_compiling():
+                    device = x_TD.device if isinstance(x_TD, torch.Tensor) else torch.device("cpu")
+                    try:
+                        self.handshake(device, tokens=-1, bad_args=True)  # raises on every rank
+                    except ValueError as group_error:  # peers raise this one; this rank its own error
+                        raise local_error from group_error
+                raise
             self.handshake(x_TD.device, tokens=x_TD.shape[0])
             return self._dispatch_sync_free(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
         try:
