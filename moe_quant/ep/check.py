@@ -237,6 +237,18 @@ def _read_overflow(dispatcher) -> tuple:
         return None, str(e)
 
 
+def _step(model, case: CheckCase, n_experts: int, x0, gout, *, count_reads: bool) -> tuple:
+    """One forward and backward of the EP block on this rank's tokens ``x0``: ``(output, input gradient,
+    the host reads it made (None where not counted), rows handed to the dispatch all-to-all)``."""
+    x = x0.clone().requires_grad_()
+    reads = _HostReads() if count_reads else contextlib.nullcontext()
+    with reads, WireLog() as log:
+        scores, ids, counts = _routing(model, x, case, n_experts)
+        out = model.forward_routed(x, scores, ids, counts)
+        (out.float() * gout.float()).sum().backward()
+    return out.detach(), x.grad, reads.seen if count_reads else None, log.by_leg("dispatch")[0]
+
+
 def _ep_models(case: CheckCase, world: int, group, **sync_free) -> dict:
     """The synced and the sync-free (``sync_free``: its dispatcher arguments) EP block of ``case``, same weights."""
     torch.manual_seed(case.seed)
@@ -266,17 +278,11 @@ def run_sync_free_check(case: CheckCase, capacity_factor: float, overflow: str =
             continue
         outs = []
         for step in range(steps):
-            x = xs[rank].clone().requires_grad_()
-            reads = _HostReads() if step > 0 else contextlib.nullcontext()
-            with reads, WireLog() as log:
-                scores, ids, counts = _routing(model, x, case, n_experts)
-                out = model.forward_routed(x, scores, ids, counts)
-                (out.float() * gouts[rank].float()).sum().backward()
-            if step > 0:
-                host_reads[name] += reads.seen
+            out, x_grad, reads, rows = _step(model, case, n_experts, xs[rank], gouts[rank], count_reads=step > 0)
+            host_reads[name] += reads or []
             if name == "sync_free":
-                dispatch_rows.append(log.by_leg("dispatch")[0])
-            outs.append((out.detach(), x.grad))
+                dispatch_rows.append(rows)
+            outs.append((out, x_grad))
         res[name] = outs + [tuple(getattr(model.experts, w).grad for w in ("w1", "w2", "w3"))]
     disp = models["sync_free"].dispatcher
     dropped, error = _read_overflow(disp)
@@ -309,20 +315,15 @@ def run_token_bound_check(case: CheckCase, capacity_factor: float, later_tokens:
     for step, tokens in enumerate((case.tokens, later_tokens)):
         step_case = dataclasses.replace(case, tokens=tuple(tokens), seed=case.seed + step)
         xs, gouts = _inputs(step_case, world, "cpu", torch.bfloat16)
-        x = xs[rank].clone().requires_grad_()
-        reads = _HostReads() if step > 0 else contextlib.nullcontext()
-        with reads, WireLog() as log:
-            scores, ids, counts = _routing(model, x, step_case, n_experts)
-            y = model.forward_routed(x, scores, ids, counts)
-            (y.float() * gouts[rank].float()).sum().backward()
-        out["dispatch_rows"].append(log.by_leg("dispatch")[0])
+        y, _, reads, rows = _step(model, step_case, n_experts, xs[rank], gouts[rank], count_reads=step > 0)
+        out["dispatch_rows"].append(rows)
         dropped, error = _read_overflow(model.dispatcher)
         out["overflow"].append(dropped)
         out["errors"].append(error)
         if step > 0:
-            out["later_host_reads"] = reads.seen
+            out["later_host_reads"] = reads
             out["later_finite"] = bool(torch.isfinite(y).all())
-            out["later_tokens"] = x.shape[0]
+            out["later_tokens"] = y.shape[0]
     out["token_bound"] = model.dispatcher.token_bound
     return out
 
