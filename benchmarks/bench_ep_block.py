@@ -139,7 +139,7 @@ def run(args) -> dict:
                              "host read inside the step" if mode == "synced" else "CUDA only"])
                 continue
             torch._dynamo.reset()
-            model = EPMoE.from_moe(base, capacity_factor=cf)
+            model = EPMoE.from_moe(base, capacity_factor=cf, max_tokens=None if cf is None else s["tokens"])
             quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: "experts" in fqn)
             model.dispatcher.handshake(device)
             xi = x.clone().requires_grad_()

@@ -70,26 +70,33 @@ def _cacheable(device: torch.device) -> bool:
     return device.type != "cuda" or device.index is not None
 
 
+def cached_unless_tracing(cache: dict, key, cacheable: bool, compute):
+    """``compute()``, kept in ``cache[key]`` where ``cacheable``. While ``torch.compile`` traces, the cache is
+    neither read nor written: dynamo guards on what it reads there, so a cache filled by the trace (or
+    later) would make the next call's guards fail and retrace the graph."""
+    if torch.compiler.is_compiling():
+        return compute()
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    value = compute()
+    if cacheable:
+        cache[key] = value
+    return value
+
+
 _KERNELS_ON: dict = {}  # device -> use_quant_kernels' answer (capability and cutlass-dsl are fixed per process)
 
 
 def use_quant_kernels(x: torch.Tensor) -> bool:
     """True where the CuTe-DSL quantization kernels serve ``x`` (Hopper or newer, cutlass-dsl present)."""
     device = x.device
-    if torch.compiler.is_compiling():  # traced to a constant; a cache would add a guard on its contents
-        return _kernels_serve(device)
-    hit = _KERNELS_ON.get(device)
-    if hit is not None:
-        return hit
-    ok = _kernels_serve(device)
-    if _cacheable(device):
-        _KERNELS_ON[device] = ok
-    return ok
 
+    def compute():
+        cap = device_capability(device)
+        return cap is not None and cap >= (9, 0) and cutedsl_importable()
 
-def _kernels_serve(device: torch.device) -> bool:
-    cap = device_capability(device)
-    return cap is not None and cap >= (9, 0) and cutedsl_importable()
+    return cached_unless_tracing(_KERNELS_ON, device, _cacheable(device), compute)
 
 
 def supports_scaled_grouped_mm(device: torch.device) -> bool:
@@ -103,18 +110,8 @@ _RESOLVED: dict = {}  # (requested, device) -> backend, for requests that resolv
 
 def resolve_gemm_backend(requested: GemmBackend | str, device: torch.device) -> GemmBackend:
     """``auto`` -> ``scaled`` on SM100+, else ``emulated``; an explicit ``scaled`` elsewhere is an error."""
-    if torch.compiler.is_compiling():
-        # dynamo traces the decision to a constant; reading the host-time cache would guard the graph on the
-        # cache's contents, and the entry the first call adds would recompile it
-        return _resolve(requested, device)
     key = (requested, device) if isinstance(requested, str) else None  # members are str too
-    hit = _RESOLVED.get(key) if key is not None else None
-    if hit is not None:
-        return hit
-    backend = _resolve(requested, device)
-    if key is not None and _cacheable(device):
-        _RESOLVED[key] = backend
-    return backend
+    return cached_unless_tracing(_RESOLVED, key, key is not None and _cacheable(device), lambda: _resolve(requested, device))
 
 
 def _resolve(requested, device: torch.device) -> GemmBackend:

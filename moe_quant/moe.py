@@ -119,27 +119,30 @@ class EPMoE(_RoutedBlock):
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, group=None,
                  route_norm: bool = False, wire: str = "mxfp8", scale_mode: str = "rceil",
-                 capacity_factor: float | None = None, overflow: str = "error"):
+                 capacity_factor: float | None = None, overflow: str = "error", max_tokens: int | None = None):
         super().__init__()
         from .ep import MXFP8TokenDispatcher
 
         self.dispatcher = MXFP8TokenDispatcher(num_experts, top_k, group=group, wire=wire, scale_mode=scale_mode,
-                                               capacity_factor=capacity_factor, overflow=overflow)
+                                               capacity_factor=capacity_factor, overflow=overflow,
+                                               max_tokens=max_tokens)
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, route_norm)
         self.experts = GroupedExperts(dim, hidden_dim, self.dispatcher.num_local_experts)
         self.top_k = top_k
 
     @classmethod
     def from_moe(cls, moe: MoE, *, group=None, wire: str = "mxfp8", scale_mode: str = "rceil",
-                 capacity_factor: float | None = None, overflow: str = "error") -> "EPMoE":
+                 capacity_factor: float | None = None, overflow: str = "error",
+                 max_tokens: int | None = None) -> "EPMoE":
         """This rank's shard of an (unconverted) :class:`MoE`: its router and its slice of the experts
-        (``capacity_factor``, ``overflow``: the sync-free mode of :class:`moe_quant.ep.MXFP8TokenDispatcher`)."""
+        (``capacity_factor``, ``overflow``, ``max_tokens``: the sync-free mode of
+        :class:`moe_quant.ep.MXFP8TokenDispatcher`)."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a moe_quant.moe.MoE, got {type(moe).__name__}")
         w1 = moe.experts.w1
         ep = cls(w1.shape[2], w1.shape[1], moe.experts.num_experts, moe.top_k, group=group,
                  route_norm=moe.router.route_norm, wire=wire, scale_mode=scale_mode,
-                 capacity_factor=capacity_factor, overflow=overflow).to(w1.device, w1.dtype)
+                 capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens).to(w1.device, w1.dtype)
         n, rank = ep.experts.num_experts, torch.distributed.get_rank(group)
         with torch.no_grad():
             ep.router.gate.weight.copy_(moe.router.gate.weight)

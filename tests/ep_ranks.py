@@ -61,8 +61,18 @@ def _bad_dispatch(kind: str, bad_rank: int):
         disp = MXFP8TokenDispatcher(num_experts, 1, wire="bf16")
     elif kind == "disagree_scale_mode" and rank == bad_rank:
         disp = MXFP8TokenDispatcher(num_experts, 1, scale_mode="floor")
+    elif kind == "disagree_capacity_factor" and rank == bad_rank:  # sync-free here, synced on the peers
+        disp = MXFP8TokenDispatcher(num_experts, 1, capacity_factor=2.0)
+    elif kind == "disagree_overflow":
+        disp = MXFP8TokenDispatcher(num_experts, 1, capacity_factor=2.0, overflow="drop" if rank == bad_rank else "error")
+    elif kind == "disagree_max_tokens":
+        disp = MXFP8TokenDispatcher(num_experts, 1, capacity_factor=2.0, max_tokens=16 if rank == bad_rank else 8)
     elif kind == "bad_hidden_one_rank" and rank == bad_rank:  # an argument error only this rank sees
         x = torch.randn(8, 48, dtype=torch.bfloat16)
+    elif kind == "sync_free_bad_hidden_one_rank":  # the same at a sync-free first dispatch
+        disp = MXFP8TokenDispatcher(num_experts, 1, capacity_factor=2.0)
+        if rank == bad_rank:
+            x = torch.randn(8, 48, dtype=torch.bfloat16)
     elif kind == "bad_counts_len_one_rank" and rank == bad_rank:
         counts = torch.cat([counts, counts.new_zeros(1)])
     elif kind == "experts_not_multiple":
@@ -92,11 +102,23 @@ def _job(job):
         import titan_ranks
 
         return titan_ranks.run(**arg)
-    if kind == "sync_free":
-        from moe_quant.ep.check import run_sync_free_check
+    if kind == "titan_model":
+        import titan_model_ranks
+
+        return titan_model_ranks.run(**arg)
+    if kind == "titan_model_state":  # rank 0 writes the reference weights the model jobs load
+        import titan_model_ranks
+
+        if dist.get_rank() == 0:
+            titan_model_ranks.write_state(**arg)
+        dist.barrier()
+        return None
+    if kind in ("sync_free", "token_bound"):
+        from moe_quant.ep.check import run_sync_free_check, run_token_bound_check
 
         arg = dict(arg)
-        return run_sync_free_check(CheckCase(**arg.pop("case")), **arg)
+        fn = run_sync_free_check if kind == "sync_free" else run_token_bound_check
+        return fn(CheckCase(**arg.pop("case")), **arg)
     raise ValueError(kind)
 
 

@@ -178,3 +178,21 @@ def test_kernel_choice_traces_as_a_constant(monkeypatch, capability):
 
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(torch.zeros(2))
     assert torch.equal(out, torch.full((2,), 1.0 if want else -1.0))
+
+
+def test_compiled_before_any_eager_call_does_not_retrace(monkeypatch):
+    """torchtitan compiles its blocks before their first call, so the first call is traced while moe_quant's
+    per-device decisions (``backends``) are still uncached. They are neither read nor filled while dynamo
+    traces: it guards on what it reads, and a cache the trace filled fails that guard on the next call
+    (a second compile of the block)."""
+    from moe_quant import backends
+
+    monkeypatch.setattr(backends, "_KERNELS_ON", {})
+    monkeypatch.setattr(backends, "_RESOLVED", {})
+    torch._dynamo.reset()
+    moe = make_moe()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(moe, backend=counter, fullgraph=True)
+    for x in batches(3):
+        fn(x).float().pow(2).mean().backward()
+    assert counter.frame_count == 1

@@ -33,6 +33,7 @@ CASES_2 = {
        for what in ("hidden", "dtype", "experts", "top_k", "wire", "scale_mode")},
     "bad_hidden_one_rank": ("bad", {"kind": "bad_hidden_one_rank", "bad_rank": 0}),
     "bad_counts_len_one_rank": ("bad", {"kind": "bad_counts_len_one_rank", "bad_rank": 1}),
+    "sync_free_bad_hidden_one_rank": ("bad", {"kind": "sync_free_bad_hidden_one_rank", "bad_rank": 1}),
     "after_errors": ("check", {**ROUTER, "seed": 5}),
     "sync_free": ("sync_free", {"case": ROUTER, "capacity_factor": 2.0}),
     "sync_free_tight": ("sync_free", {"case": {**ROUTER, "seed": 7}, "capacity_factor": 1.25}),
@@ -40,6 +41,20 @@ CASES_2 = {
     "sync_free_overflow": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 1.0}),
     "sync_free_drop": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 1.0,
                                      "overflow": "drop"}),
+    **{f"disagree_{what}": ("bad", {"kind": f"disagree_{what}", "bad_rank": 1})
+       for what in ("capacity_factor", "overflow", "max_tokens")},
+    # unequal T per rank (the sizes come from the agreed token bound, not from each rank's T)
+    "sync_free_uneven": ("sync_free", {"case": {**ROUTER, "tokens": (40, 0)}, "capacity_factor": 2.0}),
+    "sync_free_uneven_tight": ("sync_free", {"case": {**ROUTER, "tokens": (23, 50), "seed": 3},
+                                             "capacity_factor": 1.5}),
+    "sync_free_uneven_max_tokens": ("sync_free", {"case": {**ROUTER, "tokens": (17, 33), "seed": 4},
+                                                  "capacity_factor": 2.0, "max_tokens": 40}),
+    "bound_error": ("token_bound", {"case": {**ROUTER, "tokens": (8, 4)}, "capacity_factor": 2.0,
+                                    "later_tokens": (40, 40)}),
+    "bound_drop": ("token_bound", {"case": {**ROUTER, "tokens": (8, 4)}, "capacity_factor": 2.0,
+                                   "later_tokens": (40, 40), "overflow": "drop"}),
+    "max_tokens_drop": ("token_bound", {"case": {**ROUTER, "tokens": (8, 0)}, "capacity_factor": 2.0,
+                                        "max_tokens": 8, "later_tokens": (0, 30), "overflow": "drop"}),
 }
 CASES_4 = {
     "mxfp8_uneven": ("check", {**ROUTER, "tokens": (40, 17, 0, 33), "seed": 1}),
@@ -48,9 +63,13 @@ CASES_4 = {
     "bad_negative": ("bad", {"kind": "negative", "bad_rank": 3}),
     "disagree_hidden": ("bad", {"kind": "disagree_hidden", "bad_rank": 2}),
     "bad_hidden_one_rank": ("bad", {"kind": "bad_hidden_one_rank", "bad_rank": 3}),
+    "sync_free_bad_hidden_one_rank": ("bad", {"kind": "sync_free_bad_hidden_one_rank", "bad_rank": 2}),
     "after_errors": ("check", {**ROUTER, "tokens": (5, 9, 0, 3), "seed": 6}),
     "sync_free": ("sync_free", {"case": {**ROUTER, "seed": 3}, "capacity_factor": 4.0}),
     "sync_free_overflow": ("sync_free", {"case": {**ROUTER, "routing": "one_rank"}, "capacity_factor": 2.0}),
+    "sync_free_uneven": ("sync_free", {"case": {**ROUTER, "tokens": (40, 17, 0, 33), "seed": 1}, "capacity_factor": 4.0}),
+    "bound_error": ("token_bound", {"case": {**ROUTER, "routing": "one_rank", "tokens": (6, 0, 3, 2)},
+                                    "capacity_factor": 4.0, "later_tokens": (5, 30, 0, 2)}),
 }
 
 
@@ -169,6 +188,8 @@ def test_bad_arguments_raise_before_any_collective(ep2):
     ("disagree_hidden", "hidden size", ("64", "96")), ("disagree_dtype", "dtype", ("torch.bfloat16", "torch.float32")),
     ("disagree_experts", "num_experts", ("4", "6")), ("disagree_top_k", "top_k", ("1", "2")),
     ("disagree_wire", "wire", ("'mxfp8'", "'bf16'")), ("disagree_scale_mode", "scale mode", ("'rceil'", "'floor'")),
+    ("disagree_capacity_factor", "capacity factor", ("None (synced mode)", "2.0")),
+    ("disagree_overflow", "overflow", ("'error'", "'drop'")), ("disagree_max_tokens", "max tokens", ("8", "16")),
 ])
 def test_ranks_that_disagree_all_raise_the_same_error(case, field, values, ep2):
     """Each rank's arguments are valid; they differ across ranks: every rank raises one ValueError naming
@@ -191,6 +212,8 @@ def test_disagreement_among_four_ranks(ep4):
 @pytest.mark.parametrize("world, case, bad_rank, own", [
     (2, "bad_hidden_one_rank", 0, "x_TD"), (2, "bad_counts_len_one_rank", 1, "num_local_tokens_per_expert_E"),
     (4, "bad_hidden_one_rank", 3, "x_TD"),
+    # sync-free, first dispatch: told through the handshake (the one host read of that mode)
+    (2, "sync_free_bad_hidden_one_rank", 1, "x_TD"), (4, "sync_free_bad_hidden_one_rank", 2, "x_TD"),
 ])
 def test_argument_error_on_one_rank_raises_on_every_rank(world, case, bad_rank, own, ep2, ep4):
     """An error only one rank can see: that rank raises its own error, every peer a ValueError naming it,
@@ -231,3 +254,46 @@ def test_sync_free_drop_is_opt_in_and_counted(ep2):
     ranks = ep2["sync_free_drop"]
     assert len({r["dropped"] for r in ranks}) == 1 and ranks[0]["dropped"] > 0, ranks  # the same total everywhere
     assert all(r["finite"] and r["error"] is None for r in ranks), ranks
+
+
+@pytest.mark.parametrize("world, case, bound", [(2, "sync_free_uneven", 40), (2, "sync_free_uneven_tight", 50),
+                                                (2, "sync_free_uneven_max_tokens", 40), (4, "sync_free_uneven", 40)])
+def test_sync_free_unequal_tokens_per_rank_equal_synced(world, case, bound, ep2, ep4):
+    """Ranks with different T (one with none): every rank sizes its slots from the same token bound (the
+    largest T at the first dispatch, or max_tokens), so every rank hands the dispatch all-to-all the same
+    number of rows, and output, input and weight gradients equal the synced mode bit for bit; the second
+    step reads nothing on the host."""
+    ranks = (ep2 if world == 2 else ep4)[case]
+    assert len({r["tokens"] for r in ranks}) > 1, ranks  # precondition: T differs across ranks
+    assert len({n for r in ranks for n in r["dispatch_rows"]}) == 1, [r["dispatch_rows"] for r in ranks]
+    for r in ranks:
+        assert r["dropped"] == 0 and r["error"] is None, r  # precondition: nothing overflowed
+        assert r["token_bound"] == bound, r
+        assert r["out_equal"] and r["xgrad_equal"] and r["wgrad_equal"], r
+        assert r["host_reads"] == [], r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sync_free_more_tokens_than_the_bound_is_an_overflow_error(world, ep2, ep4):
+    """The first step fixes the bound; a later step with more tokens on some rank keeps every size (no
+    host read, the same rows on every rank as before) and overflows: NaN outputs on every rank and
+    check_overflow raises the same ValueError everywhere."""
+    ranks = (ep2 if world == 2 else ep4)["bound_error"]
+    assert max(r["later_tokens"] for r in ranks) > ranks[0]["token_bound"], ranks  # precondition
+    assert len({n for r in ranks for n in r["dispatch_rows"]}) == 1, [r["dispatch_rows"] for r in ranks]
+    assert len({r["errors"][1] for r in ranks}) == 1, ranks
+    for r in ranks:
+        assert r["overflow"][0] == 0 and r["errors"][0] is None, r  # the first step fit
+        assert "overflowed the EP receive capacity" in r["errors"][1] and "max_tokens" in r["errors"][1], r
+        assert r["later_finite"] == (r["later_tokens"] == 0) and r["later_host_reads"] == [], r  # NaN (or empty)
+
+
+@pytest.mark.parametrize("case, bound", [("bound_drop", 8), ("max_tokens_drop", 8)])
+def test_sync_free_more_tokens_than_the_bound_drops_counted(case, bound, ep2):
+    """overflow="drop": the copies past capacity are dropped and counted, the same count on every rank."""
+    ranks = ep2[case]
+    assert len({r["overflow"][1] for r in ranks}) == 1 and ranks[0]["overflow"][1] > 0, ranks
+    assert len({n for r in ranks for n in r["dispatch_rows"]}) == 1, [r["dispatch_rows"] for r in ranks]
+    for r in ranks:
+        assert r["token_bound"] == bound and r["overflow"][0] == 0 and r["errors"] == [None, None], r
+        assert r["later_finite"] and r["later_host_reads"] == [], r

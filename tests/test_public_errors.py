@@ -18,6 +18,8 @@ from mx_strategies import make_values
 import moe_quant as mq
 from moe_quant import layouts
 from moe_quant.conversion import convert
+from moe_quant.ep import MXFP8TokenDispatcher
+from moe_quant.moe import EPMoE
 
 BF16 = torch.bfloat16
 I32 = torch.int32
@@ -38,6 +40,10 @@ def _scales(rows, cols):
 def _enter(cm):
     with cm:
         pass
+
+
+def _dispatcher(**kw):
+    return MXFP8TokenDispatcher(4, 2, **kw)
 
 
 def _data_and_scales(m=4, k=64):
@@ -226,6 +232,15 @@ CASES = [
     ("convert config", lambda: convert(torch.nn.Linear(2, 2), "rceil"), TypeError, "config"),
     ("reuse_quantized_weights int", lambda: _enter(mq.reuse_quantized_weights(3)), TypeError, "model"),
     ("reuse_quantized_weights tensor", lambda: _enter(mq.reuse_quantized_weights(torch.zeros(2))), TypeError, "model"),
+    # ---- expert parallelism (rejected when built: no process group needed)
+    ("dispatcher capacity_factor 0", lambda: _dispatcher(capacity_factor=0), ValueError, "capacity_factor"),
+    ("dispatcher overflow", lambda: _dispatcher(capacity_factor=1.0, overflow="ignore"), ValueError, "overflow"),
+    ("dispatcher max_tokens synced", lambda: _dispatcher(max_tokens=8), ValueError, "max_tokens"),
+    ("dispatcher max_tokens 0", lambda: _dispatcher(capacity_factor=1.0, max_tokens=0), ValueError, "max_tokens"),
+    ("dispatcher max_tokens bool", lambda: _dispatcher(capacity_factor=1.0, max_tokens=True), TypeError, "max_tokens"),
+    ("dispatcher max_tokens float", lambda: _dispatcher(capacity_factor=1.0, max_tokens=8.0), TypeError, "max_tokens"),
+    ("EPMoE max_tokens negative", lambda: EPMoE(64, 96, 4, 2, capacity_factor=1.0, max_tokens=-1), ValueError,
+     "max_tokens"),
 ]
 
 

@@ -19,6 +19,12 @@ JOBS = {
     "ours_local": ("titan", {"dispatcher": "moe_quant", "ep": False}),
     "titan_ep": ("titan", {"dispatcher": "torchtitan", "ep": True}),
     "ours_ep_sync_free": ("titan", {"dispatcher": "moe_quant", "ep": True, "capacity_factor": 2.0}),
+    # unequal T per rank: synced, and sync-free compiled before any eager step (the bound from max_tokens)
+    "ours_ep_uneven": ("titan", {"dispatcher": "moe_quant", "ep": True, "tokens": (24, 9), "compile_backend": None}),
+    "ours_ep_sync_free_uneven": ("titan", {"dispatcher": "moe_quant", "ep": True, "capacity_factor": 2.0,
+                                           "max_tokens": 24, "tokens": (24, 9), "compiled_first": True}),
+    "ours_ep_sync_free_unbounded": ("titan", {"dispatcher": "moe_quant", "ep": True, "capacity_factor": 2.0,
+                                              "tokens": (24, 9), "compiled_first": True}),
 }
 
 
@@ -29,7 +35,7 @@ def titan2():
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(names)}
 
 
-@pytest.mark.parametrize("job", list(JOBS))
+@pytest.mark.parametrize("job", [j for j in JOBS if j not in ("ours_ep_uneven", "ours_ep_sync_free_unbounded")])
 def test_compiled_equals_eager_bit_for_bit(job, titan2):
     """Output, input gradient and the three weight gradients: compiled (aot_eager, fullgraph) == eager."""
     for r in titan2[job]:
@@ -66,3 +72,20 @@ def test_ours_close_to_torchtitans_all_to_all(titan2):
 def _sqnr(ref, x):
     err = (ref - x).pow(2).sum()
     return float("inf") if err == 0 else float(10 * torch.log10(ref.pow(2).sum() / err))
+
+
+def test_sync_free_unequal_tokens_compiled_first(titan2):
+    """T = 24 and 9 on the two ranks, max_tokens=24 in the dispatcher Config: the block compiles fullgraph
+    before any eager step (the bound is fixed in wire_meshes' handshake) and equals the synced dispatcher
+    bit for bit (output, input and weight gradients; compiled == eager above), nothing overflowing."""
+    for sf, synced in zip(titan2["ours_ep_sync_free_uneven"], titan2["ours_ep_uneven"]):
+        assert sf["token_bound"] == 24 and sf["overflow"] == 0, sf["token_bound"]
+        assert sf["eager"] == synced["eager"] and sf["wgrads"] == synced["wgrads"]
+
+
+def test_sync_free_without_a_bound_does_not_compile(titan2):
+    """Sync-free, no max_tokens, compiled before any eager dispatch: agreeing on the bound would read the
+    host while tracing, so every rank raises the same clear error instead (nothing was exchanged)."""
+    errors = [r["compile_error"] for r in titan2["ours_ep_sync_free_unbounded"]]
+    assert len({e["message"] for e in errors}) == 1, errors
+    assert "max_tokens" in errors[0]["message"] and "token bound" in errors[0]["message"], errors

@@ -52,17 +52,19 @@ def _block(dispatcher_cfg, ep: bool):
     return block
 
 
-def _inputs():
+def _inputs(tokens=None):
+    """This rank's tokens (``tokens[rank]`` of them, default T), routing and output gradient."""
     rank = dist.get_rank()
+    t = tokens[rank] if tokens else T
     g = torch.Generator().manual_seed(10 + rank)
-    x = torch.randn(1, T, D, generator=g).to(torch.bfloat16)
-    logits = torch.randn(T, E, generator=g)
+    x = torch.randn(1, t, D, generator=g).to(torch.bfloat16)
+    logits = torch.randn(t, E, generator=g)
     if rank == 1:
         logits[:, 0] += 4  # uneven: most of this rank's copies to expert 0
     scores, ids = torch.topk(logits.softmax(-1), K, dim=-1)
-    counts = torch.zeros(E, dtype=torch.int64).scatter_add(0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int64))
-    gout = torch.randn(1, T, D, generator=g).to(torch.bfloat16)
-    return x, scores.view(1, T, K), ids.view(1, T, K), counts, gout
+    counts = torch.zeros(E, dtype=torch.int64).scatter_add(0, ids.reshape(-1), torch.ones(t * K, dtype=torch.int64))
+    gout = torch.randn(1, t, D, generator=g).to(torch.bfloat16)
+    return x, scores.view(1, t, K), ids.view(1, t, K), counts, gout
 
 
 def _step(fn, block, x, scores, ids, counts, gout):
@@ -75,8 +77,12 @@ def _step(fn, block, x, scores, ids, counts, gout):
     return [out.detach(), x.grad] + [w.grad.clone() for w in ws]
 
 
-def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager", capacity_factor=None) -> dict:
-    """Eager and compiled steps of one block; returns whether they are bit-identical, and the outputs."""
+def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager", capacity_factor=None,
+        max_tokens=None, tokens=None, compiled_first: bool = False) -> dict:
+    """Eager and compiled steps of one block; returns whether they are bit-identical, and the outputs.
+    ``tokens``: T of each rank (default T on every rank); ``compiled_first``: the compiled step runs
+    before the eager one (the sync-free token bound must then be fixed without a dispatch: max_tokens);
+    an error it raises is returned as ``compile_error``."""
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     from moe_quant.ep.titan import dispatcher_class, dispatcher_config
@@ -86,20 +92,31 @@ def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager", ca
     torch._dynamo.config.capture_scalar_outputs = True  # as torchtitan's compile does
     set_spmd_backend("partial_dtensor")  # plain process groups (its default needs torchtitan's trainer set-up)
     if dispatcher == "moe_quant":
-        cfg = dispatcher_config(num_experts=E, top_k=K, capacity_factor=capacity_factor)
+        cfg = dispatcher_config(num_experts=E, top_k=K, capacity_factor=capacity_factor, max_tokens=max_tokens)
     else:
         cfg = AllToAllTokenDispatcher.Config(num_experts=E, top_k=K)
     block = _block(cfg, ep)
-    args = _inputs()
-    eager = _step(block, block, *args)
+    args = _inputs(tokens)
     t0 = time.monotonic()
-    res = {"ours": isinstance(block.token_dispatcher, dispatcher_class()), "local": not ep,
-           "rows": int(args[3].sum()), "eager": [t.float().tolist() for t in eager[:2]],
-           "wgrads": [t.float().tolist() for t in eager[2:]]}
-    if compile_backend:
+    res = {"ours": isinstance(block.token_dispatcher, dispatcher_class()), "local": not ep, "rows": int(args[3].sum())}
+    compiled = None
+    if compile_backend and compiled_first:
         torch._dynamo.reset()
-        compiled = _step(torch.compile(block, backend=compile_backend, fullgraph=True), block, *args)
+        try:
+            compiled = _step(torch.compile(block, backend=compile_backend, fullgraph=True), block, *args)
+        except Exception as e:  # the test asserts the type and message
+            res["compile_error"] = {"type": type(e).__name__, "message": str(e)}
+            return res
+    eager = _step(block, block, *args)
+    res.update({"eager": [t.float().tolist() for t in eager[:2]], "wgrads": [t.float().tolist() for t in eager[2:]]})
+    if compile_backend:
+        if compiled is None:
+            torch._dynamo.reset()
+            compiled = _step(torch.compile(block, backend=compile_backend, fullgraph=True), block, *args)
         res["compiled_equal"] = [_bits_equal(a, b) for a, b in zip(eager, compiled)]
+    if dispatcher == "moe_quant" and capacity_factor is not None:
+        res["token_bound"] = block.token_dispatcher.token_bound
+        res["overflow"] = block.token_dispatcher.check_overflow()
     res["seconds"] = time.monotonic() - t0
     return res
 

@@ -55,7 +55,15 @@ def moe_quant_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor
 
 
 def _local(w):
-    return w.to_local() if hasattr(w, "to_local") else w  # a DTensor (expert / tensor parallel) -> its shard
+    """A DTensor weight (expert / tensor parallel) -> its local shard. ``isinstance``, not ``hasattr(w,
+    "to_local")``: dynamo answers that ``hasattr`` False for a DTensor, so a compiled forward would take
+    the global weight (torchtitan's EP under ``torch.compile``: all experts for this rank's offsets)."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(w, DTensor):
+            return w.to_local()
+    return w
 
 
 def torchtitan_forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,15 @@ raises its own error; no rank sends or returns token data.
 ``num_experts`` fixes the size of the counts message, so ranks that disagree on it cannot share the
 counts exchange itself: :class:`moe_quant.ep.MXFP8TokenDispatcher` runs a fixed-size
 :func:`header` exchange once per process group before its first dispatch (a handshake), which catches
-that and every other setting of the dispatcher.
+that and every other setting of the dispatcher. The handshake message is the header followed by the
+sync-free settings (:data:`HANDSHAKE_FIELDS`: capacity factor, overflow, max tokens, which every rank
+must share, as they fix the sizes of every later exchange) and this rank's token count T, from which
+the sync-free mode takes its token bound (:func:`token_bound`).
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 
@@ -22,10 +27,13 @@ import torch
 NEGATIVE, BAD_SUM, MISMATCH, BAD_ARGS = 1, 2, 4, 8
 FIELDS = ("code", "hidden size", "num_experts", "top_k", "dtype", "wire", "scale mode")
 SIZE = len(FIELDS)
+# the one-time handshake: the header, the sync-free settings and this rank's token count (-1: unknown)
+HANDSHAKE_FIELDS = FIELDS + ("capacity factor", "overflow", "max tokens", "tokens")
 
 _DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 _WIRES = ("mxfp8", "bf16")
 _MODES = ("rceil", "floor")
+_OVERFLOW = ("error", "drop")
 
 
 def header(*, hidden: int, num_experts: int, top_k: int, dtype, wire, mode) -> list:
@@ -35,6 +43,30 @@ def header(*, hidden: int, num_experts: int, top_k: int, dtype, wire, mode) -> l
             _MODES.index(str(mode.value)) + 1]
 
 
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def handshake_row(settings: list, *, capacity_factor, overflow: str, max_tokens, tokens) -> list:
+    """The handshake message of one rank: ``settings`` (:func:`header`), then the capacity factor (its
+    float64 bits, 0: synced mode), overflow, max tokens (0: none given) and this rank's token count T
+    (-1: not known yet, e.g. a handshake before the first dispatch)."""
+    return list(settings) + [0 if capacity_factor is None else _float_bits(capacity_factor),
+                             _OVERFLOW.index(overflow) + 1, 0 if max_tokens is None else int(max_tokens),
+                             -1 if tokens is None else int(tokens)]
+
+
+def token_bound(rows: list) -> int | None:
+    """The token bound the sync-free mode fixes from a handshake's rows (every rank computes the same):
+    the explicit max tokens where given, else the largest T of the ranks; None where some rank did not
+    know its T yet or every rank had T = 0 (nothing to fix it from)."""
+    max_tokens = rows[0][HANDSHAKE_FIELDS.index("max tokens")]
+    if max_tokens > 0:
+        return max_tokens
+    tokens = [row[HANDSHAKE_FIELDS.index("tokens")] for row in rows]
+    return max(tokens) if min(tokens) >= 0 and max(tokens) > 0 else None
+
+
 def _show(field: str, value: int):
     if field == "dtype":
         return str(_DTYPES[value - 1]) if 0 < value <= len(_DTYPES) else "unsupported"
@@ -42,6 +74,12 @@ def _show(field: str, value: int):
         return repr(_WIRES[value - 1])
     if field == "scale mode":
         return repr(_MODES[value - 1])
+    if field == "capacity factor":
+        return "None (synced mode)" if value == 0 else struct.unpack("<d", struct.pack("<q", value))[0]
+    if field == "overflow":
+        return repr(_OVERFLOW[value - 1])
+    if field == "max tokens":
+        return None if value == 0 else value
     return value
 
 
@@ -51,10 +89,11 @@ def problems(bits: int) -> list:
             "(or ids outside [0, num_experts))")) if bits & bit]
 
 
-def diagnose(headers: list, *, skip: tuple = ()) -> str | None:
-    """``headers[r]``: rank r's header. The message every rank raises, or None when all agree and none
-    reported a problem. Disagreement on a setting comes first (it explains any other problem)."""
-    for i, field in enumerate(FIELDS[1:], start=1):
+def diagnose(headers: list, *, fields: tuple = FIELDS, skip: tuple = ()) -> str | None:
+    """``headers[r]``: rank r's header (``fields``: its layout, :data:`FIELDS` or :data:`HANDSHAKE_FIELDS`).
+    The message every rank raises, or None when all agree and none reported a problem. Disagreement on a
+    setting comes first (it explains any other problem)."""
+    for i, field in enumerate(fields[1:], start=1):
         if field in skip:
             continue
         values = [h[i] for h in headers]
@@ -72,4 +111,5 @@ def diagnose(headers: list, *, skip: tuple = ()) -> str | None:
     return None
 
 
-__all__ = ["header", "diagnose", "problems", "FIELDS", "SIZE", "NEGATIVE", "BAD_SUM", "MISMATCH", "BAD_ARGS"]
+__all__ = ["header", "handshake_row", "token_bound", "diagnose", "problems", "FIELDS", "HANDSHAKE_FIELDS", "SIZE",
+           "NEGATIVE", "BAD_SUM", "MISMATCH", "BAD_ARGS"]

@@ -1,11 +1,18 @@
 """Sync-free expert parallelism: a fixed receive capacity per rank pair, static all-to-all sizes.
 
-Each rank sends every peer exactly ``S`` row slots (``S = slots_per_rank(T, top_k, R, E_local,
+Each rank sends every peer exactly ``S`` row slots (``S = slots_per_rank(T_max, top_k, R, E_local,
 capacity_factor)``), so every all-to-all has sizes known on the host before any device work: no
 device-to-host synchronization in forward or backward, the same shapes every step (``torch.compile``
 sees no data-dependent size, a CUDA graph can capture the step). A rank receives ``R * S`` rows, in
 expert-major order first (the rows the grouped GEMM takes, ``num_tokens_per_local_expert`` summing to
 the rows really received), zero rows after them.
+
+``S`` must be the same on every rank of the group (each all-to-all pairs every rank's sends with its
+peers' receives), so it comes from a token bound ``T_max`` every rank holds alike, never from this
+rank's own T (ranks may have different T, e.g. a rank with none): the dispatcher's ``max_tokens``, or
+else the largest T of the ranks at the first dispatch, agreed once in its handshake
+(:meth:`moe_quant.ep.MXFP8TokenDispatcher.handshake`, the one host read). A dispatch with more tokens
+than ``T_max`` on some rank keeps the same sizes: the copies past ``S`` overflow, as below.
 
 The rows a rank sends to rank r are its sorted rows for r's experts, in order; those past the ``S``
 slots overflow. Overflow is never silent: the number of overflowing token copies of the whole EP group
@@ -40,8 +47,9 @@ OVERFLOW = ("error", "drop")
 
 
 def slots_per_rank(tokens: int, top_k: int, world: int, local_experts: int, capacity_factor: float) -> int:
-    """``S``: row slots a rank sends each peer, ``ceil(capacity_factor * T * top_k / R)``, at most
-    ``T * min(top_k, E_local)`` (every copy a peer can take; a factor ``>= R`` never overflows)."""
+    """``S``: row slots a rank sends each peer for a token bound ``tokens`` (``T_max``, the same on every
+    rank), ``ceil(capacity_factor * T_max * top_k / R)``, at most ``T_max * min(top_k, E_local)`` (every
+    copy a peer can take; a factor ``>= R`` never overflows while no rank has more than ``T_max`` tokens)."""
     s = math.ceil(capacity_factor * tokens * top_k / world)
     return max(0, min(s, tokens * min(top_k, local_experts)))
 
@@ -114,6 +122,8 @@ def plan_receive(kept: torch.Tensor, slots: int):
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 0:  # a rank without tokens still fills its slots (with zeros)
+        return x.new_zeros(idx.shape[0], *x.shape[1:])
     rows = x.view(torch.uint8)[idx] if x.dtype.itemsize == 1 else x[idx]
     return torch.where(keep.unsqueeze(1), rows, 0).view(x.dtype)
 

@@ -229,46 +229,67 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def run_sync_free_check(case: CheckCase, capacity_factor: float, overflow: str = "error", group=None,
-                        steps: int = 2) -> dict:
-    """The EP block in the synced mode and in the sync-free mode (``capacity_factor``, ``overflow``), same
-    weights and inputs: are outputs and gradients bit-identical, how many host reads did the sync-free
-    steps after the first make, how many rows overflowed, what did ``check_overflow`` say."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n_experts = case.experts_per_rank * world
+def _read_overflow(dispatcher) -> tuple:
+    """``(count, None)`` from ``check_overflow``, or ``(None, message)`` where it raised."""
+    try:
+        return dispatcher.check_overflow(), None
+    except ValueError as e:
+        return None, str(e)
+
+
+def _step(model, case: CheckCase, n_experts: int, x0, gout, *, count_reads: bool) -> tuple:
+    """One forward and backward of the EP block on this rank's tokens ``x0``: ``(output, input gradient,
+    the host reads it made (None where not counted), rows handed to the dispatch all-to-all)``."""
+    x = x0.clone().requires_grad_()
+    reads = _HostReads() if count_reads else contextlib.nullcontext()
+    with reads, WireLog() as log:
+        scores, ids, counts = _routing(model, x, case, n_experts)
+        out = model.forward_routed(x, scores, ids, counts)
+        (out.float() * gout.float()).sum().backward()
+    return out.detach(), x.grad, reads.seen if count_reads else None, log.by_leg("dispatch")[0]
+
+
+def _ep_models(case: CheckCase, world: int, group, **sync_free) -> dict:
+    """The synced and the sync-free (``sync_free``: its dispatcher arguments) EP block of ``case``, same weights."""
     torch.manual_seed(case.seed)
-    base = MoE(case.dim, case.hidden_dim, n_experts, case.top_k).to(torch.bfloat16)
+    base = MoE(case.dim, case.hidden_dim, case.experts_per_rank * world, case.top_k).to(torch.bfloat16)
     models = {"synced": EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode),
-              "sync_free": EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode,
-                                          capacity_factor=capacity_factor, overflow=overflow)}
+              "sync_free": EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode, **sync_free)}
     if case.convert:
         for m in models.values():
             _convert(m, case)
+    return models
+
+
+def run_sync_free_check(case: CheckCase, capacity_factor: float, overflow: str = "error", group=None,
+                        steps: int = 2, max_tokens: int | None = None) -> dict:
+    """The EP block in the synced mode and in the sync-free mode (``capacity_factor``, ``overflow``,
+    ``max_tokens``), same weights and inputs (``case.tokens``: T per rank, may differ): are outputs and
+    gradients bit-identical, how many host reads did the sync-free steps after the first make, how many
+    rows did each rank hand to the dispatch all-to-all, how many overflowed, what did ``check_overflow`` say."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_experts = case.experts_per_rank * world
+    models = _ep_models(case, world, group, capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens)
     xs, gouts = _inputs(case, world, "cpu", torch.bfloat16)
     res, host_reads = {}, {"synced": [], "sync_free": []}
+    dispatch_rows = []
     for name, model in models.items():
         if name == "synced" and overflow == "drop":
             continue
         outs = []
         for step in range(steps):
-            x = xs[rank].clone().requires_grad_()
-            reads = _HostReads() if step > 0 else contextlib.nullcontext()
-            with reads:
-                scores, ids, counts = _routing(model, x, case, n_experts)
-                out = model.forward_routed(x, scores, ids, counts)
-                (out.float() * gouts[rank].float()).sum().backward()
-            if step > 0:
-                host_reads[name] += reads.seen
-            outs.append((out.detach(), x.grad))
+            out, x_grad, reads, rows = _step(model, case, n_experts, xs[rank], gouts[rank], count_reads=step > 0)
+            host_reads[name] += reads or []
+            if name == "sync_free":
+                dispatch_rows.append(rows)
+            outs.append((out, x_grad))
         res[name] = outs + [tuple(getattr(model.experts, w).grad for w in ("w1", "w2", "w3"))]
     disp = models["sync_free"].dispatcher
-    try:
-        dropped, error = disp.check_overflow(), None
-    except ValueError as e:
-        dropped, error = None, str(e)
+    dropped, error = _read_overflow(disp)
     sf = res["sync_free"]
-    out = {"rank": rank, "host_reads": host_reads["sync_free"], "synced_host_reads": host_reads["synced"],
-           "dropped": dropped, "error": error,
+    out = {"rank": rank, "tokens": case.tokens_of(rank), "host_reads": host_reads["sync_free"],
+           "synced_host_reads": host_reads["synced"], "dispatch_rows": dispatch_rows,
+           "token_bound": disp.token_bound, "dropped": dropped, "error": error,
            "finite": bool(torch.isfinite(sf[0][0]).all()),
            "check_again": disp.check_overflow()}
     if "synced" in res:
@@ -279,4 +300,32 @@ def run_sync_free_check(case: CheckCase, capacity_factor: float, overflow: str =
     return out
 
 
-__all__ = ["CheckCase", "run_check", "run_sync_free_check", "sqnr_db", "bits_equal"]
+def run_token_bound_check(case: CheckCase, capacity_factor: float, later_tokens: tuple, overflow: str = "error",
+                          max_tokens: int | None = None, group=None) -> dict:
+    """The sync-free block's token bound: a first step with ``case.tokens`` per rank (it fixes the bound,
+    unless ``max_tokens`` does), then a step with ``later_tokens`` per rank (more than the bound on some
+    rank). Per rank: the bound, the rows handed to each step's dispatch all-to-all (the same every step
+    and on every rank), ``check_overflow`` after each step, whether the later output is finite and what
+    that step read on the host."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_experts = case.experts_per_rank * world
+    model = _ep_models(case, world, group, capacity_factor=capacity_factor, overflow=overflow,
+                       max_tokens=max_tokens)["sync_free"]
+    out = {"rank": rank, "dispatch_rows": [], "overflow": [], "errors": []}
+    for step, tokens in enumerate((case.tokens, later_tokens)):
+        step_case = dataclasses.replace(case, tokens=tuple(tokens), seed=case.seed + step)
+        xs, gouts = _inputs(step_case, world, "cpu", torch.bfloat16)
+        y, _, reads, rows = _step(model, step_case, n_experts, xs[rank], gouts[rank], count_reads=step > 0)
+        out["dispatch_rows"].append(rows)
+        dropped, error = _read_overflow(model.dispatcher)
+        out["overflow"].append(dropped)
+        out["errors"].append(error)
+        if step > 0:
+            out["later_host_reads"] = reads
+            out["later_finite"] = bool(torch.isfinite(y).all())
+            out["later_tokens"] = y.shape[0]
+    out["token_bound"] = model.dispatcher.token_bound
+    return out
+
+
+__all__ = ["CheckCase", "run_check", "run_sync_free_check", "run_token_bound_check", "sqnr_db", "bits_equal"]

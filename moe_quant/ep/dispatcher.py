@@ -63,22 +63,29 @@ class MXFP8TokenDispatcher:
             sync-free mode of :mod:`moe_quant.ep.capacity` (fixed capacity, static sizes, no host read).
         overflow: sync-free mode: ``"error"`` (default: NaN outputs, :meth:`check_overflow` raises) or
             ``"drop"`` (copies past capacity contribute zero, counted in ``dropped_rows``).
+        max_tokens: sync-free mode: the token bound ``T_max`` (tokens per rank per dispatch) that fixes the
+            capacity of every rank alike. ``None`` (default): the largest T of the ranks at the first
+            dispatch, agreed in the one-time handshake (its host read). A later dispatch with more tokens
+            on a rank than the bound overflows (counted, never mismatched sizes).
 
-    Ranks that disagree (on num_experts, top_k, wire, scale mode: checked by a one-time handshake per
-    group before the first dispatch; on the hidden size and the activation dtype: carried with every
-    counts exchange) or whose arguments are invalid on one rank only all raise one ``ValueError``
-    naming the setting and the ranks, before any token is sent (:mod:`moe_quant.ep.agree`).
+    Ranks that disagree (on num_experts, top_k, wire, scale mode, capacity_factor, overflow, max_tokens:
+    checked by a one-time handshake per group before the first dispatch; on the hidden size and the
+    activation dtype: carried with every counts exchange) or whose arguments are invalid on one rank
+    only all raise one ``ValueError`` naming the setting and the ranks, before any token is sent
+    (:mod:`moe_quant.ep.agree`).
 
-    The steps torchtitan's graph passes annotate on its ``AllToAllTokenDispatcher`` have methods of the
-    same names here: :meth:`_token_count_exchange` (the counts all-to-all) and
-    :meth:`_sync_token_count_exchange` (its one host read). The token exchanges run inside the
-    differentiable legs of :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute), so there is
-    no ``_dispatch_token_exchange`` / ``_combine_token_exchange`` method to annotate.
+    The count steps have the names of torchtitan's ``AllToAllTokenDispatcher`` methods:
+    :meth:`_token_count_exchange` (the counts all-to-all) and :meth:`_sync_token_count_exchange` (its one
+    host read). torchtitan's graph passes (its graph_trainer experiment) do not tag them here: they wrap
+    torchtitan's own class attributes, which this class does not inherit, and expect bare tagged
+    all-to-all nodes, while the token exchanges here run inside the differentiable legs of
+    :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute); the README's torchtitan section says
+    what that means for them.
     """
 
     def __init__(self, num_experts: int, top_k: int, *, group=None, wire: Wire | str = Wire.MXFP8,
                  scale_mode: ScaleMode | str = ScaleMode.RCEIL, capacity_factor: float | None = None,
-                 overflow: str = "error"):
+                 overflow: str = "error", max_tokens: int | None = None):
         self.num_experts = v.check_size("num_experts", num_experts)
         self.top_k = v.check_size("top_k", top_k)
         if self.num_experts < 1:
@@ -93,10 +100,18 @@ class MXFP8TokenDispatcher:
             raise ValueError(f"capacity_factor must be None (synced mode) or a positive number, got {capacity_factor!r}")
         if overflow not in capacity.OVERFLOW:
             raise ValueError(f"overflow must be one of {list(capacity.OVERFLOW)}, got {overflow!r}")
+        if max_tokens is not None:
+            if capacity_factor is None:
+                raise ValueError("max_tokens is the token bound of the sync-free mode: pass capacity_factor too "
+                                 "(the synced mode sizes every exchange from the counts)")
+            if v.check_size("max_tokens", max_tokens) < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         self.capacity_factor = capacity_factor
         self.overflow = overflow
+        self.max_tokens = max_tokens
         self.dropped_rows = None  # sync-free mode: device int64 counter of token copies past capacity
         self._agreed = ()  # (group,): the group the one-time handshake passed on
+        self._bound = None  # sync-free mode: the token bound agreed on that group
 
     @classmethod
     def config_class(cls):
@@ -142,28 +157,55 @@ class MXFP8TokenDispatcher:
         return agree.header(hidden=hidden, num_experts=self.num_experts, top_k=self.top_k, dtype=dtype,
                             wire=self.wire, mode=self.scale_mode)
 
-    def handshake(self, device) -> None:
+    def _handshake_due(self, tokens) -> bool:
+        """The next :meth:`handshake` with ``tokens`` exchanges (a collective with a host read on every rank)."""
+        if self.is_local:
+            return False
+        return self._agreed != (self.group,) or (self.capacity_factor is not None and self._bound is None
+                                                 and tokens is not None)
+
+    def handshake(self, device, tokens: int | None = None, *, bad_args: bool = False) -> None:
         """Check once per group that every rank built the dispatcher alike (num_experts, top_k, wire, scale
-        mode), before the counts exchange (whose size depends on num_experts). One small all-to-all and
-        a host read; :meth:`dispatch` calls it before its first exchange on a group (call it yourself
-        before capturing a CUDA graph or compiling: skipped while tracing)."""
-        if self.is_local or self._agreed == (self.group,):
+        mode, capacity factor, overflow, max_tokens), before the counts exchange (whose size depends on
+        num_experts). One small all-to-all and a host read; :meth:`dispatch` calls it before its first
+        exchange on a group (call it yourself before capturing a CUDA graph or compiling: skipped while
+        tracing). ``tokens``: this rank's token count T of the coming dispatch; in the sync-free mode
+        without ``max_tokens`` the largest T of the ranks becomes the token bound (:attr:`token_bound`),
+        so that every rank sends and receives the same number of slots; until it is fixed (a handshake
+        without ``tokens``, or T = 0 on every rank), the next dispatch runs the handshake again.
+        ``bad_args``: this rank's dispatch arguments are invalid (every rank then raises)."""
+        if not self._handshake_due(tokens):
             return
+        agreed = self._agreed == (self.group,)
         if torch.compiler.is_compiling():
             # traced: the counts exchange checks top_k, wire and scale mode as runtime asserts, but a
             # num_experts mismatch changes its size: run this eagerly first (the torchtitan component does,
             # in wire_meshes)
             return
+        if not agreed:
+            self._bound = None
         world = dist.get_world_size(self.group)
-        mine = self._settings(None)
-        msg = torch.tensor(mine, dtype=torch.int64).to(device).expand(world, agree.SIZE).contiguous()
+        mine = agree.handshake_row(self._settings(None), capacity_factor=self.capacity_factor,
+                                   overflow=self.overflow, max_tokens=self.max_tokens, tokens=tokens)
+        if bad_args:
+            mine[0] = agree.BAD_ARGS
+        msg = torch.tensor(mine, dtype=torch.int64).to(device).expand(world, len(mine)).contiguous()
         got = all_to_all_rows(msg, [1] * world, [1] * world, self.group, "counts").tolist()
-        message = agree.diagnose(got, skip=("hidden size", "dtype"))
+        message = agree.diagnose(got, fields=agree.HANDSHAKE_FIELDS, skip=("hidden size", "dtype", "tokens"))
         if message is None and self.num_experts % world:
             message = f"num_experts = {self.num_experts} must be a multiple of the EP group size {world}"
         if message is not None:
             raise ValueError(message)
+        if self.capacity_factor is not None:
+            self._bound = agree.token_bound(got)
+            self._counter(device)  # made here, eagerly: a compiled dispatch finds it (no retrace for it)
         self._agreed = (self.group,)
+
+    @property
+    def token_bound(self) -> int | None:
+        """Sync-free mode: the tokens per rank the capacity is sized for, the same on every rank of the
+        group (``max_tokens``, or the largest T of the ranks at the first dispatch); None before it is fixed."""
+        return self._bound if self._agreed == (self.group,) else None
 
     def _token_count_exchange(self, counts, rows: int, settings: list, mismatch, bad_args: bool, **kwargs):
         """The counts all-to-all (with every rank's settings and problem code); no host read."""
@@ -191,10 +233,21 @@ class MXFP8TokenDispatcher:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
         if self.capacity_factor is not None:
-            # sync-free: peers never read the host, so an argument error raises here only (shapes and
-            # dtypes are the same on every rank of an SPMD program; the handshake checked the settings)
-            self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
-            self.handshake(x_TD.device)
+            # sync-free: peers read the host only in a handshake (the first dispatch on a group, until the
+            # token bound is fixed): an argument error found then reaches every rank through it; later it
+            # raises here only (dtypes and the shapes but T are the same on every rank of an SPMD
+            # program; T may differ: the sizes come from the agreed token bound, not from T)
+            try:
+                self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            except (TypeError, ValueError) as local_error:
+                if self._handshake_due(-1) and not torch.compiler.is_compiling():
+                    device = x_TD.device if isinstance(x_TD, torch.Tensor) else torch.device("cpu")
+                    try:
+                        self.handshake(device, tokens=-1, bad_args=True)  # raises on every rank
+                    except ValueError as group_error:  # peers raise this one; this rank its own error
+                        raise local_error from group_error
+                raise
+            self.handshake(x_TD.device, tokens=x_TD.shape[0])
             return self._dispatch_sync_free(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
         try:
             self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
@@ -231,7 +284,15 @@ class MXFP8TokenDispatcher:
     def _dispatch_sync_free(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts):
         """Fixed capacity (:mod:`moe_quant.ep.capacity`): static sizes, nothing read on the host."""
         world, n_local = self.ep_size, self.num_local_experts
-        slots = capacity.slots_per_rank(x_TD.shape[0], self.top_k, world, n_local, self.capacity_factor)
+        bound = self.token_bound
+        if bound is None:
+            if torch.compiler.is_compiling():  # the same on every rank: nothing was exchanged yet
+                raise ValueError(
+                    "sync-free mode: the token bound is not fixed, and agreeing on it reads the host, which "
+                    "cannot happen while tracing: pass max_tokens=..., or run one dispatch eagerly (or "
+                    "handshake(device, tokens=T)) before torch.compile / CUDA graph capture")
+            bound = 0  # every rank had T = 0 (the handshake saw it): nothing to send, bound still open
+        slots = capacity.slots_per_rank(bound, self.top_k, world, n_local, self.capacity_factor)
         x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
         rows = token_idx.shape[0]
         send_idx, send_valid, slot_of_row, kept, dropped = capacity.plan_send(counts, rows, world, slots)
@@ -241,9 +302,7 @@ class MXFP8TokenDispatcher:
         head = recv[:, n_local:n_local + agree.SIZE]
         bad = (head[:, 0] != 0).any() | (head[:, 1:] != msg[:1, n_local + 1:n_local + agree.SIZE]).any()
         total_dropped = recv[:, -1].sum() + bad.to(torch.int64)  # the same on every rank
-        if self.dropped_rows is None or self.dropped_rows.device != x_TD.device:
-            self.dropped_rows = torch.zeros((), dtype=torch.int64, device=x_TD.device)
-        self.dropped_rows.add_(total_dropped)
+        self._counter(x_TD.device).add_(total_dropped)
         src, valid, num_tokens_per_local_expert = capacity.plan_receive(recv[:, :n_local], slots)
         route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode, slots=slots,
                                        world=world, send_idx=send_idx, send_valid=send_valid, slot_of_row=slot_of_row,
@@ -252,6 +311,13 @@ class MXFP8TokenDispatcher:
         metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
                                       topk_scores_experts_sorted_N=scores_sorted, route=route)
         return capacity.dispatch_rows(x_sorted, route), num_tokens_per_local_expert, metadata
+
+    def _counter(self, device) -> torch.Tensor:
+        """``dropped_rows`` on ``device`` (made on first use)."""
+        device = torch.device(device)
+        if self.dropped_rows is None or self.dropped_rows.device != device:
+            self.dropped_rows = torch.zeros((), dtype=torch.int64, device=device)
+        return self.dropped_rows
 
     def check_overflow(self) -> int:
         """Sync-free mode: read (one host sync) and reset the count of token copies that overflowed the
@@ -264,8 +330,9 @@ class MXFP8TokenDispatcher:
         self.dropped_rows.zero_()
         if n and self.overflow == "error":
             raise ValueError(f"{n} token copies overflowed the EP receive capacity (capacity_factor="
-                             f"{self.capacity_factor}) or had invalid counts; the outputs of those steps are NaN. "
-                             f"Raise capacity_factor, or pass overflow='drop' to drop them (counted)")
+                             f"{self.capacity_factor}, token bound {self.token_bound} per rank) or had invalid "
+                             f"counts; the outputs of those steps are NaN. Raise capacity_factor (or max_tokens, "
+                             f"if more tokens than the bound came), or pass overflow='drop' to drop them (counted)")
         return n
 
     def combine(self, routed_output, metadata: EPDispatchMetadata, x_TD, **_unused):

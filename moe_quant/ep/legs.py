@@ -63,11 +63,10 @@ _CONSTANTS: dict = {}
 
 
 def _constant(values: tuple, device) -> torch.Tensor:
-    """An int64 device tensor of ``values``, made once (no host-to-device copy in later steps: CUDA graphs)."""
-    key = (values, str(device))
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = torch.tensor(values, dtype=torch.int64).to(device)
-    return _CONSTANTS[key]
+    """An int64 device tensor of ``values``, made once (no host-to-device copy in later steps: CUDA graphs);
+    traced, a constant of the graph."""
+    return backends.cached_unless_tracing(_CONSTANTS, (values, str(device)), True,
+                                          lambda: torch.tensor(values, dtype=torch.int64).to(device))
 
 
 def exchange_counts(num_local_tokens_per_expert_E: torch.Tensor, rows: int, group, *, settings: list,

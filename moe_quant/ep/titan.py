@@ -39,11 +39,16 @@ def dispatcher_class():
             capacity_factor: float | None = None
             """None: synced mode; a number: the sync-free mode (see moe_quant.ep.capacity)."""
             overflow: str = "error"
+            max_tokens: int | None = None
+            """Sync-free mode: tokens per rank the capacity is sized for (torchtitan: local_batch_size *
+            seq_len / (cp * tp)); None: the ranks' largest T at the first dispatch, which must then run
+            eagerly (set it when the blocks are compiled before the first step, as torchtitan does)."""
 
         def __init__(self, config):
             MXFP8TokenDispatcher.__init__(self, config.num_experts, config.top_k, group=_LOCAL,
                                           wire=config.wire, scale_mode=config.scale_mode,
-                                          capacity_factor=config.capacity_factor, overflow=config.overflow)
+                                          capacity_factor=config.capacity_factor, overflow=config.overflow,
+                                          max_tokens=config.max_tokens)
 
         dispatch = MXFP8TokenDispatcher.dispatch
         combine = MXFP8TokenDispatcher.combine
@@ -61,10 +66,10 @@ def dispatcher_class():
 
 
 def dispatcher_config(*, num_experts: int, top_k: int, wire: str = "mxfp8", scale_mode: str = "rceil",
-                      capacity_factor: float | None = None, overflow: str = "error"):
+                      capacity_factor: float | None = None, overflow: str = "error", max_tokens: int | None = None):
     """``TitanMXFP8TokenDispatcher.Config(...)``, for ``RoutedExperts.Config(token_dispatcher=...)``."""
     return dispatcher_class().Config(num_experts=num_experts, top_k=top_k, wire=wire, scale_mode=scale_mode,
-                                     capacity_factor=capacity_factor, overflow=overflow)
+                                     capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens)
 
 
 @functools.cache
@@ -107,8 +112,19 @@ def converter_class():
             scale_mode: str = "rceil"
             wire: str = "mxfp8"
             """``"mxfp8"``: under EP, dispatch forward and combine backward send MXFP8; ``"bf16"``: no."""
+            capacity_factor: float | None = None
+            """None: the dispatcher's synced mode; a number: its sync-free mode (see moe_quant.ep.capacity)."""
+            overflow: str = "error"
+            max_tokens: int | None = None
+            """Sync-free mode: the token bound per rank (see the dispatcher's ``Config``)."""
 
         def __init__(self, config):
+            from .dispatcher import _LOCAL, MXFP8TokenDispatcher
+
+            # the dispatcher's own argument checks, now rather than when the model is built
+            MXFP8TokenDispatcher(1, 1, group=_LOCAL, wire=config.wire, scale_mode=config.scale_mode,
+                                 capacity_factor=config.capacity_factor, overflow=config.overflow,
+                                 max_tokens=config.max_tokens)
             self.config = config
 
         def convert(self, model_config):
@@ -116,8 +132,10 @@ def converter_class():
             for _fqn, routed, _parent, _attr in model_config.traverse(RoutedExperts.Config):
                 found += 1
                 old = routed.token_dispatcher
-                routed.token_dispatcher = dispatcher_config(num_experts=old.num_experts, top_k=old.top_k,
-                                                            wire=self.config.wire, scale_mode=self.config.scale_mode)
+                c = self.config
+                routed.token_dispatcher = dispatcher_config(
+                    num_experts=old.num_experts, top_k=old.top_k, wire=c.wire, scale_mode=c.scale_mode,
+                    capacity_factor=c.capacity_factor, overflow=c.overflow, max_tokens=c.max_tokens)
                 inner = routed.inner_experts
                 if not isinstance(inner, GroupedExperts.Config):
                     raise TypeError(f"MXFP8MoEConverter converts GroupedExperts, got {type(inner).__name__}")
@@ -131,9 +149,12 @@ def converter_class():
     return MXFP8MoEConverter
 
 
-def converter_config(*, scale_mode: str = "rceil", wire: str = "mxfp8"):
-    """``MXFP8MoEConverter.Config(...)``, for torchtitan's ``model_registry(..., converters=[...])``."""
-    return converter_class().Config(scale_mode=scale_mode, wire=wire)
+def converter_config(*, scale_mode: str = "rceil", wire: str = "mxfp8", capacity_factor: float | None = None,
+                     overflow: str = "error", max_tokens: int | None = None):
+    """``MXFP8MoEConverter.Config(...)``, for torchtitan's ``model_registry(..., converters=[...])``
+    (``capacity_factor``, ``overflow``, ``max_tokens``: the dispatcher's sync-free mode)."""
+    return converter_class().Config(scale_mode=scale_mode, wire=wire, capacity_factor=capacity_factor,
+                                    overflow=overflow, max_tokens=max_tokens)
 
 
 __all__ = ["dispatcher_class", "dispatcher_config", "converter_class", "converter_config"]
