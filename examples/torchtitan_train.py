@@ -93,6 +93,9 @@ def parse_args(argv=None):
                    help="convert with quantize_ on the built model, or build it through moe_quant's torchtitan "
                         "model converter (moe_quant.ep.titan.converter_config(): converted experts, moe_quant's "
                         "token dispatcher; EP=1 here)")
+    p.add_argument("--per-gemm", action="store_true",
+                   help="convert with MXFP8MoEConfig(fused_block=False): the experts as three MXFP8 grouped GEMMs "
+                        "instead of the fused SwiGLU block (the same bits; to compare their speed and memory)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     args = p.parse_args(argv)
     for name in ("layers", "tokens", "seq_len", "steps"):
@@ -132,10 +135,11 @@ def model_config(flavor: str, layers: int, attn: str):
     return cfg
 
 
-def build_model(cfg, device: str, seed: int, convert: bool, via: str = "quantize"):
+def build_model(cfg, device: str, seed: int, convert: bool, via: str = "quantize", per_gemm: bool = False):
     """The model with its initial weights from ``seed`` (fp32), converted to MXFP8 experts if asked:
     ``via="quantize"``: ``quantize_`` on the built model; ``"converter"``: the config goes through
-    moe_quant's torchtitan model converter first (as torchtitan's ``converters=[...]`` does)."""
+    moe_quant's torchtitan model converter first (as torchtitan's ``converters=[...]`` does). ``per_gemm``:
+    the converted experts re-configured with ``MXFP8MoEConfig(fused_block=False)`` (``quantize_`` again)."""
     from torchao.quantization import quantize_
     from torchtitan.models.common.moe import GroupedExperts
 
@@ -147,8 +151,9 @@ def build_model(cfg, device: str, seed: int, convert: bool, via: str = "quantize
     with torch.device(device):
         model = cfg.build()
         model.init_states(buffer_device=torch.device(device))
-    if convert and via == "quantize":
-        quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
+    if convert and (via == "quantize" or per_gemm):
+        quantize_(model, MXFP8MoEConfig(fused_block=not per_gemm),
+                  filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
     return model
 
 
@@ -175,7 +180,7 @@ def count_params(model) -> int:
 def train(cfg, args, data, *, convert: bool, compiled: bool) -> dict:
     """One run: returns its losses, step times (s), peak memory and fallbacks."""
     device = args.device
-    model = build_model(cfg, device, args.seed, convert, getattr(args, "via", "quantize"))
+    model = build_model(cfg, device, args.seed, convert, getattr(args, "via", "quantize"), getattr(args, "per_gemm", False))
     converted = sum(p.ndim == 3 for m in model.modules() if is_converted(m) for p in m.parameters())
     if convert and not converted:
         raise RuntimeError("no expert weight was converted")
@@ -268,7 +273,8 @@ def main(argv=None) -> int:
     experts = f"{moe.num_experts} experts, top-{moe.router.top_k}" if moe is not None else "no MoE layer"
     print(f"torchtitan DeepSeek-V3 {args.flavor}, {args.layers} layers ({experts}), {args.tokens} tokens/step "
           f"({args.tokens // args.seq_len} x {args.seq_len}), {args.steps} steps, attention {args.attn}, "
-          f"{device_name}, torch {torch.__version__}", flush=True)
+          f"{device_name}, torch {torch.__version__}, MXFP8 experts {'per GEMM' if args.per_gemm else 'as the fused block'}",
+          flush=True)
     runs = []
     for mode in args.modes:
         for convert in (False, True):

@@ -82,3 +82,20 @@ def test_func_transforms_keep_the_per_gemm_path(block_calls, mxfp8_calls):
     params = dict(mod.named_parameters())
     grads = torch.func.grad(lambda p: torch.func.functional_call(mod, p, (x, COUNTS)).float().sum())(params)
     assert not block_calls and len(mxfp8_calls) == 3 and set(grads) == set(params)
+
+
+def test_fused_block_off_takes_the_per_gemm_path_with_the_same_bits(block_calls, mxfp8_calls):
+    """``MXFP8MoEConfig(fused_block=False)``: three MXFP8 grouped GEMMs, no block, the block's bits."""
+    torch.manual_seed(0)
+    fused = convert(GroupedExperts(D, H, E).to(torch.bfloat16), MXFP8MoEConfig())
+    per_gemm = convert(copy.deepcopy(fused), MXFP8MoEConfig(fused_block=False))
+    x = torch.randn(int(COUNTS.sum()), D, dtype=torch.bfloat16)
+    want = _run(fused, x, COUNTS)
+    assert len(block_calls) == 1  # precondition: the default takes the block
+    block_calls.clear(), mxfp8_calls.clear()
+    got = _run(per_gemm, x, COUNTS)
+    assert not block_calls and len(mxfp8_calls) == 3 and not fallback_counts()
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    with pytest.raises(TypeError, match="fused_block must be a bool"):
+        MXFP8MoEConfig(fused_block=1)

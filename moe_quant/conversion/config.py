@@ -31,6 +31,11 @@ class MXFP8MoEConfig(AOBaseConfig):
         allow_fallback: when True (default) a GEMM MXFP8 cannot serve runs the plain op and is
             counted (:func:`moe_quant.fallback_counts`) and logged once; when False it raises
             ``ValueError``.
+        fused_block: when True (default) the SwiGLU expert modules (moe_quant's and torchtitan's
+            ``GroupedExperts``) run the fused block :func:`moe_quant.mxfp8_swiglu_experts` where it serves;
+            when False, three :func:`moe_quant.mxfp8_grouped_mm` calls. The same bits either way; the fused
+            block quantizes x once for w1 and w3 and fuses the SwiGLU passes, the per-GEMM path makes each
+            operand's forms separately (more passes, and at its peak holds fewer transient forms).
 
     Use it as ``quantize_(model, MXFP8MoEConfig(...), filter_fn=...)``. The handler converts each
     matched expert module in place: its class becomes a generated subclass whose forward runs the
@@ -53,6 +58,7 @@ class MXFP8MoEConfig(AOBaseConfig):
     backend: GemmBackend = GemmBackend.AUTO
     out_dtype: Optional[torch.dtype] = None
     allow_fallback: bool = True
+    fused_block: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "scale_mode", ScaleMode.parse(self.scale_mode, "scale_mode"))
@@ -61,3 +67,5 @@ class MXFP8MoEConfig(AOBaseConfig):
             raise ValueError(f"out_dtype must be None, torch.bfloat16 or torch.float32, got {self.out_dtype!r}")
         if not isinstance(self.allow_fallback, bool):
             raise TypeError(f"allow_fallback must be a bool, got {type(self.allow_fallback).__name__}")
+        if not isinstance(self.fused_block, bool):
+            raise TypeError(f"fused_block must be a bool, got {type(self.fused_block).__name__}")
