@@ -432,3 +432,40 @@ def test_row_major_copies_zero_element_tensors_with_degenerate_strides():
     assert layouts.row_major(t).stride() == (64, 1)
     x = torch.randn(8, 64)
     assert layouts.row_major(x) is x and layouts.row_major(x.t()).stride() == (8, 1)
+
+
+def test_compiled_call_that_is_unsafe_to_trace_runs_outside_the_graph(monkeypatch):
+    """Where tracing the per-GEMM path is unsafe (CUDA with gradients: its compiled backward came out zero), the
+    call runs eagerly outside the graph: the same bits as eager; ``fullgraph=True`` raises with the reason. Here
+    a CPU call is declared unsafe to reach that branch (tests/test_grouped_mm_gpu.py runs the real case)."""
+    from moe_quant.autograd import grouped_mm as gm
+
+    torch.manual_seed(0)
+    A = torch.randn(96, 64, dtype=torch.bfloat16, requires_grad=True)
+    W = (torch.randn(3, 32, 64) * 0.1).to(torch.bfloat16).requires_grad_()
+    offs = torch.tensor([40, 40, 96], dtype=torch.int32)
+    go = torch.randn(96, 32, dtype=torch.bfloat16)
+
+    def f(a, w):
+        return mxfp8_grouped_mm(a, w.transpose(-2, -1), offs)
+
+    def run(fn):
+        A.grad = W.grad = None
+        out = fn(A, W)
+        out.backward(go)
+        return out.detach(), A.grad, W.grad
+
+    want = run(f)
+    monkeypatch.setattr(gm, "compiled_gradients_unsafe", lambda a, w: True)
+    calls = []
+    real = gm._outside_the_graph
+    monkeypatch.setattr(gm, "_outside_the_graph", torch._dynamo.disable(lambda *a: calls.append(1) or real(*a),
+                                                                        reason=gm.COMPILED_CUDA_GRADIENTS))
+    torch._dynamo.reset()
+    got = run(torch.compile(f, backend="aot_eager"))
+    assert calls  # precondition: the call went outside the graph
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="came out zero"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(A, W)
