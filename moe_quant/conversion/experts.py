@@ -22,8 +22,9 @@ from .gemm import grouped_mm, unsupported_reason
 def block_serves(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                  config: MXFP8MoEConfig) -> bool:
     """The fused block serves this call: ``config.fused_block``, bf16 activations and bf16 GEMM outputs
-    (``config.out_dtype`` None or bf16), no ``torch.func`` transform active (the block is no functorch-aware function), and each of
-    the three GEMMs one that :func:`grouped_mm` would run in MXFP8 (no counted fallback)."""
+    (``config.out_dtype`` None or bf16), no ``torch.func`` transform active (the block is no functorch-aware
+    function), and each of the three GEMMs one that :func:`grouped_mm` would run in MXFP8 (no counted
+    fallback)."""
     if not config.fused_block or x.dtype != torch.bfloat16 or config.out_dtype not in (None, torch.bfloat16):
         return False
     if torch._C._are_functorch_transforms_active():
