@@ -61,12 +61,10 @@ def _separate_forms(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: 
     32x1 kernels where they serve): two reads of ``x``. The oracle of the fused kernels."""
     if fake:
         row = (rows_in_groups(q.fake_quantize_rowwise(x, mode), offs),)
-        col = q.fake_quantize_colwise_k_groups(x, offs, mode)
     else:
         data, scales = q.quantize_rowwise(x, mode, offs)
         row = (rows_in_groups(data, offs), scales)
-        col = q.quantize_colwise_k_groups(x, offs, mode)
-    return row, tuple(col)
+    return row, _colwise_form(x, mode, offs, fake)
 
 
 def _kernel_forms(outs: list, fake: bool):
@@ -89,6 +87,12 @@ def rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) ->
 def colwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
     """``x``'s colwise 32x1 K-groups form alone (one pass): w1's and w3's wgrad operand, made in the
     backward from ``x``, so that no quantized copy of ``x`` lives from forward to backward."""
+    return _colwise_form(x, mode, offs, fake)
+
+
+def _colwise_form(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
+    """The colwise form by the per-GEMM 32x1 quantizer (kernel or reference): :func:`colwise`, and the
+    colwise half of :func:`_separate_forms`."""
     if fake:
         return tuple(q.fake_colwise_k_groups(x, offs, mode, torch.bfloat16))
     return tuple(q.colwise_k_groups(x, offs, mode))
