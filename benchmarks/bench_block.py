@@ -3,11 +3,16 @@
 (``+reuse``), ratios to bf16 taken in interleaved rounds, and peak memory.
 
     python -m benchmarks.bench_block [--shapes dsv3,llama4] [--m 16384,131072] [--experts 8] [--rounds 5]
-        [--variants bf16,unfused,fused,unfused+reuse,fused+reuse] [--micro-batches 4] [--json PATH]
+        [--variants bf16,unfused,fused,unfused+reuse,fused+reuse,bf16-w13,fused-w13,fused-w13+reuse]
+        [--micro-batches 4] [--json PATH]
         [--device cpu --tiny]
 
+``bf16-w13``, ``fused-w13`` (``mxfp8_swiglu_experts_w13``) and ``fused-w13+reuse`` are the same block with the
+gate and up weights one ``(E, 2H, D)`` weight (transformers' experts); their ratio is to ``bf16-w13``.
+
 Shapes: ``dsv3`` D = 7168, H = 2048 (w1/w3 ``(E, 2048, 7168)``, i.e. w13 ``(E, 4096, 7168)``; w2
-``(E, 7168, 2048)``); ``llama4`` D = 5120, H = 8192. Tokens split evenly over the experts (bf16's grouped
+``(E, 7168, 2048)``); ``llama4`` D = 5120, H = 8192; ``qwen3`` D = 2048, H = 768 (Qwen3-30B-A3B's experts, with
+``--experts 128``). Tokens split evenly over the experts (bf16's grouped
 GEMM backward wants groups that are multiples of 8). One step: ``y = block(x, w1, w3, w2, offs)``,
 ``y.backward(grad)``, gradients dropped. Each round times every variant once (``do_bench`` median), so
 clock and thermal drift hit all variants alike; the table shows the median over rounds, the ratio to
@@ -30,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name
-from moe_quant import cli, mxfp8_swiglu_experts, reuse_quantized_weights, swiglu_experts_unfused
+from moe_quant import cli, mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13, reuse_quantized_weights, swiglu_experts_unfused
 
-SHAPES = {"dsv3": (7168, 2048), "llama4": (5120, 8192)}
-TINY_SHAPES = {"dsv3": (256, 64), "llama4": (128, 256)}
+SHAPES = {"dsv3": (7168, 2048), "llama4": (5120, 8192), "qwen3": (2048, 768)}  # (D, H)
+TINY_SHAPES = {"dsv3": (256, 64), "llama4": (128, 256), "qwen3": (64, 96)}
 GIB = 1 << 30
 
 
@@ -44,8 +49,20 @@ def bf16_block(x, w1, w3, w2, offs):
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
 
+def bf16_block_w13(x, w13, w2, offs):
+    """The plain block over concatenated gate and up weights (transformers' experts' computation)."""
+    gate, up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+
+
 VARIANTS = {"bf16": bf16_block, "unfused": swiglu_experts_unfused, "fused": mxfp8_swiglu_experts,
-            "unfused+reuse": swiglu_experts_unfused, "fused+reuse": mxfp8_swiglu_experts}
+            "unfused+reuse": swiglu_experts_unfused, "fused+reuse": mxfp8_swiglu_experts,
+            # the same block with w13 = [w1; w3] one (E, 2H, D) weight; compared with bf16-w13
+            "bf16-w13": bf16_block_w13, "fused-w13": mxfp8_swiglu_experts_w13, "fused-w13+reuse": mxfp8_swiglu_experts_w13}
+
+
+def baseline_of(variant: str) -> str:
+    return "bf16-w13" if "w13" in variant else "bf16"
 
 
 def make_inputs(m, d, h, e, device):
@@ -56,22 +73,26 @@ def make_inputs(m, d, h, e, device):
     w2 = (torch.randn(e, d, h, device=device, generator=g) * h**-0.5).bfloat16().requires_grad_()
     offs = torch.arange(1, e + 1, device=device, dtype=torch.int32) * (m // e)
     gy = torch.randn(m, d, device=device, generator=g).bfloat16()
-    return x, w1, w3, w2, offs, gy
+    w13 = torch.cat([w1, w3], dim=1).detach().requires_grad_()
+    return x, w1, w3, w2, offs, gy, w13
 
 
-def step_fn(fn, x, w1, w3, w2, offs, gy, micro_batches: int = 1):
-    """One fwd+bwd; with ``micro_batches`` > 1 that many inside one reuse scope (weights quantized once)."""
+def step_fn(fn, x, w1, w3, w2, offs, gy, w13, micro_batches: int = 1, concatenated: bool = False):
+    """One fwd+bwd; with ``micro_batches`` > 1 that many inside one reuse scope (weights quantized once).
+    ``concatenated``: ``fn(x, w13, w2, offs)``."""
+    weights = (w13, w2) if concatenated else (w1, w3, w2)
+
     def one():
-        y = fn(x, w1, w3, w2, offs)
+        y = fn(x, *weights, offs)
         y.backward(gy)
-        for t in (x, w1, w3, w2):
+        for t in (x, *weights):
             t.grad = None
 
     if micro_batches == 1:
         return one
 
     def step():
-        with reuse_quantized_weights([w1, w3, w2]):
+        with reuse_quantized_weights(weights):
             for _ in range(micro_batches):
                 one()
 
@@ -84,7 +105,7 @@ def micro_batches_of(variant: str, micro_batches: int) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", type=cli.comma_choices(*SHAPES), default=list(SHAPES))
+    p.add_argument("--shapes", type=cli.comma_choices(*SHAPES), default=["dsv3", "llama4"])
     p.add_argument("--m", type=cli.positive_int_list, default=None, help="tokens per step (default 16384,131072)")
     p.add_argument("--experts", type=cli.positive_int, default=8)
     p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds")
@@ -106,14 +127,16 @@ def main(argv=None) -> int:
             m = m // (8 * e) * (8 * e)  # even groups, each a multiple of 8
             inputs = make_inputs(m, d, h, e, device)
             mbs = {v: micro_batches_of(v, args.micro_batches) for v in args.variants}
-            steps = {v: step_fn(VARIANTS[v], *inputs, micro_batches=mbs[v]) for v in args.variants}
+            steps = {v: step_fn(VARIANTS[v], *inputs, micro_batches=mbs[v], concatenated="w13" in v)
+                     for v in args.variants}
             times = {v: [] for v in steps}
             for _ in range(args.rounds):
                 for v, fn in steps.items():
                     times[v].append(bench_ms(fn, device) / mbs[v])  # per micro-batch
             peaks = {v: peak_memory_bytes(fn, device) for v, fn in steps.items()}
             for v in steps:
-                ratios = [t / b for t, b in zip(times[v], times["bf16"])] if "bf16" in times else []
+                base = times.get(baseline_of(v))
+                ratios = [t / b for t, b in zip(times[v], base)] if base else []
                 rec = dict(shape=shape, m=m, d=d, h=h, experts=e, variant=v, micro_batches=mbs[v],
                            ms=statistics.median(times[v]),
                            ms_rounds=times[v], ratio_to_bf16=statistics.median(ratios) if ratios else None,

@@ -5,7 +5,9 @@ Public API:
 * :func:`mxfp8_grouped_mm` -- differentiable MXFP8 drop-in for ``torch._grouped_mm``.
 * :func:`mxfp8_swiglu_experts` -- a whole SwiGLU expert block (three grouped GEMMs) in MXFP8 with fused
   quantization passes; :func:`swiglu_experts_unfused` is the same block through three
-  :func:`mxfp8_grouped_mm` calls (equal bit for bit).
+  :func:`mxfp8_grouped_mm` calls (equal bit for bit). :func:`mxfp8_swiglu_experts_w13` is the block with
+  the gate and up weights concatenated (transformers' ``gate_up_proj``), equal to
+  :func:`swiglu_experts_w13_unfused`.
 * :func:`to_mxfp8` / :func:`from_mxfp8` -- quantize / dequantize along the last dim.
 * Scale layouts (docs/design.md section 3): :func:`to_blocked`, :func:`from_blocked`,
   :func:`to_blocked_m_groups`, :func:`from_blocked_m_groups`, :func:`to_blocked_k_groups`,
@@ -21,7 +23,13 @@ Public API:
 
 import sys as _sys
 
-from .autograd import mxfp8_grouped_mm, mxfp8_swiglu_experts, swiglu_experts_unfused
+from .autograd import (
+    mxfp8_grouped_mm,
+    mxfp8_swiglu_experts,
+    mxfp8_swiglu_experts_w13,
+    swiglu_experts_unfused,
+    swiglu_experts_w13_unfused,
+)
 from .backends import GemmBackend
 from .conversion import (
     MXFP8MoEConfig,
@@ -74,6 +82,7 @@ __all__ = [
     "from_mxfp8",
     "mxfp8_grouped_mm",
     "mxfp8_swiglu_experts",
+    "mxfp8_swiglu_experts_w13",
     "padded_group_offsets",
     "quantize_3d",
     "quantize_colwise_k_groups",
@@ -83,5 +92,6 @@ __all__ = [
     "to_blocked_k_groups",
     "to_blocked_m_groups",
     "swiglu_experts_unfused",
+    "swiglu_experts_w13_unfused",
     "to_mxfp8",
 ]

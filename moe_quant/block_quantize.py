@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import torch
 
-from . import backends, reference
+from . import backends, layouts, reference
 from . import prequantized as pq
 from . import quantize as q
-from .numerics import ScaleMode
+from .numerics import BLOCK_SIZE, ScaleMode
 
 
 def _kernels_serve(*tensors: torch.Tensor) -> bool:
@@ -127,3 +127,23 @@ def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleM
         return tuple(_kernel_forms(ops_block.block_dswiglu(grad_h, a, b, mode, offs, fake), fake))
     grad_a, grad_b = reference.dswiglu(grad_h, a, b)
     return _separate_forms(grad_a, mode, offs, fake), _separate_forms(grad_b, mode, offs, fake)
+
+
+def concat_rowwise(a: tuple, b: tuple) -> tuple:
+    """The rowwise form of ``[A | B]`` (columns concatenated) from those of ``A`` and ``B``: the 1x32 blocks of
+    each row are the two tensors' blocks side by side, so the values are exactly those of quantizing the
+    concatenation. Scaled forms need ``A``'s scale columns in whole tiles (its width a multiple of 128)."""
+    if len(a) == 1:
+        return (torch.cat([a[0], b[0]], dim=1),)
+    if a[0].shape[1] % (layouts.TILE_COLS * BLOCK_SIZE):
+        raise ValueError(f"concat_rowwise: A's width ({a[0].shape[1]}) must be whole tiles of scale columns "
+                         f"(a multiple of {layouts.TILE_COLS * BLOCK_SIZE}) to concatenate blocked scales")
+    return torch.cat([a[0], b[0]], dim=1), layouts.concat_blocked_cols(a[1], b[1])
+
+
+def concat_colwise(a: tuple, b: tuple) -> tuple | None:
+    """The emulated colwise form of ``[A | B]`` from those of ``A`` and ``B`` (values stacked along rows, same
+    padded offsets); None for scaled forms, whose K-groups scale buffer is group-major (no plain stacking)."""
+    if len(a) != 2:
+        return None
+    return torch.cat([a[0], b[0]], dim=0), a[1]

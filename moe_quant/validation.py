@@ -190,6 +190,27 @@ def check_swiglu_experts_args(x, w1, w3, w2, offs, validate_offsets: bool | None
     return check_offsets(offs, n_groups=e, total=m, device=x.device, validate=validate_offsets)
 
 
+def check_swiglu_experts_w13_args(x, w13, w2, offs, validate_offsets: bool | None) -> torch.Tensor:
+    """Inputs of ``mxfp8_swiglu_experts_w13``: ``x (M, D)``, ``w13 (E, 2H, D)`` (gate rows, then up rows),
+    ``w2 (E, D, H)``, ``offs (E,)`` int32; returns ``offs`` as :func:`check_offsets` does."""
+    check_tensor("x", x, dtypes=_A_DTYPES, ndim=2)
+    for name, w in (("w13", w13), ("w2", w2)):
+        check_tensor(name, w, dtypes=_A_DTYPES, ndim=3)  # fp32 master weights are read as bf16
+        if w.device != x.device:
+            raise ValueError(f"{name} must be on the same device as x ({x.device}), got {w.device}")
+    m, d = x.shape
+    e, h2, d1 = w13.shape
+    if d1 != d:
+        raise ValueError(f"w13 must be (E, 2H, D) with D = x.shape[1] = {d}, got shape {tuple(w13.shape)}")
+    if h2 % 2:
+        raise ValueError(f"w13 must be (E, 2H, D) (gate rows, then up rows): its dim 1 ({h2}) must be even")
+    if tuple(w2.shape) != (e, d, h2 // 2):
+        raise ValueError(f"w2 must be (E, D, H) = {(e, d, h2 // 2)} (H = w13.shape[1] / 2), got {tuple(w2.shape)}")
+    check_block_multiple("x", "D (x.shape[1])", d)
+    check_block_multiple("w13", "H (w13.shape[1] / 2)", h2 // 2)
+    return check_offsets(offs, n_groups=e, total=m, device=x.device, validate=validate_offsets)
+
+
 def check_last_dim_blocks(name: str, t: torch.Tensor) -> None:
     """The last dim of ``t`` (at least 1-D) is a whole number of MX blocks."""
     check_block_multiple(name, f"the last dim ({name}.shape[-1])", t.shape[-1])

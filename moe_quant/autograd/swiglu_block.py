@@ -30,7 +30,7 @@ from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
 from ..layouts import row_major, sanitize_offsets
 from ..numerics import ScaleMode
-from ..validation import check_swiglu_experts_args
+from ..validation import check_swiglu_experts_args, check_swiglu_experts_w13_args
 from .grouped_mm import _GEMM_DTYPE, _first_order_only, _zero_empty_experts, mxfp8_grouped_mm, weight_operand
 
 # ----------------------------------------------------------------------------- GEMMs on quantized forms
@@ -77,13 +77,37 @@ def _mm_wgrad(g_col: tuple, a_col: tuple, offs: torch.Tensor, backend: GemmBacke
 # ----------------------------------------------------------------------------- the autograd function
 
 
+def _gate_up_fwd(x_row: tuple, w1, w3, offs, mode, backend):
+    """``(a, b)`` = ``(x W1^T, x W3^T)``; with the gate and up weights concatenated (``w3`` None, ``w1`` the
+    ``(E, 2H, D)`` weight ``[W1; W3]``) one GEMM, whose two halves are ``a`` and ``b`` (views)."""
+    if w3 is None:
+        ab = _mm_fwd(x_row, _w_fwd(w1, mode, backend), offs)
+        h = ab.shape[1] // 2
+        return ab[:, :h], ab[:, h:]
+    return _mm_fwd(x_row, _w_fwd(w1, mode, backend), offs), _mm_fwd(x_row, _w_fwd(w3, mode, backend), offs)
+
+
+def _concat_wgrad(ga_col: tuple, gb_col: tuple, x_col: tuple, offs, backend, w13) -> torch.Tensor:
+    """``dW13 (E, 2H, D)``: one wgrad GEMM over the two gradients' colwise forms stacked along rows (emulated),
+    or two GEMMs whose rows are concatenated (scaled: the K-groups scale layout is group-major, so stacking
+    the rows of two scale buffers is no plain concatenation). Every row is its own dot products either way."""
+    g_col = bq.concat_colwise(ga_col, gb_col)
+    if g_col is not None:
+        return _mm_wgrad(g_col, x_col, offs, backend, w13.dtype)
+    return torch.cat([_mm_wgrad(ga_col, x_col, offs, backend, w13.dtype),
+                      _mm_wgrad(gb_col, x_col, offs, backend, w13.dtype)], dim=1)
+
+
 class _SwiGLUExperts(torch.autograd.Function):
+    """The block over ``(x, w1, w3, w2)``, or over ``(x, w13, None, w2)`` with the gate and up weights
+    concatenated (``w13 = [W1; W3]``, (E, 2H, D)): then the gate-up projection is one GEMM in each direction
+    (``x W13^T``; ``dx = [grad_a | grad_b] W13``; ``dW13``), as for a module that stores ``w13``."""
+
     @staticmethod
     def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend):
         fake = backend is GemmBackend.EMULATED
         x_row = bq.rowwise(x, mode, offs, fake)
-        a = _mm_fwd(x_row, _w_fwd(w1, mode, backend), offs)
-        b = _mm_fwd(x_row, _w_fwd(w3, mode, backend), offs)
+        a, b = _gate_up_fwd(x_row, w1, w3, offs, mode, backend)
         del x_row
         h_row, h_col = bq.swiglu(a, b, mode, offs, fake)
         y = _mm_fwd(h_row, _w_fwd(w2, mode, backend), offs)
@@ -98,6 +122,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         w1, w3, w2, offs, x, a, b, *h_col = ctx.saved_tensors
         mode, backend = ctx.mode, ctx.backend
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
+        concat = w3 is None
         with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
             fake = backend is GemmBackend.EMULATED
             g_row, g_col = bq.dual(row_major(grad_y), mode, offs, fake)
@@ -110,17 +135,25 @@ class _SwiGLUExperts(torch.autograd.Function):
             # each transient freed once used, and dx summed in place: the backward's peak is the saved
             # tensors plus about two (M, D) tensors, not five
             x_col = bq.colwise(x, mode, offs, fake) if need_w1 or need_w3 else None
-            dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
-            del ga_col
-            dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
-            del gb_col, x_col
-            dx = None
-            if need_x:
-                dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
-                del ga_row
-                dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend), offs).to(ctx.x_dtype))
+            dw1 = dw3 = dx = None
+            if concat:
+                dw1 = _concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1) if need_w1 else None
+                del ga_col, gb_col, x_col
+                if need_x:
+                    g13_row = bq.concat_rowwise(ga_row, gb_row)
+                    del ga_row, gb_row
+                    dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
+            else:
+                dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
+                del ga_col
+                dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
+                del gb_col, x_col
+                if need_x:
+                    dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
+                    del ga_row
+                    dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend), offs).to(ctx.x_dtype))
         # differentiating these again raises (grouped_mm.DOUBLE_BACKWARD_ERROR), as for mxfp8_grouped_mm
-        dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))
+        dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))  # w3 None with w13
         dw3, dw2 = _first_order_only((dw3, dw2), (grad_y, w3, w2))
         return dx, dw1, dw3, dw2, None, None, None
 
@@ -187,4 +220,52 @@ def mxfp8_swiglu_experts(
     return _SwiGLUExperts.apply(row_major(x), w1, w3, w2, offs, mode, gemm)
 
 
-__all__ = ["mxfp8_swiglu_experts", "swiglu_experts_unfused"]
+def swiglu_experts_w13_unfused(x, w13, w2, offs, *, scale_mode: ScaleMode | str = ScaleMode.RCEIL,
+                               backend: GemmBackend | str = GemmBackend.AUTO,
+                               validate_offsets: bool | None = None) -> torch.Tensor:
+    """:func:`mxfp8_swiglu_experts_w13` as two :func:`moe_quant.mxfp8_grouped_mm` calls, ``chunk`` and PyTorch's
+    silu (transformers' concatenated experts, converted per GEMM): the oracle it equals bit for bit."""
+    kw = dict(scale_mode=scale_mode, backend=backend, validate_offsets=validate_offsets)
+    gate, up = mxfp8_grouped_mm(x, w13.transpose(-2, -1), offs, **kw).chunk(2, dim=-1)
+    return mxfp8_grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs, **kw)
+
+
+def mxfp8_swiglu_experts_w13(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    scale_mode: ScaleMode | str = ScaleMode.RCEIL,
+    backend: GemmBackend | str = GemmBackend.AUTO,
+    validate_offsets: bool | None = None,
+) -> torch.Tensor:
+    """:func:`mxfp8_swiglu_experts` with the gate and up weights concatenated, as transformers' experts store
+    them (``gate_up_proj``): ``gate, up = (x W13^T).chunk(2, -1)``, ``y = (silu(gate) * up) W2^T`` per group.
+
+    The gate-up projection is one GEMM in the forward and one for ``dx`` (``[grad_gate | grad_up] W13``, one
+    fp32 accumulation, where the separate-weights block adds two bf16 products); output and gradients equal
+    :func:`swiglu_experts_w13_unfused` (the per-GEMM form of the same module) bit for bit.
+
+    Args:
+        x: ``(M, D)`` bf16 or fp32, tokens grouped by expert; D a multiple of 32.
+        w13: ``(E, 2H, D)``: rows ``[:H]`` the gate projection (silu's input), ``[H:]`` the up projection;
+            H a multiple of 32. Any strides (a transposed ``(E, D, 2H)`` parameter's ``.transpose(-2, -1)``).
+        w2: ``(E, D, H)``.
+        offs, scale_mode, backend, validate_offsets: as in :func:`mxfp8_swiglu_experts`.
+
+    Returns:
+        ``(M, D)`` bf16.
+    """
+    mode = ScaleMode.parse(scale_mode)
+    offs = check_swiglu_experts_w13_args(x, w13, w2, offs, validate_offsets)
+    gemm = resolve_gemm_backend(backend, x.device)
+    if _degenerate(x, w13) or (gemm is GemmBackend.SCALED and (w13.shape[1] // 2) % 128):
+        # the scaled dx GEMM takes [grad_gate | grad_up] with their blocked scales concatenated tile by tile,
+        # which needs H in whole 128-column tiles; otherwise the per-GEMM form (the same bits)
+        return swiglu_experts_w13_unfused(x, w13, w2, offs, scale_mode=mode, backend=gemm, validate_offsets=False)
+    offs = sanitize_offsets(offs, x.shape[0]).to(torch.int32)
+    return _SwiGLUExperts.apply(row_major(x), w13, None, w2, offs, mode, gemm)
+
+
+__all__ = ["mxfp8_swiglu_experts", "mxfp8_swiglu_experts_w13", "swiglu_experts_unfused", "swiglu_experts_w13_unfused"]

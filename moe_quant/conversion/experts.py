@@ -19,12 +19,12 @@ from .config import MXFP8MoEConfig
 from .gemm import grouped_mm, unsupported_reason
 
 
-def block_serves(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+def block_serves(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor, offs: torch.Tensor,
                  config: MXFP8MoEConfig) -> bool:
     """The fused block serves this call: ``config.fused_block``, bf16 activations and bf16 GEMM outputs
     (``config.out_dtype`` None or bf16), no ``torch.func`` transform active (the block is no functorch-aware
     function), and each of the three GEMMs one that :func:`grouped_mm` would run in MXFP8 (no counted
-    fallback)."""
+    fallback). ``w3`` None: ``w1`` is the concatenated ``w13``."""
     if not config.fused_block or x.dtype != torch.bfloat16 or config.out_dtype not in (None, torch.bfloat16):
         return False
     if torch._C._are_functorch_transforms_active():
@@ -32,7 +32,8 @@ def block_serves(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.
     if prequantized.lookup(x, ScaleMode.parse(config.scale_mode)) is not None:
         return False  # x arrived in MXFP8 (expert parallelism's wire): the per-GEMM path reuses that form
     # h (w2's A) is (M, F) bf16 like x: the reasons depend on A's rank and dtype only
-    return all(unsupported_reason(x, w.transpose(-2, -1), offs, torch.bfloat16) is None for w in (w1, w3, w2))
+    return all(unsupported_reason(x, w.transpose(-2, -1), offs, torch.bfloat16) is None
+               for w in (w1, w3, w2) if w is not None)
 
 
 def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
@@ -46,6 +47,18 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs, config))
     h = h * grouped_mm(x, w3.transpose(-2, -1), offs, config)
     return grouped_mm(h, w2.transpose(-2, -1), offs, config)
+
+
+def swiglu_experts_w13(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                       config: MXFP8MoEConfig) -> torch.Tensor:
+    """:func:`swiglu_experts` with the gate and up weights concatenated: ``w13 (E, 2H, D)`` (gate rows, then up
+    rows, transformers' ``gate_up_proj`` layout) -- the fused block :func:`moe_quant.mxfp8_swiglu_experts_w13`
+    where it serves, else two grouped GEMMs around ``chunk`` and silu (the same bits)."""
+    if block_serves(x, w13, None, w2, offs, config):
+        return _autograd.mxfp8_swiglu_experts_w13(x, w13, w2, offs, scale_mode=config.scale_mode,
+                                                  backend=config.backend)
+    gate, up = grouped_mm(x, w13.transpose(-2, -1), offs, config).chunk(2, dim=-1)
+    return grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs, config)
 
 
 def moe_quant_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,12 @@ Llama4's experts (``torch.bmm`` over every token) have no experts-interface forw
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .config import MXFP8MoEConfig
+from .experts import swiglu_experts_w13
 from .gemm import bmm, grouped_mm
 
 IMPLEMENTATION = "moe_quant_mxfp8"
@@ -44,7 +47,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts-interface forward (the arguments of transformers' ``grouped_mm`` implementation)."""
     num_top_k = top_k_index.size(-1)
-    num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
+    num_tokens = hidden_states.size(0)
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))  # tokens grouped by expert
     x = hidden_states[perm // num_top_k]
     sample_weights = top_k_weights.reshape(-1)[perm]
@@ -59,6 +62,12 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         expert_ids = expert_ids.clamp(max=self.num_experts - 1)
         x = x.masked_fill(sentinel, 0.0)
 
+    if is_plain_swiglu(self):  # the whole block in one autograd function (fused quantization passes)
+        w13, w2 = (self.gate_up_proj, self.down_proj) if not self.is_transposed else (
+            self.gate_up_proj.transpose(-2, -1), self.down_proj.transpose(-2, -1))
+        out = swiglu_experts_w13(x.to(w13.dtype), w13, w2, offs, _config(self))
+        return _combine(out, sample_weights, perm, num_tokens, num_top_k, hidden_states)
+
     if self.has_gate:
         weight, bias = self.gate_up_proj, (self.gate_up_proj_bias[expert_ids] if self.has_bias else None)
     else:
@@ -72,11 +81,32 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         out = out.masked_fill(sentinel, 0.0)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
+    return _combine(out, sample_weights, perm, num_tokens, num_top_k, hidden_states)
+
+
+def _combine(out, sample_weights, perm, num_tokens, num_top_k, hidden_states):
+    """Expert outputs (grouped by expert) weighted by their routing weights, back in token order, summed over
+    each token's top-k."""
     out = out * sample_weights.unsqueeze(-1)
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
-    out = out[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    out = out[inv_perm].view(num_tokens, num_top_k, hidden_states.size(-1)).sum(dim=1)
     return out.to(hidden_states.dtype)
+
+
+def is_plain_swiglu(module) -> bool:
+    """An experts-interface module whose computation is the SwiGLU block over concatenated gate and up weights:
+    transformers' default gate (``act_fn(gate) * up`` of the two halves) with silu, no biases, no post-expert
+    norm, not expert-parallel (whose sentinel tokens the per-GEMM forward masks). Such modules run
+    :func:`moe_quant.mxfp8_swiglu_experts_w13`, which equals their per-GEMM conversion bit for bit."""
+    if not getattr(module, "has_gate", False) or getattr(module, "has_bias", False):
+        return False
+    if getattr(module, "has_post_expert_norm", False) or getattr(module, "_is_expert_parallel", False):
+        return False
+    if not getattr(module, "is_concatenated", True) or not _default_gate(type(module)):
+        return False
+    act = module.act_fn
+    return "forward" not in vars(act) and type(act).forward in _silu_forwards()
 
 
 def llama4_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -86,6 +116,20 @@ def llama4_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     gate, up = bmm(hidden_states, self.gate_up_proj, config).chunk(2, dim=-1)
     out = bmm(up * self.act_fn(gate), self.down_proj, config)
     return out.view(-1, self.hidden_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_gate(cls: type) -> bool:
+    from transformers.integrations.moe import _default_apply_gate
+
+    return getattr(cls, "_apply_gate", None) is _default_apply_gate
+
+
+@functools.lru_cache(maxsize=1)
+def _silu_forwards() -> tuple:
+    from transformers.activations import SiLUActivation
+
+    return torch.nn.SiLU.forward, SiLUActivation.forward
 
 
 def is_experts_interface_class(cls: type) -> bool:
