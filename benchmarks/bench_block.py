@@ -3,12 +3,13 @@
 (``+reuse``), ratios to bf16 taken in interleaved rounds, and peak memory.
 
     python -m benchmarks.bench_block [--shapes dsv3,llama4] [--m 16384,131072] [--experts 8] [--rounds 5]
-        [--variants bf16,unfused,fused,unfused+reuse,fused+reuse,bf16-w13,fused-w13,fused-w13+reuse]
+        [--variants bf16,unfused,fused,unfused+reuse,fused+reuse,bf16-w13,unfused-w13,fused-w13,fused-w13+reuse]
         [--micro-batches 4] [--json PATH]
         [--device cpu --tiny]
 
-``bf16-w13``, ``fused-w13`` (``mxfp8_swiglu_experts_w13``) and ``fused-w13+reuse`` are the same block with the
-gate and up weights one ``(E, 2H, D)`` weight (transformers' experts); their ratio is to ``bf16-w13``.
+``bf16-w13``, ``unfused-w13`` (``swiglu_experts_w13_unfused``: transformers' experts converted per GEMM),
+``fused-w13`` (``mxfp8_swiglu_experts_w13``) and ``fused-w13+reuse`` are the same block with the gate and up
+weights one ``(E, 2H, D)`` weight (transformers' experts); their ratio is to ``bf16-w13``.
 
 Shapes: ``dsv3`` D = 7168, H = 2048 (w1/w3 ``(E, 2048, 7168)``, i.e. w13 ``(E, 4096, 7168)``; w2
 ``(E, 7168, 2048)``); ``llama4`` D = 5120, H = 8192; ``qwen3`` D = 2048, H = 768 (Qwen3-30B-A3B's experts, with
@@ -35,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name
-from moe_quant import cli, mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13, reuse_quantized_weights, swiglu_experts_unfused
+from moe_quant import (cli, mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13, reuse_quantized_weights, swiglu_experts_unfused,
+                       swiglu_experts_w13_unfused)
 
 SHAPES = {"dsv3": (7168, 2048), "llama4": (5120, 8192), "qwen3": (2048, 768)}  # (D, H)
 TINY_SHAPES = {"dsv3": (256, 64), "llama4": (128, 256), "qwen3": (64, 96)}
@@ -58,7 +60,8 @@ def bf16_block_w13(x, w13, w2, offs):
 VARIANTS = {"bf16": bf16_block, "unfused": swiglu_experts_unfused, "fused": mxfp8_swiglu_experts,
             "unfused+reuse": swiglu_experts_unfused, "fused+reuse": mxfp8_swiglu_experts,
             # the same block with w13 = [w1; w3] one (E, 2H, D) weight; compared with bf16-w13
-            "bf16-w13": bf16_block_w13, "fused-w13": mxfp8_swiglu_experts_w13, "fused-w13+reuse": mxfp8_swiglu_experts_w13}
+            "bf16-w13": bf16_block_w13, "unfused-w13": swiglu_experts_w13_unfused, "fused-w13": mxfp8_swiglu_experts_w13,
+            "fused-w13+reuse": mxfp8_swiglu_experts_w13}
 
 
 def baseline_of(variant: str) -> str:

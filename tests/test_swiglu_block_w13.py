@@ -69,7 +69,7 @@ def test_w13_block_equals_its_per_gemm_form_bit_for_bit(groups, dh, mode, dtypes
     assert_bits_equal(got, want, sum(sizes))
 
 
-def test_w13_block_takes_the_fused_passes_and_one_gate_up_gemm_each_way(monkeypatch):
+def test_w13_block_runs_one_gate_up_gemm_for_dx_and_one_for_dw13(monkeypatch):
     calls = {"mm": 0, "block": 0}
     real_mm, real_apply = torch._grouped_mm, sb._SwiGLUExperts.apply
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.__setitem__("mm", calls["mm"] + 1) or real_mm(*a, **k))
@@ -77,8 +77,9 @@ def test_w13_block_takes_the_fused_passes_and_one_gate_up_gemm_each_way(monkeypa
                         lambda *a: calls.__setitem__("block", calls["block"] + 1) or real_apply(*a))
     x, w13, w2, offs, gy = make([40, 0, 70], 5, 64, 96, 1)
     run(mxfp8_swiglu_experts_w13, x, w13, w2, offs, gy)
-    # fwd: x W13^T, h W2^T; bwd: dW2, grad_h, dW13, dx -- six GEMMs, where the separate-weights block runs eight
-    assert calls == {"mm": 6, "block": 1}
+    # fwd: x W1^T and x W3^T (halves of w13's operand), h W2^T; bwd: dW2, grad_h, dW13, dx -- seven GEMMs,
+    # where the separate-weights block runs eight (dW1, dW3, and dx as two GEMMs summed)
+    assert calls == {"mm": 7, "block": 1}
 
 
 def test_w13_dx_is_one_accumulation_not_the_separate_blocks_sum():

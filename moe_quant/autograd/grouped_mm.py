@@ -128,7 +128,11 @@ def _forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: Gem
     if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
         return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
     fwd, _, _ = _GEMMS[backend]
-    return fwd(A, W_t, offs, mode).to(out_dtype)
+    out = fwd(A, W_t, offs, mode)
+    # never ``out.to(out_dtype)`` when it is already that dtype: that returns ``out`` itself, and torch 2.11's
+    # dynamo then traces this Function's backward with a zero output gradient (every gradient zero; fixed in
+    # later torch; tests/test_grouped_mm.py::test_compiled_gradients_equal_eager)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _setup_context(ctx, inputs, output):
@@ -306,34 +310,12 @@ def mxfp8_grouped_mm(
     offs = sanitize_offsets(offs, A.shape[0], torch.int32)
     fn = _MXFP8GroupedMM
     if torch.compiler.is_compiling():
-        if compiled_gradients_unsafe(A, W_t):
-            return _outside_the_graph(A, W_t, offs, mode, out_dtype, gemm)
         fn = _MXFP8GroupedMMTransforms
     else:
         _check_no_forward_ad(A, W_t)
         if torch._C._are_functorch_transforms_active():
             fn = _MXFP8GroupedMMTransforms  # transforms need the setup_context form
     return fn.apply(row_major(A), W_t, offs, mode, out_dtype, gemm)
-
-
-COMPILED_CUDA_GRADIENTS = (
-    "mxfp8_grouped_mm under torch.compile on a CUDA device with gradients: the compiled backward of this "
-    "per-GEMM path came out zero (dynamo traced it with a zero output gradient; measured on an H100, torch 2.11), "
-    "so the call runs outside the graph instead (a graph break; with fullgraph=True this error). The fused SwiGLU "
-    "block (mxfp8_swiglu_experts, what converted GroupedExperts run) compiles correctly; or run this call eagerly."
-)
-
-
-def compiled_gradients_unsafe(A: torch.Tensor, W_t: torch.Tensor) -> bool:
-    """While compiling: the call is on a CUDA device and a gradient flows to ``A`` or ``W_t`` -- the case whose
-    compiled backward came out zero -- so it must not be traced into the graph."""
-    return A.is_cuda and torch.is_grad_enabled() and (A.requires_grad or W_t.requires_grad)
-
-
-@torch._dynamo.disable(reason=COMPILED_CUDA_GRADIENTS)
-def _outside_the_graph(A, W_t, offs, mode, out_dtype, gemm):
-    """The eager call, which dynamo does not trace (a graph break; ``fullgraph=True`` raises with the reason)."""
-    return _MXFP8GroupedMM.apply(row_major(A), W_t, offs, mode, out_dtype, gemm)
 
 
 def _check_no_forward_ad(*tensors) -> None:

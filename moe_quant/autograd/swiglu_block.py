@@ -78,13 +78,20 @@ def _mm_wgrad(g_col: tuple, a_col: tuple, offs: torch.Tensor, backend: GemmBacke
 
 
 def _gate_up_fwd(x_row: tuple, w1, w3, offs, mode, backend):
-    """``(a, b)`` = ``(x W1^T, x W3^T)``; with the gate and up weights concatenated (``w3`` None, ``w1`` the
-    ``(E, 2H, D)`` weight ``[W1; W3]``) one GEMM, whose two halves are ``a`` and ``b`` (views)."""
-    if w3 is None:
-        ab = _mm_fwd(x_row, _w_fwd(w1, mode, backend), offs)
-        h = ab.shape[1] // 2
-        return ab[:, :h], ab[:, h:]
-    return _mm_fwd(x_row, _w_fwd(w1, mode, backend), offs), _mm_fwd(x_row, _w_fwd(w3, mode, backend), offs)
+    """``(a, b)`` = ``(x W1^T, x W3^T)``. With the gate and up weights concatenated (``w3`` None, ``w1`` the
+    ``(E, 2H, D)`` weight ``[W1; W3]``) the weight is quantized once and, on the emulated GEMM, each half of its
+    operand runs its own GEMM: every output element is the same dot product as in one GEMM over ``w13`` (its
+    columns are independent; byte-checked on the H100), and ``a`` and ``b`` come out row-major, as the fused
+    passes read them (halves of one output would be copied there). The scaled GEMM runs one GEMM and splits."""
+    if w3 is not None:
+        return _mm_fwd(x_row, _w_fwd(w1, mode, backend), offs), _mm_fwd(x_row, _w_fwd(w3, mode, backend), offs)
+    w13 = _w_fwd(w1, mode, backend)
+    if len(x_row) == 1:  # emulated: w13 (E, D, 2H) bf16
+        h = w13.shape[-1] // 2
+        return _mm_fwd(x_row, w13[..., :h], offs), _mm_fwd(x_row, w13[..., h:], offs)
+    ab = _mm_fwd(x_row, w13, offs)
+    h = ab.shape[1] // 2
+    return ab[:, :h], ab[:, h:]
 
 
 def _concat_wgrad(ga_col: tuple, gb_col: tuple, x_col: tuple, offs, backend, w13) -> torch.Tensor:
