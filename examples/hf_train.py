@@ -135,6 +135,8 @@ def parse_args(argv=None):
     p.add_argument("--every", type=int, default=0, help="print the loss every N steps (default: about 5 rows)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--per-gemm", action="store_true",
+                   help="MXFP8MoEConfig(fused_block=False): the experts' GEMMs one by one, not the fused SwiGLU block")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (0 = PyTorch's default)")
     args = p.parse_args(argv)
     for name in ("layers", "experts", "top_k", "hidden", "intermediate", "vocab", "tokens", "seq", "steps"):
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
         model = build_model(config, device=device, dtype=torch.bfloat16)
         checksums[mode] = sum(p.detach().float().sum().item() for p in model.parameters())
         if mode == "mxfp8":
-            quantize_(model, MXFP8MoEConfig(), filter_fn=EXPERTS_FILTER)
+            quantize_(model, MXFP8MoEConfig(fused_block=not args.per_gemm), filter_fn=EXPERTS_FILTER)
             converted = sum(p.ndim == 3 for m in model.modules() if is_converted(m) for p in m.parameters())
             reset_fallback_counts()
         data = batches(args.vocab, args.tokens // args.seq, args.seq, args.steps, device)

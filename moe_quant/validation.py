@@ -168,15 +168,20 @@ def check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets: bool | None
     return check_offsets(offs, n_groups=e, total=m, device=A.device, validate=validate_offsets)
 
 
+def _check_block_tensors(x, **weights) -> None:
+    """``x`` 2-D and each weight 3-D, bf16 or fp32 (fp32 master weights are read as bf16), on ``x``'s device."""
+    check_tensor("x", x, dtypes=_A_DTYPES, ndim=2)
+    for name, w in weights.items():
+        check_tensor(name, w, dtypes=_A_DTYPES, ndim=3)
+        if w.device != x.device:
+            raise ValueError(f"{name} must be on the same device as x ({x.device}), got {w.device}")
+
+
 def check_swiglu_experts_args(x, w1, w3, w2, offs, validate_offsets: bool | None) -> torch.Tensor:
     """Inputs of ``mxfp8_swiglu_experts``: ``x (M, D)``, ``w1``/``w3 (E, H, D)``, ``w2 (E, D, H)``,
     ``offs (E,)`` int32 (the :class:`moe_quant.moe.GroupedExperts` convention); returns ``offs`` as
     :func:`check_offsets` does."""
-    check_tensor("x", x, dtypes=_A_DTYPES, ndim=2)
-    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-        check_tensor(name, w, dtypes=_A_DTYPES, ndim=3)  # fp32 master weights are read as bf16
-        if w.device != x.device:
-            raise ValueError(f"{name} must be on the same device as x ({x.device}), got {w.device}")
+    _check_block_tensors(x, w1=w1, w3=w3, w2=w2)
     m, d = x.shape
     e, h, d1 = w1.shape
     if d1 != d:
@@ -193,11 +198,7 @@ def check_swiglu_experts_args(x, w1, w3, w2, offs, validate_offsets: bool | None
 def check_swiglu_experts_w13_args(x, w13, w2, offs, validate_offsets: bool | None) -> torch.Tensor:
     """Inputs of ``mxfp8_swiglu_experts_w13``: ``x (M, D)``, ``w13 (E, 2H, D)`` (gate rows, then up rows),
     ``w2 (E, D, H)``, ``offs (E,)`` int32; returns ``offs`` as :func:`check_offsets` does."""
-    check_tensor("x", x, dtypes=_A_DTYPES, ndim=2)
-    for name, w in (("w13", w13), ("w2", w2)):
-        check_tensor(name, w, dtypes=_A_DTYPES, ndim=3)  # fp32 master weights are read as bf16
-        if w.device != x.device:
-            raise ValueError(f"{name} must be on the same device as x ({x.device}), got {w.device}")
+    _check_block_tensors(x, w13=w13, w2=w2)
     m, d = x.shape
     e, h2, d1 = w13.shape
     if d1 != d:
