@@ -177,3 +177,26 @@ def test_zero_width_gives_exact_zeros():
     y = mxfp8_swiglu_experts_w13(x, w13z, w2z, offs)
     y.backward(gy)
     assert torch.equal(y, torch.zeros_like(y)) and w13z.grad.shape == w13z.shape
+
+
+def test_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    x, w13, w2, offs, gy = make([50, 20], 3, 64, 64, 6)
+    want = run(mxfp8_swiglu_experts_w13, x, w13, w2, offs, gy)
+    got = run(lambda *a: checkpoint(mxfp8_swiglu_experts_w13, *a, use_reentrant=False), x, w13, w2, offs, gy)
+    assert_bits_equal(got, want, 70)
+
+
+def test_reuse_scope_quantizes_w13_once_with_the_same_bits():
+    from moe_quant import reuse_quantized_weights
+
+    x, w13, w2, offs, gy = make([50, 0, 40], 0, 64, 96, 8)
+    want = run(mxfp8_swiglu_experts_w13, x, w13, w2, offs, gy)
+    with reuse_quantized_weights([w13, w2]) as scope:
+        first = run(mxfp8_swiglu_experts_w13, x, w13, w2, offs, gy)
+        second = run(mxfp8_swiglu_experts_w13, x, w13, w2, offs, gy)
+    # fwd and dgrad operands of w13 and w2, made once (the forward's two GEMMs share w13's one operand)
+    assert scope.misses == 4 and scope.hits == 4
+    assert_bits_equal(first, want, 90)
+    assert_bits_equal(second, want, 90)
