@@ -132,13 +132,11 @@ def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleM
 def concat_rowwise(a: tuple, b: tuple) -> tuple:
     """The rowwise form of ``[A | B]`` (columns concatenated) from those of ``A`` and ``B``: the 1x32 blocks of
     each row are the two tensors' blocks side by side, so the values are exactly those of quantizing the
-    concatenation. Scaled forms need ``A``'s scale columns in whole tiles (its width a multiple of 128)."""
+    concatenation. Scaled forms need ``A``'s scale columns in whole tiles (:func:`layouts.whole_scale_tiles`:
+    its width a multiple of 128)."""
     if len(a) == 1:
         return (torch.cat([a[0], b[0]], dim=1),)
-    if a[0].shape[1] % (layouts.TILE_COLS * BLOCK_SIZE):
-        raise ValueError(f"concat_rowwise: A's width ({a[0].shape[1]}) must be whole tiles of scale columns "
-                         f"(a multiple of {layouts.TILE_COLS * BLOCK_SIZE}) to concatenate blocked scales")
-    return torch.cat([a[0], b[0]], dim=1), layouts.concat_blocked_cols(a[1], b[1])
+    return torch.cat([a[0], b[0]], dim=1), layouts.concat_blocked_cols(a[1], b[1], a[0].shape[1] // BLOCK_SIZE)
 
 
 def concat_colwise(a: tuple, b: tuple) -> tuple | None:

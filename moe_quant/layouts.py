@@ -66,31 +66,29 @@ def blocked_shape(rows: int, cols: int) -> tuple[int, int]:
     return round_up(rows, TILE_ROWS), round_up(cols, TILE_COLS)
 
 
-def concat_blocked_cols(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+def whole_scale_tiles(cols: int) -> bool:
+    """``cols`` scale columns fill whole 4-column tiles (no padding column): the condition under which blocked
+    scales concatenate along columns (:func:`concat_blocked_cols`)."""
+    return cols % TILE_COLS == 0
+
+
+def concat_blocked_cols(left: torch.Tensor, right: torch.Tensor, left_cols: int) -> torch.Tensor:
     """The blocked (or M-groups blocked) scale matrix of ``[L | R]``, columns concatenated, from those of ``L``
-    and ``R`` (same row count). Exact where ``left`` has whole tiles of columns (a multiple of 4, so no padding
-    column sits between the two): tiles are row-tile-major with the column tiles inside, and every group of
-    the M-groups layout starts on a 128-row tile. Rows past the last whole row tile hold no scale in either
-    layout (the groups' padded rows end on a tile) and come back zero."""
+    (``left_cols`` scale columns, before padding) and ``R`` (same row count). Exact where ``left_cols`` fills
+    whole tiles (:func:`whole_scale_tiles`, so no padding column sits between the two): tiles are
+    row-tile-major with the column tiles inside, and every group of the M-groups layout starts on a 128-row
+    tile. Rows past the last whole row tile hold no scale in either layout (the groups' padded rows end on a
+    tile) and come back zero."""
     rows, cl = left.shape
-    if cl % TILE_COLS or right.shape[0] != rows:
-        raise ValueError(f"concat_blocked_cols: left {tuple(left.shape)} must have whole tiles of 4 columns "
-                         f"and right {tuple(right.shape)} its row count")
+    if not whole_scale_tiles(left_cols) or cl != left_cols or right.shape[0] != rows:
+        raise ValueError(f"concat_blocked_cols: left ({left_cols} scale columns, buffer {tuple(left.shape)}) must "
+                         f"be whole tiles of {TILE_COLS} scale columns and right {tuple(right.shape)} its row count")
     whole = rows // TILE_ROWS
     lb, rb = left.view(torch.uint8), right.view(torch.uint8)
     tiles = torch.cat([lb[:whole * TILE_ROWS].reshape(whole, -1, TILE_BYTES),
                        rb[:whole * TILE_ROWS].reshape(whole, -1, TILE_BYTES)], 1)
     out = torch.cat([tiles.reshape(-1), lb.new_zeros((rows - whole * TILE_ROWS) * (cl + right.shape[1]))])
     return out.view(rows, cl + right.shape[1]).view(left.dtype)
-
-
-def concat_blocked_rows(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
-    """The blocked scale matrix of ``[T; B]`` (rows concatenated) from those of ``T`` and ``B`` (same column
-    count): exact where ``T``'s rows are whole tiles (a multiple of 128), since tiles are row-tile-major."""
-    if top.shape[0] % TILE_ROWS or top.shape[1] != bottom.shape[1]:
-        raise ValueError(f"concat_blocked_rows: top {tuple(top.shape)} must have whole 128-row tiles and "
-                         f"bottom {tuple(bottom.shape)} its column count")
-    return torch.cat([top.view(torch.uint8), bottom.view(torch.uint8)], 0).view(top.dtype)
 
 
 def m_groups_blocked_shape(m: int, cols: int, n_groups: int) -> tuple[int, int]:

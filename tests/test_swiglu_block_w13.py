@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from mx_strategies import group_sizes, offsets_from_sizes
 
 from moe_quant import block_quantize as bq
-from moe_quant import layouts
 from moe_quant import mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13, swiglu_experts_w13_unfused
 from moe_quant import quantize as q
 from moe_quant.autograd import swiglu_block as sb
@@ -130,16 +129,6 @@ def test_concat_rowwise_emulated_and_colwise_emulated_forms():
         assert torch.equal(col[0], want[0]) and torch.equal(col[1], want[1])
     scaled = tuple(q.colwise_k_groups(a, offs, ScaleMode.RCEIL))
     assert bq.concat_colwise(scaled, scaled) is None  # group-major scales: the caller runs two GEMMs
-
-
-def test_concat_blocked_rows_equals_blocking_the_concatenation():
-    g = torch.Generator().manual_seed(5)
-    top, bottom = torch.randint(0, 255, (256, 6), generator=g, dtype=torch.uint8), torch.randint(0, 255, (70, 6), generator=g, dtype=torch.uint8)
-    got = layouts.concat_blocked_rows(layouts.to_blocked(top), layouts.to_blocked(bottom))
-    want = layouts.to_blocked(torch.cat([top, bottom]))
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="whole 128-row tiles"):
-        layouts.concat_blocked_rows(layouts.to_blocked(bottom)[:70], layouts.to_blocked(top))
 
 
 @pytest.mark.parametrize(

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import block_quantize as bq
+from .. import layouts
 from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
 from ..layouts import row_major, sanitize_offsets
-from ..numerics import ScaleMode
+from ..numerics import BLOCK_SIZE, ScaleMode
 from ..validation import check_swiglu_experts_args, check_swiglu_experts_w13_args
 from .grouped_mm import _GEMM_DTYPE, _first_order_only, _zero_empty_experts, mxfp8_grouped_mm, weight_operand
 
@@ -94,15 +95,15 @@ def _gate_up_fwd(x_row: tuple, w1, w3, offs, mode, backend):
     return ab[:, :h], ab[:, h:]
 
 
-def _concat_wgrad(ga_col: tuple, gb_col: tuple, x_col: tuple, offs, backend, w13) -> torch.Tensor:
+def _concat_wgrad(ga_col: tuple, gb_col: tuple, x_col: tuple, offs, backend, w_dtype) -> torch.Tensor:
     """``dW13 (E, 2H, D)``: one wgrad GEMM over the two gradients' colwise forms stacked along rows (emulated),
     or two GEMMs whose rows are concatenated (scaled: the K-groups scale layout is group-major, so stacking
     the rows of two scale buffers is no plain concatenation). Every row is its own dot products either way."""
     g_col = bq.concat_colwise(ga_col, gb_col)
     if g_col is not None:
-        return _mm_wgrad(g_col, x_col, offs, backend, w13.dtype)
-    return torch.cat([_mm_wgrad(ga_col, x_col, offs, backend, w13.dtype),
-                      _mm_wgrad(gb_col, x_col, offs, backend, w13.dtype)], dim=1)
+        return _mm_wgrad(g_col, x_col, offs, backend, w_dtype)
+    return torch.cat([_mm_wgrad(ga_col, x_col, offs, backend, w_dtype),
+                      _mm_wgrad(gb_col, x_col, offs, backend, w_dtype)], dim=1)
 
 
 class _SwiGLUExperts(torch.autograd.Function):
@@ -144,7 +145,7 @@ class _SwiGLUExperts(torch.autograd.Function):
             x_col = bq.colwise(x, mode, offs, fake) if need_w1 or need_w3 else None
             dw1 = dw3 = dx = None
             if concat:
-                dw1 = _concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1) if need_w1 else None
+                dw1 = _concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype) if need_w1 else None
                 del ga_col, gb_col, x_col
                 if need_x:
                     g13_row = bq.concat_rowwise(ga_row, gb_row)
@@ -267,9 +268,10 @@ def mxfp8_swiglu_experts_w13(
     mode = ScaleMode.parse(scale_mode)
     offs = check_swiglu_experts_w13_args(x, w13, w2, offs, validate_offsets)
     gemm = resolve_gemm_backend(backend, x.device)
-    if _degenerate(x, w13) or (gemm is GemmBackend.SCALED and (w13.shape[1] // 2) % 128):
+    h_scale_cols = w13.shape[1] // 2 // BLOCK_SIZE
+    if _degenerate(x, w13) or (gemm is GemmBackend.SCALED and not layouts.whole_scale_tiles(h_scale_cols)):
         # the scaled dx GEMM takes [grad_gate | grad_up] with their blocked scales concatenated tile by tile,
-        # which needs H in whole 128-column tiles; otherwise the per-GEMM form (the same bits)
+        # which needs grad_gate's scale columns in whole tiles; otherwise the per-GEMM form (the same bits)
         return swiglu_experts_w13_unfused(x, w13, w2, offs, scale_mode=mode, backend=gemm, validate_offsets=False)
     offs = sanitize_offsets(offs, x.shape[0]).to(torch.int32)
     return _SwiGLUExperts.apply(row_major(x), w13, None, w2, offs, mode, gemm)
