@@ -42,9 +42,10 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     Under ``torch.compile`` with a data-dependent (unbacked) row count the emptiness test does not guard:
     it is taken as "not known to be empty", and ``contiguous()`` of traced strides makes a copy wherever
     they are not known to be row-major (an expanded gradient included), so either branch is correct."""
-    if guard_or_false(t.numel() == 0):
-        return t.clone(memory_format=torch.contiguous_format)  # no data: costs nothing
-    return t.contiguous()
+    n = t.numel()
+    if n if type(n) is int else not guard_or_false(n == 0):  # eager sizes are ints: no symbolic test
+        return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)  # no data: costs nothing
 
 
 def blocked_offset(r, c, n_col_tiles):

@@ -71,7 +71,8 @@ def remember(x: torch.Tensor, mode: ScaleMode | str, data: torch.Tensor | None =
 
 def lookup(x: torch.Tensor, mode: ScaleMode) -> _Known | None:
     """The entry of ``x`` for ``mode`` while ``x`` is unchanged, else None."""
-    if type(x) is not torch.Tensor or _stateless():
+    # (the emptiness test last: dynamo cannot trace the weak dictionary's len, and returns at _stateless)
+    if type(x) is not torch.Tensor or _stateless() or not _KNOWN:
         return None
     with _LOCK:
         known = _KNOWN.get(x)

@@ -20,7 +20,25 @@ from .numerics import BLOCK_SIZE, ScaleMode
 def _kernels_serve(x: torch.Tensor, *dims: int) -> bool:
     """A CuTe-DSL kernel serves ``x``: Hopper or newer with cutlass-dsl, and ``x.shape[d] % 32 == 0`` for
     each of ``dims`` (the kernels read 16-byte vectors of whole 32-element blocks)."""
-    return backends.use_quant_kernels(x) and all(x.shape[d] % BLOCK_SIZE == 0 for d in dims)
+    if not backends.use_quant_kernels(x):
+        return False
+    for d in dims:
+        if x.shape[d] % BLOCK_SIZE:
+            return False
+    return True
+
+
+_OPS = None
+
+
+def _ops():
+    """:mod:`moe_quant.kernels.ops`, imported on first use (importing moe_quant loads no kernel module)."""
+    global _OPS
+    if _OPS is None:
+        from .kernels import ops
+
+        _OPS = ops
+    return _OPS
 
 
 def quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor | None = None):
@@ -43,36 +61,28 @@ def quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor 
 def rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor | None):
     """:func:`quantize_rowwise` of checked arguments."""
     if _kernels_serve(x):
-        from .kernels import ops
-
-        return ops.run_quantize_1x32(x.contiguous(), mode.value, offs, "blocked" if offs is not None else "plain")
+        return _ops().run_quantize_1x32(x.contiguous(), mode.value, offs, "blocked" if offs is not None else "plain")
     return reference.quantize_rowwise(x, mode, offs)
 
 
 def fake_rowwise(x: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype):
     """:func:`fake_quantize_rowwise` of checked arguments."""
     if _kernels_serve(x):
-        from .kernels import ops
-
-        return ops.run_fake_quantize_1x32(x.contiguous(), mode.value, out_dtype)
+        return _ops().run_fake_quantize_1x32(x.contiguous(), mode.value, out_dtype)
     return reference.fake_quantize_rowwise(x, mode, out_dtype)
 
 
 def colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode):
     """:func:`quantize_colwise_k_groups` of checked arguments."""
     if _kernels_serve(x, 1):
-        from .kernels import ops
-
-        return ops.run_quantize_32x1_k_groups(x.contiguous(), mode.value, offs)
+        return _ops().run_quantize_32x1_k_groups(x.contiguous(), mode.value, offs)
     return reference.quantize_colwise_k_groups(x, offs, mode)
 
 
 def fake_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode, out_dtype: torch.dtype):
     """:func:`fake_quantize_colwise_k_groups` of checked arguments."""
     if _kernels_serve(x, 1):
-        from .kernels import ops
-
-        return ops.run_fake_quantize_32x1_k_groups(x.contiguous(), mode.value, offs, out_dtype)
+        return _ops().run_fake_quantize_32x1_k_groups(x.contiguous(), mode.value, offs, out_dtype)
     return reference.fake_quantize_colwise_k_groups(x, offs, mode, out_dtype)
 
 
@@ -117,8 +127,7 @@ def quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along: str):
     along = v.parse_along(along)
     v.check_weight_3d("w", w, along)
     if _kernels_serve(w, 1, 2):
-        from .kernels import ops
-
+        ops = _ops()
         fn = ops.quantize_3d_along_k if along == "k" else ops.quantize_3d_along_n
         return fn(w.contiguous(), mode)
     return reference.quantize_3d(w, mode, along)
@@ -133,10 +142,20 @@ def fake_quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along_dim: int, out
     """
     mode = ScaleMode.parse(mode, "mode")
     if along_dim in (-1, -2) and w.ndim == 3 and _kernels_serve(w, 1, 2):
-        from .kernels import ops
-
+        ops = _ops()
         w_nk = w.transpose(-2, -1).contiguous()  # W (E, N, K): a view when w is W_t
         if along_dim == -2:
             return ops.fake_quantize_3d_along_k(w_nk, mode, out_dtype).transpose(-2, -1)
         return ops.fake_quantize_3d_along_n(w_nk, mode, out_dtype)
+    return reference.fake_quantize_3d(w, mode, along_dim, out_dtype)
+
+
+def fake_3d(w: torch.Tensor, mode: ScaleMode, along_dim: int, out_dtype: torch.dtype):
+    """:func:`fake_quantize_3d` of checked arguments: ``w (E, K, N)`` (the view ``W_t``) bf16/fp32, K and N
+    multiples of 32, ``along_dim`` -1 or -2, ``out_dtype`` bf16/fp32 (the grouped GEMM's weight operands)."""
+    if _kernels_serve(w):
+        w_nk = w.transpose(-2, -1).contiguous()  # W (E, N, K): a view when w is W_t
+        if along_dim == -2:
+            return _ops().run_fake_3d_along_k(w_nk, mode.value, out_dtype).transpose(-2, -1)
+        return _ops().run_fake_3d_along_n(w_nk, mode.value, out_dtype)
     return reference.fake_quantize_3d(w, mode, along_dim, out_dtype)

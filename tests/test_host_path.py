@@ -136,12 +136,14 @@ def test_gemm_checks_its_operands_once(monkeypatch):
     checks, passes = [], []
     for name in ("check_operand_2d", "check_group_offsets"):  # the quantizers' own checks
         monkeypatch.setattr(v, name, lambda *a, _f=getattr(v, name), _n=name, **k: checks.append(_n) or _f(*a, **k))
-    for name in ("fake_rowwise", "fake_colwise_k_groups"):
+    for name in ("fake_rowwise", "fake_colwise_k_groups", "fake_3d", "fake_quantize_3d"):
         monkeypatch.setattr(q, name, lambda *a, _f=getattr(q, name), _n=name, **k: passes.append(_n) or _f(*a, **k))
     A, W, offs, g = _problem(2)
     out = mxfp8_grouped_mm(A, W.transpose(-2, -1), offs)
     torch.autograd.grad(out, (A, W), g)
-    assert sorted(passes) == ["fake_colwise_k_groups"] * 2 + ["fake_rowwise"] * 2  # precondition: A, grad_out
+    # precondition: A and grad_out both ways, W along K and along N; the public weight quantizer (which parses
+    # the mode again and checks W) is not on the path
+    assert sorted(passes) == ["fake_3d"] * 2 + ["fake_colwise_k_groups"] * 2 + ["fake_rowwise"] * 2
     assert not checks
     with pytest.raises(ValueError, match="multiple of 32"):
         q.fake_quantize_rowwise(torch.randn(4, 33), "rceil")

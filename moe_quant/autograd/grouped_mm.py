@@ -36,19 +36,9 @@ _GEMM_DTYPE = torch.bfloat16
 # ----------------------------------------------------------------------------- emulated
 
 
-def _weight_operand(W_t, kind: tuple, compute):
-    """``compute(w)`` of the weight ``W_t`` read as bf16 (fp32 master weights are rounded to bf16 first),
-    or the operand a :func:`moe_quant.reuse_quantized_weights` scope made for it before."""
-
-    def run():
-        return compute(W_t if W_t.dtype == _GEMM_DTYPE else W_t.to(_GEMM_DTYPE))
-
-    return active_operand(W_t, kind, run)
-
-
 _WEIGHT_FORMS = {  # (backend, gemm) -> the weight operand's form, computed from W_t (E, K, N) in bf16
-    (GemmBackend.EMULATED, "fwd"): lambda w, mode: q.fake_quantize_3d(w, mode, along_dim=-2),  # blocks along K
-    (GemmBackend.EMULATED, "dgrad"): lambda w, mode: q.fake_quantize_3d(w, mode, along_dim=-1),  # along N
+    (GemmBackend.EMULATED, "fwd"): lambda w, mode: q.fake_3d(w, mode, -2, _GEMM_DTYPE),  # blocks along K
+    (GemmBackend.EMULATED, "dgrad"): lambda w, mode: q.fake_3d(w, mode, -1, _GEMM_DTYPE),  # along N
     # (E, N, K) with scales (E, N x K/32), and (E, K, N) with scales (E, K x N/32)
     (GemmBackend.SCALED, "fwd"): lambda w, mode: q.quantize_3d(w.transpose(-2, -1), mode, along="k"),
     (GemmBackend.SCALED, "dgrad"): lambda w, mode: q.quantize_3d(w.transpose(-2, -1), mode, along="n"),
@@ -60,7 +50,11 @@ def weight_operand(W_t, mode: ScaleMode, backend: GemmBackend, gemm: str):
     reused from an active :func:`moe_quant.reuse_quantized_weights` scope. The one place the GEMMs of
     :func:`mxfp8_grouped_mm` and of the SwiGLU expert block get their weight operands."""
     form = _WEIGHT_FORMS[backend, gemm]
-    return _weight_operand(W_t, (backend.value, gemm, mode), lambda w: form(w, mode))
+
+    def compute():  # of the weight read as bf16 (fp32 master weights are rounded to bf16 first)
+        return form(W_t if W_t.dtype == _GEMM_DTYPE else W_t.to(_GEMM_DTYPE), mode)
+
+    return active_operand(W_t, (backend.value, gemm, mode), compute)
 
 
 def emulated_fwd(A, W_t, offs, mode: ScaleMode):
@@ -147,6 +141,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     A, W_t, offs = ctx.saved_tensors
+    if not torch.is_grad_enabled():  # the usual backward (no create_graph): grad mode is off already
+        grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
+        return grad_A, grad_W_t, None, None, None, None
     with torch.no_grad():  # gradients of quantized operands: first order only, see _first_order_only
         grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
     grad_A, grad_W_t = _first_order_only((grad_A, grad_W_t), (grad_out, A, W_t))
@@ -206,9 +203,11 @@ def _input_grads(ctx, grad_out, A, W_t, offs):
         dW = wgrad(grad_out, A, offs, ctx.mode)
         if not (ctx.backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
             dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
-        grad_W_t = dW.to(w_dtype).transpose(-2, -1)
+        grad_W_t = (dW if dW.dtype == w_dtype else dW.to(w_dtype)).transpose(-2, -1)
     if ctx.needs_input_grad[0]:
-        grad_A = dgrad(grad_out, W_t, offs, ctx.mode).to(a_dtype)
+        grad_A = dgrad(grad_out, W_t, offs, ctx.mode)
+        if grad_A.dtype != a_dtype:
+            grad_A = grad_A.to(a_dtype)
     return grad_A, grad_W_t
 
 

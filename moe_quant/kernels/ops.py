@@ -8,6 +8,7 @@ from .ops_1x32 import (  # noqa: F401
     fake_quantize_3d_along_k,
     quantize_1x32,
     quantize_3d_along_k,
+    run_fake_3d_along_k,
     run_fake_quantize_1x32,
     run_quantize_1x32,
 )
@@ -16,6 +17,7 @@ from .ops_32x1 import (  # noqa: F401
     fake_quantize_32x1_k_groups,
     quantize_3d_along_n,
     quantize_32x1_k_groups,
+    run_fake_3d_along_n,
     run_fake_quantize_32x1_k_groups,
     run_quantize_32x1_k_groups,
 )

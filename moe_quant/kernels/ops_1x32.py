@@ -224,5 +224,10 @@ def fake_quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str, out_dtype: 
     mode = ScaleMode.parse(mode, "mode")
     _check_w(w, fn, dims=((2, "K"),))
     _check_out_dtype(fn, out_dtype)
+    return run_fake_3d_along_k(w, mode.value, out_dtype)
+
+
+def run_fake_3d_along_k(w: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`fake_quantize_3d_along_k` of checked arguments (``mode`` a value string)."""
     e, n, k = w.shape
-    return run_fake_quantize_1x32(w.view(e * n, k), mode.value, out_dtype).view(e, n, k)
+    return run_fake_quantize_1x32(w.view(e * n, k), mode, out_dtype).view(e, n, k)

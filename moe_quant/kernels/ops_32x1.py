@@ -30,18 +30,20 @@ def _k_groups_shapes(m: int, r: int, g: int):
 
 def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor, out_dtype: torch.dtype):
     m, r = x.shape
-    data_shape, scale_shape = _k_groups_shapes(m, r, offs.shape[0])
-    fp8 = out_dtype == torch.float8_e4m3fn
-    data = cc.empty(data_shape, out_dtype, x.device)
-    scales = cc.empty(scale_shape, torch.uint8, x.device) if fp8 else None
-    if scales is not None and scales.numel() > cc.INT32_MAX:
-        raise ValueError(f"quantize_32x1: scale buffer of {scales.numel()} bytes exceeds the int32 index range")
-    poffs = cc.empty((offs.shape[0],), torch.int32, x.device)
+    g = offs.shape[0]
+    device = x.device
+    data = cc.empty((r, layouts.k_groups_padded_len(m, g)), out_dtype, device)
+    scales = None
+    if out_dtype == torch.float8_e4m3fn:
+        scales = cc.empty(layouts.k_groups_blocked_shape(r, m, g), torch.uint8, device)
+        if scales.numel() > cc.INT32_MAX:
+            raise ValueError(f"quantize_32x1: scale buffer of {scales.numel()} bytes exceeds the int32 index range")
+    poffs = cc.empty((g,), torch.int32, device)
     if data.numel():
         cc.launch(_kernel_32x1(x, mode, "kgroups", out_dtype), cc.aligned(x), data, scales, offs, poffs)
     else:  # R = 0, or M = G = 0: no CTA, but the padded offsets still follow from offs
         poffs.copy_(layouts.padded_group_offsets(offs, m))
-    return data, (scales.view(torch.float8_e8m0fnu) if fp8 else None), poffs
+    return data, (None if scales is None else scales.view(torch.float8_e8m0fnu)), poffs
 
 
 def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype):
@@ -174,6 +176,11 @@ def fake_quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str, out_dtype: 
     mode = ScaleMode.parse(mode, "mode")
     _check_w(w, fn)
     _check_out_dtype(fn, out_dtype)
+    return run_fake_3d_along_n(w, mode.value, out_dtype)
+
+
+def run_fake_3d_along_n(w: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`fake_quantize_3d_along_n` of checked arguments (``mode`` a value string)."""
     if cc.via_dispatcher(w):
-        return torch.ops.moe_quant.fake_quantize_32x1_3d(w, mode.value, out_dtype)
-    return _quantize_32x1_3d_impl(w, mode.value, out_dtype)[0]
+        return torch.ops.moe_quant.fake_quantize_32x1_3d(w, mode, out_dtype)
+    return _quantize_32x1_3d_impl(w, mode, out_dtype)[0]
