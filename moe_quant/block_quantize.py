@@ -129,6 +129,19 @@ def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleM
     return _separate_forms(grad_a, mode, offs, fake), _separate_forms(grad_b, mode, offs, fake)
 
 
+def dswiglu_stacked(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor):
+    """:func:`dswiglu` on the emulated GEMM for a concatenated gate-up weight: ``(grad_a's rowwise form,
+    grad_b's rowwise form, the colwise form of [grad_a | grad_b])``, the last equal to :func:`concat_colwise`
+    of the two colwise forms; the kernel writes it in place (no concatenation copy)."""
+    if _kernels_serve(grad_h, a, b):
+        from .kernels import ops_block
+
+        row_a, row_b, col, poffs = ops_block.block_dswiglu(grad_h, a, b, mode, offs, True, stacked=True)
+        return (row_a,), (row_b,), (col, poffs)
+    (row_a, col_a), (row_b, col_b) = dswiglu(grad_h, a, b, mode, offs, True)
+    return row_a, row_b, concat_colwise(col_a, col_b)
+
+
 def concat_rowwise(a: tuple, b: tuple) -> tuple:
     """The rowwise form of ``[A | B]`` (columns concatenated) from those of ``A`` and ``B``: the 1x32 blocks of
     each row are the two tensors' blocks side by side, so the values are exactly those of quantizing the

@@ -118,6 +118,35 @@ def test_dswiglu(groups, r, dist, mode, fake, seed, bad_offs):
     check_forms(got_b, reference_forms(grad_b, offs, mode, fake), "dswiglu grad_b")
 
 
+def check_stacked(outs, g, a, b, offs, mode, what):
+    """``block_dswiglu(..., stacked=True)``: the rowwise values of grad_a and grad_b and the colwise values of
+    ``[grad_a | grad_b]`` (the two colwise forms stacked along rows, every byte of both halves written)."""
+    row_a, row_b, col, poffs = outs
+    grad_a, grad_b = reference.dswiglu(g, a, b)
+    (ra,), (ca, pa) = reference_forms(grad_a, offs, mode, True)
+    (rb,), (cb, _) = reference_forms(grad_b, offs, mode, True)
+    assert_bytes_equal(row_a, ra, f"{what} grad_a rowwise")
+    assert_bytes_equal(row_b, rb, f"{what} grad_b rowwise")
+    assert_bytes_equal(col, torch.cat([ca, cb]), f"{what} stacked colwise")
+    assert_bytes_equal(poffs, pa, f"{what} padded offs")
+
+
+@given(**{k: v for k, v in settings_common.items() if k != "fake"})
+def test_dswiglu_stacked(groups, r, dist, mode, seed, bad_offs):
+    offs, m = make_offs(*groups, bad_offs)
+    g, a, b = inputs(3, m, r, dist, seed)
+    outs = ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), True, stacked=True)
+    check_stacked(outs, g, a, b, offs, mode, "dswiglu stacked")
+
+
+@pytest.mark.parametrize("m,r,sizes", [(0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1])])
+def test_dswiglu_stacked_degenerate_shapes(m, r, sizes):
+    offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)
+    g, a, b = inputs(3, m, r, "normal", 0)
+    outs = ops_block.block_dswiglu(g, a, b, ScaleMode.RCEIL, offs.cuda(), True, stacked=True)
+    check_stacked(outs, g, a, b, offs, ScaleMode.RCEIL, f"stacked M={m} G={len(sizes)}")
+
+
 @pytest.mark.parametrize("op", ["dual", "swiglu", "dswiglu"])
 @pytest.mark.parametrize("m,r,sizes", [(0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1])])
 def test_degenerate_shapes(op, m, r, sizes):
@@ -222,4 +251,37 @@ def test_block_compiles_fullgraph_on_gpu(compile_backend):
         y.backward(gy)
         res.append([y.detach(), x.grad] + [w.grad for w in ws])
     for name, a, b in zip(("y", "dx", "dw1", "dw3", "dw2"), *res):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("sizes,tail", [([300, 0, 129, 33], 7), ([0, 0], 3)])
+def test_w13_block_equals_its_per_gemm_form_on_gpu(compiled, sizes, tail):
+    """The concatenated-weight block (its dW13 from the stacked colwise form the kernel writes in place)
+    against its per-GEMM form, eager and compiled (``fullgraph``: the stacked op's fake implementation)."""
+    from moe_quant import mxfp8_swiglu_experts_w13, swiglu_experts_w13_unfused
+
+    g = torch.Generator().manual_seed(2)
+    d, h, e = 256, 160, len(sizes)
+    m = sum(sizes) + tail
+    x = torch.randn(m, d, generator=g).bfloat16().cuda().requires_grad_()
+    ws = [(torch.randn(*s, generator=g) / math.sqrt(s[-1])).bfloat16().cuda().requires_grad_()
+          for s in ((e, 2 * h, d), (e, d, h))]
+    gy = torch.randn(m, d, generator=g).bfloat16().cuda()
+    offs = offsets_from_sizes(sizes, "cuda")
+    block = mxfp8_swiglu_experts_w13
+    if compiled:
+        torch._dynamo.reset()
+        block = torch.compile(block, fullgraph=True, backend="aot_eager")
+    res = []
+    for fn in (block, swiglu_experts_w13_unfused):
+        for t in (x, *ws):
+            t.grad = None
+        y = fn(x, *ws, offs)
+        y.backward(gy)
+        res.append([y.detach()[: sum(sizes)], x.grad[: sum(sizes)]] + [w.grad for w in ws])
+    if sum(sizes):
+        assert res[0][2].abs().sum() > 0  # precondition: dW13 reached both halves' rows
+        assert res[0][2][:, :h].abs().sum() > 0 and res[0][2][:, h:].abs().sum() > 0
+    for name, a, b in zip(("y", "dx", "dw13", "dw2"), *res):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name

@@ -103,3 +103,9 @@ def test_script_argument_errors_come_first(script, argv, message):
     proc = run_python(f"scripts/{script}", *argv, pythonpath=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_host_glue_script_times_the_kernel_path_on_a_cpu():
+    proc = run_python("scripts/host_glue_cpu.py", "--calls", "3", "--rounds", "1", pythonpath=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("round 0: fwd+bwd ") and " us, bwd " in proc.stdout, proc.stdout

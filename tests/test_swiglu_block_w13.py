@@ -189,3 +189,24 @@ def test_reuse_scope_quantizes_w13_once_with_the_same_bits():
     assert scope.misses == 4 and scope.hits == 4
     assert_bits_equal(first, want, 90)
     assert_bits_equal(second, want, 90)
+
+
+def test_dswiglu_stacked_is_the_concatenation_of_the_colwise_forms():
+    """The emulated block's dW13 operand: the colwise form of [grad_a | grad_b] (on a GPU the kernel writes it
+    in place, tests/test_kernel_block_gpu.py); here the reference pass, against dswiglu's two forms."""
+    g = torch.Generator().manual_seed(3)
+    gh, a, b = (torch.randn(70, 64, generator=g).bfloat16() for _ in range(3))
+    offs = torch.tensor([30, 30, 66], dtype=torch.int32)
+    row_a, row_b, col = bq.dswiglu_stacked(gh, a, b, ScaleMode.RCEIL, offs)
+    (ra, ca), (rb, cb) = bq.dswiglu(gh, a, b, ScaleMode.RCEIL, offs, True)
+    assert torch.equal(row_a[0], ra[0]) and torch.equal(row_b[0], rb[0])
+    assert torch.equal(col[0], torch.cat([ca[0], cb[0]])) and torch.equal(col[1], ca[1])
+    assert col[0].shape == (128, ca[0].shape[1])
+
+
+def test_stacked_colwise_forms_need_fake_values():
+    from moe_quant.kernels import ops_block
+
+    t = torch.zeros(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="stacked colwise forms exist for fake=True"):
+        ops_block.block_dswiglu(t, t, t, "rceil", torch.tensor([4], dtype=torch.int32), False, stacked=True)

@@ -95,13 +95,11 @@ def _gate_up_fwd(x_row: tuple, w1, w3, offs, mode, backend):
     return ab[:, :h], ab[:, h:]
 
 
-def _concat_wgrad(ga_col: tuple, gb_col: tuple, x_col: tuple, offs, backend, w_dtype) -> torch.Tensor:
-    """``dW13 (E, 2H, D)``: one wgrad GEMM over the two gradients' colwise forms stacked along rows (emulated),
-    or two GEMMs whose rows are concatenated (scaled: the K-groups scale layout is group-major, so stacking
-    the rows of two scale buffers is no plain concatenation). Every row is its own dot products either way."""
-    g_col = bq.concat_colwise(ga_col, gb_col)
-    if g_col is not None:
-        return _mm_wgrad(g_col, x_col, offs, backend, w_dtype)
+def _scaled_concat_wgrad(ga_col: tuple, gb_col: tuple, x_col: tuple, offs, backend, w_dtype) -> torch.Tensor:
+    """``dW13 (E, 2H, D)`` on the scaled GEMM: two wgrad GEMMs whose rows are concatenated (the K-groups scale
+    layout is group-major, so the rows of two scale buffers do not stack). The emulated GEMM runs one, over
+    the stacked colwise form (:func:`moe_quant.block_quantize.dswiglu_stacked`); every row of dW13 is its own
+    dot products either way."""
     return torch.cat([_mm_wgrad(ga_col, x_col, offs, backend, w_dtype),
                       _mm_wgrad(gb_col, x_col, offs, backend, w_dtype)], dim=1)
 
@@ -138,15 +136,24 @@ class _SwiGLUExperts(torch.autograd.Function):
             del g_col, h_col
             grad_h = _mm_dgrad(g_row, _w_dgrad(w2, mode, backend), offs)
             del g_row
-            (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
+            if concat and fake:  # [grad_a | grad_b]'s colwise form (dW13's operand) written in place, no copy
+                ga_row, gb_row, g13_col = bq.dswiglu_stacked(grad_h, a, b, mode, offs)
+            else:
+                (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
             del grad_h
             # each transient freed once used, and dx summed in place: the backward's peak is the saved
             # tensors plus about two (M, D) tensors, not five
             x_col = bq.colwise(x, mode, offs, fake) if need_w1 or need_w3 else None
             dw1 = dw3 = dx = None
             if concat:
-                dw1 = _concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype) if need_w1 else None
-                del ga_col, gb_col, x_col
+                if need_w1:
+                    dw1 = (_mm_wgrad(g13_col, x_col, offs, backend, w1.dtype) if fake
+                           else _scaled_concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype))
+                del x_col
+                if fake:
+                    del g13_col
+                else:
+                    del ga_col, gb_col
                 if need_x:
                     g13_row = bq.concat_rowwise(ga_row, gb_row)
                     del ga_row, gb_row

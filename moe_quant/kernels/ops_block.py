@@ -2,7 +2,10 @@
 
 Each op returns a list: per output tensor ``[row_data, row_scales, col_data, col_scales]`` (with ``fake``:
 ``[row_data, col_data]``, the dequantized bf16 values), then the padded group ends ``poffs`` (the colwise
-layout's group offsets). Rowwise data ``(M, R)``, M-groups blocked scales
+layout's group offsets). ``block_dswiglu`` with ``stacked`` (``fake`` only) returns ``[grad_a row_data,
+grad_b row_data, col_data, poffs]`` instead, ``col_data (2R, Mp)`` the two colwise forms stacked along rows
+(the colwise form of ``[grad_a | grad_b]``, which a weight concatenating the gate and up projections
+takes): the kernel writes them into the two halves of one buffer, no copy. Rowwise data ``(M, R)``, M-groups blocked scales
 ``layouts.m_groups_blocked_shape(M, R/32, G)``, colwise data ``(R, Mp)``, K-groups blocked scales
 ``layouts.k_groups_blocked_shape(R, M, G)``. Registered as ``torch.ops.moe_quant.block_*`` custom ops with fake implementations
 (``torch.compile(fullgraph=True)``); eager calls on plain tensors launch directly, as the other families.
@@ -40,13 +43,17 @@ def _alloc(like: torch.Tensor, g: int, fake: bool, empty):
             None if fake else empty(cs, torch.uint8)]
 
 
-def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool):
+def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, stacked: bool = False):
     x = inputs[0]
     m, r = x.shape
     g = offs.shape[0]
     outs = []
     for _ in range(N_OUTPUTS[op]):
         outs += _alloc(x, g, fake, lambda s, d: cc.empty(s, d, x.device))
+    col = None
+    if stacked:  # the two colwise outputs as the halves of one (2R, Mp) buffer (each half contiguous)
+        col = cc.empty((2 * r, outs[2].shape[1]), torch.bfloat16, x.device)
+        outs[2], outs[6] = col[:r], col[r:]
     for t in outs:
         if t is not None and t.dtype == torch.uint8 and t.numel() > cc.INT32_MAX:
             raise ValueError(f"block_{op}: scale buffer of {t.numel()} bytes exceeds the int32 index range")
@@ -59,6 +66,8 @@ def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool):
         for t in outs:
             if t is not None:
                 t.view(torch.uint8).zero_()
+    if stacked:
+        return [outs[0], outs[4], col, poffs]
     return [t.view(torch.float8_e8m0fnu) if t.dtype == torch.uint8 else t for t in outs if t is not None] + [poffs]
 
 
@@ -96,14 +105,18 @@ def _(a, b, mode, offs, fake):
 
 @torch.library.custom_op("moe_quant::block_dswiglu", mutates_args=(), device_types="cuda")
 def _block_dswiglu_op(
-    grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: str, offs: torch.Tensor, fake: bool
+    grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: str, offs: torch.Tensor, fake: bool,
+    stacked: bool
 ) -> list[torch.Tensor]:
-    return _impl("dswiglu", (grad_h, a, b), mode, offs, fake)
+    return _impl("dswiglu", (grad_h, a, b), mode, offs, fake, stacked)
 
 
 @_block_dswiglu_op.register_fake
-def _(grad_h, a, b, mode, offs, fake):
-    return _fake_outputs("dswiglu", grad_h, offs, fake)
+def _(grad_h, a, b, mode, offs, fake, stacked):
+    outs = _fake_outputs("dswiglu", grad_h, offs, fake)
+    if stacked:  # [row a, col a, row b, col b, poffs] -> [row a, row b, stacked col, poffs]
+        return [outs[0], outs[2], grad_h.new_empty((2 * outs[1].shape[0], outs[1].shape[1])), outs[4]]
+    return outs
 
 
 # ----------------------------------------------------------------------------- public API
@@ -124,12 +137,12 @@ def _check(op: str, inputs: tuple, offs) -> None:
         raise TypeError(f"block_{op}: offs must be a 1D int32 tensor on {x.device}")
 
 
-def _run(op: str, inputs: tuple, mode, offs, fake: bool):
+def _run(op: str, inputs: tuple, mode, offs, fake: bool, *extra):
     mode = ScaleMode.parse(mode, "mode")
     _check(op, inputs, offs)
     if cc.via_dispatcher(inputs[0]):
-        return getattr(torch.ops.moe_quant, f"block_{op}")(*inputs, mode.value, offs, fake)
-    return _impl(op, inputs, mode.value, offs, fake)
+        return getattr(torch.ops.moe_quant, f"block_{op}")(*inputs, mode.value, offs, fake, *extra)
+    return _impl(op, inputs, mode.value, offs, fake, *extra)
 
 
 def block_dual(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor, fake: bool):
@@ -144,6 +157,10 @@ def block_swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode | str, offs: 
 
 
 def block_dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode | str,
-                  offs: torch.Tensor, fake: bool):
-    """Both forms of ``grad_a``, then of ``grad_b`` (the SwiGLU backward), then ``poffs``."""
-    return _run("dswiglu", (grad_h, a, b), mode, offs, fake)
+                  offs: torch.Tensor, fake: bool, stacked: bool = False):
+    """Both forms of ``grad_a``, then of ``grad_b`` (the SwiGLU backward), then ``poffs``; ``stacked`` (with
+    ``fake``): the two colwise forms as one ``(2R, Mp)`` tensor (see the module doc)."""
+    if stacked and not fake:
+        raise ValueError("block_dswiglu: stacked colwise forms exist for fake=True (bf16 values) only: the "
+                         "K-groups scale buffer is group-major, two of them do not stack")
+    return _run("dswiglu", (grad_h, a, b), mode, offs, fake, stacked)
