@@ -43,9 +43,11 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     it is taken as "not known to be empty", and ``contiguous()`` of traced strides makes a copy wherever
     they are not known to be row-major (an expanded gradient included), so either branch is correct."""
     n = t.numel()
-    if n if type(n) is int else not guard_or_false(n == 0):  # eager sizes are ints: no symbolic test
-        return t.contiguous()
-    return t.clone(memory_format=torch.contiguous_format)  # no data: costs nothing
+    # eager: a plain int, no symbolic test (while dynamo traces, type() of a symbolic size answers int too)
+    empty = n == 0 if type(n) is int and not torch.compiler.is_compiling() else guard_or_false(n == 0)
+    if empty:
+        return t.clone(memory_format=torch.contiguous_format)  # no data: costs nothing
+    return t.contiguous()
 
 
 def blocked_offset(r, c, n_col_tiles):
