@@ -111,10 +111,6 @@ _RESOLVED: dict = {}  # (requested, device) -> backend, for requests that resolv
 def resolve_gemm_backend(requested: GemmBackend | str, device: torch.device) -> GemmBackend:
     """``auto`` -> ``scaled`` on SM100+, else ``emulated``; an explicit ``scaled`` elsewhere is an error."""
     key = (requested, device) if isinstance(requested, str) else None  # members are str too
-    if key is not None and not torch.compiler.is_compiling():
-        hit = _RESOLVED.get(key)
-        if hit is not None:
-            return hit
     return cached_unless_tracing(_RESOLVED, key, key is not None and _cacheable(device), lambda: _resolve(requested, device))
 
 

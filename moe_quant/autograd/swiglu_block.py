@@ -138,8 +138,10 @@ class _SwiGLUExperts(torch.autograd.Function):
             del g_row
             if concat and fake:  # [grad_a | grad_b]'s colwise form (dW13's operand) written in place, no copy
                 ga_row, gb_row, g13_col = bq.dswiglu_stacked(grad_h, a, b, mode, offs)
+                ga_col = gb_col = None
             else:
                 (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
+                g13_col = None
             del grad_h
             # each transient freed once used, and dx summed in place: the backward's peak is the saved
             # tensors plus about two (M, D) tensors, not five
@@ -149,11 +151,7 @@ class _SwiGLUExperts(torch.autograd.Function):
                 if need_w1:
                     dw1 = (_mm_wgrad(g13_col, x_col, offs, backend, w1.dtype) if fake
                            else _scaled_concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype))
-                del x_col
-                if fake:
-                    del g13_col
-                else:
-                    del ga_col, gb_col
+                del ga_col, gb_col, g13_col, x_col
                 if need_x:
                     g13_row = bq.concat_rowwise(ga_row, gb_row)
                     del ga_row, gb_row

@@ -36,10 +36,11 @@ def _shapes(m: int, r: int, g: int):
             layouts.k_groups_blocked_shape(r, m, g))
 
 
-def _alloc(like: torch.Tensor, g: int, fake: bool, empty):
+def _alloc(like: torch.Tensor, g: int, fake: bool, empty, col_data=None):
+    """One output tensor's buffers; ``col_data``: its colwise data given (a half of a stacked buffer)."""
     rd, rs, cd, cs = _shapes(like.shape[0], like.shape[1], g)
     dt = torch.bfloat16 if fake else _FP8
-    return [empty(rd, dt), None if fake else empty(rs, torch.uint8), empty(cd, dt),
+    return [empty(rd, dt), None if fake else empty(rs, torch.uint8), empty(cd, dt) if col_data is None else col_data,
             None if fake else empty(cs, torch.uint8)]
 
 
@@ -47,13 +48,12 @@ def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, sta
     x = inputs[0]
     m, r = x.shape
     g = offs.shape[0]
+    # stacked: the two colwise outputs are the halves of one (2R, Mp) buffer (each half contiguous)
+    col = cc.empty((2 * r, layouts.k_groups_padded_len(m, g)), torch.bfloat16, x.device) if stacked else None
     outs = []
-    for _ in range(N_OUTPUTS[op]):
-        outs += _alloc(x, g, fake, lambda s, d: cc.empty(s, d, x.device))
-    col = None
-    if stacked:  # the two colwise outputs as the halves of one (2R, Mp) buffer (each half contiguous)
-        col = cc.empty((2 * r, outs[2].shape[1]), torch.bfloat16, x.device)
-        outs[2], outs[6] = col[:r], col[r:]
+    for o in range(N_OUTPUTS[op]):
+        half = None if col is None else col[o * r:(o + 1) * r]
+        outs += _alloc(x, g, fake, lambda s, d: cc.empty(s, d, x.device), half)
     for t in outs:
         if t is not None and t.dtype == torch.uint8 and t.numel() > cc.INT32_MAX:
             raise ValueError(f"block_{op}: scale buffer of {t.numel()} bytes exceeds the int32 index range")
