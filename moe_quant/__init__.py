@@ -61,7 +61,10 @@ from .reference import from_mxfp8, to_mxfp8
 from .reuse import reuse_quantized_weights
 
 if "transformers" in _sys.modules:  # transformers imported first: its experts interface gets moe_quant now
-    register_experts_implementation()
+    from .conversion import hf as _hf
+
+    if _hf.transformers_version_problem() is None:  # else register_experts_implementation() says why
+        register_experts_implementation()
 
 __all__ = [
     "BLOCK_SIZE",

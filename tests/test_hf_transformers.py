@@ -4,6 +4,7 @@ MXFP8 (every expert GEMM through the MXFP8 autograd function, no fallback) close
 model, and their checkpoints load into unconverted models. Skipped only where transformers is absent."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -261,3 +262,36 @@ def test_family_trains_in_mxfp8_on_cuda(family, mxfp8_calls, monkeypatch):
     opt.zero_grad(set_to_none=True)
     after = model(input_ids=x, labels=x).loss
     assert fallback_counts() == {} and after.item() < loss.item()
+
+
+@pytest.mark.parametrize("version, ok", [("5.23.0", True), ("5.24.0", True), ("5.30.0.dev0", True),
+                                         ("5.22.1", False), ("5.0.0", False), ("4.57.1", False),
+                                         ("6.0.0", False), ("unknown", False)])
+def test_transformers_version_range(version, ok, monkeypatch):
+    from moe_quant.conversion import hf
+
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)  # the module as imported now
+    problem = hf.transformers_version_problem()
+    assert (problem is None) == ok
+    if not ok:
+        assert "transformers>=5.23,<6" in problem and version in problem
+
+
+def test_unsupported_transformers_is_named_not_an_attribute_error(monkeypatch):
+    """An experts module of a transformers outside the supported range (whose modules lack ``has_gate`` ...):
+    registering the implementation and converting such a module raise ``ImportError`` naming the range,
+    instead of an ``AttributeError`` deep in the first forward; ``import moe_quant`` still works there."""
+    import moe_quant
+    from moe_quant.conversion import classes
+
+    model = build_model(tiny("qwen3_moe"), seed=SEED)
+    # transformers replaces its module object in sys.modules once a model is built: patch the current one
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.0.0")
+    monkeypatch.setattr(classes, "_CLASSES", {})  # the converted class is made (and checked) anew
+    with pytest.raises(ImportError, match=r"transformers>=5\.23,<6.*found transformers 5\.0\.0"):
+        moe_quant.register_experts_implementation()
+    with pytest.raises(ImportError, match=r"transformers>=5\.23,<6"):
+        convert(model)
+    assert not any(is_converted(m) for m in model.modules())
+    r = run_python("-c", "import transformers; transformers.__version__ = '5.0.0'; import moe_quant; print('ok')")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -20,6 +20,7 @@ Llama4's experts (``torch.bmm`` over every token) have no experts-interface forw
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -29,6 +30,31 @@ from .gemm import bmm, grouped_mm
 
 IMPLEMENTATION = "moe_quant_mxfp8"
 _DEFAULT = MXFP8MoEConfig()
+# transformers releases whose experts modules carry what the converted forward reads (has_gate, has_bias,
+# is_transposed, has_post_expert_norm, _is_expert_parallel; 5.0-5.22 have the experts interface without them)
+SUPPORTED_TRANSFORMERS = ((5, 23), (6, 0))  # [first, end)
+REQUIREMENT = "transformers>=5.23,<6"
+
+
+def transformers_version_problem() -> str | None:
+    """Why the imported transformers cannot serve moe_quant's integration, or None if it can."""
+    import transformers
+
+    version = getattr(transformers, "__version__", "unknown")
+    m = re.match(r"(\d+)\.(\d+)", version)
+    first, end = SUPPORTED_TRANSFORMERS
+    if m and first <= (int(m.group(1)), int(m.group(2))) < end:
+        return None
+    return (f"moe_quant's transformers integration needs {REQUIREMENT} (experts modules with has_gate, has_bias, "
+            f"is_transposed and has_post_expert_norm); found transformers {version}: "
+            f"pip install '{REQUIREMENT}'")
+
+
+def require_supported_transformers() -> None:
+    """``ImportError`` naming the supported versions if the imported transformers is not one of them."""
+    problem = transformers_version_problem()
+    if problem is not None:
+        raise ImportError(problem)
 
 
 def _config(module) -> MXFP8MoEConfig:
@@ -144,7 +170,9 @@ def is_llama4_experts_class(cls: type) -> bool:
 
 def register_experts_implementation() -> str:
     """Register ``"moe_quant_mxfp8"`` in transformers' experts interface (idempotent); returns the name.
-    ``import moe_quant`` does it already when transformers was imported first."""
+    ``import moe_quant`` does it already when transformers was imported first (and is supported).
+    ``ImportError`` with another transformers than ``transformers>=5.23,<6``."""
+    require_supported_transformers()
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
