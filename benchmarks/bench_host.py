@@ -16,7 +16,8 @@ Per call, eager, warm, inputs already on the GPU:
 
 Rows: ``torch._grouped_mm`` fwd+bwd (bf16) vs ``mxfp8_grouped_mm`` fwd+bwd (default backend) at a tiny and a
 small-M size; each quantize kernel through its torch op (1x32 with M-groups, 32x1 K-groups, the permute
-kernel's blocked output), and the compiled kernel called alone (the TVM-FFI call). Targets (issue 20):
+kernel's blocked output), and the compiled kernel called alone (the TVM-FFI call); for scale, a native torch op
+(``torch.neg``) and one CUDA allocation (``torch.empty``) on the same host. Targets (issue 20):
 ``mxfp8_grouped_mm`` fwd+bwd at most 2x ``torch._grouped_mm``'s host time; each kernel launch (its op) at
 most 10 us; no device-to-host synchronization (``syncs``: a call under ``torch.cuda.set_sync_debug_mode("error")``,
 which raises on ``.item()``, ``.cpu()``, stream synchronizations, must not raise).
@@ -192,6 +193,15 @@ def main(argv=None) -> int:
         rows.append(["", "", "  of which: compiled kernel alone", raw_us, "", "", "", "", ""])
         results["launches"].append({"name": name, **r, "compiled_kernel_us": raw_us, "target_us": MAX_LAUNCH_US,
                                     "pass": ok})
+    # the scale of a launch on this host: one native torch op with its output, and one CUDA allocation (an op
+    # with two or three outputs allocates two or three times)
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    results["peers"] = {}
+    for name, fn in (("torch.neg (a native op, one output)", lambda: torch.neg(x)),
+                     ("torch.empty (one CUDA allocation)", lambda: torch.empty(256, 264, device="cuda",
+                                                                               dtype=torch.float8_e4m3fn))):
+        us = results["peers"][name] = host_us(fn, args.n, args.reps)
+        rows.append(["peer", "256x256", name, us, "", "", "", "", ""])
     print_table(f"host time per eager call ({results['device']}, torch {torch.__version__})",
                 ["size", "shape", "call", "host us", "profiler us", "launches", "syncs", "target", "result"], rows)
     results["pass"] = all(r["pass"] for r in results["grouped_mm"] + results["launches"])

@@ -193,7 +193,8 @@ def test_converter_entry_point_converts_experts_and_dispatcher(mxfp8_calls):
 
 def test_summary_reports_the_bf16_eager_vs_compiled_noise_floor():
     """With both modes the summary reads the MXFP8-vs-bf16 loss differences against how far the bf16 eager and
-    compiled runs drift apart (max relative difference over the steps)."""
+    compiled runs drift apart (max relative difference over the steps), and gives the same drift of the MXFP8
+    runs."""
     def run(convert, compiled, losses):
         return dict(convert=convert, compiled=compiled, losses=losses, step_s=[1.0, 1.0], peak_gib=None, fallbacks=0)
 
@@ -201,5 +202,8 @@ def test_summary_reports_the_bf16_eager_vs_compiled_noise_floor():
             run(False, True, [4.0, 2.05]), run(True, True, [4.04, 2.05])]
     lines = example.summarize(runs, warmup=0)
     assert "max |dloss|/loss vs bf16 1.000%" in lines[1] and "max |dloss|/loss vs bf16 1.000%" in lines[3]
-    assert lines[-1] == "noise floor: bf16 compiled vs bf16 eager, max |dloss|/loss 2.500%"
-    assert not any("noise floor" in line for line in example.summarize(runs[:2], warmup=0))
+    assert lines[-2] == "noise floor: bf16 compiled vs bf16 eager, max |dloss|/loss 2.500%"
+    # and the MXFP8 runs' own eager-vs-compiled drift: max(0.04/4.0, 0.03/2.02)
+    assert lines[-1] == "mxfp8 compiled vs mxfp8 eager, max |dloss|/loss 1.485%"
+    assert not any("noise floor" in line or "mxfp8 compiled" in line
+                   for line in example.summarize(runs[:2], warmup=0))

@@ -95,7 +95,9 @@ def all_variants() -> list[Variant]:
 # while they are in flight) measured on the H100 (2026-11-26, `ab_kernels.py --family perm --rounds 5`,
 # blocked, % of memcpy, median over rounds at 8192x2048 / 32768x2048 / 32768x7168 / 131072x7168):
 # scatter registers 65.5 / 83.4 / 88.2 / 91.5 (the default since), scatter smem 66.5 / 82.1 / 87.9 / 91.3,
-# gather 58.0 / 78.3 / 85.3 / 88.2.
+# gather 58.0 / 78.3 / 85.3 / 88.2. Fewer table builds per chunk, measured and dropped (H100, 2026-11-26, same
+# script and shapes; the default in that run 64.4 / 81.8 (81.3-82.7) / 86.8 / 90.0): scatter t256i8 (80 registers,
+# 3 CTAs per SM) 62.6 / 81.4 / 86.6 / 89.8; scatter t512i4 (49 registers, 2 CTAs per SM) 59.1 / 78.1 / 85.9 / 89.6.
 CANDIDATES = {
     # ptxas, sm_90a: 48 registers, 20 KB shared memory -> 5 CTAs per SM
     "scatter t256i4 registers (default)": {},
