@@ -97,6 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--per-gemm", action="store_true",
                    help="convert with MXFP8MoEConfig(fused_block=False): the experts as three MXFP8 grouped GEMMs "
                         "instead of the fused SwiGLU block (the same bits; to compare their speed and memory)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each run's steps, one more step under torch.profiler: its GPU kernel time split into "
+                        "moe_quant's kernels, GEMMs and the rest (where an MXFP8 run's extra time goes)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     args = p.parse_args(argv)
     for name in ("layers", "tokens", "seq_len", "steps"):
@@ -203,9 +206,7 @@ def train(cfg, args, data, *, convert: bool, compiled: bool) -> dict:
         # gets bf16 input with fp32 weights: both are torchtitan's choices, the same in every run
         warnings.filterwarnings("ignore", message=".*autocast.*", category=UserWarning)
         warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
-        for x, y in data:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            t0 = time.perf_counter()
+        def step(x, y):
             with torch.autocast(device, dtype=torch.bfloat16):
                 logits = model(x, positions, masks)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -213,22 +214,57 @@ def train(cfg, args, data, *, convert: bool, compiled: bool) -> dict:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            return loss
+
+        for x, y in data:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            t0 = time.perf_counter()
+            loss = step(x, y)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
             del loss
+        profile = kernel_time_by_kind(lambda: step(x, y)) if getattr(args, "profile", False) and cuda else None
     result = {
         "convert": convert, "compiled": compiled, "losses": losses, "step_s": times,
         "converted_weights": converted, "params": count_params(model),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "fallbacks": sum(fallback_counts().values()),
+        "fallbacks": sum(fallback_counts().values()), "profile_ms": profile,
     }
     del model, opt
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+KERNEL_KINDS = ("moe_quant", "gemm", "other")
+
+
+def kernel_kind(name: str) -> str:
+    """moe_quant's CuTe-DSL kernels (their names carry the package's module path), the GEMMs (cuBLAS' nvjet /
+    xmma and CUTLASS grouped and dense GEMMs), or anything else (attention, norms, optimizer, inductor's fused kernels)."""
+    if "moe_quant" in name:
+        return "moe_quant"
+    low = name.lower()
+    return "gemm" if any(k in low for k in ("gemm", "xmma", "nvjet", "cutlass")) else "other"
+
+
+def kernel_time_by_kind(step) -> dict:
+    """GPU kernel time (ms) of one ``step()`` under torch.profiler, by :func:`kernel_kind`, and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ms = dict.fromkeys(KERNEL_KINDS, 0.0)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            ms[kernel_kind(ev.name)] += ev.device_time / 1e3
+    ms["total"] = sum(ms[k] for k in KERNEL_KINDS)
+    return ms
 
 
 def summarize(runs: list[dict], warmup: int) -> list[str]:
@@ -250,6 +286,10 @@ def summarize(runs: list[dict], warmup: int) -> list[str]:
                 f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}  max |dloss|/loss vs bf16 "
                 f"{100 * r['max_rel_loss_diff']:.3f}%  peak {peak}  fallbacks {r['fallbacks']}"
             )
+            if r.get("profile_ms"):
+                p = r["profile_ms"]
+                lines.append(f"{'':15s}profiled step: kernels {p['total']:.1f} ms = moe_quant {p['moe_quant']:.1f} + "
+                             f"GEMMs {p['gemm']:.1f} + other {p['other']:.1f}")
     both = {r["compiled"]: r for r in runs if not r["convert"]}
     if len(both) == 2:
         # the same bf16 model, eager vs torch.compile (other fusions, other bf16 roundings): how far two runs

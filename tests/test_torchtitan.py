@@ -207,3 +207,15 @@ def test_summary_reports_the_bf16_eager_vs_compiled_noise_floor():
     assert lines[-1] == "mxfp8 compiled vs mxfp8 eager, max |dloss|/loss 1.485%"
     assert not any("noise floor" in line or "mxfp8 compiled" in line
                    for line in example.summarize(runs[:2], warmup=0))
+
+
+def test_profile_kinds_of_kernel_names():
+    """``--profile`` splits kernel time by name: moe_quant's CuTe-DSL kernels first (their names also carry
+    "cutlass"), then GEMMs, then the rest."""
+    kind = example.kernel_kind
+    assert kind("kernel_cutlass_kernel_moe_quantkernelsquantize_blockQuantizeBlockKernel_object_at__t") == "moe_quant"
+    assert kind("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT") == "gemm"
+    assert kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kind("void cutlass::device_kernel<at::cuda::detail::GroupedGemmKernel>") == "gemm"
+    assert kind("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
+    assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "other"
