@@ -204,6 +204,21 @@ def test_dswiglu_stacked_is_the_concatenation_of_the_colwise_forms():
     assert col[0].shape == (128, ca[0].shape[1])
 
 
+def test_stacked_block_variants_are_their_own_and_the_others_keep_their_keys():
+    """The stacked dSwiGLU variants (row pitch 2R) are variants of their own, bf16 only; every other block
+    variant keeps its key (its compiled code, on-disk cache name and measured speed)."""
+    from moe_quant.kernels.config_block import Variant, all_variants
+
+    keys = [v.key for v in all_variants()]
+    assert len(keys) == len(set(keys)) == 14
+    assert [k for k in keys if k.endswith("-stacked")] == ["dswiglu-bfloat16-rceil-bfloat16-stacked",
+                                                          "dswiglu-bfloat16-floor-bfloat16-stacked"]
+    assert Variant("dswiglu", "bfloat16", "rceil", "bfloat16").key == "dswiglu-bfloat16-rceil-bfloat16"
+    for op, out in (("dual", "bfloat16"), ("swiglu", "bfloat16"), ("dswiglu", "float8_e4m3fn")):
+        with pytest.raises(ValueError, match="stacked rowwise outputs exist for op 'dswiglu' with bfloat16"):
+            Variant(op, "bfloat16", "rceil", out, stacked=True)
+
+
 def test_stacked_colwise_forms_need_fake_values():
     from moe_quant.kernels import ops_block
 

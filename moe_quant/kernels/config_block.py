@@ -7,7 +7,9 @@ One kernel, three ops (docs/design.md, "The SwiGLU expert block"; :mod:`moe_quan
 * ``swiglu`` -- ``a``, ``b`` read once; ``h = silu(a) * b`` (PyTorch's CUDA silu, instruction for
   instruction: kernels/NOTES_block.md) written in both forms, ``h`` itself never.
 * ``dswiglu`` -- ``grad_h``, ``a``, ``b`` read once; ``grad_a`` and ``grad_b`` of the SwiGLU written in
-  both forms each.
+  both forms each. Its ``stacked`` variants (bf16 outputs only: the emulated GEMM of a concatenated gate-up
+  weight) write the two rowwise forms as ``[grad_a | grad_b]``, the two halves of one ``(M, 2R)`` buffer
+  (row pitch ``2R``); every other variant's code is unchanged by the flag.
 
 Output kinds: ``float8_e4m3fn`` (data + e8m0 scales, the scaled GEMM's operands) or ``bfloat16``
 (the dequantized values, no scales: the emulated GEMM's operands).
@@ -36,6 +38,7 @@ class Variant:
     in_dtype: str  # "bfloat16"
     mode: str  # "rceil" | "floor"
     out_dtype: str = "float8_e4m3fn"  # or "bfloat16": dequantized values, no scales
+    stacked: bool = False  # dswiglu, bf16 only: both rowwise outputs in one (M, 2R) buffer (row pitch 2R)
 
     family = "block"
     kernel_module = "quantize_block"  # compiled by compile_cache.compile_variant (never imported here)
@@ -45,6 +48,9 @@ class Variant:
         for name, allowed in (("op", OPS), ("in_dtype", IN_DTYPES), ("mode", MODES), ("out_dtype", OUT_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.stacked and (self.op != "dswiglu" or self.out_dtype != "bfloat16"):
+            raise ValueError(f"stacked rowwise outputs exist for op 'dswiglu' with bfloat16 outputs only, got "
+                             f"{self.op!r} with {self.out_dtype!r}")
 
     @property
     def fake(self) -> bool:
@@ -52,11 +58,12 @@ class Variant:
 
     @property
     def key(self) -> str:
-        return f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}"
+        return f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}" + ("-stacked" if self.stacked else "")
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
 
 
 def all_variants() -> list[Variant]:
-    return [Variant(op, i, m, o) for op in OPS for i in IN_DTYPES for m in MODES for o in OUT_DTYPES]
+    return ([Variant(op, i, m, o) for op in OPS for i in IN_DTYPES for m in MODES for o in OUT_DTYPES]
+            + [Variant("dswiglu", i, m, "bfloat16", stacked=True) for i in IN_DTYPES for m in MODES])

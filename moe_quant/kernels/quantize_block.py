@@ -19,6 +19,11 @@ Tail CTAs (past the last real chunk) zero what no group covers: the colwise data
 32x1 kernel), the M-groups scale rows ``[128 * chunks, M + 128 G)`` and the rowwise data rows past the
 last group's end. Whatever ``offs`` holds, every write stays inside the buffers.
 
+The ``stacked`` dSwiGLU variants (bf16 outputs) write the rowwise values of ``grad_a`` and ``grad_b`` into
+columns ``[0, R)`` and ``[R, 2R)`` of one ``(M, 2R)`` buffer (``[grad_a | grad_b]``, the dx GEMM's operand of
+a concatenated gate-up weight): row pitch ``2R``; the tail CTAs of output ``o`` zero the ``o``-th half of
+its rows past the last group's end (one contiguous range). The other variants' code does not change.
+
 The SwiGLU math reproduces PyTorch's CUDA ``silu`` / ``silu_backward`` and bf16 ``mul`` instruction for
 instruction (kernels/NOTES_block.md): ``expf`` as libdevice's sequence (``ex2.approx.ftz`` with the
 same range reduction and scaling, the ``1 + exp(-x)`` contracted into one fma), ``div.rn`` /
@@ -134,6 +139,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
     ``(M, R)``, M-groups scales ``(M + 128 G, 4 ceil(R/128))`` uint8, colwise data ``(R, Mp)`` with
     ``Mp = round_up(M, 32) + 32 G``, K-groups scales ``(round_up(R, 128), ceil(M/32) + 4 G)`` uint8
     (scales ``None`` for bf16 outputs); ``offs`` int32 ``(G,)``; ``poffs`` int32 ``(G,)`` (written).
+    ``stacked``: ``rd0`` is the ``(M, 2R)`` rowwise buffer of both outputs and ``rd1`` is ``None``.
     """
 
     def __init__(self, variant: Variant):
@@ -145,6 +151,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.fake = variant.fake
         self.fake_f32 = False
         self.n_out = N_OUTPUTS[variant.op]
+        self.stacked = variant.stacked  # rowwise outputs in one (M, 2R) buffer (row pitch 2R)
         self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
 
     # ------------------------------------------------------------------ host
@@ -228,6 +235,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             if o_cta == o:
                 words = self.compute(o, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
                 row_out, row_sc, col_out, col_sc = (rd0, rs0, cd0, cs0) if o == 0 else (rd1, rs1, cd1, cs1)
+                if cutlass.const_expr(self.stacked):
+                    row_out = rd0  # both halves of [grad_a | grad_b]
                 # colwise: per column, 8 tokens of one 32-token block
                 for c in cutlass.range_constexpr(COLS_PER_THREAD):
                     col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
@@ -245,7 +254,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
                     q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES)
                     if col_ok & (t0 + i < n_real):
-                        dst = (src0 + Int64(t0 + i)) * Int64(r) + Int64(col0)
+                        dst = self.row_element(o, src0 + Int64(t0 + i), r, col0)
                         if cutlass.const_expr(self.fake):
                             cu.st_global_words(row_out.iterator + dst, cu.dequantize8(q0, q1, s, is_nan, False))
                         else:
@@ -257,9 +266,16 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                                 byte = 16 * (rr % 32) + 4 * (rr // 32) + (warp % 2) * 2 + lane // 16
                                 cu.st_global_u8(row_sc.iterator + (mg_base + Int64(byte)), s)
                 if tail != 0:
-                    self.zero_tails(row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
+                    self.zero_tails(o, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
                                     ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp,
                                     info)
+
+    def row_element(self, o: int, row: Int64, r: Int32, col0: Int32) -> Int64:
+        """Element index of ``(row, col0)`` of output ``o``'s rowwise data: its own ``(M, R)`` buffer, or
+        (``stacked``) columns ``[o R, (o + 1) R)`` of the one ``(M, 2R)`` buffer."""
+        if cutlass.const_expr(self.stacked):
+            return row * (Int64(r) * Int64(2)) + (Int64(o) * Int64(r) + Int64(col0))
+        return row * Int64(r) + Int64(col0)
 
     @cute.jit
     def load_words(self, x, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32):
@@ -312,11 +328,12 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         return out
 
     @cute.jit
-    def zero_tails(self, rd, rs, cs, offs, m: Int32, r: Int32, n_groups: Int32,
+    def zero_tails(self, o: cutlass.Constexpr, rd, rs, cs, offs, m: Int32, r: Int32, n_groups: Int32,
                    chunk_total: Int32, rp: Int32, sw: Int32, buf_rows: Int32, ny: Int32, q: Int32, n_tail: Int32,
                    tid: Int32, lane: Int32, warp: Int32, info):
         """Tail CTAs (``q`` of ``n_tail``): zero the rowwise data rows past the last group's end, the M-groups
-        scale rows past the last group's tiles and the K-groups scale tail of one output tensor."""
+        scale rows past the last group's tiles and the K-groups scale tail of output tensor ``o``
+        (``stacked``: the ``o``-th half of the rows past the end of the one ``(M, 2R)`` rowwise buffer)."""
         if warp == 0:  # the last group's sanitized end: clamp(max(offs), 0, M)
             mx = Int32(0)
             for sub in cutlass.range(0, (n_groups + 31) // 32, 1):
@@ -330,13 +347,22 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         cute.arch.sync_threads()
         end = Int32(info[7])
         esize = 2 if self.fake else 1
-        # rowwise data rows [end, M): 16-byte stores (R % 32 == 0 keeps them aligned)
-        first = Int64(end) * Int64(r) * Int64(esize)
-        n16 = Int32((Int64(m) * Int64(r) * Int64(esize) - first) // 16)
         step = 16 // esize
-        for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
-            e0 = Int64(end) * Int64(r) + Int64(w) * Int64(step)
-            cu.st_global_v4(rd.iterator + e0, 0, 0, 0, 0)
+        if cutlass.const_expr(self.stacked):
+            # rows [end, M) of the (M, 2R) buffer: one contiguous range of (M - end) R / 4 16-byte stores
+            # (bf16), half of them per output, as many as one unstacked output's (R % 32 == 0: both halves
+            # aligned, the count even)
+            n16 = Int32((Int64(m) - Int64(end)) * Int64(r) // Int64(8))
+            e_first = Int64(end) * (Int64(r) * Int64(2)) + Int64(o) * Int64(n16) * Int64(step)
+            for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
+                cu.st_global_v4(rd.iterator + (e_first + Int64(w) * Int64(step)), 0, 0, 0, 0)
+        else:
+            # rowwise data rows [end, M): 16-byte stores (R % 32 == 0 keeps them aligned)
+            first = Int64(end) * Int64(r) * Int64(esize)
+            n16 = Int32((Int64(m) * Int64(r) * Int64(esize) - first) // 16)
+            for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
+                e0 = Int64(end) * Int64(r) + Int64(w) * Int64(step)
+                cu.st_global_v4(rd.iterator + e0, 0, 0, 0, 0)
         if cutlass.const_expr(not self.fake):
             # M-groups scale rows [128 chunk_total, buf_rows): 4-byte stores (a row is 4 ny bytes)
             s_first = Int64(chunk_total) * Int64(TILE_ROWS) * Int64(4) * Int64(ny)
@@ -347,7 +373,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
 
 
 def make_fake_args(variant: Variant, tvm_ffi: bool):
-    """Placeholder arguments for ``cute.compile``: dynamic M, R (R % 32 == 0), Mp, G, scale shapes."""
+    """Placeholder arguments for ``cute.compile``: dynamic M, R (R % 32 == 0), Mp, G, scale shapes (and with
+    ``stacked``, the width of the ``(M, 2R)`` rowwise buffer, ``rd1`` None)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     m = cute.sym_int32(symbol="M")
@@ -370,7 +397,10 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
         if not variant.fake:
             rs = mat(cutlass.Uint8, cute.sym_int32(symbol=f"RS{o}_rows"), cute.sym_int32(symbol=f"RS{o}_cols"))
             cs = mat(cutlass.Uint8, cute.sym_int32(symbol=f"CS{o}_rows"), cute.sym_int32(symbol=f"CS{o}_cols"))
-        outs += [mat(out_dtype, m, r), rs, mat(out_dtype, r, mp), cs]
+        rd = mat(out_dtype, m, r)
+        if variant.stacked:  # one (M, 2R) rowwise buffer for both outputs, passed as rd0
+            rd = mat(out_dtype, m, cute.sym_int32(divisibility=2 * BLOCK_SIZE, symbol="R2")) if o == 0 else None
+        outs += [rd, rs, mat(out_dtype, r, mp), cs]
     offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
     poffs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()
