@@ -130,16 +130,17 @@ def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleM
 
 
 def dswiglu_stacked(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor):
-    """:func:`dswiglu` on the emulated GEMM for a concatenated gate-up weight: ``(grad_a's rowwise form,
-    grad_b's rowwise form, the colwise form of [grad_a | grad_b])``, the last equal to :func:`concat_colwise`
-    of the two colwise forms; the kernel writes it in place (no concatenation copy)."""
+    """:func:`dswiglu` on the emulated GEMM for a concatenated gate-up weight: ``(rowwise form, colwise form)``
+    of ``[grad_a | grad_b]`` (dx's and dW13's operands), equal to :func:`concat_rowwise` and
+    :func:`concat_colwise` of grad_a's and grad_b's forms; the kernel writes each half in place (no
+    concatenation copy)."""
     if _kernels_serve(grad_h, a, b):
         from .kernels import ops_block
 
-        row_a, row_b, col, poffs = ops_block.block_dswiglu(grad_h, a, b, mode, offs, True, stacked=True)
-        return (row_a,), (row_b,), (col, poffs)
+        row, col, poffs = ops_block.block_dswiglu(grad_h, a, b, mode, offs, True, stacked=True)
+        return (row,), (col, poffs)
     (row_a, col_a), (row_b, col_b) = dswiglu(grad_h, a, b, mode, offs, True)
-    return row_a, row_b, concat_colwise(col_a, col_b)
+    return concat_rowwise(row_a, row_b), concat_colwise(col_a, col_b)
 
 
 def concat_rowwise(a: tuple, b: tuple) -> tuple:

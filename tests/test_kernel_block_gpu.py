@@ -119,14 +119,16 @@ def test_dswiglu(groups, r, dist, mode, fake, seed, bad_offs):
 
 
 def check_stacked(outs, g, a, b, offs, mode, what):
-    """``block_dswiglu(..., stacked=True)``: the rowwise values of grad_a and grad_b and the colwise values of
-    ``[grad_a | grad_b]`` (the two colwise forms stacked along rows, every byte of both halves written)."""
-    row_a, row_b, col, poffs = outs
+    """``block_dswiglu(..., stacked=True)``: both forms of ``[grad_a | grad_b]``, every byte (the buffers are
+    poisoned): the rowwise values ``(M, 2R)``, grad_a's in columns ``[:R]`` and grad_b's in ``[R:]`` (rows past
+    the last group's end zero in both halves), and the colwise values ``(2R, Mp)`` (the two colwise forms
+    stacked along rows), each against the reference forms concatenated."""
+    assert len(outs) == 3, f"{what}: {len(outs)} outputs"
+    row, col, poffs = outs
     grad_a, grad_b = reference.dswiglu(g, a, b)
     (ra,), (ca, pa) = reference_forms(grad_a, offs, mode, True)
     (rb,), (cb, _) = reference_forms(grad_b, offs, mode, True)
-    assert_bytes_equal(row_a, ra, f"{what} grad_a rowwise")
-    assert_bytes_equal(row_b, rb, f"{what} grad_b rowwise")
+    assert_bytes_equal(row, torch.cat([ra, rb], dim=1), f"{what} stacked rowwise")
     assert_bytes_equal(col, torch.cat([ca, cb]), f"{what} stacked colwise")
     assert_bytes_equal(poffs, pa, f"{what} padded offs")
 
@@ -139,12 +141,31 @@ def test_dswiglu_stacked(groups, r, dist, mode, seed, bad_offs):
     check_stacked(outs, g, a, b, offs, mode, "dswiglu stacked")
 
 
-@pytest.mark.parametrize("m,r,sizes", [(0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1])])
+@pytest.mark.parametrize("m,r,sizes", [(0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1]),
+                                       (0, 32, []), (7, 0, [3])])
 def test_dswiglu_stacked_degenerate_shapes(m, r, sizes):
+    """M = 0, R = 0, G = 0 (the zero-fill path: every byte of both outputs from the shapes), all groups empty
+    (the kernel's tail CTAs zero every row of the (M, 2R) rowwise buffer)."""
     offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)
     g, a, b = inputs(3, m, r, "normal", 0)
     outs = ops_block.block_dswiglu(g, a, b, ScaleMode.RCEIL, offs.cuda(), True, stacked=True)
-    check_stacked(outs, g, a, b, offs, ScaleMode.RCEIL, f"stacked M={m} G={len(sizes)}")
+    check_stacked(outs, g, a, b, offs, ScaleMode.RCEIL, f"stacked M={m} R={r} G={len(sizes)}")
+
+
+@pytest.mark.parametrize("m,r,offs_list", [
+    (1000, 96, [3, 3, 63]),  # 937 rows past the end: several tail chunks, both halves
+    (700, 544, [129]),  # R % 128 != 0, ragged tail tile
+    (300, 160, [100, 700, 50, -5, 10**6, 299]),  # offsets past M, decreasing, negative
+    (260, 32, [257, 256]),  # decreasing, 3 rows past the end
+])
+def test_dswiglu_stacked_long_tails_and_bad_offsets(m, r, offs_list):
+    """The tail CTAs zero the rows past the last group's end of the (M, 2R) rowwise buffer (grad_a's half and
+    grad_b's half, split between the two outputs' tail CTAs), and nothing outside it, whatever offs holds."""
+    offs = torch.tensor(offs_list, dtype=torch.int32)
+    for mode in ScaleMode:
+        g, a, b = inputs(3, m, r, "wide", m + r)
+        outs = ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), True, stacked=True)
+        check_stacked(outs, g, a, b, offs, mode, f"stacked M={m} R={r} offs={offs_list}")
 
 
 @pytest.mark.parametrize("op", ["dual", "swiglu", "dswiglu"])

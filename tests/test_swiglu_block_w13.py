@@ -14,6 +14,7 @@ from mx_strategies import group_sizes, offsets_from_sizes
 from moe_quant import block_quantize as bq
 from moe_quant import mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13, swiglu_experts_w13_unfused
 from moe_quant import quantize as q
+from moe_quant import reference
 from moe_quant.autograd import swiglu_block as sb
 from moe_quant.numerics import ScaleMode
 
@@ -191,17 +192,64 @@ def test_reuse_scope_quantizes_w13_once_with_the_same_bits():
     assert_bits_equal(second, want, 90)
 
 
-def test_dswiglu_stacked_is_the_concatenation_of_the_colwise_forms():
-    """The emulated block's dW13 operand: the colwise form of [grad_a | grad_b] (on a GPU the kernel writes it
-    in place, tests/test_kernel_block_gpu.py); here the reference pass, against dswiglu's two forms."""
-    g = torch.Generator().manual_seed(3)
-    gh, a, b = (torch.randn(70, 64, generator=g).bfloat16() for _ in range(3))
-    offs = torch.tensor([30, 30, 66], dtype=torch.int32)
-    row_a, row_b, col = bq.dswiglu_stacked(gh, a, b, ScaleMode.RCEIL, offs)
-    (ra, ca), (rb, cb) = bq.dswiglu(gh, a, b, ScaleMode.RCEIL, offs, True)
-    assert torch.equal(row_a[0], ra[0]) and torch.equal(row_b[0], rb[0])
-    assert torch.equal(col[0], torch.cat([ca[0], cb[0]])) and torch.equal(col[1], ca[1])
-    assert col[0].shape == (128, ca[0].shape[1])
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("m,h,sizes", [(70, 64, [30, 0, 36]), (70, 32, [70]), (40, 96, []), (0, 64, [0, 0]),
+                                       (33, 64, [0, 0])])
+@pytest.mark.parametrize("mode", list(ScaleMode))
+def test_dswiglu_stacked_is_the_concatenation_of_the_forms(m, h, sizes, mode):
+    """The emulated w13 block's dx and dW13 operands: both forms of [grad_a | grad_b] (on a GPU the kernel writes
+    each half in place, tests/test_kernel_block_gpu.py); here the reference pass, against dswiglu's two forms
+    concatenated (rowwise along columns, colwise along rows) and against quantizing the concatenation itself,
+    rows past the last group's end zero in both halves."""
+    g = torch.Generator().manual_seed(3 + m + h)
+    gh, a, b = (torch.randn(m, h, generator=g).bfloat16() for _ in range(3))
+    offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)
+    (row,), (col, poffs) = bq.dswiglu_stacked(gh, a, b, mode, offs)
+    ((ra,), (ca, pa)), ((rb,), (cb, _)) = bq.dswiglu(gh, a, b, mode, offs, True)
+    assert _bytes_equal(row, torch.cat([ra, rb], dim=1)) and row.shape == (m, 2 * h)
+    assert _bytes_equal(col, torch.cat([ca, cb], dim=0)) and _bytes_equal(poffs, pa)
+    g13 = torch.cat(reference.dswiglu(gh, a, b), dim=1)
+    end = int(offs[-1]) if offs.numel() else 0
+    want_row = q.fake_quantize_rowwise(g13, mode)
+    want_row[end:] = 0
+    assert _bytes_equal(row, want_row)
+    want_col = q.fake_colwise_k_groups(g13, offs, mode, torch.bfloat16)
+    assert _bytes_equal(col, want_col[0]) and _bytes_equal(poffs, want_col[1])
+
+
+@pytest.mark.parametrize("m,h,sizes", [(300, 96, [100, 0, 150]), (0, 64, [0, 0]), (40, 32, [])])
+def test_stacked_op_fake_shapes_match_the_reference_forms(m, h, sizes):
+    """The stacked op's fake implementation (what torch.compile traces): the shapes and dtypes of the
+    reference forms of [grad_a | grad_b] the kernel must reproduce byte for byte."""
+    from moe_quant.kernels import ops_block
+
+    x = torch.randn(m, h).bfloat16()
+    offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)
+    row, col, poffs = ops_block._fake_outputs("dswiglu", x, offs, True, stacked=True)
+    (w_row,), (w_col, w_poffs) = bq.dswiglu_stacked(x, x, x, ScaleMode.RCEIL, offs)
+    for got, want in ((row, w_row), (col, w_col), (poffs, w_poffs)):
+        assert (tuple(got.shape), got.dtype) == (tuple(want.shape), want.dtype)
+
+
+@pytest.mark.parametrize("m,h,sizes", [(0, 64, [0, 0]), (5, 64, []), (0, 32, []), (7, 0, [3])])
+def test_stacked_op_zero_fill_path(monkeypatch, m, h, sizes):
+    """M R = 0 or G = 0: the stacked op launches no kernel (so this runs on the CPU); every byte of its outputs,
+    poisoned first, follows from the shapes: the reference forms of [grad_a | grad_b]."""
+    from moe_quant.kernels import compile_cache, ops_block
+
+    monkeypatch.setattr(compile_cache, "POISON_OUTPUTS", True)
+    g = torch.Generator().manual_seed(m + h)
+    gh, a, b = (torch.randn(m, h, generator=g).bfloat16() for _ in range(3))
+    offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)
+    outs = ops_block._impl("dswiglu", (gh, a, b), "rceil", offs, True, True)
+    (w_row,), (w_col, w_poffs) = bq.dswiglu_stacked(gh, a, b, ScaleMode.RCEIL, offs)
+    assert len(outs) == 3
+    for got, want in zip(outs, (w_row, w_col, w_poffs)):
+        assert _bytes_equal(got, want)
 
 
 def test_stacked_block_variants_are_their_own_and_the_others_keep_their_keys():
@@ -217,6 +265,35 @@ def test_stacked_block_variants_are_their_own_and_the_others_keep_their_keys():
     for op, out in (("dual", "bfloat16"), ("swiglu", "bfloat16"), ("dswiglu", "float8_e4m3fn")):
         with pytest.raises(ValueError, match="stacked rowwise outputs exist for op 'dswiglu' with bfloat16"):
             Variant(op, "bfloat16", "rceil", out, stacked=True)
+
+
+def test_emulated_w13_backward_concatenates_no_rowwise_forms(monkeypatch):
+    """The emulated w13 block takes dx's operand, [grad_a | grad_b]'s rowwise form, from dswiglu_stacked as it
+    is (the kernel writes it in place): no concat_rowwise of its own (the reference pass inside
+    dswiglu_stacked concatenates, on the CPU)."""
+    inside = []
+    own_calls = []
+    stacked, concat = bq.dswiglu_stacked, bq.concat_rowwise
+
+    def dswiglu_stacked(*args):
+        inside.append(1)
+        try:
+            return stacked(*args)
+        finally:
+            inside.pop()
+
+    def concat_rowwise(a, b):
+        if not inside:
+            own_calls.append(1)
+        return concat(a, b)
+
+    monkeypatch.setattr(bq, "dswiglu_stacked", dswiglu_stacked)
+    monkeypatch.setattr(bq, "concat_rowwise", concat_rowwise)
+    x, w13, w2, offs, gy = make([20, 0, 30], 3, 64, 64, 9)
+    got = run(mxfp8_swiglu_experts_w13, x, w13, w2, offs, gy, backend="emulated")
+    assert own_calls == []
+    monkeypatch.undo()
+    assert_bits_equal(got, run(swiglu_experts_w13_unfused, x, w13, w2, offs, gy, backend="emulated"), 50)
 
 
 def test_stacked_colwise_forms_need_fake_values():

@@ -136,12 +136,12 @@ class _SwiGLUExperts(torch.autograd.Function):
             del g_col, h_col
             grad_h = _mm_dgrad(g_row, _w_dgrad(w2, mode, backend), offs)
             del g_row
-            if concat and fake:  # [grad_a | grad_b]'s colwise form (dW13's operand) written in place, no copy
-                ga_row, gb_row, g13_col = bq.dswiglu_stacked(grad_h, a, b, mode, offs)
-                ga_col = gb_col = None
+            if concat and fake:  # [grad_a | grad_b]'s forms (dx's and dW13's operands) written in place, no copy
+                g13_row, g13_col = bq.dswiglu_stacked(grad_h, a, b, mode, offs)
+                ga_row = gb_row = ga_col = gb_col = None
             else:
                 (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
-                g13_col = None
+                g13_row = g13_col = None
             del grad_h
             # each transient freed once used, and dx summed in place: the backward's peak is the saved
             # tensors plus about two (M, D) tensors, not five
@@ -153,7 +153,8 @@ class _SwiGLUExperts(torch.autograd.Function):
                            else _scaled_concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype))
                 del ga_col, gb_col, g13_col, x_col
                 if need_x:
-                    g13_row = bq.concat_rowwise(ga_row, gb_row)
+                    if g13_row is None:  # scaled: the blocked scales concatenated tile by tile
+                        g13_row = bq.concat_rowwise(ga_row, gb_row)
                     del ga_row, gb_row
                     dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
             else:

@@ -2,10 +2,11 @@
 
 Each op returns a list: per output tensor ``[row_data, row_scales, col_data, col_scales]`` (with ``fake``:
 ``[row_data, col_data]``, the dequantized bf16 values), then the padded group ends ``poffs`` (the colwise
-layout's group offsets). ``block_dswiglu`` with ``stacked`` (``fake`` only) returns ``[grad_a row_data,
-grad_b row_data, col_data, poffs]`` instead, ``col_data (2R, Mp)`` the two colwise forms stacked along rows
-(the colwise form of ``[grad_a | grad_b]``, which a weight concatenating the gate and up projections
-takes): the kernel writes them into the two halves of one buffer, no copy. Rowwise data ``(M, R)``, M-groups blocked scales
+layout's group offsets). ``block_dswiglu`` with ``stacked`` (``fake`` only) returns ``[row_data (M, 2R),
+col_data (2R, Mp), poffs]`` instead: both forms of ``[grad_a | grad_b]``, which a weight concatenating the
+gate and up projections takes (dx and dW13), the rowwise values of grad_a and grad_b side by side along
+columns (the kernel's stacked variant: row pitch 2R) and their colwise values stacked along rows; the
+kernel writes each half in place, no copy. Rowwise data ``(M, R)``, M-groups blocked scales
 ``layouts.m_groups_blocked_shape(M, R/32, G)``, colwise data ``(R, Mp)``, K-groups blocked scales
 ``layouts.k_groups_blocked_shape(R, M, G)``. Registered as ``torch.ops.moe_quant.block_*`` custom ops with fake implementations
 (``torch.compile(fullgraph=True)``); eager calls on plain tensors launch directly, as the other families.
@@ -25,8 +26,11 @@ from .config_block import N_OUTPUTS, Variant
 _FP8 = torch.float8_e4m3fn
 
 
-def _kernel(op: str, mode: str, fake: bool, device: torch.device) -> cc.Compiled:
+def _kernel(op: str, mode: str, fake: bool, device: torch.device, stacked: bool = False) -> cc.Compiled:
     out = "bfloat16" if fake else "float8_e4m3fn"
+    if stacked:
+        return cc.kernel_for(("block", op, mode, out, "stacked"),
+                             lambda: Variant(op, "bfloat16", mode, out, stacked=True), device)
     return cc.kernel_for(("block", op, mode, out), lambda: Variant(op, "bfloat16", mode, out), device)
 
 
@@ -36,42 +40,55 @@ def _shapes(m: int, r: int, g: int):
             layouts.k_groups_blocked_shape(r, m, g))
 
 
-def _alloc(like: torch.Tensor, g: int, fake: bool, empty, col_data=None):
-    """One output tensor's buffers; ``col_data``: its colwise data given (a half of a stacked buffer)."""
+def _alloc(like: torch.Tensor, g: int, fake: bool, empty, stacked: bool = False):
+    """One output tensor's buffers; ``stacked``: no data buffers (the caller's stacked ones serve)."""
     rd, rs, cd, cs = _shapes(like.shape[0], like.shape[1], g)
     dt = torch.bfloat16 if fake else _FP8
-    return [empty(rd, dt), None if fake else empty(rs, torch.uint8), empty(cd, dt) if col_data is None else col_data,
-            None if fake else empty(cs, torch.uint8)]
+    return [None if stacked else empty(rd, dt), None if fake else empty(rs, torch.uint8),
+            None if stacked else empty(cd, dt), None if fake else empty(cs, torch.uint8)]
+
+
+def _stacked_shapes(m: int, r: int, g: int):
+    """(row data, col data) shapes of ``[grad_a | grad_b]``: ``(M, 2R)`` and ``(2R, Mp)``."""
+    return (m, 2 * r), (2 * r, layouts.k_groups_padded_len(m, g))
 
 
 def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, stacked: bool = False):
     x = inputs[0]
     m, r = x.shape
     g = offs.shape[0]
-    # stacked: the two colwise outputs are the halves of one (2R, Mp) buffer (each half contiguous)
-    col = cc.empty((2 * r, layouts.k_groups_padded_len(m, g)), torch.bfloat16, x.device) if stacked else None
     outs = []
     for o in range(N_OUTPUTS[op]):
-        half = None if col is None else col[o * r:(o + 1) * r]
-        outs += _alloc(x, g, fake, lambda s, d: cc.empty(s, d, x.device), half)
+        outs += _alloc(x, g, fake, lambda s, d: cc.empty(s, d, x.device), stacked)
+    if stacked:
+        # one (M, 2R) rowwise buffer, grad_a's values in columns [:R], grad_b's in [R:] (the kernel's row pitch
+        # 2R; passed once, as output 0's rowwise data), and one (2R, Mp) colwise buffer whose two row halves
+        # (each contiguous) are the two outputs' colwise data
+        row_shape, col_shape = _stacked_shapes(m, r, g)
+        row = cc.empty(row_shape, torch.bfloat16, x.device)
+        col = cc.empty(col_shape, torch.bfloat16, x.device)
+        outs[0], outs[2], outs[6] = row, col[:r], col[r:]
     for t in outs:
         if t is not None and t.dtype == torch.uint8 and t.numel() > cc.INT32_MAX:
             raise ValueError(f"block_{op}: scale buffer of {t.numel()} bytes exceeds the int32 index range")
     poffs = cc.empty((g,), torch.int32, x.device)
     if m * r and g:
         args = [cc.aligned(t) for t in inputs] + [None] * (3 - len(inputs)) + outs + [None] * (8 - len(outs))
-        cc.launch(_kernel(op, mode, fake, x.device), *args, offs, poffs)
+        cc.launch(_kernel(op, mode, fake, x.device, stacked), *args, offs, poffs)
     else:  # nothing to read: the padded offsets and all-zero outputs follow from the shapes
         poffs.copy_(layouts.padded_group_offsets(offs, m))
         for t in outs:
             if t is not None:
                 t.view(torch.uint8).zero_()
     if stacked:
-        return [outs[0], outs[4], col, poffs]
+        return [row, col, poffs]
     return [t.view(torch.float8_e8m0fnu) if t.dtype == torch.uint8 else t for t in outs if t is not None] + [poffs]
 
 
-def _fake_outputs(op: str, x: torch.Tensor, offs: torch.Tensor, fake: bool):
+def _fake_outputs(op: str, x: torch.Tensor, offs: torch.Tensor, fake: bool, stacked: bool = False):
+    if stacked:  # [row data (M, 2R), col data (2R, Mp), poffs]
+        return [x.new_empty(s) for s in _stacked_shapes(x.shape[0], x.shape[1], offs.shape[0])] + [
+            offs.new_empty(offs.shape)]
     outs = []
     for _ in range(N_OUTPUTS[op]):
         outs += _alloc(x, offs.shape[0], fake, lambda s, d: x.new_empty(s, dtype=torch.float8_e8m0fnu
@@ -113,10 +130,7 @@ def _block_dswiglu_op(
 
 @_block_dswiglu_op.register_fake
 def _(grad_h, a, b, mode, offs, fake, stacked):
-    outs = _fake_outputs("dswiglu", grad_h, offs, fake)
-    if stacked:  # [row a, col a, row b, col b, poffs] -> [row a, row b, stacked col, poffs]
-        return [outs[0], outs[2], grad_h.new_empty((2 * outs[1].shape[0], outs[1].shape[1])), outs[4]]
-    return outs
+    return _fake_outputs("dswiglu", grad_h, offs, fake, stacked)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -159,7 +173,8 @@ def block_swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode | str, offs: 
 def block_dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode | str,
                   offs: torch.Tensor, fake: bool, stacked: bool = False):
     """Both forms of ``grad_a``, then of ``grad_b`` (the SwiGLU backward), then ``poffs``; ``stacked`` (with
-    ``fake``): the two colwise forms as one ``(2R, Mp)`` tensor (see the module doc)."""
+    ``fake``): ``[row_data (M, 2R), col_data (2R, Mp), poffs]``, both forms of ``[grad_a | grad_b]`` (see the
+    module doc)."""
     if stacked and not fake:
         raise ValueError("block_dswiglu: stacked colwise forms exist for fake=True (bf16 values) only: the "
                          "K-groups scale buffer is group-major, two of them do not stack")
