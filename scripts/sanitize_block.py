@@ -1,5 +1,6 @@
 """Cases for compute-sanitizer (memcheck / racecheck) over the SwiGLU block's fused kernels (``dual``,
-``swiglu``, ``dswiglu``; fp8 and bf16 outputs); each also checked byte for byte against the reference.
+``swiglu``, ``dswiglu``; fp8 and bf16 outputs; the stacked dSwiGLU outputs of a concatenated gate-up weight);
+each also checked byte for byte against the reference.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_block.py [--quick]
 
@@ -48,8 +49,12 @@ def case(name, m, r, offs_list, mode=ScaleMode.RCEIL):
         ok &= same_forms(got, bq._separate_forms(reference.swiglu(a, b).cpu(), mode, clean, fake))
         got_a, got_b = bq._kernel_forms(ops_block.block_dswiglu(g, a, b, mode, offs, fake), fake)
         grad_a, grad_b = reference.dswiglu(g, a, b)
-        ok &= same_forms(got_a, bq._separate_forms(grad_a.cpu(), mode, clean, fake))
-        ok &= same_forms(got_b, bq._separate_forms(grad_b.cpu(), mode, clean, fake))
+        (ra, ca), (rb, cb) = (bq._separate_forms(t.cpu(), mode, clean, fake) for t in (grad_a, grad_b))
+        ok &= same_forms(got_a, (ra, ca)) and same_forms(got_b, (rb, cb))
+        if fake:  # [grad_a | grad_b] in one (M, 2R) rowwise buffer (row pitch 2R) and one (2R, Mp) colwise buffer
+            row, col, poffs = ops_block.block_dswiglu(g, a, b, mode, offs, True, stacked=True)
+            ok &= same(row, torch.cat([ra[0], rb[0]], dim=1)) and same(col, torch.cat([ca[0], cb[0]]))
+            ok &= same(poffs, ca[1])
     torch.cuda.synchronize()
     print(f"{name:44s} {'ok' if ok else 'MISMATCH'}", flush=True)
     return ok
