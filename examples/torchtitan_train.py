@@ -18,7 +18,7 @@ its trainer) is not installed, so the routing bias stays zero in every run.
 
 For each of ``--modes`` (eager, compiled: ``torch.compile`` of each transformer block, as torchtitan
 does) it runs bf16 then MXFP8 and prints median step time over the steps after ``--warmup``, the
-ratio to bf16, the loss (first, last) and the largest relative loss difference to bf16 over all
+ratio to bf16, the loss (first, last) and the largest (and the median) relative loss difference to bf16 over all
 steps (with both modes, also that measure between the bf16 eager and compiled runs, a noise floor, and between
 the MXFP8 eager and compiled runs), peak
 CUDA memory, and the grouped-mm calls that fell back to the plain op.
@@ -36,6 +36,7 @@ import dataclasses
 import gc
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -251,8 +252,17 @@ def kernel_kind(name: str) -> str:
     return "gemm" if any(k in low for k in ("gemm", "xmma", "nvjet", "cutlass")) else "other"
 
 
+def moe_quant_kernel(name: str) -> str:
+    """A moe_quant kernel's class and input dtype from its compiled name (``..._Quantize1x32Kernel_object_at__
+    tensorptrf32gmem...`` -> ``Quantize1x32Kernel f32``): with fp32 master weights and bf16 activations, the
+    weight passes are the ``f32`` ones."""
+    m = re.search(r"([A-Z][A-Za-z0-9]*Kernel)_object_at__tensorptr([a-z0-9]+?)gmem", name)
+    return f"{m.group(1)} {m.group(2)}" if m else "other"
+
+
 def kernel_time_by_kind(step) -> dict:
-    """GPU kernel time (ms) of one ``step()`` under torch.profiler, by :func:`kernel_kind`, and the total."""
+    """GPU kernel time (ms) of one ``step()`` under torch.profiler, by :func:`kernel_kind`, and the total;
+    ``moe_quant_by_kernel``: moe_quant's time by :func:`moe_quant_kernel`."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -260,10 +270,16 @@ def kernel_time_by_kind(step) -> dict:
         step()
         torch.cuda.synchronize()
     ms = dict.fromkeys(KERNEL_KINDS, 0.0)
+    ours: dict = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            ms[kernel_kind(ev.name)] += ev.device_time / 1e3
+            kind = kernel_kind(ev.name)
+            ms[kind] += ev.device_time / 1e3
+            if kind == "moe_quant":
+                k = moe_quant_kernel(ev.name)
+                ours[k] = ours.get(k, 0.0) + ev.device_time / 1e3
     ms["total"] = sum(ms[k] for k in KERNEL_KINDS)
+    ms["moe_quant_by_kernel"] = ours
     return ms
 
 
@@ -279,17 +295,22 @@ def summarize(runs: list[dict], warmup: int) -> list[str]:
             r["median_step_s"] = med
             r["ratio_to_bf16"] = med / base
             ref = pair[False]["losses"]
-            r["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+            rel = [abs(a - b) / abs(b) for a, b in zip(r["losses"], ref)]
+            r["max_rel_loss_diff"], r["median_rel_loss_diff"] = max(rel), statistics.median(rel)
             peak = "n/a (CPU)" if r["peak_gib"] is None else f"{r['peak_gib']:.2f} GiB"
             lines.append(
                 f"{mode:8s} {'mxfp8' if convert else 'bf16':5s}  step {1e3 * med:9.1f} ms  x{r['ratio_to_bf16']:.3f}  "
                 f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}  max |dloss|/loss vs bf16 "
-                f"{100 * r['max_rel_loss_diff']:.3f}%  peak {peak}  fallbacks {r['fallbacks']}"
+                f"{100 * r['max_rel_loss_diff']:.3f}% (median {100 * r['median_rel_loss_diff']:.3f}%)  peak {peak}  "
+                f"fallbacks {r['fallbacks']}"
             )
             if r.get("profile_ms"):
                 p = r["profile_ms"]
                 lines.append(f"{'':15s}profiled step: kernels {p['total']:.1f} ms = moe_quant {p['moe_quant']:.1f} + "
                              f"GEMMs {p['gemm']:.1f} + other {p['other']:.1f}")
+                if p.get("moe_quant_by_kernel"):
+                    lines.append(f"{'':15s}moe_quant: " + ", ".join(
+                        f"{k} {v:.1f}" for k, v in sorted(p["moe_quant_by_kernel"].items(), key=lambda kv: -kv[1])))
     both = {r["compiled"]: r for r in runs if not r["convert"]}
     if len(both) == 2:
         # the same bf16 model, eager vs torch.compile (other fusions, other bf16 roundings): how far two runs

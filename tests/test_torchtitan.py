@@ -201,7 +201,8 @@ def test_summary_reports_the_bf16_eager_vs_compiled_noise_floor():
     runs = [run(False, False, [4.0, 2.0]), run(True, False, [4.0, 2.02]),
             run(False, True, [4.0, 2.05]), run(True, True, [4.04, 2.05])]
     lines = example.summarize(runs, warmup=0)
-    assert "max |dloss|/loss vs bf16 1.000%" in lines[1] and "max |dloss|/loss vs bf16 1.000%" in lines[3]
+    assert "max |dloss|/loss vs bf16 1.000% (median 0.500%)" in lines[1]
+    assert "max |dloss|/loss vs bf16 1.000% (median 0.500%)" in lines[3]
     assert lines[-2] == "noise floor: bf16 compiled vs bf16 eager, max |dloss|/loss 2.500%"
     # and the MXFP8 runs' own eager-vs-compiled drift: max(0.04/4.0, 0.03/2.02)
     assert lines[-1] == "mxfp8 compiled vs mxfp8 eager, max |dloss|/loss 1.485%"
@@ -219,3 +220,12 @@ def test_profile_kinds_of_kernel_names():
     assert kind("void cutlass::device_kernel<at::cuda::detail::GroupedGemmKernel>") == "gemm"
     assert kind("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
     assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "other"
+
+
+def test_profile_names_moe_quant_kernels_by_class_and_input_dtype():
+    name = example.moe_quant_kernel
+    assert name("kernel_cutlass_kernel_moe_quantkernelsquantize_1x32Quantize1x32Kernel_object_at__tensorptrf32gmemalign16"
+                "odiv32i64div321_tensorptrbf16gmemalign16") == "Quantize1x32Kernel f32"
+    assert name("kernel_cutlass_kernel_moe_quantkernelsquantize_blockQuantizeBlockKernel_object_at__tensorptrbf16gmem"
+                "align16odiv32i64div321_None_None_tensorptrf8E4M3FN") == "QuantizeBlockKernel bf16"
+    assert name("kernel_cutlass_kernel_moe_quant_something_else") == "other"
