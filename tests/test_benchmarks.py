@@ -325,3 +325,30 @@ def test_bench_block_reuse_variants_quantize_weights_once_per_step(variant, monk
     bench_block.step_fn(bench_block.VARIANTS[variant], *inputs, micro_batches=mbs)()
     assert mbs == 3 and len(scopes) == 1
     assert scopes[0].misses == 6 and scopes[0].hits == 2 * 6  # fwd and dgrad operands of w1, w3, w2
+
+
+@pytest.mark.parametrize("fake", [True, False])
+@pytest.mark.parametrize("op", ["dual", "swiglu", "dswiglu"])
+def test_block_kernel_bytes_are_the_ops_inputs_and_outputs(op, fake):
+    """bench_block_kernels' byte count is every input once plus every output the op returns (its reference path
+    on the CPU returns the same tensors as the kernel), padding included: TB/s over the right bytes."""
+    from benchmarks import bench_block_kernels as bbk
+    from moe_quant import block_quantize as bq
+
+    m, r, g = 300, 96, 5
+    offs = torch.tensor([0, 40, 41, 200, 300], dtype=torch.int32)
+    xs = [torch.randn(m, r, dtype=torch.bfloat16) for _ in range(bbk.N_INPUTS[op])]
+    got = getattr(bq, op)(*xs, bbk.MODE, offs, fake)
+    forms = [got] if op != "dswiglu" else list(got)
+    assert len(forms) == bbk.N_OUTPUTS[op]
+    written = sum(t.numel() * t.element_size() for row, col in forms for t in (*row, *col[:-1])) + 4 * g
+    assert bbk.op_bytes(op, m, r, g, fake) == 2 * m * r * len(xs) + written
+
+
+def test_block_kernel_shapes_argument():
+    from benchmarks import bench_block_kernels as bbk
+
+    assert bbk.shapes_arg("98304x1408x64, 16x32x1") == [(98304, 1408, 64), (16, 32, 1)]
+    for bad in ("", "98304x1400x64", "1x32", "0x32x1", "axbxc"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bbk.shapes_arg(bad)

@@ -14,7 +14,8 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behavi
 
 @no_gpu
 @pytest.mark.parametrize("bench", ["bench_quantize", "bench_quantize_32x1", "bench_grouped_mm", "bench_moe", "bench_ep",
-                                   "bench_ep_block", "bench_block", "bench_host", "bench_fingerprint"])
+                                   "bench_ep_block", "bench_block", "bench_host", "bench_fingerprint",
+                                   "bench_block_kernels"])
 def test_benchmark_without_gpu_exits_2_with_one_line(bench):
     proc = run_python("-m", f"benchmarks.{bench}")
     assert proc.returncode == 2, proc.stderr[-3000:]

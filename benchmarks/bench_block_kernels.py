@@ -1,0 +1,132 @@
+"""Bandwidth of the SwiGLU expert block's fused quantization passes (``dual``, ``swiglu``, ``dswiglu``) against a
+memcpy and against the unfused passes they replace, measured in the same run.
+
+    python -m benchmarks.bench_block_kernels [--shapes 98304x1408x64,16384x7168x8] [--out fake,mxfp8] [--json PATH]
+
+Each shape is ``MxRxG``: M tokens in G ragged groups, R columns (R = D for ``dual``'s x or grad_y, R = H for
+``swiglu``'s and ``dswiglu``'s tensors; every op runs at every shape). The defaults are torchtitan's DeepSeek-V3
+16B experts at 16384 tokens x top-6 (M = 98304, H = 1408, D = 2048, 64 experts) and the DeepSeek-V3 block of
+``bench_block`` (M = 16384, H = 2048, D = 7168, 8 experts). Per op: µs (median, CUDA events, L2 flushed before
+each call, inputs rotated), TB/s over the bytes it must move (inputs read once; every output written once:
+rowwise values or fp8 data + M-groups scales, colwise values or data + K-groups scales, padding included, and
+the padded offsets), % of a bf16 memcpy of an (M, R) tensor in the same run, and the unfused equivalent: the
+1x32 and 32x1 kernels of each output tensor (for ``swiglu`` / ``dswiglu`` after PyTorch's SwiGLU ops), the
+same bytes at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, print_table, prog_name, require_cuda
+from benchmarks.timing import tbps, write_json
+from moe_quant import block_quantize as bq
+from moe_quant import cli, layouts, reference
+from moe_quant import quantize as q
+from moe_quant.numerics import BLOCK_SIZE, ScaleMode
+
+MODE = ScaleMode.RCEIL
+DEFAULT_SHAPES = [(98304, 1408, 64), (98304, 2048, 64), (16384, 2048, 8), (16384, 7168, 8)]
+OPS = ("dual", "swiglu", "dswiglu")
+N_INPUTS = {"dual": 1, "swiglu": 2, "dswiglu": 3}
+N_OUTPUTS = {"dual": 1, "swiglu": 1, "dswiglu": 2}
+
+
+def shapes_arg(text: str) -> list[tuple[int, int, int]]:
+    """``type=`` for --shapes: ``MxRxG`` triples, comma separated, R a multiple of 32."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) % BLOCK_SIZE:
+            raise argparse.ArgumentTypeError(f"expected MxRxG shapes (R a multiple of 32) such as 98304x1408x64, "
+                                             f"got {text!r}")
+        out.append(tuple(int(p) for p in parts))
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected at least one MxRxG shape, got {text!r}")
+    return out
+
+
+def ragged_offsets(m: int, g: int) -> torch.Tensor:
+    """G ragged group ends over M tokens (sizes 0.5x-1.5x the mean, fixed seed), int32 on the GPU."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.rand(g, generator=gen) + 0.5
+    ends = (torch.cumsum(sizes, 0) / sizes.sum() * m).long().clamp(max=m)
+    ends[-1] = m
+    return ends.to(torch.int32).cuda()
+
+
+def form_bytes(m: int, r: int, g: int, fake: bool) -> int:
+    """Bytes one output tensor's two forms occupy: rowwise (M, R) and colwise (R, Mp), scales with padding."""
+    mp = layouts.k_groups_padded_len(m, g)
+    if fake:
+        return 2 * m * r + 2 * r * mp
+    rs, cs = layouts.m_groups_blocked_shape(m, r // BLOCK_SIZE, g), layouts.k_groups_blocked_shape(r, m, g)
+    return m * r + rs[0] * rs[1] + r * mp + cs[0] * cs[1]
+
+
+def op_bytes(op: str, m: int, r: int, g: int, fake: bool) -> int:
+    return 2 * m * r * N_INPUTS[op] + N_OUTPUTS[op] * form_bytes(m, r, g, fake) + 4 * g
+
+
+def fused(op: str, offs, fake: bool):
+    fn = getattr(bq, op)
+    return lambda t: fn(*t, MODE, offs, fake)
+
+
+def unfused(op: str, offs, fake: bool):
+    """The same forms by PyTorch's SwiGLU ops and the per-GEMM quantizers (the 1x32 and the 32x1 kernel, one read
+    each), as the per-GEMM path makes them: what the fused op replaces."""
+    def forms(x, mode, offs, fake):
+        if fake:
+            return q.fake_rowwise(x, mode, torch.bfloat16), q.fake_colwise_k_groups(x, offs, mode, torch.bfloat16)
+        return q.rowwise(x, mode, offs), q.colwise_k_groups(x, offs, mode)
+
+    if op == "dual":
+        return lambda t: forms(t[0], MODE, offs, fake)
+    if op == "swiglu":
+        return lambda t: forms(reference.swiglu(t[0], t[1]), MODE, offs, fake)
+    return lambda t: [forms(x, MODE, offs, fake) for x in reference.dswiglu(*t)]
+
+
+def run(shapes, outs) -> dict:
+    rows, record = [], []
+    for m, r, g in shapes:
+        offs = ragged_offsets(m, g)
+        _, cp = memcpy_tbps((m, r))
+        rot = Rotating(lambda: tuple(torch.randn(m, r, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
+        for out in outs:
+            fake = out == "fake"
+            for op in OPS:
+                n = N_INPUTS[op]
+                f, u = fused(op, offs, fake), unfused(op, offs, fake)
+                f(rot.next()[:n]), u(rot.next()[:n])
+                us = bench_us(lambda: f(rot.next()[:n]))
+                uus = bench_us(lambda: u(rot.next()[:n]))
+                nb = op_bytes(op, m, r, g, fake)
+                rows.append([op, m, r, g, out, us, tbps(nb, us), 100 * tbps(nb, us) / cp, uus, uus / us, cp])
+                record.append({"op": op, "m": m, "r": r, "g": g, "out": out, "us": us, "tbps": tbps(nb, us),
+                               "pct_memcpy": 100 * tbps(nb, us) / cp, "unfused_us": uus, "memcpy_tbps": cp})
+        del rot
+        torch.cuda.empty_cache()
+    print_table(f"SwiGLU block fused passes, {MODE.value} ({device_name()}, torch {torch.__version__})",
+                ["op", "M", "R", "G", "out", "us", "TB/s", "%memcpy", "unfused us", "unfused / fused", "memcpy TB/s"],
+                rows)
+    return {"device": device_name(), "torch": torch.__version__, "rows": record}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=shapes_arg, default=list(DEFAULT_SHAPES))
+    p.add_argument("--out", type=cli.comma_choices("fake", "mxfp8"), default=["fake"],
+                   help="fake: the dequantized bf16 values (Hopper's emulated GEMM); mxfp8: fp8 data + scales")
+    p.add_argument("--json", type=cli.writable_file, default=None)
+    args = p.parse_args(argv)
+    require_cuda(argv)
+    write_json(args.json, run(args.shapes, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
