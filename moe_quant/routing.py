@@ -22,9 +22,15 @@ def sort_tokens_by_expert(x_TD: torch.Tensor, top_scores_TK: torch.Tensor, exper
 def unsort_tokens(routed_out: torch.Tensor, scores_sorted: torch.Tensor, token_idx: torch.Tensor,
                   x_TD: torch.Tensor) -> torch.Tensor:
     """Scale each expert output row by its routing score (in the output's dtype) and sum the ``K`` rows
-    of each token back into token order (``index_add``, in sorted order); ``(T, D)`` of ``x_TD``'s dtype."""
+    of each token back into token order (in sorted order, the sums of ``index_add``); ``(T, D)`` of
+    ``x_TD``'s dtype.
+
+    The sum is ``scatter_add`` over the row index broadcast along D (a view): its backward keeps only the
+    index, where ``index_add``'s keeps its source too, a second ``(T*K, D)`` tensor per MoE layer alive
+    until backward (2.25 GiB over torchtitan's DeepSeek-V3 16B cut to 4 layers, 16384 tokens)."""
     routed_out = routed_out * scores_sorted.unsqueeze(-1).to(routed_out.dtype)
-    out = torch.zeros_like(x_TD, dtype=routed_out.dtype).index_add(0, token_idx, routed_out)
+    index = token_idx.unsqueeze(-1).expand(-1, routed_out.shape[-1])
+    out = torch.zeros_like(x_TD, dtype=routed_out.dtype).scatter_add(0, index, routed_out)
     return out.to(x_TD.dtype)
 
 

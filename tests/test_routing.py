@@ -1,0 +1,79 @@
+"""The token permutation shared by the reference MoE block and the EP dispatcher (moe_quant.routing): the
+combine keeps for backward what its gradients need, not a copy of the expert outputs, and sums exactly
+as ``index_add`` does."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_quant.routing import sort_tokens_by_expert, unsort_tokens
+
+
+def _routing(t, k, e, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    scores = torch.rand(t, k, generator=g).to(dtype).requires_grad_()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return x, scores, ids
+
+
+def _index_add_combine(routed_out, scores_sorted, token_idx, x_TD):
+    """The combine as first written: the plain index_add formula (keeps its source for backward)."""
+    routed_out = routed_out * scores_sorted.unsqueeze(-1).to(routed_out.dtype)
+    return torch.zeros_like(x_TD, dtype=routed_out.dtype).index_add(0, token_idx, routed_out).to(x_TD.dtype)
+
+
+@settings(deadline=None, max_examples=40)
+@given(t=st.integers(1, 40), k=st.integers(1, 6), d=st.sampled_from([1, 8, 33]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_combine_equals_index_add_bit_for_bit(t, k, d, dtype, seed):
+    """Forward and both gradients equal the index_add formula's, every bit (CPU: both sum a token's rows in
+    sorted order)."""
+    x, scores, ids = _routing(t, k, 8, d, dtype, seed)
+    grad = torch.randn(t, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    outs = []
+    for combine in (unsort_tokens, _index_add_combine):
+        x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x, scores, ids)
+        routed = (x_sorted.float() * 1.5 - 0.25).to(dtype).requires_grad_()
+        out = combine(routed, scores_sorted, token_idx, x)
+        outs.append((out, *torch.autograd.grad(out, (routed, scores), grad)))
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_combine_saves_no_copy_of_the_expert_outputs():
+    """What the combine keeps for backward: the scaled expert outputs (T*K, D) are not among it (the scale's
+    gradient needs the unscaled outputs, the sum only the token indices). Precondition: the plain index_add
+    formula keeps both, which is what cost a (T*K, D) tensor per MoE layer until backward."""
+    t, k, d = 64, 6, 128
+    x, scores, ids = _routing(t, k, 16, d, torch.float32, 0)
+    x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x, scores, ids)
+    routed = x_sorted.clone().requires_grad_()
+
+    def saved_rows(combine):
+        storages = {}
+
+        def pack(tensor):
+            if tensor.dim() == 2 and tuple(tensor.shape) == (t * k, d) and tensor.dtype.is_floating_point:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            combine(routed, scores_sorted, token_idx, x)
+        return len(storages)
+
+    assert saved_rows(_index_add_combine) == 2  # precondition: the index_add formula keeps its source too
+    assert saved_rows(unsort_tokens) == 1  # the unscaled outputs, for the scores' gradient
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_combine_under_vmap_and_compile(k):
+    """The combine runs under torch.func.vmap and compiles fullgraph like the rest of the block."""
+    x, scores, ids = _routing(12, k, 4, 16, torch.float32, 3)
+    x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x, scores, ids)
+    want = unsort_tokens(x_sorted, scores_sorted, token_idx, x)
+    batched = torch.func.vmap(lambda r: unsort_tokens(r, scores_sorted, token_idx, x))(x_sorted.unsqueeze(0))
+    assert torch.equal(batched[0], want)
+    compiled = torch.compile(unsort_tokens, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x_sorted, scores_sorted, token_idx, x), want)
