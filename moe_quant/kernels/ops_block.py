@@ -28,10 +28,8 @@ _FP8 = torch.float8_e4m3fn
 
 def _kernel(op: str, mode: str, fake: bool, device: torch.device, stacked: bool = False) -> cc.Compiled:
     out = "bfloat16" if fake else "float8_e4m3fn"
-    if stacked:
-        return cc.kernel_for(("block", op, mode, out, "stacked"),
-                             lambda: Variant(op, "bfloat16", mode, out, stacked=True), device)
-    return cc.kernel_for(("block", op, mode, out), lambda: Variant(op, "bfloat16", mode, out), device)
+    return cc.kernel_for(("block", op, mode, out, stacked), lambda: Variant(op, "bfloat16", mode, out, stacked=stacked),
+                         device)
 
 
 def _shapes(m: int, r: int, g: int):
@@ -58,7 +56,7 @@ def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, sta
     m, r = x.shape
     g = offs.shape[0]
     outs = []
-    for o in range(N_OUTPUTS[op]):
+    for _ in range(N_OUTPUTS[op]):
         outs += _alloc(x, g, fake, lambda s, d: cc.empty(s, d, x.device), stacked)
     if stacked:
         # one (M, 2R) rowwise buffer, grad_a's values in columns [:R], grad_b's in [R:] (the kernel's row pitch
