@@ -35,12 +35,9 @@ def _converted_methods(cls: type) -> Optional[dict]:
         return {"forward": experts.moe_quant_forward}
     if "torchtitan.models.common.moe.GroupedExperts" in names:
         return {"forward": experts.torchtitan_forward, "_grouped_mm": experts.grouped_mm_seam}
-    if hf.is_llama4_experts_class(cls):
-        hf.require_supported_transformers()
-        return {"forward": hf.llama4_forward}
-    if hf.is_experts_interface_class(cls):
-        hf.require_supported_transformers()
-        return {"forward": hf.experts_forward}
+    forward = hf.converted_forward(cls)
+    if forward is not None:
+        return {"forward": forward}
     if callable(getattr(cls, "_grouped_mm", None)):
         return {"_grouped_mm": experts.grouped_mm_seam}
     return None

@@ -168,6 +168,19 @@ def is_llama4_experts_class(cls: type) -> bool:
     return any(c.__name__ == "Llama4TextExperts" and c.__module__.startswith("transformers.") for c in cls.__mro__)
 
 
+def converted_forward(cls: type):
+    """The converted forward of a transformers experts class (Llama4's, or the experts interface's), None for
+    any other class; ``ImportError`` if the imported transformers is not a supported one."""
+    if is_llama4_experts_class(cls):
+        forward = llama4_forward
+    elif is_experts_interface_class(cls):
+        forward = experts_forward
+    else:
+        return None
+    require_supported_transformers()
+    return forward
+
+
 def register_experts_implementation() -> str:
     """Register ``"moe_quant_mxfp8"`` in transformers' experts interface (idempotent); returns the name.
     ``import moe_quant`` does it already when transformers was imported first (and is supported).
