@@ -3,7 +3,7 @@ memcpy and against the unfused passes they replace, measured in the same run.
 
     python -m benchmarks.bench_block_kernels [--shapes 98304x1408x64,16384x7168x8] [--out fake,mxfp8] [--json PATH]
 
-Each shape is ``MxRxG``: M tokens in G ragged groups, R columns (R = D for ``dual``'s x or grad_y, R = H for
+Each shape is ``MxRxG``: M tokens in G ragged groups (``bench_quantize.group_offsets``), R columns (R = D for ``dual``'s x or grad_y, R = H for
 ``swiglu``'s and ``dswiglu``'s tensors; every op runs at every shape). The defaults are torchtitan's DeepSeek-V3
 16B experts at 16384 tokens x top-6 (M = 98304, H = 1408, D = 2048, 64 experts) and the DeepSeek-V3 block of
 ``bench_block`` (M = 16384, H = 2048, D = 7168, 8 experts). Per op: µs (median, CUDA events, L2 flushed before
@@ -20,6 +20,7 @@ import argparse
 
 import torch
 
+from benchmarks.bench_quantize import group_offsets
 from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, print_table, prog_name, require_cuda
 from benchmarks.timing import tbps, write_json
 from moe_quant import block_quantize as bq
@@ -46,15 +47,6 @@ def shapes_arg(text: str) -> list[tuple[int, int, int]]:
     if not out:
         raise argparse.ArgumentTypeError(f"expected at least one MxRxG shape, got {text!r}")
     return out
-
-
-def ragged_offsets(m: int, g: int) -> torch.Tensor:
-    """G ragged group ends over M tokens (sizes 0.5x-1.5x the mean, fixed seed), int32 on the GPU."""
-    gen = torch.Generator().manual_seed(0)
-    sizes = torch.rand(g, generator=gen) + 0.5
-    ends = (torch.cumsum(sizes, 0) / sizes.sum() * m).long().clamp(max=m)
-    ends[-1] = m
-    return ends.to(torch.int32).cuda()
 
 
 def form_bytes(m: int, r: int, g: int, fake: bool) -> int:
@@ -93,7 +85,7 @@ def unfused(op: str, offs, fake: bool):
 def run(shapes, outs) -> dict:
     rows, record = [], []
     for m, r, g in shapes:
-        offs = ragged_offsets(m, g)
+        offs = group_offsets(m, g, ragged=True)
         _, cp = memcpy_tbps((m, r))
         rot = Rotating(lambda: tuple(torch.randn(m, r, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
         for out in outs:
