@@ -126,11 +126,7 @@ def quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along: str):
     mode = ScaleMode.parse(mode, "mode")
     along = v.parse_along(along)
     v.check_weight_3d("w", w, along)
-    if _kernels_serve(w, 1, 2):
-        ops = _ops()
-        fn = ops.quantize_3d_along_k if along == "k" else ops.quantize_3d_along_n
-        return fn(w.contiguous(), mode)
-    return reference.quantize_3d(w, mode, along)
+    return scaled_3d(w, mode, along)
 
 
 def fake_quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along_dim: int, out_dtype=torch.bfloat16):
@@ -150,12 +146,24 @@ def fake_quantize_3d(w: torch.Tensor, mode: ScaleMode | str, along_dim: int, out
     return reference.fake_quantize_3d(w, mode, along_dim, out_dtype)
 
 
-def fake_3d(w: torch.Tensor, mode: ScaleMode, along_dim: int, out_dtype: torch.dtype):
+def fake_3d(w: torch.Tensor, mode: ScaleMode, along_dim: int, out_dtype: torch.dtype, as_bf16: bool = False):
     """:func:`fake_quantize_3d` of checked arguments: ``w (E, K, N)`` (the view ``W_t``) bf16/fp32, K and N
-    multiples of 32, ``along_dim`` -1 or -2, ``out_dtype`` bf16/fp32 (the grouped GEMM's weight operands)."""
+    multiples of 32, ``along_dim`` -1 or -2, ``out_dtype`` bf16/fp32 (the grouped GEMM's weight operands).
+    ``as_bf16``: quantize ``w.to(torch.bfloat16)`` (fp32 master weights); the kernels round as they load,
+    so no bf16 copy of the weight is written and read back."""
     if _kernels_serve(w):
         w_nk = w.transpose(-2, -1).contiguous()  # W (E, N, K): a view when w is W_t
         if along_dim == -2:
-            return _ops().run_fake_3d_along_k(w_nk, mode.value, out_dtype).transpose(-2, -1)
-        return _ops().run_fake_3d_along_n(w_nk, mode.value, out_dtype)
-    return reference.fake_quantize_3d(w, mode, along_dim, out_dtype)
+            return _ops().run_fake_3d_along_k(w_nk, mode.value, out_dtype, as_bf16).transpose(-2, -1)
+        return _ops().run_fake_3d_along_n(w_nk, mode.value, out_dtype, as_bf16)
+    return reference.fake_quantize_3d(w.to(torch.bfloat16) if as_bf16 else w, mode, along_dim, out_dtype)
+
+
+def scaled_3d(w: torch.Tensor, mode: ScaleMode, along: str, as_bf16: bool = False):
+    """:func:`quantize_3d` of checked arguments (``w (E, N, K)`` bf16/fp32, the quantized dim a multiple of
+    32, ``along`` "k" or "n"; ``as_bf16`` as in :func:`fake_3d`)."""
+    if _kernels_serve(w, 1, 2):
+        ops = _ops()
+        fn = ops.run_3d_along_k if along == "k" else ops.run_3d_along_n
+        return fn(w.contiguous(), mode.value, as_bf16)
+    return reference.quantize_3d(w.to(torch.bfloat16) if as_bf16 else w, mode, along)

@@ -154,3 +154,69 @@ def test_compiled_fwd_bwd_equals_eager(backend, w_dtype):
         if name != "dW":
             a, b = a[:m], b[:m]  # rows past offs[-1] are unspecified
         assert a.dtype == b.dtype and torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+
+
+class _CastLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The shapes of the fp32 -> bf16 copies made while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[0] if func is torch.ops.aten._to_copy.default else args[1]
+            dst_dtype = kwargs.get("dtype") if func is torch.ops.aten._to_copy.default else args[0].dtype
+            if src.dtype == torch.float32 and dst_dtype == torch.bfloat16:
+                self.casts.append(tuple(src.shape))
+        return func(*args, **kwargs)
+
+
+def test_fp32_master_weights_quantized_without_a_bf16_copy():
+    """fp32 weights (torchtitan's single-GPU and autocast master weights) are quantized as their bf16 rounding by
+    the kernels themselves: output and gradients equal those of the same weights cast to bf16 by torch (dW is
+    the bf16 weight's gradient, widened), for the per-GEMM GEMM and the SwiGLU block, and no fp32 -> bf16 copy
+    of a weight is made (the cast's copy was 6 bytes per element read and written, twice per weight per step)."""
+    from moe_quant import mxfp8_swiglu_experts
+
+    sizes = [0, 100, 31, 257, 128]
+    A, W16, go, offs = problem(sizes, 256, 192, "cuda", seed=4)
+    # off the bf16 grid: the weights' low 16 bits random, so their bf16 rounding is not their truncation
+    g = torch.Generator(device="cuda").manual_seed(5)
+    low = torch.randint(0, 1 << 16, W16.shape, device="cuda", generator=g, dtype=torch.int32)
+    W32 = ((W16.detach().float().view(torch.int32) & ~0xFFFF) | low).view(torch.float32).requires_grad_()
+    W16 = W32.detach().to(torch.bfloat16).requires_grad_()
+    assert not torch.equal(W16.detach().float(), W32.detach())  # precondition: fp32 values not bf16 values
+
+    want = fwd_bwd(A, W16, go, offs)
+    fwd_bwd(A, W32, go, offs)  # warm-up (kernel compilation)
+    with _CastLog() as log:
+        got = fwd_bwd(A, W32, go, offs)
+    assert W32.shape not in log.casts and W32.transpose(-2, -1).shape not in log.casts, log.casts
+    m = offs[-1].item()
+    assert torch.equal(got[0][:m], want[0][:m]) and torch.equal(got[1][:m], want[1][:m])
+    assert got[2].dtype == torch.float32 and torch.equal(got[2], want[2].float())
+
+    # the SwiGLU block: w1, w3 (E, H, D), w2 (E, D, H), fp32 against their bf16 casts
+    e, d, h = len(sizes), 256, 128
+    ws32 = [(torch.randn(e, *s, device="cuda", generator=g) * 0.05).requires_grad_() for s in ((h, d), (h, d), (d, h))]
+    ws16 = [w.detach().to(torch.bfloat16).requires_grad_() for w in ws32]
+    x = A.detach().requires_grad_()
+    gy = torch.randn(x.shape[0], d, device="cuda", generator=g).bfloat16()
+
+    def run(ws):
+        x.grad = None
+        for w in ws:
+            w.grad = None
+        y = mxfp8_swiglu_experts(x, *ws, offs)
+        y.backward(gy)
+        return [y.detach()[:m], x.grad[:m]] + [w.grad for w in ws]
+
+    want = run(ws16)
+    run(ws32)
+    with _CastLog() as log:
+        got = run(ws32)
+    assert not any(w.shape in log.casts or w.transpose(-2, -1).shape in log.casts for w in ws32), log.casts
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b.float() if i >= 2 else b), i

@@ -218,3 +218,58 @@ def test_argument_errors():
     with pytest.raises(TypeError, match="out_dtype"):
         ops.fake_quantize_3d_along_n(torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16), "rceil",
                                      torch.float16)
+
+
+# ----------------------------------------------------------------------------- fp32 weights read as bf16
+
+
+def fp32_off_the_bf16_grid(shape, dist: str, seed: int) -> torch.Tensor:
+    """fp32 values of ``dist`` with random low 16 bits: their bf16 rounding (RNE) differs from truncation and
+    from the fp32 value itself, and some sit just past an e4m3 rounding tie or a power of two."""
+    x = make_values(shape, dist, seed, torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    low = torch.randint(0, 1 << 16, x.shape, generator=g, dtype=torch.int32)
+    return ((x.view(torch.int32) & ~0xFFFF) | low).view(torch.float32)
+
+
+def check_3d_as_bf16(w_cpu: torch.Tensor, mode: ScaleMode):
+    """Every 3D weight op with ``as_bf16`` on fp32 ``w`` equals the same op on ``w.to(bfloat16)`` (CUDA's cast,
+    as the unconverted model casts its master weights) and the reference of that, byte for byte."""
+    w = w_cpu.cuda()
+    w16 = w.to(torch.bfloat16)
+    w16_cpu = w16.cpu()
+    for along, run_q, run_fake in (("n", ops.run_3d_along_n, ops.run_fake_3d_along_n),
+                                   ("k", ops.run_3d_along_k, ops.run_fake_3d_along_k)):
+        d, s = run_q(w, mode.value, True)
+        rd, rs = reference.quantize_3d(w16_cpu, mode, along)
+        assert_bytes_equal(d, rd, f"3d along {along} data (fp32 as bf16)")
+        assert_bytes_equal(s, rs, f"3d along {along} scales (fp32 as bf16)")
+        for out_dtype in (torch.bfloat16, torch.float32):
+            got = run_fake(w, mode.value, out_dtype, True)
+            assert_bytes_equal(got, run_fake(w16, mode.value, out_dtype), f"3d along {along} fake {out_dtype}")
+
+
+@given(e=st.integers(1, 4), n=st.integers(1, 10).map(lambda v: 32 * v), k=st.integers(1, 10).map(lambda v: 32 * v),
+       mode=modes, dist=dists, seed=seeds)
+def test_3d_fp32_as_bf16(e, n, k, mode, dist, seed):
+    check_3d_as_bf16(fp32_off_the_bf16_grid((e, n, k), dist, seed), mode)
+
+
+def test_3d_fp32_as_bf16_rounds_before_quantizing():
+    """Inputs where the rounding matters (so a kernel quantizing the fp32 values would fail the check above):
+    values just above an e4m3 tie (1 + 1/16 + 2^-20: fp32 rounds up to 1.125, bf16 to the tie, which RNE takes
+    down to 1), just below a power of two (bf16 rounds 2 - 2^-23 up to 2: the block's scale changes), fp32's
+    largest value (bf16 Inf: a NaN block), fp32 subnormals below bf16's smallest, NaN."""
+    w = fp32_off_the_bf16_grid((3, 256, 160), "normal", 11)
+    w[0, :, 0] = 1 + 2**-4 + 2**-20
+    w[0, :32, 1:32] = 0.5
+    w[1, :, 0] = 2 - 2**-23
+    w[1, 5, 40] = torch.finfo(torch.float32).max
+    w[2, :, :32] = 2.0**-140
+    w[2, 7, 70] = float("nan")
+    for mode in ScaleMode:
+        w16 = w.cuda().to(torch.bfloat16)
+        for run_fake in (ops.run_fake_3d_along_k, ops.run_fake_3d_along_n):
+            direct = run_fake(w.cuda(), mode.value, torch.bfloat16)  # the fp32 values themselves
+            assert not torch.equal(as_bytes(direct), as_bytes(run_fake(w16, mode.value, torch.bfloat16)))
+        check_3d_as_bf16(w, mode)

@@ -36,12 +36,15 @@ _GEMM_DTYPE = torch.bfloat16
 # ----------------------------------------------------------------------------- emulated
 
 
-_WEIGHT_FORMS = {  # (backend, gemm) -> the weight operand's form, computed from W_t (E, K, N) in bf16
-    (GemmBackend.EMULATED, "fwd"): lambda w, mode: q.fake_3d(w, mode, -2, _GEMM_DTYPE),  # blocks along K
-    (GemmBackend.EMULATED, "dgrad"): lambda w, mode: q.fake_3d(w, mode, -1, _GEMM_DTYPE),  # along N
+# (backend, gemm) -> the weight operand's form, computed from W_t (E, K, N) bf16 or fp32; fp32 (master weights)
+# is quantized as its bf16 rounding (``as_bf16``: on the kernels without a bf16 copy written and read back)
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+_WEIGHT_FORMS = {
+    (GemmBackend.EMULATED, "fwd"): lambda w, mode: q.fake_3d(w, mode, -2, _GEMM_DTYPE, True),  # blocks along K
+    (GemmBackend.EMULATED, "dgrad"): lambda w, mode: q.fake_3d(w, mode, -1, _GEMM_DTYPE, True),  # along N
     # (E, N, K) with scales (E, N x K/32), and (E, K, N) with scales (E, K x N/32)
-    (GemmBackend.SCALED, "fwd"): lambda w, mode: q.quantize_3d(w.transpose(-2, -1), mode, along="k"),
-    (GemmBackend.SCALED, "dgrad"): lambda w, mode: q.quantize_3d(w.transpose(-2, -1), mode, along="n"),
+    (GemmBackend.SCALED, "fwd"): lambda w, mode: q.scaled_3d(w.transpose(-2, -1), mode, "k", True),
+    (GemmBackend.SCALED, "dgrad"): lambda w, mode: q.scaled_3d(w.transpose(-2, -1), mode, "n", True),
 }
 
 
@@ -51,8 +54,8 @@ def weight_operand(W_t, mode: ScaleMode, backend: GemmBackend, gemm: str):
     :func:`mxfp8_grouped_mm` and of the SwiGLU expert block get their weight operands."""
     form = _WEIGHT_FORMS[backend, gemm]
 
-    def compute():  # of the weight read as bf16 (fp32 master weights are rounded to bf16 first)
-        return form(W_t if W_t.dtype == _GEMM_DTYPE else W_t.to(_GEMM_DTYPE), mode)
+    def compute():  # of the weight read as bf16 (fp32 master weights: their bf16 rounding)
+        return form(W_t if W_t.dtype in _WEIGHT_DTYPES else W_t.to(_GEMM_DTYPE), mode)
 
     return active_operand(W_t, (backend.value, gemm, mode), compute)
 

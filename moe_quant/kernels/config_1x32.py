@@ -72,6 +72,9 @@ class Variant:
     kind: str  # "plain" | "blocked" | "mgroups" | "fake"
     out_dtype: str = "float8_e4m3fn"  # fake: "bfloat16" | "float32"
     tile: TileConfig = DEFAULT_TILE
+    # fp32 input quantized as its bf16 rounding (``x.to(torch.bfloat16)``, never written): fp32 master
+    # weights without a cast kernel
+    as_bf16: bool = False
 
     family = "q1x32"
     kernel_module = "quantize_1x32"  # compiled by compile_cache.compile_variant (never imported here)
@@ -88,10 +91,13 @@ class Variant:
                 raise ValueError(f"fake out_dtype must be one of {FAKE_OUT_DTYPES}, got {self.out_dtype!r}")
         elif self.out_dtype != "float8_e4m3fn":
             raise ValueError(f"out_dtype of kind {self.kind!r} is float8_e4m3fn, got {self.out_dtype!r}")
+        if self.as_bf16 and self.in_dtype != "float32":
+            raise ValueError(f"as_bf16 rounds a float32 input, got in_dtype {self.in_dtype!r}")
 
     @property
     def key(self) -> str:
-        return f"{self.in_dtype}-{self.mode}-{self.kind}-{self.out_dtype}-{self.tile.key}"
+        src = "float32asbf16" if self.as_bf16 else self.in_dtype
+        return f"{src}-{self.mode}-{self.kind}-{self.out_dtype}-{self.tile.key}"
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -105,4 +111,7 @@ def all_variants(tile: TileConfig = DEFAULT_TILE) -> list[Variant]:
                 out.append(Variant(in_dtype, mode, kind, tile=tile))
             for od in FAKE_OUT_DTYPES:
                 out.append(Variant(in_dtype, mode, "fake", od, tile=tile))
+    for mode in MODES:  # fp32 master weights along K: the emulated GEMM's operand, the scaled GEMM's two layouts
+        for kind, od in (("fake", "bfloat16"), ("blocked", "float8_e4m3fn"), ("mgroups", "float8_e4m3fn")):
+            out.append(Variant("float32", mode, kind, od, tile=tile, as_bf16=True))
     return out

@@ -43,6 +43,9 @@ class Variant:
     # loads 128 tokens; a 64-column grid has two CTAs per 128-row scale tile, so rows past R still get
     # their zero scales. An A/B candidate (scripts/ab_kernels.py); the default is the measured one.
     tile_cols: int = TILE_COLS
+    # fp32 input quantized as its bf16 rounding (``x.to(torch.bfloat16)``, never written): fp32 master
+    # weights without a cast kernel
+    as_bf16: bool = False
 
     family = "q32x1"
     kernel_module = "quantize_32x1"  # compiled by compile_cache.compile_variant (never imported here)
@@ -53,6 +56,8 @@ class Variant:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.tile_cols not in TILE_COLS_CHOICES:
             raise ValueError(f"tile_cols must be one of {TILE_COLS_CHOICES}, got {self.tile_cols!r}")
+        if self.as_bf16 and self.in_dtype != "float32":
+            raise ValueError(f"as_bf16 rounds a float32 input, got in_dtype {self.in_dtype!r}")
 
     @property
     def threads(self) -> int:
@@ -66,14 +71,17 @@ class Variant:
     @property
     def key(self) -> str:
         tile = "" if self.tile_cols == TILE_COLS else f"-c{self.tile_cols}"  # the default's key is unchanged
-        return f"{self.in_dtype}-{self.mode}-{self.groups}-{self.out_dtype}{tile}"
+        src = "float32asbf16" if self.as_bf16 else self.in_dtype
+        return f"{src}-{self.mode}-{self.groups}-{self.out_dtype}{tile}"
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
 
 
 def all_variants() -> list[Variant]:
-    return [Variant(i, m, g, o) for i in IN_DTYPES for m in MODES for g in GROUPS for o in OUT_DTYPES]
+    return ([Variant(i, m, g, o) for i in IN_DTYPES for m in MODES for g in GROUPS for o in OUT_DTYPES]
+            # fp32 master weights along N: the emulated GEMM's operand and the scaled GEMM's
+            + [Variant("float32", m, "uniform", o, as_bf16=True) for m in MODES for o in ("bfloat16", "float8_e4m3fn")])
 
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for

@@ -115,6 +115,24 @@ def bf16x2_to_f32_bits(w):
     return w << 16, w & Int32(-65536)  # 0xFFFF0000
 
 
+_F32X2_TO_BF16X2 = """{
+.reg .f32 a, b;
+mov.b32 a, $1;
+mov.b32 b, $2;
+cvt.rn.bf16x2.f32 $0, b, a;
+}"""
+
+
+def f32_bits_as_bf16(words) -> list:
+    """fp32 bit patterns rounded to bf16 (RNE, as ``x.to(torch.bfloat16)`` on CUDA: ``cvt.rn``, subnormals
+    kept, values past bf16's range to Inf, NaN to a NaN) and widened back: the fp32 bit patterns of the bf16
+    values. A kernel that reads fp32 master weights quantizes their bf16 rounding with it, no cast kernel."""
+    out = []
+    for i in range(0, len(words), 2):
+        out += bf16x2_to_f32_bits(_asm(1, [words[i], words[i + 1]], _F32X2_TO_BF16X2, "=r,r,r"))
+    return out
+
+
 def absmax_bits(words) -> Int32:
     """Largest magnitude bit pattern (``bits & 0x7fffffff``) over fp32 bit patterns."""
     m = Int32(words[0]) & F32_ABS_MASK

@@ -63,13 +63,15 @@ def _scale_shape(m: int, k: int, offs, scale_layout: str) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- implementations
 
 
-def _kernel_for(x: torch.Tensor, mode: str, kind: str, out: str) -> cc.Compiled:
+def _kernel_for(x: torch.Tensor, mode: str, kind: str, out: str, as_bf16: bool = False) -> cc.Compiled:
+    as_bf16 = as_bf16 and x.dtype == torch.float32  # a bf16 input is its own rounding
     return cc.kernel_for(
-        ("q1x32", x.dtype, mode, kind, out), lambda: Variant(IN_DTYPES[x.dtype], mode, kind, out), x.device
+        ("q1x32", x.dtype, mode, kind, out, as_bf16),
+        lambda: Variant(IN_DTYPES[x.dtype], mode, kind, out, as_bf16=as_bf16), x.device
     )
 
 
-def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str):
+def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str, as_bf16: bool = False):
     m, k = x.shape
     kind = "mgroups" if offs is not None else ("blocked" if scale_layout == "blocked" else "plain")
     srows, scols = _scale_shape(m, k, offs, scale_layout)
@@ -78,14 +80,14 @@ def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str):
     if scales.numel() > cc.INT32_MAX:
         raise ValueError(f"quantize_1x32: scale buffer of {scales.numel()} bytes exceeds the int32 index range")
     if x.numel() or scales.numel():
-        cc.launch(_kernel_for(x, mode, kind, "float8_e4m3fn"), cc.aligned(x), data, scales, offs)
+        cc.launch(_kernel_for(x, mode, kind, "float8_e4m3fn", as_bf16), cc.aligned(x), data, scales, offs)
     return data, scales.view(torch.float8_e8m0fnu)
 
 
-def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype):
+def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False):
     out = cc.empty(x.shape, out_dtype, x.device)
     if x.numel():
-        cc.launch(_kernel_for(x, mode, "fake", FAKE_OUT_DTYPES[out_dtype]), cc.aligned(x), out, None, None)
+        cc.launch(_kernel_for(x, mode, "fake", FAKE_OUT_DTYPES[out_dtype], as_bf16), cc.aligned(x), out, None, None)
     return out
 
 
@@ -94,13 +96,13 @@ def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype):
 
 @torch.library.custom_op("moe_quant::quantize_1x32", mutates_args=(), device_types="cuda")
 def _quantize_1x32_op(
-    x: torch.Tensor, mode: str, offs: torch.Tensor | None, scale_layout: str
+    x: torch.Tensor, mode: str, offs: torch.Tensor | None, scale_layout: str, as_bf16: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_impl(x, mode, offs, scale_layout)
+    return _quantize_impl(x, mode, offs, scale_layout, as_bf16)
 
 
 @_quantize_1x32_op.register_fake
-def _(x, mode, offs, scale_layout):
+def _(x, mode, offs, scale_layout, as_bf16=False):
     m, k = x.shape
     srows, scols = _scale_shape(m, k, offs, scale_layout)
     data = x.new_empty((m, k), dtype=torch.float8_e4m3fn)
@@ -109,12 +111,12 @@ def _(x, mode, offs, scale_layout):
 
 
 @torch.library.custom_op("moe_quant::fake_quantize_1x32", mutates_args=(), device_types="cuda")
-def _fake_quantize_1x32_op(x: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
-    return _fake_impl(x, mode, out_dtype)
+def _fake_quantize_1x32_op(x: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False) -> torch.Tensor:
+    return _fake_impl(x, mode, out_dtype, as_bf16)
 
 
 @_fake_quantize_1x32_op.register_fake
-def _(x, mode, out_dtype):
+def _(x, mode, out_dtype, as_bf16=False):
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
@@ -141,12 +143,13 @@ def quantize_1x32(
     return run_quantize_1x32(x, mode.value, offs, scale_layout)
 
 
-def run_quantize_1x32(x: torch.Tensor, mode: str, offs, scale_layout: str):
+def run_quantize_1x32(x: torch.Tensor, mode: str, offs, scale_layout: str, as_bf16: bool = False):
     """:func:`quantize_1x32` of arguments its caller has checked (``mode`` a value string): the custom op
-    while tracing or on a tensor subclass, else the launch itself (the autograd functions' hot path)."""
+    while tracing or on a tensor subclass, else the launch itself (the autograd functions' hot path).
+    ``as_bf16``: a float32 ``x`` is quantized as ``x.to(torch.bfloat16)`` (rounded in the kernel)."""
     if cc.via_dispatcher(x):
-        return torch.ops.moe_quant.quantize_1x32(x, mode, offs, scale_layout)
-    return _quantize_impl(x, mode, offs, scale_layout)
+        return torch.ops.moe_quant.quantize_1x32(x, mode, offs, scale_layout, as_bf16)
+    return _quantize_impl(x, mode, offs, scale_layout, as_bf16)
 
 
 def fake_quantize_1x32(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -164,11 +167,11 @@ def fake_quantize_1x32(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.
     return run_fake_quantize_1x32(x, mode.value, out_dtype)
 
 
-def run_fake_quantize_1x32(x: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
+def run_fake_quantize_1x32(x: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False) -> torch.Tensor:
     """:func:`fake_quantize_1x32` of checked arguments (see :func:`run_quantize_1x32`)."""
     if cc.via_dispatcher(x):
-        return torch.ops.moe_quant.fake_quantize_1x32(x, mode, out_dtype)
-    return _fake_impl(x, mode, out_dtype)
+        return torch.ops.moe_quant.fake_quantize_1x32(x, mode, out_dtype, as_bf16)
+    return _fake_impl(x, mode, out_dtype, as_bf16)
 
 
 # ----------------------------------------------------------------------------- 3D along K: the 1x32 kernel
@@ -207,13 +210,19 @@ def quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str):
     fn = "quantize_3d_along_k"
     mode = ScaleMode.parse(mode, "mode")
     _check_w(w, fn, dims=((2, "K"),))
+    return run_3d_along_k(w, mode.value)
+
+
+def run_3d_along_k(w: torch.Tensor, mode: str, as_bf16: bool = False):
+    """:func:`quantize_3d_along_k` of checked arguments (``mode`` a value string; ``as_bf16``: a float32
+    ``w`` quantized as ``w.to(torch.bfloat16)``, rounded in the kernel)."""
     e, n, k = w.shape
     rp, cp = layouts.blocked_shape(n, k // BLOCK_SIZE)
     x = w.view(e * n, k)
     if n % layouts.TILE_ROWS == 0:
-        data, scales = run_quantize_1x32(x, mode.value, None, "blocked")
+        data, scales = run_quantize_1x32(x, mode, None, "blocked", as_bf16)
     else:
-        data, scales = run_quantize_1x32(x, mode.value, _uniform_offsets(e, n, w.device), "blocked")
+        data, scales = run_quantize_1x32(x, mode, _uniform_offsets(e, n, w.device), "blocked", as_bf16)
         scales = scales[: e * rp]
     return data.view(e, n, k), scales.reshape(e, rp * cp)
 
@@ -227,7 +236,8 @@ def fake_quantize_3d_along_k(w: torch.Tensor, mode: ScaleMode | str, out_dtype: 
     return run_fake_3d_along_k(w, mode.value, out_dtype)
 
 
-def run_fake_3d_along_k(w: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`fake_quantize_3d_along_k` of checked arguments (``mode`` a value string)."""
+def run_fake_3d_along_k(w: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False) -> torch.Tensor:
+    """:func:`fake_quantize_3d_along_k` of checked arguments (``mode`` a value string; ``as_bf16`` as in
+    :func:`run_3d_along_k`)."""
     e, n, k = w.shape
-    return run_fake_quantize_1x32(w.view(e * n, k), mode, out_dtype).view(e, n, k)
+    return run_fake_quantize_1x32(w.view(e * n, k), mode, out_dtype, as_bf16).view(e, n, k)

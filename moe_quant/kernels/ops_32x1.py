@@ -14,10 +14,11 @@ from .ops_1x32 import IN_DTYPES, _check_device, _check_offs, _check_out_dtype, _
 _OUT_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def _kernel_32x1(x: torch.Tensor, mode: str, groups: str, out_dtype: torch.dtype) -> cc.Compiled:
+def _kernel_32x1(x: torch.Tensor, mode: str, groups: str, out_dtype: torch.dtype, as_bf16: bool = False) -> cc.Compiled:
+    as_bf16 = as_bf16 and x.dtype == torch.float32  # a bf16 input is its own rounding
     return cc.kernel_for(
-        ("q32x1", x.dtype, mode, groups, out_dtype),
-        lambda: Variant(IN_DTYPES[x.dtype], mode, groups, _OUT_NAMES[out_dtype]),
+        ("q32x1", x.dtype, mode, groups, out_dtype, as_bf16),
+        lambda: Variant(IN_DTYPES[x.dtype], mode, groups, _OUT_NAMES[out_dtype], as_bf16=as_bf16),
         x.device,
     )
 
@@ -46,7 +47,7 @@ def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor,
     return data, (None if scales is None else scales.view(torch.float8_e8m0fnu)), poffs
 
 
-def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype):
+def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False):
     e, n, k = w.shape
     fp8 = out_dtype == torch.float8_e4m3fn
     data = cc.empty((e, k, n), out_dtype, w.device)
@@ -55,7 +56,8 @@ def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype):
         rp, cp = layouts.blocked_shape(k, n // BLOCK_SIZE)
         scales = cc.empty((e, rp * cp), torch.uint8, w.device)
     if w.numel():
-        cc.launch(_kernel_32x1(w, mode, "uniform", out_dtype), cc.aligned(w.view(e * n, k)), data, scales, None, None)
+        cc.launch(_kernel_32x1(w, mode, "uniform", out_dtype, as_bf16), cc.aligned(w.view(e * n, k)), data, scales,
+                  None, None)
     elif scales is not None:
         scales.zero_()
     return data, (scales.view(torch.float8_e8m0fnu) if fp8 else None)
@@ -91,25 +93,25 @@ def _(x, mode, offs, out_dtype):
 
 
 @torch.library.custom_op("moe_quant::quantize_32x1_3d", mutates_args=(), device_types="cuda")
-def _quantize_32x1_3d_op(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    data, scales = _quantize_32x1_3d_impl(w, mode, torch.float8_e4m3fn)
+def _quantize_32x1_3d_op(w: torch.Tensor, mode: str, as_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    data, scales = _quantize_32x1_3d_impl(w, mode, torch.float8_e4m3fn, as_bf16)
     return data, scales
 
 
 @_quantize_32x1_3d_op.register_fake
-def _(w, mode):
+def _(w, mode, as_bf16=False):
     e, n, k = w.shape
     rp, cp = layouts.blocked_shape(k, n // BLOCK_SIZE)
     return w.new_empty((e, k, n), dtype=torch.float8_e4m3fn), w.new_empty((e, rp * cp), dtype=torch.float8_e8m0fnu)
 
 
 @torch.library.custom_op("moe_quant::fake_quantize_32x1_3d", mutates_args=(), device_types="cuda")
-def _fake_quantize_32x1_3d_op(w: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
-    return _quantize_32x1_3d_impl(w, mode, out_dtype)[0]
+def _fake_quantize_32x1_3d_op(w: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False) -> torch.Tensor:
+    return _quantize_32x1_3d_impl(w, mode, out_dtype, as_bf16)[0]
 
 
 @_fake_quantize_32x1_3d_op.register_fake
-def _(w, mode, out_dtype):
+def _(w, mode, out_dtype, as_bf16=False):
     e, n, k = w.shape
     return w.new_empty((e, k, n), dtype=out_dtype)
 
@@ -165,9 +167,15 @@ def quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str):
     fn = "quantize_3d_along_n"
     mode = ScaleMode.parse(mode, "mode")
     _check_w(w, fn)
+    return run_3d_along_n(w, mode.value)
+
+
+def run_3d_along_n(w: torch.Tensor, mode: str, as_bf16: bool = False):
+    """:func:`quantize_3d_along_n` of checked arguments (``mode`` a value string; ``as_bf16``: a float32 ``w``
+    quantized as ``w.to(torch.bfloat16)``, rounded in the kernel)."""
     if cc.via_dispatcher(w):
-        return torch.ops.moe_quant.quantize_32x1_3d(w, mode.value)
-    return _quantize_32x1_3d_impl(w, mode.value, torch.float8_e4m3fn)
+        return torch.ops.moe_quant.quantize_32x1_3d(w, mode, as_bf16)
+    return _quantize_32x1_3d_impl(w, mode, torch.float8_e4m3fn, as_bf16)
 
 
 def fake_quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):
@@ -179,8 +187,9 @@ def fake_quantize_3d_along_n(w: torch.Tensor, mode: ScaleMode | str, out_dtype: 
     return run_fake_3d_along_n(w, mode.value, out_dtype)
 
 
-def run_fake_3d_along_n(w: torch.Tensor, mode: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`fake_quantize_3d_along_n` of checked arguments (``mode`` a value string)."""
+def run_fake_3d_along_n(w: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False) -> torch.Tensor:
+    """:func:`fake_quantize_3d_along_n` of checked arguments (``mode`` a value string; ``as_bf16`` as in
+    :func:`run_3d_along_n`)."""
     if cc.via_dispatcher(w):
-        return torch.ops.moe_quant.fake_quantize_32x1_3d(w, mode, out_dtype)
-    return _quantize_32x1_3d_impl(w, mode, out_dtype)[0]
+        return torch.ops.moe_quant.fake_quantize_32x1_3d(w, mode, out_dtype, as_bf16)
+    return _quantize_32x1_3d_impl(w, mode, out_dtype, as_bf16)[0]

@@ -24,6 +24,9 @@ One source for SM90 (Hopper) and SM100 (Blackwell). Memory-bound streaming desig
   row's last scale. Real and padding bytes are disjoint, so no ordering is needed.
 * Fake-quant mode writes ``bf16(q * 2**(s-127))`` (or fp32) in the same pass; no fp8
   is materialized.
+* ``as_bf16`` (fp32 input): each loaded value is rounded to bf16 first (``cvt.rn``, as
+  ``x.to(torch.bfloat16)``), so fp32 master weights are quantized as their bf16 values
+  without a cast kernel writing and the kernel reading a bf16 copy.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Quantize1x32Kernel:
         self.v = variant
         self.rceil = variant.mode == "rceil"
         self.in_f32 = variant.in_dtype == "float32"
+        self.as_bf16 = variant.as_bf16  # fp32 loads rounded to bf16 before the block math
         self.kind = variant.kind
         self.fake_f32 = variant.kind == "fake" and variant.out_dtype == "float32"
         self.threads = variant.tile.threads
@@ -278,7 +282,7 @@ class Quantize1x32Kernel:
         for u in cutlass.range_constexpr(iters):
             ch = base + (u * threads) + Int64(tid)
             if cutlass.const_expr(self.in_f32):
-                xs = xw[u]
+                xs = cu.f32_bits_as_bf16(xw[u]) if cutlass.const_expr(self.as_bf16) else xw[u]
             else:
                 w0, w1, w2, w3 = xw[u]
                 l0, h0 = cu.bf16x2_to_f32_bits(w0)

@@ -29,6 +29,8 @@ output row gets 128 consecutive tokens.
   padded group end) and the scale bytes past the last group's tiles. CTA (0, 0) also writes the
   padded group ends ``poffs``. Whatever ``offs`` holds, every write stays inside the buffers.
 * ``uniform``: tile ``(e, k)`` of expert e, no table.
+* ``as_bf16`` (fp32 input): loaded values are rounded to bf16 first (as ``x.to(torch.bfloat16)``):
+  fp32 master weights quantized as their bf16 values, no cast kernel.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Quantize32x1Kernel:
         self.v = variant
         self.rceil = variant.mode == "rceil"
         self.in_f32 = variant.in_dtype == "float32"
+        self.as_bf16 = variant.as_bf16  # fp32 loads rounded to bf16 before the block math
         self.kgroups = variant.groups == "kgroups"
         self.fake = variant.fake
         self.fake_f32 = variant.out_dtype == "float32"
@@ -249,7 +252,7 @@ class Quantize32x1Kernel:
         vals = []
         for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
             if cutlass.const_expr(self.in_f32):
-                vals.append(words[i])
+                vals.append(cu.f32_bits_as_bf16(words[i]) if cutlass.const_expr(self.as_bf16) else words[i])
             else:
                 row = []
                 for wd in words[i]:
