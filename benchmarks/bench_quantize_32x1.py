@@ -3,6 +3,7 @@ and peers (docs/design.md section 6). Also run by ``python -m benchmarks.bench_q
 
     python -m benchmarks.bench_quantize_32x1 [--m 8192,32768,131072] [--r 2048,5120,7168] [--groups 8]
                                              [--w 8x8192x5120,8x2048x7168,16x2048x7168] [--no-torchao]
+                                             [--kernels 32x1,3d,3d-fp32]
 
 Per shape: us, TB/s, % of a bf16 memcpy of the same tensor measured in the same run, and the time per
 call inside a CUDA graph of several calls (launch overhead hidden). Bytes = input read + every output
@@ -162,6 +163,36 @@ def bench_3d(shapes, peers) -> list[list]:
     return rows
 
 
+def bench_3d_fp32(shapes) -> list[list]:
+    """fp32 master weights, quantized as their bf16 rounding: the kernels rounding as they load (``as_bf16``,
+    what the GEMMs run) against the plain computation (``w.to(bfloat16)``, then the bf16 kernel), both timed
+    here. Bytes of the fast path: the fp32 read plus the outputs; the plain path moves 6 more per element."""
+    rows = []
+    fns = {("k", "mxfp8"): lambda w, a: ops.run_3d_along_k(w, MODE.value, a),
+           ("n", "mxfp8"): lambda w, a: ops.run_3d_along_n(w, MODE.value, a),
+           ("k", "fake"): lambda w, a: ops.run_fake_3d_along_k(w, MODE.value, torch.bfloat16, a),
+           ("n", "fake"): lambda w, a: ops.run_fake_3d_along_n(w, MODE.value, torch.bfloat16, a)}
+    for e, n, k in shapes:
+        _, cp = memcpy_tbps((e * n, k))
+        rot = Rotating(lambda: (torch.randn(e, n, k, device="cuda", dtype=torch.float32),))
+        for (along, out), fn in fns.items():
+            nb = w_bytes(e, n, k, along, out) + 2 * e * n * k  # 4 bytes read per element, not 2
+
+            def fast(t, fn=fn):
+                return fn(t[0], True)
+
+            def plain(t, fn=fn):
+                return fn(t[0].to(torch.bfloat16), False)
+
+            fast(rot.next()), plain(rot.next())
+            us = bench_us(lambda: fast(rot.next()))
+            pus = bench_us(lambda: plain(rot.next()))
+            rows.append([f"{e}x{n}x{k}", along, out, us, tbps(nb, us), 100 * tbps(nb, us) / cp, pus, pus / us, cp])
+        del rot
+        torch.cuda.empty_cache()
+    return rows
+
+
 def host_overhead_us(n: int = 100, reps: int = 20) -> list[list]:
     """CPU time per eager call on tiny inputs (the launch queue never fills)."""
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
@@ -191,7 +222,7 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> list[list]:
     return out
 
 
-def run(ms, rs, g: int, shapes, no_torchao: bool, kernels=("32x1", "3d")) -> None:
+def run(ms, rs, g: int, shapes, no_torchao: bool, kernels=("32x1", "3d", "3d-fp32")) -> None:
     print(f"device: {device_name()}  torch {torch.__version__}")
     peers = _peers(no_torchao)
     if "32x1" in kernels:
@@ -208,6 +239,13 @@ def run(ms, rs, g: int, shapes, no_torchao: bool, kernels=("32x1", "3d")) -> Non
             ["E x N x K", "along", "out", "us", "TB/s", "%memcpy", "graph us", "graph %memcpy",
              f"torchao({PEER_MODE}) dim0+3D %memcpy", "memcpy TB/s"],
             bench_3d(shapes, peers),
+        )
+    if "3d-fp32" in kernels:
+        print_table(
+            f"3D expert weights (E, N, K), fp32 input quantized as bf16 (as_bf16), {MODE.value} ({device_name()})",
+            ["E x N x K", "along", "out", "us", "TB/s", "%memcpy", "cast + bf16 kernel us", "cast+kernel / as_bf16",
+             "memcpy TB/s"],
+            bench_3d_fp32(shapes),
         )
     print_table("host overhead per eager call (us)", ["call", "us"], host_overhead_us())
 
@@ -233,7 +271,8 @@ def main(argv=None):
     p.add_argument("--r", type=multiple_of_32_list, default=[2048, 5120, 7168])
     p.add_argument("--groups", type=cli.positive_int, default=8)
     p.add_argument("--w", type=weight_shapes, default=list(DEFAULT_SHAPES))
-    p.add_argument("--kernels", type=cli.comma_choices("32x1", "3d"), default=["32x1", "3d"])
+    p.add_argument("--kernels", type=cli.comma_choices("32x1", "3d", "3d-fp32"), default=["32x1", "3d", "3d-fp32"],
+                   help="comma list of 32x1, 3d, 3d-fp32 (fp32 master weights read as bf16 vs cast + kernel)")
     p.add_argument("--no-torchao", action="store_true")
     args = p.parse_args(argv)
     require_cuda(argv)  # one line and exit status 2 without a GPU
