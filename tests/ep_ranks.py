@@ -7,13 +7,18 @@ import datetime
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from fsdp2_check import backend_threads, release_mesh_process_groups  # noqa: E402  (the teardown checks)
 
 
 def _error(fn):
@@ -124,6 +129,14 @@ def _job(job):
 
 def _worker(rank, world, store, out_dir, jobs):
     torch.set_num_threads(1)
+    # Before the process group: torch._dynamo (which moe_quant and torchao import) imported after
+    # init_process_group keeps the gloo backend alive past destroy_process_group (torch 2.13), so its
+    # threads were torn down at interpreter exit, which aborted a rank now and then ("terminate called
+    # without an active exception", SIGABRT: every test of the session errored).
+    import torch._dynamo as _dynamo  # noqa: F401  (as: a bare "import torch.x" would make torch a local)
+
+    import moe_quant.ep  # noqa: F401
+
     results = []
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -132,6 +145,8 @@ def _worker(rank, world, store, out_dir, jobs):
             results.append(_job(job))
         dist.barrier()
         dist.destroy_process_group()
+        release_mesh_process_groups()  # DTensor's caches keep torchtitan's meshes and their groups alive
+        results.append({"gloo_threads_after_teardown": backend_threads("gloo")})
     except Exception:
         results.append({"fatal": traceback.format_exc()})
 
@@ -146,11 +161,16 @@ def _worker(rank, world, store, out_dir, jobs):
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(clean(results), f)
+    # No interpreter shutdown: a gloo backend still alive then (the torchtitan sessions leave one, held
+    # by something other than their meshes) is destroyed with its threads running, which aborts now
+    # and then. The results are written; exit here.
+    os._exit(0)
 
 
-def run_session(world: int, jobs: list, timeout_s: float = 100.0) -> list:
+def run_session(world: int, jobs: list, timeout_s: float = 100.0, clean_teardown: bool = False) -> list:
     """Runs ``jobs`` on ``world`` gloo ranks; returns ``results[rank][job]``. Never hangs: ranks still
-    running after ``timeout_s`` are terminated and the missing results raise."""
+    running after ``timeout_s`` are terminated and the missing results raise. ``clean_teardown``: raise if
+    a rank's gloo threads outlived ``destroy_process_group`` (its backend kept alive)."""
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, jobs), nprocs=world,
                                  join=False, start_method="spawn")
@@ -171,4 +191,7 @@ def run_session(world: int, jobs: list, timeout_s: float = 100.0) -> list:
         for item in res:
             if isinstance(item, dict) and "fatal" in item:
                 raise RuntimeError(f"rank {r} failed:\n{item['fatal']}")
+        left = res.pop()["gloo_threads_after_teardown"]
+        if clean_teardown and left:
+            raise RuntimeError(f"rank {r}: gloo threads alive after destroy_process_group: {left}")
     return out

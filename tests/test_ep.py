@@ -75,7 +75,7 @@ CASES_4 = {
 
 def _session(world, cases):
     names = list(cases)
-    results = run_session(world, [cases[n] for n in names])
+    results = run_session(world, [cases[n] for n in names], clean_teardown=True)
     return {name: [results[r][i] for r in range(world)] for i, name in enumerate(names)}
 
 
