@@ -86,6 +86,8 @@ def all_variants() -> list[Variant]:
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
 # every arch (compile_check) on the operand the targets measure: bf16 in, rceil, both group kinds, e4m3 out.
+# Measured and dropped (H100, 2026-11-26, NOTES_32x1.md): registers capped with ``min_blocks_per_mp`` for 5, 6 and
+# 8 CTAs per SM (48 / 40 / 32 registers, with spills): % of memcpy within 0.5 points of the default everywhere.
 CANDIDATES = {"c128 (default)": {}, "c64": {"tile_cols": 64}}
 
 
