@@ -40,20 +40,25 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - slope * mx, 1 / slope / 1e6
 
 
+def memcpy_case(name: str, shape: tuple, dtype: torch.dtype):
+    """(name, bytes, call) of a device-to-device copy of a ``shape`` tensor (read + write), inputs rotated."""
+    rot = Rotating(lambda: (torch.empty(shape, device="cuda", dtype=dtype), torch.empty(shape, device="cuda", dtype=dtype)))
+
+    def copy():
+        src, dst = rot.next()
+        dst.copy_(src)
+
+    return name, 2 * rot.sets[0][0].numel() * rot.sets[0][0].element_size(), copy
+
+
 def q32_cases(m: int, r: int):
     """(name, bytes, call) of the memcpy and the 32x1 forms at ``(m, r)``."""
     from benchmarks.bench_quantize import group_offsets
     from benchmarks.bench_quantize_32x1 import k_groups_bytes, w_bytes
     from moe_quant.kernels import ops
 
-    rot = Rotating(lambda: (torch.randn(m, r, device="cuda", dtype=torch.bfloat16),
-                            torch.empty(m, r, device="cuda", dtype=torch.bfloat16)))
-
-    def copy():
-        src, dst = rot.next()
-        dst.copy_(src)
-
-    yield "memcpy bf16 (M, R)", 4 * m * r, copy
+    rot = Rotating(lambda: (torch.randn(m, r, device="cuda", dtype=torch.bfloat16),))
+    yield memcpy_case("memcpy bf16 (M, R)", (m, r), torch.bfloat16)
     for g in (1, 8, 64):
         offs = group_offsets(m, g, ragged=g > 1)
         yield (f"32x1 kgroups G={g}", k_groups_bytes(m, r, g, "mxfp8"),
@@ -74,14 +79,7 @@ def perm_cases(m: int, k: int):
     counts = counts.view(E, E).cuda()
     rot = Rotating(lambda: (torch.randint(0, 127, (m, k), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn),
                             torch.randint(100, 140, (m, k // 32), device="cuda", dtype=torch.uint8)))
-    cp = Rotating(lambda: (torch.empty(m, k, device="cuda", dtype=torch.uint8),
-                           torch.empty(m, k, device="cuda", dtype=torch.uint8)))
-
-    def copy():
-        src, dst = cp.next()
-        dst.copy_(src)
-
-    yield "memcpy fp8 (M, K)", 2 * m * k, copy
+    yield memcpy_case("memcpy fp8 (M, K)", (m, k), torch.uint8)
     read = m * k + m * k // 32
     rows, cols = layouts.m_groups_blocked_shape(m, k // 32, E)
     for out, written in (("blocked", m * k + rows * cols), ("dequant", 2 * m * k)):
