@@ -125,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=cli.positive_int, default=5)
     p.add_argument("--json", type=cli.writable_file, default=None)
     args = p.parse_args(argv)
+    if any(m % 256 for m in args.m):  # the kernel has no bounds masks: whole tiles only
+        p.error(f"--m: tokens per expert must be multiples of 256, got {args.m}")
     require_cuda(argv)
 
     bmm = _kernels()
