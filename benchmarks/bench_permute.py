@@ -14,6 +14,38 @@ import argparse
 from benchmarks.timing import require_cuda
 
 
+def ragged_counts(m: int, k: int, ranks: int, experts: int):
+    """``(ranks, experts)`` int32 CUDA rows per (source rank, local expert), ragged, summing to ``m`` (seeded
+    by ``m + k``): the received-rows layout every permute benchmark times."""
+    import torch
+
+    g = torch.Generator().manual_seed(m + k)
+    w = torch.rand(ranks * experts, generator=g) + 0.05
+    counts = (w / w.sum() * m).floor().to(torch.int32)
+    counts[-1] += m - int(counts.sum())  # ragged, summing to M
+    return counts.view(ranks, experts).cuda()
+
+
+def received_rows(m: int, k: int):
+    """``(data (m, k) e4m3, scales (m, k/32) uint8)`` on the GPU: finite values, scales 2^-27..2^12."""
+    import torch
+
+    return (torch.randint(0, 127, (m, k), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn),
+            torch.randint(100, 140, (m, k // 32), device="cuda", dtype=torch.uint8))
+
+
+def permute_bytes(m: int, k: int, experts: int, out: str) -> int:
+    """Bytes one permute call moves: the fp8 rows and scales read, ``out``'s outputs written (bf16 rows for
+    ``"dequant"``; fp8 rows and the M-groups blocked scale buffer for ``"blocked"``)."""
+    from moe_quant import layouts
+
+    read = m * k + m * k // 32
+    if out == "dequant":
+        return read + 2 * m * k
+    sr, sc = layouts.m_groups_blocked_shape(m, k // 32, experts)
+    return read + m * k + sr * sc
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", default="8192,32768,131072")
@@ -25,24 +57,13 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, print_table, tbps
-    from moe_quant import layouts
     from moe_quant.kernels import ops_permute
 
     rows = []
     for m in (int(v) for v in args.m.split(",")):
         for k in (int(v) for v in args.k.split(",")):
-            g = torch.Generator().manual_seed(m + k)
-            w = torch.rand(args.ranks * args.experts, generator=g) + 0.05
-            counts = (w / w.sum() * m).floor().to(torch.int32)
-            counts[-1] += m - int(counts.sum())  # ragged, summing to M
-            counts = counts.view(args.ranks, args.experts).cuda()
-
-            def make():
-                d = torch.randint(0, 127, (m, k), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
-                s = torch.randint(100, 140, (m, k // 32), device="cuda", dtype=torch.uint8)
-                return d, s
-
-            rot = Rotating(make)
+            counts = ragged_counts(m, k, args.ranks, args.experts)
+            rot = Rotating(lambda m=m, k=k: received_rows(m, k))
             _, cp_tbps = memcpy_tbps((m, k))
             for out in ("dequant", "blocked"):
                 def run(out=out):
@@ -51,13 +72,7 @@ def main(argv=None) -> int:
 
                 run()
                 us = bench_us(run)
-                read = m * k + m * k // 32
-                if out == "dequant":
-                    written = 2 * m * k
-                else:
-                    sr, sc = layouts.m_groups_blocked_shape(m, k // 32, args.experts)
-                    written = m * k + sr * sc
-                t = tbps(read + written, us)
+                t = tbps(permute_bytes(m, k, args.experts, out), us)
                 rows.append([m, k, out, round(us, 1), round(t, 2), round(100 * t / cp_tbps, 1), round(cp_tbps, 2)])
     print_table(f"permute_received kernel, R={args.ranks} E={args.experts} ragged ({device_name()})",
                 ["M", "K", "out", "us", "TB/s", "%memcpy", "memcpy TB/s"], rows)

@@ -53,16 +53,27 @@ class Rotating:
         return s
 
 
-def memcpy_tbps(shape, dtype=torch.bfloat16) -> tuple[float, float]:
-    """(us, TB/s) of a device-to-device copy of a tensor of ``shape`` (read + write)."""
-    rot = Rotating(lambda: (torch.randn(shape, device="cuda", dtype=dtype), torch.empty(shape, device="cuda", dtype=dtype)))
+def memcpy_call(shape, dtype=torch.bfloat16):
+    """``(run, bytes)``: a device-to-device copy of a ``shape`` tensor, its inputs rotated past the L2, and the
+    bytes it moves (read + write)."""
+    def make():
+        src = (torch.randn(shape, device="cuda", dtype=dtype) if dtype.is_floating_point
+               else torch.randint(0, 127, shape, device="cuda", dtype=dtype))
+        return src, torch.empty_like(src)
+
+    rot = Rotating(make)
 
     def run():
         src, dst = rot.next()
         dst.copy_(src)
 
+    return run, 2 * torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+
+
+def memcpy_tbps(shape, dtype=torch.bfloat16) -> tuple[float, float]:
+    """(us, TB/s) of a device-to-device copy of a tensor of ``shape`` (read + write)."""
+    run, nbytes = memcpy_call(shape, dtype)
     us = bench_us(run)
-    nbytes = 2 * torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
     return us, nbytes / us / 1e6
 
 

@@ -26,7 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from benchmarks.timing import Rotating, bench_us, device_name, print_table, require_cuda, tbps, write_json  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    Rotating, bench_us, device_name, memcpy_call, print_table, require_cuda, tbps, write_json)
 from moe_quant import cli  # noqa: E402
 
 TARGET_PCT = 85.0
@@ -145,23 +146,13 @@ def perm_check() -> bool:
 
 
 def perm_cases():
-    from moe_quant import layouts
+    from benchmarks.bench_permute import permute_bytes, ragged_counts, received_rows
     from moe_quant.kernels import ops_permute
 
     for m, k in PERM_SHAPES:
-        gen = torch.Generator().manual_seed(m + k)
-        w = torch.rand(64, generator=gen) + 0.05
-        counts = (w / w.sum() * m).floor().to(torch.int32)
-        counts[-1] += m - int(counts.sum())
-        counts = counts.view(8, 8).cuda()
-        sr, sc = layouts.m_groups_blocked_shape(m, k // 32, 8)
-        nb = m * k + m * k // 32 + m * k + sr * sc
-
-        def make(m=m, k=k):
-            return (torch.randint(0, 127, (m, k), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn),
-                    torch.randint(100, 140, (m, k // 32), device="cuda", dtype=torch.uint8))
-
-        yield (m, k), nb, make, lambda d, s, counts=counts: ops_permute.permute_mxfp8(d, s, counts, "blocked")
+        counts = ragged_counts(m, k, 8, 8)
+        yield ((m, k), permute_bytes(m, k, 8, "blocked"), lambda m=m, k=k: received_rows(m, k),
+               lambda d, s, counts=counts: ops_permute.permute_mxfp8(d, s, counts, "blocked"))
 
 
 FAMILIES = {
@@ -171,17 +162,6 @@ FAMILIES = {
 
 
 # ----------------------------------------------------------------------------- driver
-
-
-def memcpy_call(shape):
-    rot = Rotating(lambda: (torch.randn(shape, device="cuda", dtype=torch.bfloat16),
-                            torch.empty(shape, device="cuda", dtype=torch.bfloat16)))
-
-    def run():
-        src, dst = rot.next()
-        dst.copy_(src)
-
-    return run, 2 * 2 * shape[0] * shape[1]
 
 
 def run_family(name: str, rounds: int) -> dict:

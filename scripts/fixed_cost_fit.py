@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.timing import Rotating, bench_us, device_name, print_table, require_cuda  # noqa: E402
+from benchmarks.timing import Rotating, bench_us, device_name, memcpy_call, print_table, require_cuda  # noqa: E402
 from moe_quant import cli  # noqa: E402
 
 E = 8  # experts of the 3D weight form; the permute runs 8 ranks x 8 experts
@@ -40,17 +40,6 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - slope * mx, 1 / slope / 1e6
 
 
-def memcpy_case(name: str, shape: tuple, dtype: torch.dtype):
-    """(name, bytes, call) of a device-to-device copy of a ``shape`` tensor (read + write), inputs rotated."""
-    rot = Rotating(lambda: (torch.empty(shape, device="cuda", dtype=dtype), torch.empty(shape, device="cuda", dtype=dtype)))
-
-    def copy():
-        src, dst = rot.next()
-        dst.copy_(src)
-
-    return name, 2 * rot.sets[0][0].numel() * rot.sets[0][0].element_size(), copy
-
-
 def q32_cases(m: int, r: int):
     """(name, bytes, call) of the memcpy and the 32x1 forms at ``(m, r)``."""
     from benchmarks.bench_quantize import group_offsets
@@ -58,7 +47,8 @@ def q32_cases(m: int, r: int):
     from moe_quant.kernels import ops
 
     rot = Rotating(lambda: (torch.randn(m, r, device="cuda", dtype=torch.bfloat16),))
-    yield memcpy_case("memcpy bf16 (M, R)", (m, r), torch.bfloat16)
+    copy, copy_bytes = memcpy_call((m, r), torch.bfloat16)
+    yield "memcpy bf16 (M, R)", copy_bytes, copy
     for g in (1, 8, 64):
         offs = group_offsets(m, g, ragged=g > 1)
         yield (f"32x1 kgroups G={g}", k_groups_bytes(m, r, g, "mxfp8"),
@@ -69,25 +59,19 @@ def q32_cases(m: int, r: int):
 
 def perm_cases(m: int, k: int):
     """(name, bytes, call) of an fp8 memcpy and the permute kernel's outputs at ``(m, k)``."""
-    from moe_quant import layouts
+    from benchmarks.bench_permute import permute_bytes, ragged_counts, received_rows
     from moe_quant.kernels import ops_permute
 
-    gen = torch.Generator().manual_seed(m + k)
-    w = torch.rand(E * E, generator=gen) + 0.05
-    counts = (w / w.sum() * m).floor().to(torch.int32)
-    counts[-1] += m - int(counts.sum())
-    counts = counts.view(E, E).cuda()
-    rot = Rotating(lambda: (torch.randint(0, 127, (m, k), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn),
-                            torch.randint(100, 140, (m, k // 32), device="cuda", dtype=torch.uint8)))
-    yield memcpy_case("memcpy fp8 (M, K)", (m, k), torch.uint8)
-    read = m * k + m * k // 32
-    rows, cols = layouts.m_groups_blocked_shape(m, k // 32, E)
-    for out, written in (("blocked", m * k + rows * cols), ("dequant", 2 * m * k)):
+    counts = ragged_counts(m, k, E, E)
+    rot = Rotating(lambda: received_rows(m, k))
+    copy, copy_bytes = memcpy_call((m, k), torch.uint8)
+    yield "memcpy fp8 (M, K)", copy_bytes, copy
+    for out in ("blocked", "dequant"):
         def run(out=out):
             data, scales = rot.next()
             ops_permute.permute_mxfp8(data, scales, counts, out, torch.bfloat16)
 
-        yield f"permute {out}", read + written, run
+        yield f"permute {out}", permute_bytes(m, k, E, out), run
 
 
 def main(argv=None) -> int:
