@@ -1,6 +1,6 @@
 """A/B of 1x32 M-groups kernel configurations in one process (same GPU, interleaved repeats).
 
-    python scripts/ab_1x32.py [--out best.txt] [configs...]   # configs like 256x4  256x4:pf:leader
+    python scripts/ab_1x32.py [--out best.txt] [configs...]   # configs like 256x4  256x4:pf
 
 Each config is first checked byte for byte against the reference on ragged shapes, then timed
 (do_bench median, inputs rotated past L2) on a few shapes; prints % of memcpy per shape and the mean,
@@ -43,7 +43,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=cli.writable_file, default=None, help="file for the best config's string")
     p.add_argument("--reps", type=cli.positive_int, default=2)
-    p.add_argument("configs", nargs="*", default=["256x4:pf:leader", "256x4:leader", "256x4:pf", "256x4"])
+    p.add_argument("configs", nargs="*", default=["256x4:pf", "256x4", "256x8", "512x4"])
     a = p.parse_args()
     require_cuda()
     arch = compile_cache.arch(torch.device("cuda"))

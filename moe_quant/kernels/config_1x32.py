@@ -24,12 +24,10 @@ class TileConfig:
     threads: int = 256
     iters: int = 4
     table: int = 256  # groups resolved per pass of the shared-memory group table
-    # Two M-groups knobs, chosen by an A/B on an H100 (scripts/ab_1x32.py, one process, ragged G=8;
-    # % of memcpy at (8192,2048) / (32768,2048) / (32768,7168) / (131072,7168)):
-    #   prefetch on,  leader search: 82.2 / 87.3 / 90.8 / 92.1
-    #   prefetch off, all search:    84.8 / 92.2 / 95.0 / 96.0   <- default
+    # M-groups knob, chosen by an A/B on an H100 (scripts/ab_1x32.py, one process, ragged G=8; % of memcpy at
+    # (8192,2048) / (32768,2048) / (32768,7168) / (131072,7168), 2026-11-22, before each lane of a quad took one
+    # block's scale (NOTES_1x32.md)): prefetch on 82.2 / 87.3 / 90.8 / 92.1, off 84.8 / 92.2 / 95.0 / 96.0 (default)
     prefetch_offs: bool = False  # warp 0 loads offs[0:32] before its data loads (measured slower)
-    leader_search: bool = False  # only the scale-writing lane of a quad searches the group table
 
     def __post_init__(self):
         if self.threads % 32 or not (32 <= self.threads <= 1024):
@@ -45,14 +43,14 @@ class TileConfig:
 
     @property
     def key(self) -> str:
-        return f"t{self.threads}i{self.iters}g{self.table}{'p' if self.prefetch_offs else ''}{'l' if self.leader_search else ''}"
+        return f"t{self.threads}i{self.iters}g{self.table}{'p' if self.prefetch_offs else ''}"
 
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
-        """``"256x4"`` optionally followed by ``:pf`` / ``:nopf`` / ``:leader`` / ``:allsearch`` (A/B runs)."""
+        """``"256x4"`` optionally followed by ``:pf`` (A/B runs)."""
         head, *flags = text.split(":")
         th, it = (int(v) for v in head.split("x"))
-        return cls(threads=th, iters=it, prefetch_offs="pf" in flags, leader_search="leader" in flags)
+        return cls(threads=th, iters=it, prefetch_offs="pf" in flags)
 
 
 def _default_tile() -> TileConfig:

@@ -17,6 +17,11 @@ One source for SM90 (Hopper) and SM100 (Blackwell). Memory-bound streaming desig
   prefix sums -- the same definition as :func:`moe_quant.layouts.group_bounds`) with warp
   scans into shared memory, ``table`` groups per pass (any G), and binary-searches it for
   the row of each of its blocks.
+* One block's scale is known to all 4 lanes of its quad, so lane j of a quad writes the
+  scales of the quad's blocks of iterations u = j, j + 4, ...: each lane does the
+  row/column arithmetic, the group search and the scale store of one block per 4
+  iterations instead of the quad's first lane doing all of them (the index arithmetic
+  had made the kernel bound by its instruction issue on the H200; NOTES_1x32.md).
 * Padding (the "fused per-group padding"): extra CTAs at the front of the grid, one
   per 128-row tile of the scale buffer, zero every byte that holds no real scale:
   rows past a group's end inside its last tile, and the tail after the last group.
@@ -70,7 +75,6 @@ class Quantize1x32Kernel:
         self.table = variant.tile.table
         self.has_pad = variant.kind in ("blocked", "mgroups")
         self.prefetch_offs = variant.tile.prefetch_offs
-        self.leader_search = variant.tile.leader_search
 
     # ------------------------------------------------------------------ host
 
@@ -243,22 +247,40 @@ class Quantize1x32Kernel:
                 w0, w1, w2, w3 = cu.ld_global_v4(src)
                 xw.append((w0, w1, w2, w3))
 
-        # ---- M groups: while the loads are in flight, warp 0 builds the group table and the
-        # scale-writing lanes look up their row's group (row shift P_g - start_g)
+        # ---- the scales this lane writes: the 4 lanes of a quad hold the same block's scale, so lane j of the
+        # quad writes the scales of iterations u = j, j + 4, ... ("rounds" of 4 iterations): every lane does the
+        # row/column arithmetic (and the group search) of one block per round, not of every block
+        n_rounds = (iters + LANES_PER_BLOCK - 1) // LANES_PER_BLOCK
+        quad_pos = lane % LANES_PER_BLOCK
         rows = []
         cols = []
+        mine = []  # this lane's block of each round exists (u < iters and inside the tensor)
+        if cutlass.const_expr(self.kind != "fake"):
+            blk0 = base // LANES_PER_BLOCK  # first block of the CTA (CTA-uniform)
+            r0 = Int32(blk0 // Int64(kb))
+            c0 = Int32(blk0 - Int64(r0) * Int64(kb))
+            for rd in cutlass.range_constexpr(n_rounds):
+                u = quad_pos + rd * LANES_PER_BLOCK  # dynamic: this lane's iteration of the round
+                t = c0 + (u * threads + tid) // LANES_PER_BLOCK
+                dr = t // kb
+                rows.append(r0 + dr)
+                cols.append(t - dr * kb)
+                ch = base + Int64(u * threads + tid)
+                ok = ch < n_chunks
+                if cutlass.const_expr(iters % LANES_PER_BLOCK != 0):
+                    ok = ok & (u < iters)
+                mine.append(ok)
+
+        # ---- M groups: while the loads are in flight, warp 0 builds the group table and every lane looks up
+        # the group of its blocks' rows (row shift P_g - start_g)
         found = None
         shift = None
         if cutlass.const_expr(self.kind == "mgroups"):
-            for u in cutlass.range_constexpr(iters):
-                row_u, col_u = self.row_col(base, u, tid, kb)
-                rows.append(row_u)
-                cols.append(col_u)
-            found = cute.make_rmem_tensor(cute.make_layout(iters), Int32)
-            shift = cute.make_rmem_tensor(cute.make_layout(iters), Int32)
-            for u in cutlass.range_constexpr(iters):
-                found[u] = Int32(0)
-                shift[u] = Int32(0)
+            found = cute.make_rmem_tensor(cute.make_layout(n_rounds), Int32)
+            shift = cute.make_rmem_tensor(cute.make_layout(n_rounds), Int32)
+            for rd in cutlass.range_constexpr(n_rounds):
+                found[rd] = Int32(0)
+                shift[rd] = Int32(0)
             carry_end = Int32(0)
             carry_pend = Int32(0)
             for pas in cutlass.range(0, (n_groups + (self.table - 1)) // self.table, 1):
@@ -266,19 +288,16 @@ class Quantize1x32Kernel:
                     pas, offs, m, n_groups, lane, warp, carry_end, carry_pend, t_end, t_shift, t_pend, pre
                 )
                 last_end = Int32(t_end[n - 1])
-                searcher = Int32(1)
-                if cutlass.const_expr(self.leader_search):
-                    searcher = Int32(cutlass.select_(lane % LANES_PER_BLOCK == 0, Int32(1), Int32(0)))
-                if searcher != 0:
-                    for u in cutlass.range_constexpr(iters):
-                        if found[u] == 0:
-                            if rows[u] < last_end:
-                                j = cu.upper_bound(t_end, n, rows[u])
-                                shift[u] = Int32(t_shift[j])
-                                found[u] = Int32(1)
+                for rd in cutlass.range_constexpr(n_rounds):
+                    if found[rd] == 0:
+                        if rows[rd] < last_end:
+                            j = cu.upper_bound(t_end, n, rows[rd])
+                            shift[rd] = Int32(t_shift[j])
+                            found[rd] = Int32(1)
                 cute.arch.sync_threads()
 
-        # ---- quantize; store data and scales
+        # ---- quantize; store data
+        svals = []
         for u in cutlass.range_constexpr(iters):
             ch = base + (u * threads) + Int64(tid)
             if cutlass.const_expr(self.in_f32):
@@ -299,26 +318,24 @@ class Quantize1x32Kernel:
             else:
                 if valid:
                     cu.st_global_v2(out.iterator + ch * CHUNK, q0, q1)
-                    if lane % LANES_PER_BLOCK == 0:
-                        if cutlass.const_expr(self.kind == "mgroups"):
-                            if found[u] != 0:
-                                cu.store_blocked_scale(scales, rows[u] + shift[u], cols[u], kb, nc, s)
-                        else:
-                            rw, cl = self.row_col(base, u, tid, kb)
-                            if cutlass.const_expr(self.kind == "plain"):
-                                cu.st_global_u8(scales.iterator + (Int64(rw) * Int64(kb) + Int64(cl)), s)
-                            else:
-                                cu.store_blocked_scale(scales, rw, cl, kb, nc, s)
+                svals.append(s)
 
-    @cute.jit
-    def row_col(self, base: Int64, u: cutlass.Constexpr, tid: Int32, kb: Int32):
-        """(row, scale column) of the 32-element block of chunk ``base + u * threads + tid``."""
-        blk0 = base // LANES_PER_BLOCK  # first block of the CTA (CTA-uniform)
-        r0 = Int32(blk0 // Int64(kb))
-        c0 = Int32(blk0 - Int64(r0) * Int64(kb))
-        t = c0 + (u * self.threads + tid) // LANES_PER_BLOCK
-        dr = t // kb
-        return r0 + dr, t - dr * kb
+        # ---- store this lane's scales (one per round)
+        if cutlass.const_expr(self.kind != "fake"):
+            for rd in cutlass.range_constexpr(n_rounds):
+                u0 = rd * LANES_PER_BLOCK
+                s = svals[u0]
+                for d in cutlass.range_constexpr(1, LANES_PER_BLOCK):
+                    if cutlass.const_expr(u0 + d < iters):
+                        s = Int32(cutlass.select_(quad_pos == d, svals[u0 + d], s))
+                if mine[rd]:
+                    if cutlass.const_expr(self.kind == "mgroups"):
+                        if found[rd] != 0:
+                            cu.store_blocked_scale(scales, rows[rd] + shift[rd], cols[rd], kb, nc, s)
+                    elif cutlass.const_expr(self.kind == "plain"):
+                        cu.st_global_u8(scales.iterator + (Int64(rows[rd]) * Int64(kb) + Int64(cols[rd])), s)
+                    else:
+                        cu.store_blocked_scale(scales, rows[rd], cols[rd], kb, nc, s)
 
 
 def make_fake_args(variant: Variant, tvm_ffi: bool):
