@@ -22,7 +22,7 @@ from benchmarks.bench_quantize_32x1 import weight_shapes
 from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, print_table, prog_name, tbps, write_json
 from moe_quant import cli
 from moe_quant import fingerprint as fp
-from moe_quant.kernels.config_fingerprint import CANDIDATES, CTAS_PER_SM, Variant
+from moe_quant.kernels.fingerprint.config import CANDIDATES, CTAS_PER_SM, Variant
 
 VARIANTS = {"default": Variant(), **{name.split()[0]: Variant(**kw) for name, kw in CANDIDATES.items() if kw}}
 DSV3 = (8, 2048, 7168)  # one DeepSeek-V3 expert weight of 8 local experts (w1, w3 and w2 hold as many bytes)
@@ -30,7 +30,7 @@ DSV3 = (8, 2048, 7168)  # one DeepSeek-V3 expert weight of 8 local experts (w1, 
 
 def bench_shape(shape, variants, grids, weights: int, micro_batches: int) -> tuple[list, list, list]:
     """Table rows, JSON records and the scope row of one weight shape."""
-    from moe_quant.kernels import ops_fingerprint
+    from moe_quant.kernels.fingerprint import ops as ops_fingerprint
 
     nbytes = torch.Size(shape).numel() * 2
     rot = Rotating(lambda: (torch.randn(shape, device="cuda", dtype=torch.bfloat16),))

@@ -114,7 +114,10 @@ def fwd_only(impl, A, W, offs, grad):
 def quantize_launches() -> list[tuple[str, object, object]]:
     """(name, torch op call, compiled kernel call alone) of each quantize kernel, tiny inputs."""
     from moe_quant import layouts
-    from moe_quant.kernels import ops, ops_1x32, ops_32x1, ops_permute
+    from moe_quant.kernels import ops
+    from moe_quant.kernels.quantize_1x32 import ops as ops_1x32
+    from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
+    from moe_quant.kernels.permute import ops as ops_permute
 
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")

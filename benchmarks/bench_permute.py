@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, print_table, tbps
-    from moe_quant.kernels import ops_permute
+    from moe_quant.kernels.permute import ops as ops_permute
 
     rows = []
     for m in (int(v) for v in args.m.split(",")):

@@ -19,7 +19,8 @@ import torch
 
 from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, tbps
 from moe_quant import layouts, reference
-from moe_quant.kernels import compile_cache, ops, ops_1x32
+from moe_quant.kernels import compile_cache, ops
+from moe_quant.kernels.quantize_1x32 import ops as ops_1x32
 from moe_quant.numerics import ScaleMode
 
 
@@ -170,7 +171,7 @@ def main():
     kinds = args.kinds
     print(f"device: {device_name()}  torch {torch.__version__}")
 
-    from moe_quant.kernels.config_1x32 import TileConfig, Variant
+    from moe_quant.kernels.quantize_1x32.config import TileConfig, Variant
 
     extra_tiles = [TileConfig(threads=th, iters=it) for th, it in args.tiles]
 

@@ -22,7 +22,8 @@ import torch
 from benchmarks.bench_quantize import PEER_MODE, _torchao_triton_dim0, group_offsets, multiple_of_32_list
 from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, prog_name, tbps
 from moe_quant import cli, layouts
-from moe_quant.kernels import ops, ops_32x1
+from moe_quant.kernels import ops
+from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
 from moe_quant.numerics import BLOCK_SIZE, ScaleMode
 
 MODE = ScaleMode.RCEIL

@@ -102,7 +102,7 @@ def dual(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool):
     """``(rowwise form, colwise form)`` of ``x (M, R)`` (bf16 or fp32) in one read; ``fake``: the
     dequantized bf16 values the emulated GEMM takes, else fp8 data and blocked scales."""
     if _kernels_serve(x):
-        from .kernels import ops_block
+        from .kernels.block import ops as ops_block
 
         return _kernel_forms(ops_block.block_dual(x, mode, offs, fake), fake)[0]
     return _separate_forms(x, mode, offs, fake)
@@ -111,7 +111,7 @@ def dual(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool):
 def swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool):
     """Both forms of ``h = silu(a) * b`` (:func:`moe_quant.reference.swiglu`), without writing ``h``."""
     if _kernels_serve(a, b):
-        from .kernels import ops_block
+        from .kernels.block import ops as ops_block
 
         return _kernel_forms(ops_block.block_swiglu(a, b, mode, offs, fake), fake)[0]
     return _separate_forms(reference.swiglu(a, b), mode, offs, fake)
@@ -122,7 +122,7 @@ def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleM
     """``((rowwise, colwise) of grad_a, (rowwise, colwise) of grad_b)`` of the SwiGLU backward
     (:func:`moe_quant.reference.dswiglu`), without writing ``grad_a`` or ``grad_b``."""
     if _kernels_serve(grad_h, a, b):
-        from .kernels import ops_block
+        from .kernels.block import ops as ops_block
 
         return tuple(_kernel_forms(ops_block.block_dswiglu(grad_h, a, b, mode, offs, fake), fake))
     grad_a, grad_b = reference.dswiglu(grad_h, a, b)
@@ -135,7 +135,7 @@ def dswiglu_stacked(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode
     :func:`concat_colwise` of grad_a's and grad_b's forms; the kernel writes each half in place (no
     concatenation copy)."""
     if _kernels_serve(grad_h, a, b):
-        from .kernels import ops_block
+        from .kernels.block import ops as ops_block
 
         row, col, poffs = ops_block.block_dswiglu(grad_h, a, b, mode, offs, True, stacked=True)
         return (row,), (col, poffs)

@@ -23,7 +23,7 @@ returned as an int64 tensor of one element (two's complement) on ``t``'s device;
   would not do: ``c_i - c_j`` is even, so swapping two words that differ only in bit 63 never changes it,
   and words that agree in their low bits swapped at a distance of a power of two often do not.
 
-:func:`fingerprint` runs the CuTe-DSL kernel (``moe_quant/kernels/fingerprint.py``: one read of the bytes,
+:func:`fingerprint` runs the CuTe-DSL kernel (``moe_quant/kernels/fingerprint/kernel.py``: one read of the bytes,
 two launches for an aligned tensor) where the quantization kernels run, the reference elsewhere.
 """
 
@@ -33,7 +33,7 @@ import torch
 
 from . import backends
 
-# The definition's constants, read by the kernel too (moe_quant/kernels/config_fingerprint.py): a change here
+# The definition's constants, read by the kernel too (moe_quant/kernels/fingerprint/config.py): a change here
 # changes the kernel's generated code and its disk-cache hash.
 WORD_KEY = 0x9E3779B97F4A7C15  # round(2**64 / golden ratio), odd: word position -> 64-bit key
 WORD_MIX = 0xFF51AFD7ED558CCD  # odd 64-bit multiplier of the word mix (a bijection of the 64-bit words)
@@ -99,7 +99,7 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     reference elsewhere. Both give the same value."""
     b = as_bytes(t)
     if b.is_cuda and type(b) is torch.Tensor and backends.use_quant_kernels(b):
-        from .kernels import ops_fingerprint
+        from .kernels.fingerprint import ops as ops_fingerprint
 
         return ops_fingerprint.fingerprint_bytes(b)
     return reference_words_sum(b)

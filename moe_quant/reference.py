@@ -121,7 +121,7 @@ def fake_quantize_colwise_k_groups(
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``h = silu(a) * b`` exactly as PyTorch evaluates ``F.silu(a) * b`` on ``a``'s device: ``silu(a)``
     rounded to ``a``'s dtype, then the product rounded again. On CUDA this is PyTorch's silu kernel,
-    which the fused ``swiglu`` kernel reproduces instruction for instruction (kernels/NOTES_block.md)."""
+    which the fused ``swiglu`` kernel reproduces instruction for instruction (kernels/block/NOTES.md)."""
     return F.silu(a) * b
 
 

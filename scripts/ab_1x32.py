@@ -23,7 +23,7 @@ from benchmarks.bench_quantize import group_offsets, nbytes  # noqa: E402
 from benchmarks.timing import Rotating, bench_us, memcpy_tbps, print_table, require_cuda, tbps  # noqa: E402
 from moe_quant import cli, layouts, reference  # noqa: E402
 from moe_quant.kernels import compile_cache, ops  # noqa: E402
-from moe_quant.kernels.config_1x32 import TileConfig, Variant  # noqa: E402
+from moe_quant.kernels.quantize_1x32.config import TileConfig, Variant  # noqa: E402
 from moe_quant.numerics import ScaleMode  # noqa: E402
 
 SHAPES = [(8192, 2048), (32768, 2048), (32768, 7168), (131072, 7168)]

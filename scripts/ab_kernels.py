@@ -1,4 +1,4 @@
-"""A/B of the 32x1 and permute kernel candidates (``CANDIDATES`` in ``config_32x1`` / ``config_permute``), one process.
+"""A/B of the 32x1 and permute kernel candidates (``CANDIDATES`` in ``quantize_32x1.config`` / ``permute.config``), one process.
 
     python scripts/ab_kernels.py [--family q32x1,perm] [--rounds 5] [--json PATH]
 
@@ -59,7 +59,7 @@ def same_bytes(got, want) -> bool:
 
 
 def q32_family():
-    from moe_quant.kernels import config_32x1
+    from moe_quant.kernels.quantize_32x1 import config as config_32x1
 
     def variants(groups):
         return {name: config_32x1.Variant("bfloat16", "rceil", groups, **kw)
@@ -115,7 +115,7 @@ def q32_cases():
 
 
 def perm_family():
-    from moe_quant.kernels import config_permute
+    from moe_quant.kernels.permute import config as config_permute
 
     variants = {name: config_permute.Variant("blocked", **kw) for name, kw in config_permute.CANDIDATES.items()}
     return {"blocked": (variants, ("perm", "blocked", "float8_e4m3fn", torch.cuda.current_device()))}
@@ -126,7 +126,7 @@ def perm_check() -> bool:
 
     from moe_quant import to_mxfp8
     from moe_quant.ep.permute import reference_permute_received
-    from moe_quant.kernels import ops_permute
+    from moe_quant.kernels.permute import ops as ops_permute
 
     ok = True
     g = torch.Generator().manual_seed(0)
@@ -147,7 +147,7 @@ def perm_check() -> bool:
 
 def perm_cases():
     from benchmarks.bench_permute import permute_bytes, ragged_counts, received_rows
-    from moe_quant.kernels import ops_permute
+    from moe_quant.kernels.permute import ops as ops_permute
 
     for m, k in PERM_SHAPES:
         counts = ragged_counts(m, k, 8, 8)

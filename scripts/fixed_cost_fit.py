@@ -10,7 +10,7 @@ the group table, the last wave), ``BW`` the rate once it streams. Kernels: a bf1
 E = 8, no group table) forms, an fp8 memcpy of ``(M, R)``, and the EP permute kernel (8 ranks x 8 experts,
 blocked and dequantized outputs). Where a target is a percentage of memcpy at a small M (the 32x1 kernel at
 (8192, 2048), the permute at (32768, 2048)), ``t0`` against the memcpy's says how much of the gap no
-streaming improvement can close (``moe_quant/kernels/NOTES_32x1.md``).
+streaming improvement can close (``moe_quant/kernels/quantize_32x1/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def q32_cases(m: int, r: int):
 def perm_cases(m: int, k: int):
     """(name, bytes, call) of an fp8 memcpy and the permute kernel's outputs at ``(m, k)``."""
     from benchmarks.bench_permute import permute_bytes, ragged_counts, received_rows
-    from moe_quant.kernels import ops_permute
+    from moe_quant.kernels.permute import ops as ops_permute
 
     counts = ragged_counts(m, k, E, E)
     rot = Rotating(lambda: received_rows(m, k))

@@ -40,7 +40,8 @@ def _kernel_path_without_kernels():
     import moe_quant.autograd.grouped_mm as gm
     from moe_quant import backends
     from moe_quant.kernels import compile_cache as cc
-    from moe_quant.kernels import ops_1x32, ops_32x1
+    from moe_quant.kernels.quantize_1x32 import ops as ops_1x32
+    from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
 
     backends.use_quant_kernels = lambda x: True
     gm.grouped_mm_zero_fills_empty_groups = lambda device: True  # as on Hopper

@@ -21,7 +21,8 @@ from mx_strategies import make_values, offsets_from_sizes  # noqa: E402
 from benchmarks.timing import require_cuda  # noqa: E402
 from moe_quant import block_quantize as bq  # noqa: E402
 from moe_quant import layouts, reference  # noqa: E402
-from moe_quant.kernels import compile_cache, ops_block  # noqa: E402
+from moe_quant.kernels import compile_cache  # noqa: E402
+from moe_quant.kernels.block import ops as ops_block  # noqa: E402
 from moe_quant.numerics import ScaleMode  # noqa: E402
 
 compile_cache.POISON_OUTPUTS = True

@@ -19,7 +19,7 @@ sys.path[:0] = [str(ROOT)]
 
 from benchmarks.timing import require_cuda  # noqa: E402
 from moe_quant import fingerprint as fp  # noqa: E402
-from moe_quant.kernels import ops_fingerprint  # noqa: E402
+from moe_quant.kernels.fingerprint import ops as ops_fingerprint  # noqa: E402
 
 
 def case(n: int, offset: int, ctas_per_sm: int = 8) -> bool:

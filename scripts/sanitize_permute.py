@@ -19,7 +19,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from benchmarks.timing import require_cuda  # noqa: E402
 from moe_quant.ep.permute import OUT_KINDS, reference_permute_received  # noqa: E402
-from moe_quant.kernels import compile_cache, config_permute, ops_permute  # noqa: E402
+from moe_quant.kernels import compile_cache  # noqa: E402
+from moe_quant.kernels.permute import config as config_permute  # noqa: E402
+from moe_quant.kernels.permute import ops as ops_permute  # noqa: E402
 
 compile_cache.POISON_OUTPUTS = True
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moe_quant import fingerprint as fp
-from moe_quant.kernels import ops_fingerprint
+from moe_quant.kernels.fingerprint import ops as ops_fingerprint
 from moe_quant.fingerprint import WORD_KEY, WORD_MIX, as_int64
 
 MASK = (1 << 64) - 1

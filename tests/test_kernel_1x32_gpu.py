@@ -193,7 +193,7 @@ def test_unaligned_input_storage():
 def test_path_without_tvm_ffi(monkeypatch):
     """The fallback call path (cute.runtime.from_dlpack + explicit stream) gives the same bytes."""
     monkeypatch.setenv("MOE_QUANT_NO_TVM_FFI", "1")
-    from moe_quant.kernels.config_1x32 import Variant
+    from moe_quant.kernels.quantize_1x32.config import Variant
 
     kern = compile_cache.build(Variant("bfloat16", "rceil", "mgroups"), compile_cache.arch(torch.device("cuda")))
     assert not kern.tvm

@@ -20,7 +20,8 @@ from mx_strategies import DISTRIBUTIONS, group_sizes, make_values, offsets_from_
 
 from moe_quant import block_quantize as bq
 from moe_quant import layouts, mxfp8_swiglu_experts, reference, swiglu_experts_unfused
-from moe_quant.kernels import compile_cache, ops_block
+from moe_quant.kernels import compile_cache
+from moe_quant.kernels.block import ops as ops_block
 from moe_quant.numerics import ScaleMode
 
 pytestmark = pytest.mark.gpu
@@ -202,7 +203,7 @@ def same_bits_or_both_nan(got: torch.Tensor, want: torch.Tensor, what: str):
 
 
 def test_swiglu_math_matches_pytorch_silu_for_every_bf16():
-    from moe_quant.kernels.quantize_block import run_swiglu_math
+    from moe_quant.kernels.block.kernel import run_swiglu_math
 
     a = all_bf16()
     one = torch.ones_like(a)
@@ -214,7 +215,7 @@ def test_swiglu_math_matches_pytorch_silu_for_every_bf16():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_swiglu_math_matches_pytorch_on_random_triples(seed):
-    from moe_quant.kernels.quantize_block import run_swiglu_math
+    from moe_quant.kernels.block.kernel import run_swiglu_math
 
     gen = torch.Generator().manual_seed(seed)
     n = 1 << 20

@@ -1,9 +1,10 @@
-"""A/B kernel candidates (config_32x1 / config_permute CANDIDATES): distinct cache keys, compile-checked, the
+"""A/B kernel candidates (quantize_32x1.config / permute.config CANDIDATES): distinct cache keys, compile-checked, the
 defaults' keys as recorded here; no cutlass import (config modules)."""
 
 import pytest
 
-from moe_quant.kernels import config_32x1, config_permute
+from moe_quant.kernels.quantize_32x1 import config as config_32x1
+from moe_quant.kernels.permute import config as config_permute
 
 
 def test_default_keys_unchanged():

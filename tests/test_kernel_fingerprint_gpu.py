@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from moe_quant import backends, reuse_quantized_weights
 from moe_quant import fingerprint as fp
-from moe_quant.kernels import ops_fingerprint
-from moe_quant.kernels.config_fingerprint import Variant, candidate_variants
+from moe_quant.kernels.fingerprint import ops as ops_fingerprint
+from moe_quant.kernels.fingerprint.config import Variant, candidate_variants
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from moe_quant import backends, to_mxfp8
 from moe_quant.ep.permute import OUT_KINDS, reference_permute_received
-from moe_quant.kernels import compile_cache, config_permute, ops_permute
+from moe_quant.kernels import compile_cache
+from moe_quant.kernels.permute import config as config_permute
+from moe_quant.kernels.permute import ops as ops_permute
 from tests.mx_strategies import DISTRIBUTIONS, make_values, received_counts, to_bytes
 
 pytestmark = pytest.mark.gpu
@@ -104,7 +106,7 @@ def test_bad_counts_and_empty(cand):
 
 def test_past_table_falls_back_to_reference():
     from moe_quant.ep import permute_received
-    from moe_quant.kernels.config_permute import MAX_BLOCKS
+    from moe_quant.kernels.permute.config import MAX_BLOCKS
 
     c = torch.ones(MAX_BLOCKS + 1, 1, dtype=torch.int32)
     assert not ops_permute.serves(c)

@@ -259,7 +259,7 @@ def test_bench_block_cpu_smoke(tmp_path, capsys):
 def test_kernel_op_shapes_match_the_reference_forms(fake, m, r, sizes):
     """The block ops' fake implementations (what torch.compile traces) give the shapes and dtypes of the
     reference forms the kernels must reproduce byte for byte."""
-    from moe_quant.kernels import ops_block
+    from moe_quant.kernels.block import ops as ops_block
 
     x = torch.randn(m, r).bfloat16()
     offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)

@@ -225,7 +225,7 @@ def test_dswiglu_stacked_is_the_concatenation_of_the_forms(m, h, sizes, mode):
 def test_stacked_op_fake_shapes_match_the_reference_forms(m, h, sizes):
     """The stacked op's fake implementation (what torch.compile traces): the shapes and dtypes of the
     reference forms of [grad_a | grad_b] the kernel must reproduce byte for byte."""
-    from moe_quant.kernels import ops_block
+    from moe_quant.kernels.block import ops as ops_block
 
     x = torch.randn(m, h).bfloat16()
     offs = offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32)
@@ -239,7 +239,8 @@ def test_stacked_op_fake_shapes_match_the_reference_forms(m, h, sizes):
 def test_stacked_op_zero_fill_path(monkeypatch, m, h, sizes):
     """M R = 0 or G = 0: the stacked op launches no kernel (so this runs on the CPU); every byte of its outputs,
     poisoned first, follows from the shapes: the reference forms of [grad_a | grad_b]."""
-    from moe_quant.kernels import compile_cache, ops_block
+    from moe_quant.kernels import compile_cache
+    from moe_quant.kernels.block import ops as ops_block
 
     monkeypatch.setattr(compile_cache, "POISON_OUTPUTS", True)
     g = torch.Generator().manual_seed(m + h)
@@ -255,7 +256,7 @@ def test_stacked_op_zero_fill_path(monkeypatch, m, h, sizes):
 def test_stacked_block_variants_are_their_own_and_the_others_keep_their_keys():
     """The stacked dSwiGLU variants (row pitch 2R) are variants of their own, bf16 only; every other block
     variant keeps its key (its compiled code, on-disk cache name and measured speed)."""
-    from moe_quant.kernels.config_block import Variant, all_variants
+    from moe_quant.kernels.block.config import Variant, all_variants
 
     keys = [v.key for v in all_variants()]
     assert len(keys) == len(set(keys)) == 14
@@ -297,7 +298,7 @@ def test_emulated_w13_backward_concatenates_no_rowwise_forms(monkeypatch):
 
 
 def test_stacked_colwise_forms_need_fake_values():
-    from moe_quant.kernels import ops_block
+    from moe_quant.kernels.block import ops as ops_block
 
     t = torch.zeros(4, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="stacked colwise forms exist for fake=True"):

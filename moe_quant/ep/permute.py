@@ -5,7 +5,7 @@ After the dispatch all-to-all a rank holds, for each source rank ``r`` and local
 expert-major: for each expert e, for each rank r, that block's rows in order. This module holds
 the semantics (:func:`reference_permute_received`, pure PyTorch, no host synchronization) and the
 entry point :func:`permute_received`, which runs the CuTe-DSL kernel on SM90+ (``R * E`` up to
-``kernels.config_permute.MAX_BLOCKS`` = 1024 blocks) and the reference elsewhere; both are byte-identical (``tests/test_permute.py``, ``tests/test_kernel_permute_gpu.py``).
+``kernels.permute.config.MAX_BLOCKS`` = 1024 blocks) and the reference elsewhere; both are byte-identical (``tests/test_permute.py``, ``tests/test_kernel_permute_gpu.py``).
 
 Counts are sanitized on the device, never read on the host: a negative count is 0 and the running
 total (in r-major order) is clamped to M, so block (r, e) holds rows
@@ -110,7 +110,7 @@ def permute_received(data, scales, counts, *, out="dequant", out_dtype=torch.bfl
     """
     check_permute_received_args(data, scales, counts, out, out_dtype)
     if backends.use_quant_kernels(data):
-        from ..kernels import ops_permute
+        from ..kernels.permute import ops as ops_permute
 
         if ops_permute.serves(counts):
             return ops_permute.permute_mxfp8(data.contiguous(), scales.contiguous(), counts.contiguous(), out, out_dtype)

@@ -1,11 +1,11 @@
 """The compile, memory and disk cache of the CuTe-DSL kernels, and the launch path every family's ops use.
 
-A kernel family is three modules: ``config_<family>.py`` (a frozen ``Variant`` dataclass: everything that
-changes the generated code, plus ``family``, ``key`` and ``kernel_module``; no cutlass import), the kernel
-module it names (``compile_variant(variant, tvm_ffi, extra_options)``, the only place cutlass is imported)
-and ``ops_<family>.py`` (torch ops: checks, allocation, launch). This module imports a kernel module only
-to compile, by the name its variant carries, so no config module imports its kernel and a new family
-adds files, not branches.
+A kernel family is a subpackage of three modules: ``config.py`` (a frozen ``Variant`` dataclass: everything
+that changes the generated code, plus ``family``, ``key`` and ``kernel_module``; no cutlass import), the kernel
+module it names (``kernel.py``: ``compile_variant(variant, tvm_ffi, extra_options)``, the only place cutlass is
+imported) and ``ops.py`` (torch ops: checks, allocation, launch). This module imports a kernel module only to
+compile, by the name its variant carries, so no config module imports its kernel and a new family adds files,
+not branches.
 
 Compiled kernels are cached by variant and GPU arch -- never by shapes or group values. With
 ``apache-tvm-ffi`` present, kernels are called through TVM-FFI (torch tensors passed straight to the
@@ -57,20 +57,30 @@ def compile_variant(variant, tvm_ffi: bool, extra_options: str = ""):
 _SRC_HASH: dict = {}  # kernel module -> hash
 
 
+def _source_file(module: str) -> Path:
+    """The source file of ``module``, a module name relative to the ``moe_quant`` package
+    (``kernels.quantize_32x1.kernel``, ``numerics``), found without importing it."""
+    return Path(__file__).resolve().parent.parent.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def sources(variant) -> list[Path]:
+    """Every source that shapes the variant's generated code: its kernel module, its config module (the constants
+    the kernel reads), the modules the kernel builds on (``kernel_deps``: names relative to ``moe_quant``) and
+    the shared device helpers, layouts and numerics."""
+    config = type(variant).__module__.split(".", 1)[1]  # moe_quant.kernels.<family>.config -> kernels.<family>.config
+    names = (f"kernels.{variant.kernel_module}", config, *getattr(variant, "kernel_deps", ()), "kernels.cute_utils",
+             "layouts", "numerics")
+    return [_source_file(n) for n in dict.fromkeys(names)]
+
+
 def _src_hash(variant) -> str:
-    """Hash of every source that shapes the variant's generated code (its kernel module and the shared
-    device helpers, layouts and numerics), plus the cutlass-dsl / tvm-ffi versions: editing one family's
-    kernel keeps the other families' disk cache."""
+    """Hash of :func:`sources` plus the cutlass-dsl / tvm-ffi versions: editing one family's kernel keeps the
+    other families' disk cache."""
     module = variant.kernel_module
     if module in _SRC_HASH:
         return _SRC_HASH[module]
-    here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    # modules the kernel builds on: a kernels module by its name, or a moe_quant module (``moe_quant.X``: X.py)
-    deps = tuple(here / f"{d}.py" if (here / f"{d}.py").exists() else here.parent / f"{d}.py"
-                 for d in getattr(variant, "kernel_deps", ()))
-    for p in (here / f"{module}.py", *deps, here / "cute_utils.py", here.parent / "layouts.py",
-              here.parent / "numerics.py"):
+    for p in sources(variant):
         h.update(p.read_bytes())
     try:
         from importlib.metadata import version

@@ -1,5 +1,5 @@
-"""Compile every kernel variant (every family with a ``config_*`` module) for one GPU arch without a GPU (CI), and report
-ptxas resources.
+"""Compile every kernel variant (every family: a subpackage with a ``config`` module) for one GPU arch without a
+GPU (CI), and report ptxas resources.
 
     python -m moe_quant.kernels.compile_check sm_90a [sm_100a ...]
 
@@ -44,17 +44,19 @@ def _worker(arch: str) -> None:
 
 
 def all_variants() -> list:
-    """Every variant the package can launch, ``all_variants()`` of each ``config_*`` module (one per family),
-    then the A/B candidates a family offers (its ``candidate_variants()``, ``scripts/ab_kernels.py``)."""
+    """Every variant the package can launch, ``all_variants()`` of each family's ``config`` module (a family is a
+    subpackage with one), then the A/B candidates a family offers (its ``candidate_variants()``,
+    ``scripts/ab_kernels.py``)."""
     import importlib
+    import importlib.util
     import pkgutil
 
     from . import __path__ as here
 
     out = []
     for info in sorted(pkgutil.iter_modules(here), key=lambda i: i.name):
-        if info.name.startswith("config_"):
-            mod = importlib.import_module(f"{__package__}.{info.name}")
+        if info.ispkg and importlib.util.find_spec(f"{__package__}.{info.name}.config") is not None:
+            mod = importlib.import_module(f"{__package__}.{info.name}.config")
             out += mod.all_variants()
             out += [v for v in getattr(mod, "candidate_variants", list)() if v not in out]
     return out

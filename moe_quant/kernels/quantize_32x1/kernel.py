@@ -1,7 +1,7 @@
 """CuTe-DSL kernel: colwise (32x1) MXFP8 quantization of ``x (M, R)`` along dim 0, in token groups.
 
 One source for SM90 (Hopper) and SM100 (Blackwell); plain 16-byte loads, no TMA. The two
-group kinds and output kinds are described in :mod:`moe_quant.kernels.config_32x1`.
+group kinds and output kinds are described in :mod:`moe_quant.kernels.quantize_32x1.config`.
 
 Work split. A CTA owns one tile of 128 tokens x 128 columns: tokens ``[128 k, 128 k + 128)`` of
 one group (aligned to the group's start, so the tile's four 32-token blocks are exactly four
@@ -39,10 +39,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
-from ..numerics import BLOCK_SIZE
-from . import cute_utils as cu
-from .config_32x1 import (  # noqa: F401  (re-exported: the kernel's config)
+from ...layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
+from ...numerics import BLOCK_SIZE
+from .. import cute_utils as cu
+from .config import (  # noqa: F401  (re-exported: the kernel's config)
     COLS_PER_THREAD,
     HALF_COLS,
     TILE_TOKENS,

@@ -3,7 +3,7 @@ without loading the DSL). The fingerprint's definition and its two constants liv
 :mod:`moe_quant.fingerprint` (the reference); the kernel reads the same numbers, and a change of that module
 reaches the kernel's disk-cache hash (``kernel_deps``).
 
-The kernel (``fingerprint.py``) reads a 16-byte aligned byte buffer in 16-byte vectors (two 64-bit words
+The kernel (``kernel.py``) reads a 16-byte aligned byte buffer in 16-byte vectors (two 64-bit words
 each), adds up every word's term in 64-bit registers, reduces within the CTA and adds the CTA's sum to an
 int64 output with one 64-bit atomic add.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..fingerprint import WORD_KEY, WORD_MIX, as_int64  # noqa: F401  (the definition's constants)
+from ...fingerprint import WORD_KEY, WORD_MIX, as_int64  # noqa: F401  (the definition's constants)
 
 VEC = 16  # bytes per load (one 16-byte vector: two 64-bit words)
 THREADS = 256
 ITERS = 4  # vectors per thread per grid-stride step, all loads issued before the first term
-# The persistent grid: at most this many CTAs per SM (ops_fingerprint sizes it per device). ptxas keeps about two
+# The persistent grid: at most this many CTAs per SM (ops sizes it per device). ptxas keeps about two
 # loads per thread in flight (32 registers, sm_90a and sm_100a), so it is occupancy that hides the latency:
 # 8 CTAs of 256 threads fill an SM.
 CTAS_PER_SM = 8
@@ -35,7 +35,7 @@ class Variant:
     iters: int = ITERS
 
     family = "fp"
-    kernel_module = "fingerprint"  # compiled by compile_cache.compile_variant (never imported here)
+    kernel_module = "fingerprint.kernel"  # compiled by compile_cache.compile_variant (never imported here)
     kernel_deps = ("fingerprint",)  # moe_quant.fingerprint: WORD_KEY / WORD_MIX are part of the generated code
 
     def __post_init__(self):

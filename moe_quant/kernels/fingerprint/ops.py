@@ -1,6 +1,6 @@
-"""Torch op over the byte-fingerprint kernel (``fingerprint.py``); the definition, the reference and the entry
+"""Torch op over the byte-fingerprint kernel (``kernel.py``); the definition, the reference and the entry
 point that picks kernel or reference are :mod:`moe_quant.fingerprint`. Same conventions as
-:mod:`moe_quant.kernels.ops_1x32` (custom op with a fake implementation, direct call in eager mode).
+:mod:`moe_quant.kernels.quantize_1x32.ops` (custom op with a fake implementation, direct call in eager mode).
 
 The kernel reads 16-byte vectors from a 16-byte aligned address. :func:`pieces` splits a tensor's bytes so
 that every launch starts on one and on a word boundary of the tensor: a tensor whose first byte is 8-byte
@@ -15,8 +15,8 @@ import functools
 
 import torch
 
-from . import compile_cache as cc
-from .config_fingerprint import CTAS_PER_SM, MAX_LAUNCH_BYTES, VEC, Variant
+from .. import compile_cache as cc
+from .config import CTAS_PER_SM, MAX_LAUNCH_BYTES, VEC, Variant
 
 STAGE_BYTES = 1 << 26  # bytes per staged piece (a multiple of 16)
 

@@ -1,7 +1,7 @@
 """CuTe-DSL kernel: the fused quantization passes of the SwiGLU expert block (``dual``, ``swiglu``,
-``dswiglu``; :mod:`moe_quant.kernels.config_block`). One source for SM90 and SM100.
+``dswiglu``; :mod:`moe_quant.kernels.block.config`). One source for SM90 and SM100.
 
-Built on the colwise 32x1 kernel's K-groups tiling (:mod:`moe_quant.kernels.quantize_32x1`, whose group
+Built on the colwise 32x1 kernel's K-groups tiling (:mod:`moe_quant.kernels.quantize_32x1.kernel`, whose group
 scan, tile loads, transposed stores and scale-tail zeroing it reuses): a CTA owns 128 tokens of one group
 (aligned to the group's start) x 128 columns; a thread holds 8 tokens x 8 columns. From those registers
 it writes both forms of each output tensor:
@@ -25,7 +25,7 @@ a concatenated gate-up weight): row pitch ``2R``; the tail CTAs of output ``o`` 
 its rows past the last group's end (one contiguous range). The other variants' code does not change.
 
 The SwiGLU math reproduces PyTorch's CUDA ``silu`` / ``silu_backward`` and bf16 ``mul`` instruction for
-instruction (kernels/NOTES_block.md): ``expf`` as libdevice's sequence (``ex2.approx.ftz`` with the
+instruction (kernels/block/NOTES.md): ``expf`` as libdevice's sequence (``ex2.approx.ftz`` with the
 same range reduction and scaling, the ``1 + exp(-x)`` contracted into one fma), ``div.rn`` /
 ``rcp.rn``, a bf16 rounding (``cvt.rn``) after each PyTorch op.
 """
@@ -36,12 +36,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
-from ..numerics import BLOCK_SIZE
-from . import cute_utils as cu
-from .config_block import N_INPUTS, N_OUTPUTS, Variant, all_variants  # noqa: F401  (re-exported)
-from .config_32x1 import HALF_COLS, TILE_COLS
-from .quantize_32x1 import COLS_PER_THREAD, TILE_TOKENS, TOKENS_PER_THREAD, Quantize32x1Kernel
+from ...layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
+from ...numerics import BLOCK_SIZE
+from .. import cute_utils as cu
+from .config import N_INPUTS, N_OUTPUTS, Variant, all_variants  # noqa: F401  (re-exported)
+from ..quantize_32x1.config import HALF_COLS, TILE_COLS
+from ..quantize_32x1.kernel import COLS_PER_THREAD, TILE_TOKENS, TOKENS_PER_THREAD, Quantize32x1Kernel
 
 THREADS = 4 * 32 * (TILE_COLS // HALF_COLS)  # the 32x1 kernel's default tile: 128 columns, 256 threads
 
@@ -146,7 +146,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.v = variant
         self.op = variant.op
         self.rceil = variant.mode == "rceil"
-        self.in_f32 = False  # bf16 inputs only (config_block); read by the inherited helpers
+        self.in_f32 = False  # bf16 inputs only (config); read by the inherited helpers
         self.kgroups = True
         self.fake = variant.fake
         self.fake_f32 = False

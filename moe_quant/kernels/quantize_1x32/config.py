@@ -7,7 +7,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from ..numerics import BLOCK_SIZE
+from ...numerics import BLOCK_SIZE
 
 KINDS = ("plain", "blocked", "mgroups", "fake")
 IN_DTYPES = ("bfloat16", "float32")
@@ -75,7 +75,7 @@ class Variant:
     as_bf16: bool = False
 
     family = "q1x32"
-    kernel_module = "quantize_1x32"  # compiled by compile_cache.compile_variant (never imported here)
+    kernel_module = "quantize_1x32.kernel"  # compiled by compile_cache.compile_variant (never imported here)
 
     def __post_init__(self):
         if self.in_dtype not in IN_DTYPES:

@@ -38,10 +38,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..layouts import TILE_ROWS
-from ..numerics import BLOCK_SIZE, E8M0_NAN
-from . import cute_utils as cu
-from .config_permute import CHUNK, MAX_BLOCKS, Variant, all_variants  # noqa: F401
+from ...layouts import TILE_ROWS
+from ...numerics import BLOCK_SIZE, E8M0_NAN
+from .. import cute_utils as cu
+from .config import CHUNK, MAX_BLOCKS, Variant, all_variants  # noqa: F401
 
 CHUNKS_PER_BLOCK = BLOCK_SIZE // CHUNK  # 2
 CHUNK_WORDS = CHUNK // 4  # int32 words per chunk

@@ -48,7 +48,7 @@ class Variant:
     as_bf16: bool = False
 
     family = "q32x1"
-    kernel_module = "quantize_32x1"  # compiled by compile_cache.compile_variant (never imported here)
+    kernel_module = "quantize_32x1.kernel"  # compiled by compile_cache.compile_variant (never imported here)
 
     def __post_init__(self):
         for name, allowed in (("in_dtype", IN_DTYPES), ("mode", MODES), ("groups", GROUPS), ("out_dtype", OUT_DTYPES)):
@@ -86,7 +86,7 @@ def all_variants() -> list[Variant]:
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
 # every arch (compile_check) on the operand the targets measure: bf16 in, rceil, both group kinds, e4m3 out.
-# Measured and dropped (H100, 2026-11-26, NOTES_32x1.md): registers capped with ``min_blocks_per_mp`` for 5, 6 and
+# Measured and dropped (H100, 2026-11-26, NOTES.md): registers capped with ``min_blocks_per_mp`` for 5, 6 and
 # 8 CTAs per SM (48 / 40 / 32 registers, with spills): % of memcpy within 0.5 points of the default everywhere.
 CANDIDATES = {"c128 (default)": {}, "c64": {"tile_cols": 64}}
 

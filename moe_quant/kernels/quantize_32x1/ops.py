@@ -1,15 +1,15 @@
-"""Torch ops over the colwise 32x1 CuTe-DSL kernel (``quantize_32x1.py``): wgrad operands with K groups and
-3D expert weights along N. Same conventions as :mod:`moe_quant.kernels.ops_1x32`."""
+"""Torch ops over the colwise 32x1 CuTe-DSL kernel (``kernel.py``): wgrad operands with K groups and
+3D expert weights along N. Same conventions as :mod:`moe_quant.kernels.quantize_1x32.ops`."""
 
 from __future__ import annotations
 
 import torch
 
-from .. import layouts
-from ..numerics import BLOCK_SIZE, ScaleMode
-from . import compile_cache as cc
-from .config_32x1 import Variant
-from .ops_1x32 import IN_DTYPES, _check_device, _check_offs, _check_out_dtype, _check_w, _check_x
+from ... import layouts
+from ...numerics import BLOCK_SIZE, ScaleMode
+from .. import compile_cache as cc
+from .config import Variant
+from ..quantize_1x32.ops import IN_DTYPES, _check_device, _check_offs, _check_out_dtype, _check_w, _check_x
 
 _OUT_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 

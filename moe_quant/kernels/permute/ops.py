@@ -1,6 +1,6 @@
-"""Torch op over the received-rows permutation kernel (``permute_mxfp8.py``); the public entry point, its
+"""Torch op over the received-rows permutation kernel (``kernel.py``); the public entry point, its
 argument checks and the reference are :func:`moe_quant.ep.permute_received`. Same conventions as
-:mod:`moe_quant.kernels.ops_1x32` (custom op with a fake implementation, direct call in eager mode)."""
+:mod:`moe_quant.kernels.quantize_1x32.ops` (custom op with a fake implementation, direct call in eager mode)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import contextlib
 
 import torch
 
-from .. import layouts
-from ..numerics import BLOCK_SIZE
-from . import compile_cache as cc
-from .config_permute import MAX_BLOCKS, Variant
+from ... import layouts
+from ...numerics import BLOCK_SIZE
+from .. import compile_cache as cc
+from .config import MAX_BLOCKS, Variant
 
 _DEQUANT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -40,7 +40,7 @@ def _kernel(out: str, out_dtype: torch.dtype, device: torch.device) -> cc.Compil
 @contextlib.contextmanager
 def variants_in_place(device: torch.device, **fields):
     """Within the block, every op on ``device`` launches ``Variant(out, out_dtype, **fields)`` (an A/B
-    candidate's fields, ``config_permute.CANDIDATES``) instead of its default variant (GPU tests, sanitizer)."""
+    candidate's fields, ``config.CANDIDATES``) instead of its default variant (GPU tests, sanitizer)."""
     arch = cc.arch(device)
     with contextlib.ExitStack() as stack:
         for out, name in OPS:
@@ -66,7 +66,7 @@ def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):
                   cc.aligned(scales.view(torch.uint8)), counts, res.view(torch.uint8) if out != "dequant" else res,
                   res_scales, offs)
     else:  # no rows or K = 0: nothing to move, offs from the (device-side) table, scale buffer all zero
-        from ..ep.permute import received_group_table
+        from ...ep.permute import received_group_table
 
         offs.copy_(received_group_table(counts, m)[3])
         if res_scales is not None:

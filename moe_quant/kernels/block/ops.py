@@ -1,4 +1,4 @@
-"""Torch ops over the SwiGLU expert block's fused quantization kernel (``quantize_block.py``).
+"""Torch ops over the SwiGLU expert block's fused quantization kernel (``kernel.py``).
 
 Each op returns a list: per output tensor ``[row_data, row_scales, col_data, col_scales]`` (with ``fake``:
 ``[row_data, col_data]``, the dequantized bf16 values), then the padded group ends ``poffs`` (the colwise
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import layouts
-from ..numerics import BLOCK_SIZE, ScaleMode
-from . import compile_cache as cc
-from .config_block import N_OUTPUTS, Variant
+from ... import layouts
+from ...numerics import BLOCK_SIZE, ScaleMode
+from .. import compile_cache as cc
+from .config import N_OUTPUTS, Variant
 
 _FP8 = torch.float8_e4m3fn
 

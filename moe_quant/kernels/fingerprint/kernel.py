@@ -4,7 +4,7 @@ kernel is tested equal to its reference).
 One source for SM90 (Hopper) and SM100 (Blackwell). Memory-bound streaming read, nothing written but one
 64-bit atomic add per CTA:
 
-* The buffer is ``n`` bytes at a 16-byte aligned address (``ops_fingerprint`` stages anything else); its
+* The buffer is ``n`` bytes at a 16-byte aligned address (``ops`` stages anything else); its
   first word is word ``first_word`` of the tensor being fingerprinted. Vector ``v`` (bytes ``[16 v, 16 v +
   16)``) holds words ``first_word + 2 v`` and ``+ 2 v + 1``.
 * A persistent grid (``grid`` CTAs, at most ``max_ctas``) walks tiles of ``threads * iters`` vectors
@@ -26,8 +26,8 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import vector
 from cutlass.cutlass_dsl import T
 
-from . import cute_utils as cu
-from .config_fingerprint import VEC, WORD_KEY, WORD_MIX, Variant, all_variants, as_int64  # noqa: F401
+from .. import cute_utils as cu
+from .config import VEC, WORD_KEY, WORD_MIX, Variant, all_variants, as_int64  # noqa: F401
 
 
 KEY = as_int64(WORD_KEY)

@@ -5,7 +5,7 @@ One kernel, three ops (docs/design.md, "The SwiGLU expert block"; :mod:`moe_quan
 * ``dual`` -- ``x (M, R)`` read once; written in the rowwise 1x32 form (``(M, R)``, M-groups blocked
   scales) and the colwise 32x1 K-groups form (``(R, Mp)``, K-groups blocked scales).
 * ``swiglu`` -- ``a``, ``b`` read once; ``h = silu(a) * b`` (PyTorch's CUDA silu, instruction for
-  instruction: kernels/NOTES_block.md) written in both forms, ``h`` itself never.
+  instruction: kernels/block/NOTES.md) written in both forms, ``h`` itself never.
 * ``dswiglu`` -- ``grad_h``, ``a``, ``b`` read once; ``grad_a`` and ``grad_b`` of the SwiGLU written in
   both forms each. Its ``stacked`` variants (bf16 outputs only: the emulated GEMM of a concatenated gate-up
   weight) write the two rowwise forms as ``[grad_a | grad_b]``, the two halves of one ``(M, 2R)`` buffer
@@ -41,8 +41,9 @@ class Variant:
     stacked: bool = False  # dswiglu, bf16 only: both rowwise outputs in one (M, 2R) buffer (row pitch 2R)
 
     family = "block"
-    kernel_module = "quantize_block"  # compiled by compile_cache.compile_variant (never imported here)
-    kernel_deps = ("quantize_32x1",)  # sources the kernel module builds on (part of the disk-cache hash)
+    kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
+    # modules the kernel builds on (names relative to moe_quant; part of the disk-cache hash)
+    kernel_deps = ("kernels.quantize_32x1.kernel", "kernels.quantize_32x1.config")
 
     def __post_init__(self):
         for name, allowed in (("op", OPS), ("in_dtype", IN_DTYPES), ("mode", MODES), ("out_dtype", OUT_DTYPES)):

@@ -1,7 +1,7 @@
 """Configuration of the received-rows permutation kernel (no cutlass import: the ops' hot path and the
 on-disk cache key use it without loading the DSL).
 
-The kernel (``permute_mxfp8.py``) moves MXFP8 rows received by an all-to-all from (source rank, local
+The kernel (``kernel.py``) moves MXFP8 rows received by an all-to-all from (source rank, local
 expert) order to expert-major order, writing one of three outputs (``moe_quant.ep.permute``):
 
 * ``dequant`` -- the dequantized rows, ``bfloat16`` or ``float32`` (Hopper's emulated GEMM operand);
@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 OUTS = ("dequant", "blocked", "plain")
-# How a CTA's chunks are chosen (docs in permute_mxfp8.py): "gather" -- consecutive destination chunks, each
+# How a CTA's chunks are chosen (docs in kernel.py): "gather" -- consecutive destination chunks, each
 # loaded from the source row the group table gives (the loads wait for the table); "scatter" -- consecutive
 # source chunks, loaded first (no table needed), stored to the destination row the table gives (the table is
 # built while the loads are in flight).
@@ -48,7 +48,7 @@ class Variant:
     staging: str = "registers"  # "smem": scatter only
 
     family = "perm"
-    kernel_module = "permute_mxfp8"  # compiled by compile_cache.compile_variant (never imported here)
+    kernel_module = "permute.kernel"  # compiled by compile_cache.compile_variant (never imported here)
 
     def __post_init__(self):
         if self.out not in OUTS:

@@ -1,4 +1,4 @@
-"""Torch ops over the rowwise 1x32 CuTe-DSL kernel (``quantize_1x32.py``), and the 3D weights along K.
+"""Torch ops over the rowwise 1x32 CuTe-DSL kernel (``kernel.py``), and the 3D weights along K.
 
 ``quantize_1x32`` / ``fake_quantize_1x32`` validate their arguments, allocate the outputs and launch a
 compiled kernel (:mod:`moe_quant.kernels.compile_cache`). They are registered as ``torch.library`` custom
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import layouts
-from ..numerics import BLOCK_SIZE, ScaleMode
-from . import compile_cache as cc
-from .config_1x32 import Variant
+from ... import layouts
+from ...numerics import BLOCK_SIZE, ScaleMode
+from .. import compile_cache as cc
+from .config import Variant
 
 IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 FAKE_OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}

@@ -40,10 +40,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..layouts import TILE_ROWS
-from ..numerics import BLOCK_SIZE
-from . import cute_utils as cu
-from .config_1x32 import (  # noqa: F401  (re-exported: the kernel's config dataclasses)
+from ...layouts import TILE_ROWS
+from ...numerics import BLOCK_SIZE
+from .. import cute_utils as cu
+from .config import (  # noqa: F401  (re-exported: the kernel's config dataclasses)
     CHUNK,
     DEFAULT_TILE,
     LANES_PER_BLOCK,

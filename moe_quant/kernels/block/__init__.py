@@ -1,0 +1,1 @@
+"""The SwiGLU expert block's fused quantization kernel: ``config``, ``kernel``, ``ops``."""

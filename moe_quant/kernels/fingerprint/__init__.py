@@ -1,0 +1,1 @@
+"""The byte-fingerprint kernel (the reuse scope's exit check): ``config``, ``kernel``, ``ops``."""

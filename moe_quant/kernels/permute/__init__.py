@@ -1,0 +1,1 @@
+"""The received-rows permutation kernel (expert parallelism): ``config``, ``kernel``, ``ops``."""
