@@ -26,7 +26,7 @@ class TileConfig:
     table: int = 256  # groups resolved per pass of the shared-memory group table
     # M-groups knob, chosen by an A/B on an H100 (scripts/ab_1x32.py, one process, ragged G=8; % of memcpy at
     # (8192,2048) / (32768,2048) / (32768,7168) / (131072,7168), 2026-11-22, before each lane of a quad took one
-    # block's scale (NOTES_1x32.md)): prefetch on 82.2 / 87.3 / 90.8 / 92.1, off 84.8 / 92.2 / 95.0 / 96.0 (default)
+    # block's scale (NOTES.md)): prefetch on 82.2 / 87.3 / 90.8 / 92.1, off 84.8 / 92.2 / 95.0 / 96.0 (default)
     prefetch_offs: bool = False  # warp 0 loads offs[0:32] before its data loads (measured slower)
 
     def __post_init__(self):

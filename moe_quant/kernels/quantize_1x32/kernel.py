@@ -21,7 +21,7 @@ One source for SM90 (Hopper) and SM100 (Blackwell). Memory-bound streaming desig
   scales of the quad's blocks of iterations u = j, j + 4, ...: each lane does the
   row/column arithmetic, the group search and the scale store of one block per 4
   iterations instead of the quad's first lane doing all of them (the index arithmetic
-  had made the kernel bound by its instruction issue on the H200; NOTES_1x32.md).
+  had made the kernel bound by its instruction issue on the H200; NOTES.md).
 * Padding (the "fused per-group padding"): extra CTAs at the front of the grid, one
   per 128-row tile of the scale buffer, zero every byte that holds no real scale:
   rows past a group's end inside its last tile, and the tail after the last group.
