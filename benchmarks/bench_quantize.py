@@ -154,18 +154,8 @@ def main():
     p.add_argument("--tiles", type=tile_list, default=[],
                    help="extra tile configs to time, e.g. 128x8,512x2 (threads x iters)")
     p.add_argument("--kinds", type=cli.comma_choices("mxfp8", "fake"), default=["mxfp8", "fake"])
-    p.add_argument("--kernels", type=cli.comma_choices("1x32", "32x1", "3d"), default=["1x32"],
-                   help="comma list of 1x32, 32x1, 3d (32x1 and 3d: benchmarks.bench_quantize_32x1, with --m as M "
-                        "and --k as R)")
     args = p.parse_args()
     require_cuda()  # one line and exit status 2 without a GPU
-    kernels = args.kernels
-    if "32x1" in kernels or "3d" in kernels:
-        from benchmarks import bench_quantize_32x1 as b32
-
-        b32.run(args.m, args.k, args.groups, b32.DEFAULT_SHAPES, args.no_torchao, [k for k in kernels if k != "1x32"])
-    if "1x32" not in kernels:
-        return
     ms, ks = args.m, args.k
     g = args.groups
     kinds = args.kinds

@@ -1,5 +1,6 @@
 """Colwise 32x1 (wgrad K-groups operands) and 3D expert-weight MXFP8 quantization bandwidth vs memcpy
-and peers (docs/design.md section 6). Also run by ``python -m benchmarks.bench_quantize --kernels 1x32,32x1,3d``.
+and peers (docs/design.md section 6). Builds on :mod:`benchmarks.bench_quantize` (the 1x32 benchmark: group
+offsets, torchao peer), never the other way.
 
     python -m benchmarks.bench_quantize_32x1 [--m 8192,32768,131072] [--r 2048,5120,7168] [--groups 8]
                                              [--w 8x8192x5120,8x2048x7168,16x2048x7168] [--no-torchao]

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a file: python examples/hf_train.py
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4")
-EXPERTS_FILTER = lambda mod, fqn: fqn.endswith(".experts")  # noqa: E731  (the filter the README documents)
+EXPERTS_FILTER = lambda mod, fqn: fqn.endswith(".experts")  # noqa: E731  (the filter docs/transformers.md documents)
 
 
 def build_config(family: str, *, hidden: int, intermediate: int, experts: int, top_k: int, layers: int,

@@ -26,16 +26,16 @@ class GemmBackend(Choice):
     __argname__ = "backend"
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+_CAPABILITY: dict = {}  # CUDA device index -> compute capability (fixed per process)
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
-    """Compute capability of a CUDA device, None for any other device."""
+    """Compute capability of a CUDA device, None for any other device; cached per device like the decisions
+    below (:func:`cached_unless_tracing`: dynamo traces the query itself, with no cache wrapper to warn about)."""
     if device.type != "cuda":
         return None
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return cached_unless_tracing(_CAPABILITY, index, True, lambda: torch.cuda.get_device_capability(index))
 
 
 def importable(module: str, disable_env: str) -> bool:

@@ -106,34 +106,48 @@ def convert(model, scale_mode: str = "rceil", backend: str = "auto"):
 
 
 class _Progress:
-    """tqdm when installed, else a one-line text bar."""
+    """Progress of one training run on ``stream`` (stderr): on a terminal a live bar (tqdm when installed, else
+    a one-line text bar); elsewhere (a log file, a pipe) one summary line when the run ends, not a line per
+    update."""
 
-    def __init__(self, total: int, desc: str):
+    def __init__(self, total: int, desc: str, stream=None):
         self.total, self.desc = total, desc
-        try:
-            from tqdm import tqdm
+        self.stream = sys.stderr if stream is None else stream
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.done, self.loss, self.start = 0, float("nan"), time.perf_counter()
+        self.bar = None
+        if self.live:
+            try:
+                from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, leave=True)
-        except ImportError:
-            self.bar = None
+                self.bar = tqdm(total=total, desc=desc, leave=True, file=self.stream)
+            except ImportError:
+                pass
 
     def __call__(self, step: int, loss: float):
+        self.done, self.loss = step + 1, loss
+        if not self.live:
+            return
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             return
-        done = step + 1
+        done = self.done
         if done == self.total or done % max(1, self.total // 50) == 0:
             filled = int(30 * done / self.total)
             bar = "#" * filled + "." * (30 - filled)
-            sys.stderr.write(f"\r{self.desc:>6} [{bar}] {done}/{self.total} loss {loss:.4f}")
+            self.stream.write(f"\r{self.desc:>6} [{bar}] {done}/{self.total} loss {loss:.4f}")
             if done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+                self.stream.write("\n")
+            self.stream.flush()
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
+        elif not self.live:
+            self.stream.write(f"{self.desc:>6}: {self.done}/{self.total} steps in "
+                              f"{time.perf_counter() - self.start:.1f} s, last loss {self.loss:.4f}\n")
+            self.stream.flush()
 
 
 # The two training curves differ by well under 1%, so drawn alike the second hides the first:

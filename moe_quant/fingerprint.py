@@ -11,7 +11,8 @@ arithmetic modulo ``2**64``::
     mix(x)  = xs(xs(x) * WORD_MIX),   xs(x) = x XOR (x >> 32)   (logical shift)
 
 returned as an int64 tensor of one element (two's complement) on ``t``'s device; ``WORD_KEY`` and
-``WORD_MIX`` are odd constants (below).
+``WORD_MIX`` are odd constants, defined once in :mod:`moe_quant.kernels.fingerprint.config` (the kernel compiles
+them in, so they live below it; a change there reaches the kernel's disk-cache hash).
 
 * Integer arithmetic modulo ``2**64`` is exact and its sum does not depend on the order of the terms: the
   chunked reference below and the CUDA kernel (any grid, any split into launches) give the same value.
@@ -32,17 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-
-# The definition's constants, read by the kernel too (moe_quant/kernels/fingerprint/config.py): a change here
-# changes the kernel's generated code and its disk-cache hash.
-WORD_KEY = 0x9E3779B97F4A7C15  # round(2**64 / golden ratio), odd: word position -> 64-bit key
-WORD_MIX = 0xFF51AFD7ED558CCD  # odd 64-bit multiplier of the word mix (a bijection of the 64-bit words)
-
-
-def as_int64(v: int) -> int:
-    """A 64-bit pattern as the two's-complement Python int an int64 holds (how the constants enter int64 math)."""
-    return v - (1 << 64) if v >= 1 << 63 else v
-
+from .kernels.fingerprint.config import WORD_KEY, WORD_MIX, as_int64  # the definition's constants (see there)
 
 CHUNK_WORDS = 1 << 22  # words per step of the reference (bounds its temporaries to a few 32 MiB tensors)
 _LOW32 = 0xFFFFFFFF

@@ -159,6 +159,26 @@ def padded_group_offsets(offs: torch.Tensor, total: int, align: int = K_GROUP_AL
     return group_bounds(offs, total, align)[3].to(torch.int32)
 
 
+def received_group_table(counts: torch.Tensor, total: int):
+    """The sanitized blocks of ``counts (R, E)`` for ``total`` rows received by an expert-parallel all-to-all
+    (rank-major; :mod:`moe_quant.ep.permute` holds the semantics), as int64 device tensors:
+    ``(src_starts (R, E), sizes (R, E), dst_starts (R, E), offs (E,) int32)``.
+
+    ``src_starts`` index the input (r-major), ``dst_starts`` the output (expert-major); ``offs`` are
+    the cumulative group ends of the E experts. No host synchronization.
+    """
+    n_ranks, n_experts = counts.shape
+    c = counts.to(torch.int64).clamp(min=0).reshape(-1)
+    src_ends = torch.cumsum(c, 0).clamp(max=total)  # running total clamped to M, r-major
+    src_starts = torch.cat([src_ends.new_zeros(1), src_ends[:-1]])[: c.numel()]  # previous clamped end
+    sizes = src_ends - src_starts
+    sizes_er = sizes.view(n_ranks, n_experts).t().reshape(-1)  # expert-major
+    dst_ends_er = torch.cumsum(sizes_er, 0)
+    dst_starts = (dst_ends_er - sizes_er).view(n_experts, n_ranks).t()
+    offs = sizes.view(n_ranks, n_experts).sum(0).cumsum(0).to(torch.int32)
+    return src_starts.view(n_ranks, n_experts), sizes.view(n_ranks, n_experts), dst_starts, offs
+
+
 # ----------------------------------------------------------------------------- plain <-> blocked
 
 

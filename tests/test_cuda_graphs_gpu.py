@@ -125,7 +125,7 @@ def test_reduce_overhead_compiled_converted_moe_matches_eager():
     eager_step = loss_of(eager)
     # Inductor fuses bf16 pointwise ops in fp32 and by default skips eager's intermediate bf16
     # roundings (here: SwiGLU before the w2 GEMM's quantization), so a few elements land on the
-    # neighbouring fp8 value: a different, equally valid quantization (README, Limitations).
+    # neighbouring fp8 value: a different, equally valid quantization (docs/limitations.md).
     # Emulating the casts makes compiled quantize the same bf16 values as eager. What is left
     # (fused softmax / mean / accumulation order) is bounded by the tolerances below: loss within
     # 1e-3 relative, gradients >= 35 dB SQNR, i.e. at least 10 dB under MXFP8's own error against

@@ -1,6 +1,8 @@
 """The demo's command line: ``--plot`` checked before training, ``--threads``, the backend line."""
 
+import io
 import os
+import sys
 
 import pytest
 import torch
@@ -107,3 +109,40 @@ def test_demo_rejects_an_unusable_device_in_one_line_before_training(device):
 def test_demo_rejects_bad_numbers_while_parsing(argv, capsys):
     err = _demo_error(argv, capsys)
     assert f"argument {argv[0]}" in err, err
+
+
+def test_demo_writes_one_progress_line_per_run_to_a_log(tmp_path):
+    """stderr a file or a pipe (a CI log): one summary line per training run, not a line per step."""
+    proc = run_python("-m", "moe_quant.demo", "--steps", "40", "--tokens", "64", "--plot", str(tmp_path / "c.png"),
+                      timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final held-out loss" in proc.stdout, proc.stdout
+    lines = proc.stderr.splitlines()  # splits at "\r" too, as a log viewer shows a redrawn bar
+    assert [line.split(":")[0].strip() for line in lines] == ["bf16", "mxfp8"], proc.stderr[-3000:]
+    assert all("40/40 steps" in line for line in lines), lines
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("tqdm", ["installed", "missing"])
+def test_progress_is_live_on_a_terminal_and_one_line_elsewhere(tqdm, monkeypatch):
+    """A bar drawn from the start on a terminal (tqdm, else the text bar); nothing until the end on a log."""
+    if tqdm == "missing":
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    else:
+        pytest.importorskip("tqdm")
+    log, terminal = io.StringIO(), _Terminal()
+    for stream in (log, terminal):
+        bar = demo._Progress(100, "bf16", stream=stream)
+        for step in range(100):
+            bar(step, 0.5)
+            if step == 49:
+                mid = stream.getvalue()
+        bar.close()
+        if stream is log:
+            assert mid == "" and stream.getvalue().count("\n") == 1 and "100/100 steps" in stream.getvalue()
+        else:
+            assert mid and "100/100" in stream.getvalue(), stream.getvalue()  # drawn while it runs

@@ -19,7 +19,6 @@ Llama4's experts (``torch.bmm`` over every token) have no experts-interface forw
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
@@ -144,14 +143,14 @@ def llama4_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return out.view(-1, self.hidden_size)
 
 
-@functools.lru_cache(maxsize=None)
+# Not cached: the converted forward calls both while torch.compile traces, and dynamo warns about (and traces
+# through) an lru_cache wrapper. Each is an import of a loaded module and a lookup.
 def _default_gate(cls: type) -> bool:
     from transformers.integrations.moe import _default_apply_gate
 
     return getattr(cls, "_apply_gate", None) is _default_apply_gate
 
 
-@functools.lru_cache(maxsize=1)
 def _silu_forwards() -> tuple:
     from transformers.activations import SiLUActivation
 

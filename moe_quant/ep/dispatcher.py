@@ -113,13 +113,6 @@ class MXFP8TokenDispatcher:
         self._agreed = ()  # (group,): the group the one-time handshake passed on
         self._bound = None  # sync-free mode: the token bound agreed on that group
 
-    @classmethod
-    def config_class(cls):
-        """torchtitan's ``Config`` for this dispatcher (imports torchtitan); see :func:`torchtitan_config`."""
-        from .titan import dispatcher_config_class
-
-        return dispatcher_config_class()
-
     def wire_meshes(self, *, ep_mesh=None, **_unused) -> None:
         """Install the EP group (a ProcessGroup or a 1-D DeviceMesh), as torchtitan's dispatchers do:
         ``ep_mesh=None`` means no expert parallelism (local dispatch)."""

@@ -42,28 +42,9 @@ def check_permute_received_args(data, scales, counts, out, out_dtype) -> None:
     v.check_dtype_choice("out_dtype", out_dtype, OUT_DTYPES)
 
 
-def received_group_table(counts: torch.Tensor, total: int):
-    """The sanitized blocks of ``counts (R, E)`` for ``total`` received rows, as int64 device tensors:
-    ``(src_starts (R, E), sizes (R, E), dst_starts (R, E), offs (E,) int32)``.
-
-    ``src_starts`` index the input (r-major), ``dst_starts`` the output (expert-major); ``offs`` are
-    the cumulative group ends of the E experts. No host synchronization.
-    """
-    n_ranks, n_experts = counts.shape
-    c = counts.to(torch.int64).clamp(min=0).reshape(-1)
-    src_ends = torch.cumsum(c, 0).clamp(max=total)  # running total clamped to M, r-major
-    src_starts = torch.cat([src_ends.new_zeros(1), src_ends[:-1]])[: c.numel()]  # previous clamped end
-    sizes = src_ends - src_starts
-    sizes_er = sizes.view(n_ranks, n_experts).t().reshape(-1)  # expert-major
-    dst_ends_er = torch.cumsum(sizes_er, 0)
-    dst_starts = (dst_ends_er - sizes_er).view(n_experts, n_ranks).t()
-    offs = sizes.view(n_ranks, n_experts).sum(0).cumsum(0).to(torch.int32)
-    return src_starts.view(n_ranks, n_experts), sizes.view(n_ranks, n_experts), dst_starts, offs
-
-
 def _source_rows(counts: torch.Tensor, total: int):
     """For each output row: the input row it comes from (0 where none) and whether it has one."""
-    src_starts, sizes, dst_starts, offs = received_group_table(counts, total)
+    src_starts, sizes, dst_starts, offs = layouts.received_group_table(counts, total)
     t = torch.arange(total, device=counts.device)
     if sizes.numel() == 0:
         return t * 0, t < 0, offs

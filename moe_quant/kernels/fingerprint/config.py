@@ -1,7 +1,6 @@
 """Configuration of the byte-fingerprint kernel (no cutlass import: the ops and the on-disk cache key use it
-without loading the DSL). The fingerprint's definition and its two constants live in
-:mod:`moe_quant.fingerprint` (the reference); the kernel reads the same numbers, and a change of that module
-reaches the kernel's disk-cache hash (``kernel_deps``).
+without loading the DSL), and the two constants of the fingerprint's definition (:mod:`moe_quant.fingerprint`,
+the reference and the entry point, reads them from here; this module is part of the kernel's disk-cache hash).
 
 The kernel (``kernel.py``) reads a 16-byte aligned byte buffer in 16-byte vectors (two 64-bit words
 each), adds up every word's term in 64-bit registers, reduces within the CTA and adds the CTA's sum to an
@@ -13,7 +12,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ...fingerprint import WORD_KEY, WORD_MIX, as_int64  # noqa: F401  (the definition's constants)
+# The definition's constants (moe_quant.fingerprint), compiled into the kernel.
+WORD_KEY = 0x9E3779B97F4A7C15  # round(2**64 / golden ratio), odd: word position -> 64-bit key
+WORD_MIX = 0xFF51AFD7ED558CCD  # odd 64-bit multiplier of the word mix (a bijection of the 64-bit words)
+
+
+def as_int64(v: int) -> int:
+    """A 64-bit pattern as the two's-complement Python int an int64 holds (how the constants enter int64 math)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
 
 VEC = 16  # bytes per load (one 16-byte vector: two 64-bit words)
 THREADS = 256
@@ -36,7 +43,6 @@ class Variant:
 
     family = "fp"
     kernel_module = "fingerprint.kernel"  # compiled by compile_cache.compile_variant (never imported here)
-    kernel_deps = ("fingerprint",)  # moe_quant.fingerprint: WORD_KEY / WORD_MIX are part of the generated code
 
     def __post_init__(self):
         if self.threads % 32 or not (64 <= self.threads <= 1024):

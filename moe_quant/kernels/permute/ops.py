@@ -66,9 +66,7 @@ def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):
                   cc.aligned(scales.view(torch.uint8)), counts, res.view(torch.uint8) if out != "dequant" else res,
                   res_scales, offs)
     else:  # no rows or K = 0: nothing to move, offs from the (device-side) table, scale buffer all zero
-        from ...ep.permute import received_group_table
-
-        offs.copy_(received_group_table(counts, m)[3])
+        offs.copy_(layouts.received_group_table(counts, m)[3])
         if res_scales is not None:
             res_scales.zero_()
     if out == "dequant":
