@@ -19,7 +19,7 @@ fullgraph or not; dynamic), with the output's SQNR against the unconverted modul
 here, bf16 rounding ~49 dB: a compiled graph that silently runs bf16 shows ~49 dB or inf); ``torch.func.grad``
 of ``functional_call``; ``vmap``; FSDP2 (``fully_shard``, one gloo rank); fp32 master weights cast to bf16 in
 the forward (``w.bfloat16()``, as torchtitan's forward does); deepcopy / pickle; host time of one eager
-forward.
+forward (CPU: the emulated MXFP8 GEMM dominates it), and the mode's own cost on the unconverted forward.
 """
 
 from __future__ import annotations
@@ -290,20 +290,44 @@ def check_copies(kind):
     return f"{ns} calls"
 
 
-def check_host_time(kind):
-    _, m = make(kind)
-    x, counts = inputs()
-    x, counts = x[:32], torch.tensor([8, 8, 8, 8], dtype=torch.int32)
+def _host_us(fn):
     with torch.no_grad():
         for _ in range(20):
-            m(x, counts)
+            fn()
         best = float("inf")
         for _ in range(5):
             t = time.perf_counter()
             for _ in range(50):
-                m(x, counts)
+                fn()
             best = min(best, (time.perf_counter() - t) / 50)
-    return f"{best * 1e6:.0f} us"
+    return best * 1e6
+
+
+def check_host_time(kind):
+    _, m = make(kind)
+    x, counts = inputs()
+    x, counts = x[:32], torch.tensor([8, 8, 8, 8], dtype=torch.int32)
+    return f"{_host_us(lambda: m(x, counts)):.0f} us"
+
+
+class PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def mode_overhead() -> str:
+    """The routing mode's own host cost: the unconverted forward (bf16 grouped-mm) with and without a mode that
+    passes every call through."""
+    plain, _ = make("mode")
+    x, counts = inputs()
+    x, counts = x[:32], torch.tensor([8, 8, 8, 8], dtype=torch.int32)
+
+    def under_mode():
+        with PassThrough():
+            plain(x, counts)
+
+    bare, moded = _host_us(lambda: plain(x, counts)), _host_us(under_mode)
+    return f"unconverted forward {bare:.0f} us, under a pass-through TorchFunctionMode {moded:.0f} us"
 
 
 CHECKS = {
@@ -333,6 +357,7 @@ def main() -> int:
     print("|---|" + "---|" * len(CANDIDATES))
     for name, results in rows:
         print(f"| {name} | " + " | ".join(results) + " |")
+    print(f"mode overhead: {mode_overhead()}")
     return 0
 
 

@@ -250,6 +250,22 @@ def test_unconvert_restores_the_default_experts_implementation(how, mxfp8_calls,
     assert torch.equal(loss_of(model), plain) and not mxfp8_calls
 
 
+def test_unconvert_of_a_part_of_a_model_running_the_implementation_is_refused():
+    """The experts implementation is a setting of the whole model's config: unconvert of one layer would leave it
+    running MXFP8, so it raises, saying how, and changes nothing."""
+    import moe_quant
+
+    model = build_model(tiny("qwen3_moe"), seed=SEED)
+    model.set_experts_implementation(moe_quant.register_experts_implementation())
+    quantize_(model.model.layers[1], MXFP8MoEConfig(), filter_fn=EXPERTS_FILTER)
+    with pytest.raises(ValueError, match=r"whole model.*unconvert\(model\)"):
+        moe_quant.unconvert(model.model.layers[0])
+    assert is_converted(model.model.layers[1].mlp.experts)
+    with pytest.raises(ValueError, match="unconvert"):
+        moe_quant.unconvert(model.model.layers[1])
+    assert is_converted(model.model.layers[1].mlp.experts)  # nothing changed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_in_mxfp8_on_cuda(family, mxfp8_calls, monkeypatch):

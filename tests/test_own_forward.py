@@ -261,3 +261,14 @@ def test_module_without_forward_is_refused():
 
     with pytest.raises(TypeError, match="cannot convert .*NoForward"):
         convert(NoForward(), MXFP8MoEConfig())
+
+
+def test_module_whose_forward_an_instance_attribute_replaces_is_refused():
+    """A hook library (accelerate's add_hook_to_module) sets ``module.forward`` on the instance: it, not the class's
+    forward, runs, so a converted class would change nothing; conversion says so instead."""
+    mod = make()
+    old = mod.forward
+    mod.forward = lambda x, counts: old(x, counts)
+    with pytest.raises(TypeError, match="instance attribute 'forward'"):
+        convert(mod, MXFP8MoEConfig())
+    assert not is_converted(mod)

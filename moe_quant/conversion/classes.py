@@ -107,6 +107,8 @@ def base_class(module: nn.Module) -> type:
 def converted_class(cls: type) -> type:
     """The converted subclass of ``cls`` (cached; ``cls`` itself if it is one); ``TypeError`` if conversion
     cannot convert ``cls``."""
+    if not isinstance(cls, type):
+        raise TypeError(f"cls must be a class, got {type(cls).__name__}")
     if _BASE in cls.__dict__:
         return cls
     ref = _CLASSES.get(cls)

@@ -61,6 +61,11 @@ def convert(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[
     if not targets:
         _warn_nothing_converted(module)
         return module
+    for m in targets:
+        if not is_converted(m) and "forward" in m.__dict__:  # e.g. accelerate's hooks: it runs instead of the class's forward
+            raise TypeError(f"cannot convert {type(m).__name__}: the module has an instance attribute 'forward' "
+                            f"(a hook library's wrapper?), which runs instead of its class's forward, so conversion "
+                            f"would change nothing; convert before wrapping the module's forward")
     own = {m: layers.split(type(m)) for m in targets}
     classes = {m: converted_class(o) for m, (_, o) in own.items()}  # every TypeError before any module changes
     for m in targets:
@@ -82,13 +87,13 @@ def unconvert(module: nn.Module) -> nn.Module:
     transformers' default one back."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    restore_experts_implementation(module)  # first: it may refuse
     for mod in module.modules():
         above, own = layers.split(type(mod))
         base = own.__dict__.get("_mxfp8_base")
         if base is not None:
             mod.__class__ = layers.rebuild(above, base)
             mod.__dict__.pop("_mxfp8_config", None)
-    restore_experts_implementation(module)
     return module
 
 

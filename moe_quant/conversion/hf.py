@@ -195,27 +195,41 @@ def register_experts_implementation() -> str:
     return IMPLEMENTATION
 
 
+def _configs(config) -> dict:
+    """A transformers config and its sub-configs, by ``set_experts_implementation``'s keys ("" for itself)."""
+    configs = {"": config}
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            configs[key] = sub
+    return configs
+
+
 def restore_experts_implementation(module) -> None:
     """Each transformers model in ``module`` (itself included) running the ``"moe_quant_mxfp8"`` experts
     implementation, in its own config or a sub-config, gets the one transformers picks by default
     (``get_correct_experts_implementation(None)``: ``"grouped_mm"`` where it can dispatch, else ``"eager"``);
-    other implementations stay. :func:`moe_quant.unconvert` calls it."""
+    other implementations stay. An experts module running it through the config of a model outside ``module``
+    (``unconvert(model.model.layers[0])``) raises ``ValueError`` before anything changes: the implementation is
+    the whole model's. :func:`moe_quant.unconvert` calls it."""
     import sys
 
     if "transformers" not in sys.modules:  # no transformers model can be in module
         return
     from transformers import PreTrainedModel
 
-    for model in module.modules():
-        if not isinstance(model, PreTrainedModel):
-            continue
-        config = model.config
-        current = {"": config._experts_implementation}
-        for key in getattr(config, "sub_configs", {}):
-            sub = getattr(config, key, None)
-            if sub is not None:
-                current[key] = sub._experts_implementation
-        if IMPLEMENTATION not in current.values():
-            continue
-        default = model.get_correct_experts_implementation(None)
-        model.set_experts_implementation({k: default if v == IMPLEMENTATION else v for k, v in current.items()})
+    models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    covered = {id(c) for m in models for c in _configs(m.config).values()}
+    for name, m in module.named_modules():
+        config = getattr(m, "config", None)
+        if (any(_is_experts_interface_class(c) for c in type(m).__mro__) and id(config) not in covered
+                and getattr(config, "_experts_implementation", None) == IMPLEMENTATION):
+            raise ValueError(
+                f"unconvert: module {name or type(m).__name__!r} runs the {IMPLEMENTATION!r} experts implementation "
+                f"of its model's config, which only the whole model can change: call unconvert(model) on the "
+                f"model, or model.set_experts_implementation(...)")
+    for model in models:
+        current = {k: c._experts_implementation for k, c in _configs(model.config).items()}
+        if IMPLEMENTATION in current.values():
+            default = model.get_correct_experts_implementation(None)
+            model.set_experts_implementation({k: default if v == IMPLEMENTATION else v for k, v in current.items()})
