@@ -31,29 +31,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from conversion_design_probe import DIM, HIDDEN, E, counted, fsdp2_calls, inputs, table  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-import moe_quant.autograd  # noqa: E402
 from moe_quant import MXFP8MoEConfig  # noqa: E402
 from moe_quant.conversion import gemm  # noqa: E402
 
-DIM, HIDDEN, E, M = 64, 64, 4, 96
-CALLS = [0]
-_REAL = moe_quant.autograd.mxfp8_grouped_mm
-CONFIG = MXFP8MoEConfig()
-
-
-def _counting(*args, **kwargs):
-    CALLS[0] += 1
-    return _REAL(*args, **kwargs)
-
-
-moe_quant.autograd.mxfp8_grouped_mm = _counting  # every candidate reaches the GEMM through this name
+CONFIG = MXFP8MoEConfig()  # the design probe counts the MXFP8 calls (moe_quant.autograd.mxfp8_grouped_mm)
 
 
 class OwnExperts(nn.Module):
@@ -171,26 +160,23 @@ def make(kind, cast=False):
     return plain, conv
 
 
-def inputs():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(M, DIM, generator=g).to(torch.bfloat16)
-    return x, torch.tensor([20, 0, 40, 36], dtype=torch.int32)
-
-
 def sqnr(ref, x):
     ref, x = ref.float(), x.float()
     err = (ref - x).pow(2).sum()
     return float("inf") if err == 0 else (10 * torch.log10(ref.pow(2).sum() / err)).item()
 
 
-def counted(fn):
-    CALLS[0] = 0
-    fn()
-    return CALLS[0]
-
-
 def _fails(e):
     return f"fails: {type(e).__name__}"
+
+
+def _tried(fn, done):
+    """``done(fn())``, or the failure."""
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 -- a probe reports failures
+        return _fails(e)
+    return done(value)
 
 
 def check_eager(kind):
@@ -207,12 +193,12 @@ def _compile(kind, **kw):
     eager = m(x, counts)
     torch._dynamo.reset()
     out = [None]
-    try:
-        n = counted(lambda: out.__setitem__(0, torch.compile(m, **kw)(x, counts)))
-    except Exception as e:  # noqa: BLE001 -- a probe reports failures
-        return _fails(e)
-    same = "= eager" if torch.equal(out[0], eager) else "!= eager"
-    return f"{n} calls, {sqnr(plain(x, counts), out[0]):.1f} dB, {same}"
+
+    def done(n):
+        same = "= eager" if torch.equal(out[0], eager) else "!= eager"
+        return f"{n} calls, {sqnr(plain(x, counts), out[0]):.1f} dB, {same}"
+
+    return _tried(lambda: counted(lambda: out.__setitem__(0, torch.compile(m, **kw)(x, counts))), done)
 
 
 def check_compile_aot(kind):
@@ -235,59 +221,35 @@ def check_func(kind):
     _, m = make(kind)
     x, counts = inputs()
     params = {n: p.detach() for n, p in m.named_parameters()}
-    try:
-        n = counted(lambda: torch.func.grad(
-            lambda p: torch.func.functional_call(m, p, (x, counts)).float().sum())(params))
-    except Exception as e:  # noqa: BLE001
-        return _fails(e)
-    return f"{n} calls"
+    return _tried(lambda: counted(lambda: torch.func.grad(
+        lambda p: torch.func.functional_call(m, p, (x, counts)).float().sum())(params)), lambda n: f"{n} calls")
 
 
 def check_vmap(kind):
     _, m = make(kind)
     x, counts = inputs()
-    try:
-        n = counted(lambda: torch.func.vmap(lambda xb: m(xb, counts))(torch.stack([x, x])))
-    except Exception as e:  # noqa: BLE001
-        return _fails(e)
-    return f"{n} calls"
+    return _tried(lambda: counted(lambda: torch.func.vmap(lambda xb: m(xb, counts))(torch.stack([x, x]))),
+                  lambda n: f"{n} calls")
 
 
 def check_fsdp2(kind):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     _, m = make(kind)
-    m = m.float()
-    x, counts = inputs()
-    try:
-        fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
-        n = counted(lambda: m(x.float(), counts).sum().backward())
-    except Exception as e:  # noqa: BLE001
-        return _fails(e)
-    return f"{n} calls (fwd+bwd)"
+    return _tried(lambda: fsdp2_calls(m, *inputs()), lambda n: f"{n} calls (fwd+bwd)")
 
 
 def check_cast(kind):
     plain, m = make(kind, cast=True)
     x, counts = inputs()
     out = [None]
-    try:
-        n = counted(lambda: out.__setitem__(0, m(x, counts)))
-    except Exception as e:  # noqa: BLE001
-        return _fails(e)
-    return f"{n} calls, {sqnr(plain(x, counts), out[0]):.1f} dB"
+    return _tried(lambda: counted(lambda: out.__setitem__(0, m(x, counts))),
+                  lambda n: f"{n} calls, {sqnr(plain(x, counts), out[0]):.1f} dB")
 
 
 def check_copies(kind):
     _, m = make(kind)
     x, counts = inputs()
-    try:
-        copies = [copy.deepcopy(m), pickle.loads(pickle.dumps(m))]
-        ns = [counted(lambda c=c: c(x, counts)) for c in copies]
-    except Exception as e:  # noqa: BLE001
-        return _fails(e)
-    return f"{ns} calls"
+    copies = lambda: (copy.deepcopy(m), pickle.loads(pickle.dumps(m)))  # noqa: E731
+    return _tried(lambda: [counted(lambda c=c: c(x, counts)) for c in copies()], lambda ns: f"{ns} calls")
 
 
 def _host_us(fn):
@@ -347,16 +309,7 @@ CHECKS = {
 
 def main() -> int:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        rows = [(name, [CHECKS[name](kind) for kind in CANDIDATES]) for name in CHECKS]
-    finally:
-        dist.destroy_process_group()
-    print(f"torch {torch.__version__}")
-    print("| check | " + " | ".join(CANDIDATES) + " |")
-    print("|---|" + "---|" * len(CANDIDATES))
-    for name, results in rows:
-        print(f"| {name} | " + " | ".join(results) + " |")
+    print("\n".join(table(CANDIDATES, CHECKS)))
     print(f"mode overhead: {mode_overhead()}")
     return 0
 

@@ -576,17 +576,22 @@ def _counts(offs):
     return torch.diff(offs, prepend=offs.new_zeros(1))
 
 
+def _experts_and_doubled():
+    """Experts, their w1, and a copy with w1 doubled (what a doubling parametrization of w1 computes)."""
+    torch.manual_seed(0)
+    mod = GroupedExperts(K, N, E).bfloat16()
+    doubled = copy.deepcopy(mod)
+    with torch.no_grad():
+        doubled.w1.mul_(2)
+    return mod, mod.w1.detach().clone(), doubled
+
+
 def test_parametrization_registered_before_conversion_is_removable():
     """register_parametrization, convert, remove_parametrizations(leave_parametrized=True): the parametrization's
     class stays on top, so its removal works; the weight is written once and the module stays converted."""
     from torch.nn.utils import parametrize
 
-    torch.manual_seed(0)
-    mod = GroupedExperts(K, N, E).bfloat16()
-    w0 = mod.w1.detach().clone()
-    doubled = copy.deepcopy(mod)
-    with torch.no_grad():
-        doubled.w1.mul_(2)
+    mod, w0, doubled = _experts_and_doubled()
     convert(doubled, MXFP8MoEConfig())
     parametrize.register_parametrization(mod, "w1", _Double())
     original = mod.parametrizations.w1.original
@@ -604,12 +609,7 @@ def test_parametrization_registered_after_conversion_survives_unconvert():
     goes, the parametrization stays and removes cleanly to the plain class."""
     from torch.nn.utils import parametrize
 
-    torch.manual_seed(0)
-    mod = GroupedExperts(K, N, E).bfloat16()
-    w0 = mod.w1.detach().clone()
-    doubled = copy.deepcopy(mod)
-    with torch.no_grad():
-        doubled.w1.mul_(2)
+    mod, w0, doubled = _experts_and_doubled()
     convert(mod, MXFP8MoEConfig())
     parametrize.register_parametrization(mod, "w1", _Double())
     unconvert(mod)

@@ -62,7 +62,7 @@ def convert(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[
         _warn_nothing_converted(module)
         return module
     for m in targets:
-        if not is_converted(m) and "forward" in m.__dict__:  # e.g. accelerate's hooks: it runs instead of the class's forward
+        if not is_converted(m) and "forward" in m.__dict__:  # accelerate's hooks: it runs, not the class's forward
             raise TypeError(f"cannot convert {type(m).__name__}: the module has an instance attribute 'forward' "
                             f"(a hook library's wrapper?), which runs instead of its class's forward, so conversion "
                             f"would change nothing; convert before wrapping the module's forward")

@@ -10,8 +10,9 @@ module's own class, :func:`rebuild` stacks them again on another class.
 A layer is recognized as a class PyTorch generated at run time: defined in a ``torch.`` module that does not
 hold it under its name, and subclassing the class it wraps as its last base. Rebuilding a layer on another
 class makes a class of the same bases (the last one replaced), namespace and name (the wrapped class's name in
-it replaced; cached: one per layer and class); rebuilding it on the class it was made from returns the layer itself, so convert, then unconvert,
-restores the very classes the module had (FSDP2's cached ``FSDP<Name>``, a parametrization's own class).
+it replaced); cached, one per layer and class. Rebuilding it on the class it was made from returns the layer
+itself, so convert, then unconvert, restores the very classes the module had (FSDP2's cached ``FSDP<Name>``,
+a parametrization's own class).
 """
 
 from __future__ import annotations

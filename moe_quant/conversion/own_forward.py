@@ -71,7 +71,7 @@ def no_call_reason(cls: type) -> str:
 
 def routed_forward(cls: type):
     """The converted forward of ``cls`` (a class conversion has no forward for): ``cls.forward`` (looked up at each
-    call) inside :class:`GroupedMMRouting`. A call that made no grouped-mm call is a counted fallback."""
+    call) inside :class:`GroupedMMRouting`. A forward that made no grouped-mm call is a counted fallback."""
     reason = no_call_reason(cls)
 
     def forward(self, *args, **kwargs):
