@@ -272,3 +272,17 @@ def test_module_whose_forward_an_instance_attribute_replaces_is_refused():
     with pytest.raises(TypeError, match="instance attribute 'forward'"):
         convert(mod, MXFP8MoEConfig())
     assert not is_converted(mod)
+
+
+def test_fx_graph_module_of_an_experts_module_converts(mxfp8_calls):
+    """torch.fx gives each GraphModule a class of its own, holding the generated forward: that class is the
+    module's own (not a layer over GraphModule), and its forward's grouped GEMMs run in MXFP8."""
+    x = batch().detach()
+    ref = convert(make(), MXFP8MoEConfig())(x, COUNTS)
+    mxfp8_calls.clear()
+    gm = torch.fx.symbolic_trace(make())
+    own = type(gm)
+    convert(gm, MXFP8MoEConfig())
+    assert torch.equal(gm(x, COUNTS), ref) and len(mxfp8_calls) == 3
+    unconvert(gm)
+    assert type(gm) is own

@@ -8,7 +8,8 @@ conversion and unconversion swap only their own class, under the layers: :func:`
 module's own class, :func:`rebuild` stacks them again on another class.
 
 A layer is recognized as a class PyTorch generated at run time: defined in a ``torch.`` module that does not
-hold it under its name, and subclassing the class it wraps as its last base. Rebuilding a layer on another
+hold it under its name, subclassing the class it wraps as its last base, and defining no ``forward`` (a class
+that does, such as ``torch.fx``'s per-instance ``GraphModule`` class, is the module's own class). Rebuilding a layer on another
 class makes a class of the same bases (the last one replaced), namespace and name (the wrapped class's name in
 it replaced); cached, one per layer and class. Rebuilding it on the class it was made from returns the layer
 itself, so convert, then unconvert, restores the very classes the module had (FSDP2's cached ``FSDP<Name>``,
@@ -37,7 +38,7 @@ def _defined_by_name(cls: type) -> bool:
 def is_layer(cls: type) -> bool:
     """``cls`` is a class PyTorch layered over a module's class at run time (see the module docstring)."""
     bases = cls.__bases__
-    return (cls.__module__.startswith("torch.") and not _defined_by_name(cls) and len(bases) >= 1
+    return (cls.__module__.startswith("torch.") and not _defined_by_name(cls) and "forward" not in cls.__dict__
             and isinstance(bases[-1], type) and issubclass(bases[-1], nn.Module))
 
 
