@@ -104,7 +104,8 @@ def convert_mode(m):
 
 def convert_class_swap(m):
     holder = torch.nn.Sequential(m)
-    quantize_(holder, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
+    # per-GEMM: the probe counts mxfp8_grouped_mm calls, which the fused SwiGLU block (the default) makes none of
+    quantize_(holder, MXFP8MoEConfig(fused_block=False), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
     return holder[0]
 
 
