@@ -104,7 +104,8 @@ def convert_mode(m):
 
 def convert_class_swap(m):
     holder = torch.nn.Sequential(m)
-    quantize_(holder, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
+    # per-GEMM: the probe counts mxfp8_grouped_mm calls, which the fused SwiGLU block (the default) makes none of
+    quantize_(holder, MXFP8MoEConfig(fused_block=False), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
     return holder[0]
 
 
@@ -200,16 +201,20 @@ def check_state_dict(kind):
     return "yes"
 
 
-def check_fsdp2(kind):
+def fsdp2_calls(m, x, counts) -> int:
+    """MXFP8 calls of one forward + backward of ``m`` (fp32) under FSDP2's ``fully_shard`` on a 1-rank group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    _, m = make(kind)
     m = m.float()
-    x, counts = inputs()
+    fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+    return counted(lambda: m(x.float(), counts).sum().backward())
+
+
+def check_fsdp2(kind):
+    _, m = make(kind)
     try:
-        fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
-        n = counted(lambda: m(x.float(), counts).sum().backward())
+        n = fsdp2_calls(m, *inputs())
     except Exception as e:  # noqa: BLE001
         return f"fails: {type(e).__name__}"
     return "yes" if n == 3 else f"no ({n} calls)"
@@ -226,17 +231,20 @@ CHECKS = {
 }
 
 
-def main() -> int:
+def table(candidates, checks) -> list:
+    """Each check of ``checks`` run on each of ``candidates`` (names) on a 1-rank gloo group: markdown rows."""
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        rows = [(name, [CHECKS[name](kind) for kind in CANDIDATES]) for name in CHECKS]
+        rows = [(name, [checks[name](kind) for kind in candidates]) for name in checks]
     finally:
         dist.destroy_process_group()
-    print(f"torch {torch.__version__}")
-    print("| check | " + " | ".join(CANDIDATES) + " |")
-    print("|---|" + "---|" * len(CANDIDATES))
-    for name, results in rows:
-        print(f"| {name} | " + " | ".join(results) + " |")
+    lines = [f"torch {torch.__version__}", "| check | " + " | ".join(candidates) + " |",
+             "|---|" + "---|" * len(candidates)]
+    return lines + [f"| {name} | " + " | ".join(results) + " |" for name, results in rows]
+
+
+def main() -> int:
+    print("\n".join(table(CANDIDATES, CHECKS)))
     return 0
 
 

@@ -429,3 +429,211 @@ def test_state_dict_round_trip_with_unconverted_model():
     for assign in (False, True):
         conv.load_state_dict(plain.state_dict(), assign=assign)
         assert is_converted(conv.layers[0].moe.experts)
+
+
+# ----------------------------------------------------------------------------- the converted-class cache
+
+
+def _subclass_named_experts(act):
+    class Experts(GroupedExperts):  # the same module and qualname for every act: a factory
+        def forward(self, x, counts):
+            return act(super().forward(x, counts))
+
+    return Experts
+
+
+def test_classes_of_one_name_get_their_own_converted_classes():
+    """A factory (and a notebook cell run twice, importlib.reload) makes classes of one module:qualname; each gets
+    its own converted class: isinstance holds and its own forward runs."""
+    relu_cls, tanh_cls = _subclass_named_experts(torch.relu), _subclass_named_experts(torch.tanh)
+    assert relu_cls.__qualname__ == tanh_cls.__qualname__ and relu_cls is not tanh_cls
+    torch.manual_seed(0)
+    a, b = relu_cls(K, N, E).bfloat16(), tanh_cls(K, N, E).bfloat16()
+    convert(a, MXFP8MoEConfig())
+    convert(b, MXFP8MoEConfig())
+    assert isinstance(a, relu_cls) and isinstance(b, tanh_cls) and not isinstance(b, relu_cls)
+    x, offs = operands()
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert (b(x, counts) < 0).any() and not (a(x, counts) < 0).any()  # tanh's and relu's forwards
+
+
+def test_converted_classes_are_collected_with_their_class():
+    import gc
+    import weakref
+
+    cls = _subclass_named_experts(torch.relu)
+    mod = convert(cls(K, N, E), MXFP8MoEConfig())
+    refs = weakref.ref(cls), weakref.ref(type(mod))
+    del cls, mod
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
+
+
+def _module_defining(name, source):
+    import sys
+    import types
+
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(source, module.__dict__)
+    return module
+
+
+SOURCE = """
+import torch
+from moe_quant.moe import GroupedExperts
+
+class Experts(GroupedExperts):
+    def forward(self, x, counts):
+        return SCALE * super().forward(x, counts)
+"""
+
+
+def test_redefined_class_pickles_as_plain_pickle_does():
+    """A converted module pickles as its own class does: it loads converted while its class is importable; once the
+    class is redefined, pickling an instance of the old one raises pickle's own error, as for the plain module."""
+    import sys
+
+    name = "moe_quant_test_redefined"
+    try:
+        module = _module_defining(name, SOURCE.replace("SCALE", "2.0"))
+        torch.manual_seed(0)
+        old = module.Experts(K, N, E).bfloat16()
+        old_plain = copy.deepcopy(old)
+        convert(old, MXFP8MoEConfig())
+        x, offs = operands()
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+        back = pickle.loads(pickle.dumps(old))
+        assert type(back) is type(old) and torch.equal(back(x, counts), old(x, counts))
+        exec(SOURCE.replace("SCALE", "3.0"), module.__dict__)  # the cell run again
+        new = convert(module.Experts(K, N, E).bfloat16(), MXFP8MoEConfig())
+        assert type(new) is not type(old) and isinstance(new, module.Experts) and not isinstance(old, module.Experts)
+        for obj in (old_plain, old):
+            with pytest.raises(pickle.PicklingError, match="not the same object as moe_quant_test_redefined.Experts"):
+                pickle.dumps(obj)
+        assert type(pickle.loads(pickle.dumps(new))) is type(new)
+    finally:
+        sys.modules.pop(name, None)
+
+
+# ----------------------------------------------------------------------------- containers
+
+
+class _Holder(nn.Module):
+    """A user's container around the experts (torchtitan's RoutedExperts holds inner_experts so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner_experts = GroupedExperts(32, 64, 4)
+        self.shared = _FeedForward()
+        self.scale = nn.Parameter(torch.ones(32))
+
+    def forward(self, x, counts):
+        return self.inner_experts(x, counts) * self.scale + self.shared.w2(self.shared.w1(x))
+
+
+def test_matched_container_converts_the_experts_modules_inside(caplog):
+    """A name filter such as '"experts" in fqn' matches a container before the experts module in it: the expert
+    modules inside it are converted (only those), the container keeps its class and forward."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.routed_experts = _Holder()
+    model.shared_experts = _FeedForward()
+    plain = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="moe_quant.conversion"):
+        quantize_(model, MXFP8MoEConfig(), filter_fn=EXPERTS)
+    assert {n for n, m in model.named_modules() if is_converted(m)} == {"routed_experts.inner_experts"}
+    assert type(model.routed_experts) is _Holder
+    warnings = [r.getMessage() for r in caplog.records if "nothing converted" in r.getMessage()]
+    assert len(warnings) == 1 and "_FeedForward" in warnings[0]  # shared_experts, as before
+    x = torch.randn(40, 32)
+    counts = torch.tensor([10, 0, 20, 10], dtype=torch.int32)
+    inner = convert(copy.deepcopy(plain.routed_experts.inner_experts), MXFP8MoEConfig())
+    holder = plain.routed_experts
+    ref = inner(x, counts) * holder.scale + holder.shared.w2(holder.shared.w1(x))
+    assert torch.equal(model.routed_experts(x, counts), ref)
+
+
+def test_container_conversion_refuses_before_changing_anything():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = GroupedExperts(32, 64, 4)
+            self.conv = nn.Conv1d(4, 4, 3)  # 3-D weight, a PyTorch layer: not an experts module
+
+    model = Mixed()
+    with pytest.raises(TypeError, match="cannot convert torch.nn.modules.conv.Conv1d"):
+        convert(model, MXFP8MoEConfig())
+    assert not any(is_converted(m) for m in model.modules())
+
+
+# ----------------------------------------------------------------------------- classes layered above
+
+
+class _Double(nn.Module):
+    def forward(self, w):
+        return w * 2
+
+
+def _counts(offs):
+    return torch.diff(offs, prepend=offs.new_zeros(1))
+
+
+def _experts_and_doubled():
+    """Experts, their w1, and a copy with w1 doubled (what a doubling parametrization of w1 computes)."""
+    torch.manual_seed(0)
+    mod = GroupedExperts(K, N, E).bfloat16()
+    doubled = copy.deepcopy(mod)
+    with torch.no_grad():
+        doubled.w1.mul_(2)
+    return mod, mod.w1.detach().clone(), doubled
+
+
+def test_parametrization_registered_before_conversion_is_removable():
+    """register_parametrization, convert, remove_parametrizations(leave_parametrized=True): the parametrization's
+    class stays on top, so its removal works; the weight is written once and the module stays converted."""
+    from torch.nn.utils import parametrize
+
+    mod, w0, doubled = _experts_and_doubled()
+    convert(doubled, MXFP8MoEConfig())
+    parametrize.register_parametrization(mod, "w1", _Double())
+    original = mod.parametrizations.w1.original
+    convert(mod, MXFP8MoEConfig())
+    x, offs = operands()
+    assert torch.equal(mod(x, _counts(offs)), doubled(x, _counts(offs)))  # the parametrization and MXFP8 both ran
+    parametrize.remove_parametrizations(mod, "w1", leave_parametrized=True)
+    assert mod.w1 is original and torch.equal(mod.w1.detach(), w0 * 2)
+    assert type(mod) is converted_class(GroupedExperts) and not parametrize.is_parametrized(mod)
+    assert torch.equal(mod(x, _counts(offs)), doubled(x, _counts(offs)))
+
+
+def test_parametrization_registered_after_conversion_survives_unconvert():
+    """convert, register_parametrization (FSDP2 layers a class the same way), unconvert: only the converted class
+    goes, the parametrization stays and removes cleanly to the plain class."""
+    from torch.nn.utils import parametrize
+
+    mod, w0, doubled = _experts_and_doubled()
+    convert(mod, MXFP8MoEConfig())
+    parametrize.register_parametrization(mod, "w1", _Double())
+    unconvert(mod)
+    assert not is_converted(mod) and parametrize.is_parametrized(mod, "w1")
+    assert parametrize.type_before_parametrizations(mod) is GroupedExperts
+    x, offs = operands()
+    assert torch.equal(mod(x, _counts(offs)), doubled(x, _counts(offs)))  # plain, with the parametrization
+    parametrize.remove_parametrizations(mod, "w1", leave_parametrized=True)
+    assert type(mod) is GroupedExperts and torch.equal(mod.w1.detach(), w0 * 2)
+
+
+def test_convert_then_unconvert_under_a_layer_restores_the_very_classes():
+    from torch.nn.utils import parametrize
+
+    mod = GroupedExperts(K, N, E)
+    parametrize.register_parametrization(mod, "w2", _Double())
+    layered = type(mod)
+    convert(mod, MXFP8MoEConfig())
+    assert type(mod) is not layered and type(mod).__bases__[0] is converted_class(GroupedExperts)
+    assert type(mod).__name__ == f"Parametrized{converted_class(GroupedExperts).__name__}"
+    convert(mod, MXFP8MoEConfig(scale_mode="floor"))  # re-configures, no new layer
+    assert type(mod).__bases__[0] is converted_class(GroupedExperts) and mod._mxfp8_config.scale_mode.value == "floor"
+    unconvert(mod)
+    assert type(mod) is layered

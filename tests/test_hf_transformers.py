@@ -224,6 +224,48 @@ def test_experts_implementation_name_selects_mxfp8(family, mxfp8_calls, tmp_path
     assert len(mxfp8_calls) == 2 * LAYERS
 
 
+@pytest.mark.parametrize("how", ["from_pretrained", "set_experts_implementation"])
+def test_unconvert_restores_the_default_experts_implementation(how, mxfp8_calls, tmp_path):
+    """A model running the ``"moe_quant_mxfp8"`` experts implementation: ``unconvert`` gives it the one
+    transformers picks by default, so no expert GEMM runs in MXFP8 and the loss is the plain model's."""
+    from transformers import AutoModelForCausalLM
+
+    import moe_quant
+
+    name = moe_quant.register_experts_implementation()
+    ref = build_model(tiny("qwen3_moe"), seed=SEED)
+    default = ref.config._experts_implementation
+    if how == "from_pretrained":
+        ref.save_pretrained(tmp_path)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=name)
+    else:
+        model = copy.deepcopy(ref)
+        model.set_experts_implementation(name)
+    assert model.config._experts_implementation == name
+    plain = loss_of(ref)
+    assert not torch.equal(loss_of(model), plain) and len(mxfp8_calls) == 2 * LAYERS  # precondition: MXFP8 ran
+    mxfp8_calls.clear()
+    assert moe_quant.unconvert(model) is model
+    assert model.config._experts_implementation == default != name
+    assert torch.equal(loss_of(model), plain) and not mxfp8_calls
+
+
+def test_unconvert_of_a_part_of_a_model_running_the_implementation_is_refused():
+    """The experts implementation is a setting of the whole model's config: unconvert of one layer would leave it
+    running MXFP8, so it raises, saying how, and changes nothing."""
+    import moe_quant
+
+    model = build_model(tiny("qwen3_moe"), seed=SEED)
+    model.set_experts_implementation(moe_quant.register_experts_implementation())
+    quantize_(model.model.layers[1], MXFP8MoEConfig(), filter_fn=EXPERTS_FILTER)
+    with pytest.raises(ValueError, match=r"whole model.*unconvert\(model\)"):
+        moe_quant.unconvert(model.model.layers[0])
+    assert is_converted(model.model.layers[1].mlp.experts)
+    with pytest.raises(ValueError, match="unconvert"):
+        moe_quant.unconvert(model.model.layers[1])
+    assert is_converted(model.model.layers[1].mlp.experts)  # nothing changed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_in_mxfp8_on_cuda(family, mxfp8_calls, monkeypatch):

@@ -17,7 +17,7 @@ from mx_strategies import make_values
 
 import moe_quant as mq
 from moe_quant import layouts
-from moe_quant.conversion import convert
+from moe_quant.conversion import convert, converted_class
 from moe_quant.ep import MXFP8TokenDispatcher
 from moe_quant.moe import EPMoE
 
@@ -230,6 +230,10 @@ CASES = [
     ("padded_group_offsets float align", lambda: mq.padded_group_offsets(_offs(4, 8), 8, 32.0), TypeError, "align"),
     # ---- conversion and weight reuse
     ("convert config", lambda: convert(torch.nn.Linear(2, 2), "rceil"), TypeError, "config"),
+    ("convert None", lambda: convert(None, mq.MXFP8MoEConfig()), TypeError, "module"),
+    ("unconvert None", lambda: mq.unconvert(None), TypeError, "module"),
+    ("unconvert a tensor", lambda: mq.unconvert(torch.zeros(2)), TypeError, "module"),
+    ("converted_class of an instance", lambda: converted_class(torch.nn.Linear(2, 2)), TypeError, "cls"),
     ("reuse_quantized_weights int", lambda: _enter(mq.reuse_quantized_weights(3)), TypeError, "model"),
     ("reuse_quantized_weights tensor", lambda: _enter(mq.reuse_quantized_weights(torch.zeros(2))), TypeError, "model"),
     # ---- expert parallelism (rejected when built: no process group needed)

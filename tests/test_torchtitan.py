@@ -111,6 +111,29 @@ def test_deepseek_v3_converted_trains_close_to_bf16(mxfp8_calls):
         assert abs(a - b) <= 0.01 * abs(b), (mx["losses"], bf16["losses"])
 
 
+@pytest.mark.filterwarnings("ignore:.*autocast.*:UserWarning")  # torchtitan's router asks CPU autocast for fp32
+def test_name_filter_converts_the_experts_inside_routed_experts(caplog):
+    """``"experts" in fqn`` (torchao's MoE docs' filter) matches torchtitan's RoutedExperts container before its
+    GroupedExperts: the GroupedExperts inside are converted, the container and the shared experts (a warning) stay;
+    the model's loss is the one of converting with the isinstance filter, bit for bit."""
+    import logging
+
+    from moe_quant.conversion import handler
+
+    handler._WARNED_NOTHING_CONVERTED.clear()
+    cfg = example.model_config("debugmodel", 2, "sdpa")
+    by_name = example.build_model(cfg, "cpu", seed=0, convert=False)
+    by_type = example.build_model(cfg, "cpu", seed=0, convert=True)
+    with caplog.at_level(logging.WARNING, logger="moe_quant.conversion"):
+        quantize_(by_name, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: "experts" in fqn)
+    converted = {n for n, m in by_name.named_modules() if is_converted(m)}
+    assert converted == {n for n, m in by_type.named_modules() if is_converted(m)}
+    assert converted and all(n.endswith("routed_experts.inner_experts") for n in converted)
+    assert any("nothing converted" in r.getMessage() for r in caplog.records)  # shared_experts
+    x = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(by_name(x), by_type(x))
+
+
 def test_converted_config_builds_a_converted_module():
     """torchtitan builds modules from their nested Config: the converted class has one too, and a
     converted module's Config still builds (torchtitan's machinery, e.g. copying a model config)."""

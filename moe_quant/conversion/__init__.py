@@ -15,7 +15,11 @@ The pieces, one module each:
 * :mod:`.experts` -- :func:`swiglu_experts`, the converted forwards of moe_quant's and torchtitan's
   ``GroupedExperts``;
 * :mod:`.hf` -- transformers' experts interface implementation ``"moe_quant_mxfp8"`` and Llama4;
-* :mod:`.classes` -- the generated converted classes (cached, picklable);
+* :mod:`.own_forward` -- the converted forward of a module conversion has no forward for: its own, its
+  grouped-mm calls routed to MXFP8;
+* :mod:`.layers` -- classes PyTorch layers over a module's class (parametrizations, FSDP2), and swapping
+  one class under them;
+* :mod:`.classes` -- the generated converted classes (cached by class, picklable);
 * :mod:`.handler` -- the ``quantize_`` handler, :func:`convert` / :func:`unconvert`.
 """
 

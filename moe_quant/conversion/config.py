@@ -42,13 +42,16 @@ class MXFP8MoEConfig(AOBaseConfig):
     expert GEMMs in MXFP8 (``moe_quant/conversion/``); its parameters stay the plain
     ``nn.Parameter`` objects they were. Supported: :class:`moe_quant.moe.GroupedExperts`,
     torchtitan's ``GroupedExperts``, Hugging Face transformers' experts modules (those of the
-    experts interface, and Llama4's), and any module with a ``_grouped_mm(self, *, A, B_t, offs)``
-    method (the seam the module's forward calls for each grouped GEMM).
+    experts interface, and Llama4's), any module with a ``_grouped_mm(self, *, A, B_t, offs)``
+    method (the seam the module's forward calls for each grouped GEMM), and any other module whose
+    own forward calls ``torch._grouped_mm`` / ``F.grouped_mm`` (a subclass's own forward included;
+    under ``torch.compile`` it runs behind a graph break, docs/design.md section 8.2).
 
-    **filter_fn.** Match the routed-experts module itself, e.g.
-    ``lambda mod, fqn: isinstance(mod, GroupedExperts)``. A matched module without 3-D
-    floating-point parameters (torchtitan's ``shared_experts``, matched by a name filter) is left
-    alone, with a warning once per module class.
+    **filter_fn.** Match the routed-experts module, e.g. ``lambda mod, fqn: isinstance(mod,
+    GroupedExperts)``. A matched container (a module without 3-D floating-point parameters of its
+    own, e.g. torchtitan's ``RoutedExperts`` matched by ``"experts" in fqn``) converts the experts
+    modules inside it; one with none (torchtitan's ``shared_experts``) is left alone, with a warning
+    once per module class.
 
     **Calling quantize_ again re-configures**: the module keeps its parameters and takes the new
     config; an equal config is a no-op.

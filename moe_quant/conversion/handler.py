@@ -1,9 +1,14 @@
 """The torchao ``quantize_`` handler: :func:`convert` a matched expert module in place, :func:`unconvert` it.
 
-Converting sets the module's class to its converted subclass (:mod:`.classes`) and stores the config
-on the module (``module._mxfp8_config``). Nothing else changes: the parameters stay the same
-``nn.Parameter`` objects (a parameter tied between modules stays tied, an optimizer built before
-keeps training it, weak references to it stay valid), and so do ``state_dict`` keys and values.
+Converting makes the module's own class its converted subclass (:mod:`.classes`), under any class PyTorch
+layered over it (:mod:`.layers`: a parametrization, FSDP2), and stores the config on the module
+(``module._mxfp8_config``). Nothing else changes: the parameters stay the same ``nn.Parameter`` objects (a
+parameter tied between modules stays tied, an optimizer built before keeps training it, weak references to
+it stay valid), and so do ``state_dict`` keys and values.
+
+A matched module without 3-D floating-point parameters of its own is a container: the experts modules inside
+it are converted (torchtitan's ``RoutedExperts`` around its ``GroupedExperts``, matched by a name filter such
+as ``"experts" in fqn``); a container with none (torchtitan's ``shared_experts``) is left alone with a warning.
 """
 
 from __future__ import annotations
@@ -13,24 +18,38 @@ from typing import Optional
 
 from torch import nn
 
+from . import layers
 from .._torchao import register_quantize_module_handler
 from .classes import base_class, converted_class, is_converted
 from .config import MXFP8MoEConfig
+from .hf import restore_experts_implementation
 
 logger = logging.getLogger("moe_quant.conversion")
 
 
-def _has_expert_weights(module: nn.Module) -> bool:
-    return any(p.ndim == 3 and p.is_floating_point() for p in module.parameters())
+def _own_expert_weights(module: nn.Module) -> bool:
+    """3-D floating-point parameters of the module itself (or of its ``ParameterList`` / ``ParameterDict``)."""
+    holders = [module] + [c for c in module.children() if isinstance(c, (nn.ParameterList, nn.ParameterDict))]
+    return any(p.ndim == 3 and p.is_floating_point() for h in holders for p in h.parameters(recurse=False))
+
+
+def _experts_modules(module: nn.Module) -> list:
+    """The outermost modules under ``module`` (itself included) that hold expert weights, or are converted."""
+    if is_converted(module) or _own_expert_weights(module):
+        return [module]
+    return [m for child in module.children() for m in _experts_modules(child)]
 
 
 def convert(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[str] = None) -> nn.Module:
-    """Convert ``module`` (an expert module) in place and return it; see :class:`MXFP8MoEConfig`.
+    """Convert ``module`` (an expert module, or a container of expert modules) in place and return it; see
+    :class:`MXFP8MoEConfig`.
 
-    A module already converted takes ``config`` (re-configuration). A module without 3-D
-    floating-point parameters is left alone with a warning (once per class); a module class
-    conversion does not know raises ``TypeError``.
+    A module already converted takes ``config`` (re-configuration). A container converts the expert modules
+    inside it (the outermost modules with 3-D floating-point parameters of their own); one without any is left
+    alone with a warning (once per class). A module class conversion cannot convert raises ``TypeError``.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if not isinstance(config, MXFP8MoEConfig):
         raise TypeError(f"config must be an MXFP8MoEConfig, got {type(config).__name__}")
     if parameter_name is not None:
@@ -38,26 +57,42 @@ def convert(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[
             f"MXFP8MoEConfig converts whole expert modules, not single parameters (parameter_name="
             f"{parameter_name!r}): match the experts module itself (its fqn or an isinstance filter)"
         )
-    if is_converted(module):
-        if module._mxfp8_config != config:
-            logger.info("re-configured %s: %s -> %s", base_class(module).__name__, module._mxfp8_config, config)
-            module._mxfp8_config = config
-        return module
-    if not _has_expert_weights(module):
+    targets = _experts_modules(module)
+    if not targets:
         _warn_nothing_converted(module)
         return module
-    module.__class__ = converted_class(type(module))
-    module._mxfp8_config = config
-    logger.info("converted %s to MXFP8 (%s)", type(module).__mro__[1].__name__, config)
+    for m in targets:
+        if not is_converted(m) and "forward" in m.__dict__:  # accelerate's hooks: it runs, not the class's forward
+            raise TypeError(f"cannot convert {type(m).__name__}: the module has an instance attribute 'forward' "
+                            f"(a hook library's wrapper?), which runs instead of its class's forward, so conversion "
+                            f"would change nothing; convert before wrapping the module's forward")
+    own = {m: layers.split(type(m)) for m in targets}
+    classes = {m: converted_class(o) for m, (_, o) in own.items()}  # every TypeError before any module changes
+    for m in targets:
+        if is_converted(m):
+            if m._mxfp8_config != config:
+                logger.info("re-configured %s: %s -> %s", base_class(m).__name__, m._mxfp8_config, config)
+                m._mxfp8_config = config
+            continue
+        m.__class__ = layers.rebuild(own[m][0], classes[m])
+        m._mxfp8_config = config
+        logger.info("converted %s to MXFP8 (%s)", own[m][1].__name__, config)
     return module
 
 
 def unconvert(module: nn.Module) -> nn.Module:
-    """Undo the conversion of ``module`` and of its submodules in place; returns ``module``. The
-    parameters are untouched (ties, optimizers and weak references keep working)."""
+    """Undo the conversion of ``module`` and of its submodules in place; returns ``module``. The parameters
+    are untouched (ties, optimizers and weak references keep working); classes PyTorch layered over a
+    converted module stay. A transformers model running the ``"moe_quant_mxfp8"`` experts implementation gets
+    transformers' default one back."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    restore_experts_implementation(module)  # first: it may refuse
     for mod in module.modules():
-        if is_converted(mod):
-            mod.__class__ = base_class(mod)
+        above, own = layers.split(type(mod))
+        base = own.__dict__.get("_mxfp8_base")
+        if base is not None:
+            mod.__class__ = layers.rebuild(above, base)
             mod.__dict__.pop("_mxfp8_config", None)
     return module
 
@@ -75,9 +110,9 @@ def _warn_nothing_converted(module: nn.Module) -> None:
         return
     _WARNED_NOTHING_CONVERTED.add(key)
     logger.warning(
-        "MXFP8MoEConfig matched %s, which has no 3-D floating-point parameter (stacked expert "
-        "weights); nothing converted. Check quantize_'s filter_fn: a name filter such as "
-        "'\"experts\" in fqn' also matches shared experts; an isinstance filter "
+        "MXFP8MoEConfig matched %s, which holds no 3-D floating-point parameter (stacked expert "
+        "weights), itself or in a submodule; nothing converted. Check quantize_'s filter_fn: a name filter "
+        "such as '\"experts\" in fqn' also matches shared experts; an isinstance filter "
         "(lambda mod, fqn: isinstance(mod, GroupedExperts)) matches only the routed experts. "
         "(Logged once per module class.)",
         cls.__name__,

@@ -157,27 +157,30 @@ def _silu_forwards() -> tuple:
     return torch.nn.SiLU.forward, SiLUActivation.forward
 
 
-def is_experts_interface_class(cls: type) -> bool:
+def _is_experts_interface_class(c: type) -> bool:
     """A transformers experts class whose forward goes through the experts interface (its
     ``use_experts_implementation`` decorator gives it ``_apply_gate``)."""
-    return cls.__module__.startswith("transformers.") and callable(getattr(cls, "_apply_gate", None))
+    return c.__module__.startswith("transformers.") and callable(getattr(c, "_apply_gate", None))
 
 
-def is_llama4_experts_class(cls: type) -> bool:
-    return any(c.__name__ == "Llama4TextExperts" and c.__module__.startswith("transformers.") for c in cls.__mro__)
+def _is_llama4_experts_class(c: type) -> bool:
+    return c.__name__ == "Llama4TextExperts" and c.__module__.startswith("transformers.")
 
 
-def converted_forward(cls: type):
-    """The converted forward of a transformers experts class (Llama4's, or the experts interface's), None for
-    any other class; ``ImportError`` if the imported transformers is not a supported one."""
-    if is_llama4_experts_class(cls):
-        forward = llama4_forward
-    elif is_experts_interface_class(cls):
-        forward = experts_forward
-    else:
-        return None
-    require_supported_transformers()
-    return forward
+def known_class(cls: type):
+    """``(K, forward)``: the first transformers experts class ``K`` in ``cls``'s MRO (Llama4's, or one of the
+    experts interface) and its converted forward; None if there is none. ``ImportError`` if the imported
+    transformers is not a supported one."""
+    for c in cls.__mro__:
+        if _is_llama4_experts_class(c):
+            forward = llama4_forward
+        elif _is_experts_interface_class(c):
+            forward = experts_forward
+        else:
+            continue
+        require_supported_transformers()
+        return c, forward
+    return None
 
 
 def register_experts_implementation() -> str:
@@ -189,3 +192,43 @@ def register_experts_implementation() -> str:
 
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
     return IMPLEMENTATION
+
+
+def _configs(config) -> dict:
+    """A transformers config and its sub-configs, by ``set_experts_implementation``'s keys ("" for itself)."""
+    configs = {"": config}
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            configs[key] = sub
+    return configs
+
+
+def restore_experts_implementation(module) -> None:
+    """Each transformers model in ``module`` (itself included) running the ``"moe_quant_mxfp8"`` experts
+    implementation, in its own config or a sub-config, gets the one transformers picks by default
+    (``get_correct_experts_implementation(None)``: ``"grouped_mm"`` where it can dispatch, else ``"eager"``);
+    other implementations stay. An experts module running it through the config of a model outside ``module``
+    (``unconvert(model.model.layers[0])``) raises ``ValueError`` before anything changes: the implementation is
+    the whole model's. :func:`moe_quant.unconvert` calls it."""
+    import sys
+
+    if "transformers" not in sys.modules:  # no transformers model can be in module
+        return
+    from transformers import PreTrainedModel
+
+    models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    covered = {id(c) for m in models for c in _configs(m.config).values()}
+    for name, m in module.named_modules():
+        config = getattr(m, "config", None)
+        if (any(_is_experts_interface_class(c) for c in type(m).__mro__) and id(config) not in covered
+                and getattr(config, "_experts_implementation", None) == IMPLEMENTATION):
+            raise ValueError(
+                f"unconvert: module {name or type(m).__name__!r} runs the {IMPLEMENTATION!r} experts implementation "
+                f"of its model's config, which only the whole model can change: call unconvert(model) on the "
+                f"model, or model.set_experts_implementation(...)")
+    for model in models:
+        current = {k: c._experts_implementation for k, c in _configs(model.config).items()}
+        if IMPLEMENTATION in current.values():
+            default = model.get_correct_experts_implementation(None)
+            model.set_experts_implementation({k: default if v == IMPLEMENTATION else v for k, v in current.items()})
