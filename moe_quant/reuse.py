@@ -46,7 +46,7 @@ that a ``copy_`` on the weight undoes): swap with ``.data =``, ``copy_`` on the 
 ``load_state_dict`` instead. Nothing inside forward or backward synchronizes with the host.
 
 Costs: a fingerprint (one read of the bytes; on Hopper and newer a CuTe-DSL kernel) of each source at its
-first use and of each reused one on exit, and about a microsecond of host time per lookup. The cached
+first use and of each reused one on exit, and a few microseconds of host time per lookup. The cached
 operands stay allocated until the scope exits (two bf16 copies of each served view on the emulated GEMM,
 two fp8 copies plus scales on the scaled one), with the storage of each source (with ``.data`` swaps, also
 that of each storage swapped in).
@@ -68,18 +68,21 @@ _NOT_HERE = object()
 
 
 def current() -> tuple:
-    """The scopes that serve this thread's GEMMs now, innermost last (empty where none may serve).
-    A forward passes them to :func:`serve` and keeps them for its backward."""
+    """The scopes that serve this thread's GEMMs now, innermost last (empty where none may serve: under
+    ``torch.compile``, ``inference_mode`` and ``torch.func`` transforms). A forward passes them to
+    :func:`serve` and keeps them for its backward."""
     if torch.compiler.is_compiling():  # first: dynamo never traces the thread-local read
         return ()
-    return getattr(_LOCAL, "scopes", ())
+    scopes = getattr(_LOCAL, "scopes", ())
+    if scopes and (torch.is_inference_mode_enabled() or torch._C._are_functorch_transforms_active()):
+        return ()
+    return scopes
 
 
 def serve(scopes: tuple, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]):
     """``compute()`` -- the quantized operand ``kind`` of the weight view ``W_t`` -- or the one the
     innermost of ``scopes`` (from :func:`current`) that holds ``W_t``'s weight made from the same bytes."""
-    if (not scopes or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
-            or torch._C._are_functorch_transforms_active()):
+    if not scopes or torch.compiler.is_compiling():  # compiled autograd traces an eager forward's backward
         return compute()
     for scope in reversed(scopes):
         value = scope.operand(W_t, kind, compute)
@@ -135,7 +138,9 @@ class Scope:
     def operand(self, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]):
         """The operand ``kind`` of ``W_t`` from this scope (made now unless made before from its current
         state), or ``_NOT_HERE`` where this scope does not hold ``W_t``'s weight or is closed."""
-        root = _root(W_t)
+        root = W_t._base  # _root(W_t), inline: every use pays for this method
+        if root is None:
+            root = W_t
         if self.roots.get(id(root)) is not root or not self._active:
             return _NOT_HERE
         try:

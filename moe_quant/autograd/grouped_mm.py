@@ -122,15 +122,21 @@ def _empty_contraction(A, W_t) -> bool:
     return A.shape[1] == 0 or W_t.shape[2] == 0
 
 
-def _forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
+def _output(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, scopes: tuple):
     if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
         return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
     fwd, _, _ = _GEMMS[backend]
-    out = fwd(A, W_t, offs, mode, reuse.current())
+    out = fwd(A, W_t, offs, mode, scopes)
     # never ``out.to(out_dtype)`` when it is already that dtype: that returns ``out`` itself, and torch 2.11's
     # dynamo then traces this Function's backward with a zero output gradient (every gradient zero; fixed in
     # later torch; tests/test_grouped_mm.py::test_compiled_gradients_equal_eager)
     return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def _forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
+    """The transforms form's forward: it runs under ``torch.compile`` and ``torch.func``, where no reuse scope
+    serves. (No ``scopes`` parameter with a default: ``apply`` would bind it as a seventh input.)"""
+    return _output(A, W_t, offs, mode, out_dtype, backend, ())
 
 
 def _setup_context(ctx, inputs, output):
@@ -141,7 +147,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(A if need_W else None, W_t if need_A else None, offs)
     ctx.shapes = (A.shape, A.dtype, W_t.shape, W_t.dtype)
     ctx.mode, ctx.backend = mode, backend
-    ctx.reuse_scopes = reuse.current()  # the scopes this forward ran in serve its dgrad
+    ctx.reuse_scopes = ()  # the reuse scopes that serve dgrad: the eager form's forward sets its own
 
 
 def _backward(ctx, grad_out):
@@ -162,15 +168,17 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     the Function defines ``setup_context`` (whatever its defaults), which costs more host time than
     the rest of the call's Python; so eager calls outside ``torch.func`` transforms and ``torch.compile``
     take this form, which has none. :class:`_MXFP8GroupedMMTransforms` is the same function in the
-    ``forward`` + ``setup_context`` form that transforms need; both share ``_forward``,
+    ``forward`` + ``setup_context`` form that transforms need; both share ``_output``,
     ``_setup_context`` and ``_backward``.
     """
 
     @staticmethod
     def forward(ctx, A, W_t, offs, mode, out_dtype, backend):
         inputs = (A, W_t, offs, mode, out_dtype, backend)
-        out = _forward(*inputs)
+        scopes = reuse.current()
+        out = _output(*inputs, scopes)
         _setup_context(ctx, inputs, out)
+        ctx.reuse_scopes = scopes  # the scopes this forward ran in serve its dgrad, on whatever thread
         return out
 
     backward = staticmethod(_backward)
