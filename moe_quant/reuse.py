@@ -173,7 +173,7 @@ class Scope:
 
     @contextlib.contextmanager
     def activate(self):
-        _LOCAL.scopes = current() + (self,)
+        _LOCAL.scopes = getattr(_LOCAL, "scopes", ()) + (self,)  # not current(): () under inference_mode
         self._active += 1
         try:
             yield self

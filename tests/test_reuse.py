@@ -431,6 +431,8 @@ def test_nested_scopes_the_innermost_that_holds_the_weight_serves():
                 run(m, xs[2])
         assert (outer.hits, outer.misses) == (12, 12)
         assert (inner.hits, inner.misses) == (1, 1) and (innermost.hits, innermost.misses) == (0, 12)
+        with torch.inference_mode(), reuse_quantized_weights([w]):  # where nothing is served: the outer stays
+            gemm(a, w, offs)
         assert same(run(m, xs[2]), fresh(m, xs[2]))
     assert (outer.hits, outer.misses) == (24, 12)
 
