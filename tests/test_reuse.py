@@ -1,5 +1,6 @@
 """reuse_quantized_weights: inside the scope each expert weight is quantized once for all micro-batches;
-results equal quantizing every time, bit for bit; on exit a weight that changed raises."""
+results equal quantizing every time, bit for bit, whatever happens to the weights between uses that a version
+counter sees; on exit a weight whose operands were reused and that then changed raises."""
 
 import contextlib
 import copy
@@ -473,7 +474,7 @@ def test_bad_argument(bad):
             pass
 
 
-def test_exit_fingerprints_each_served_weight_again_and_names_only_the_changed_one(monkeypatch):
+def test_exit_fingerprints_each_reused_weight_again_and_names_only_the_changed_one(monkeypatch):
     import moe_quant.reuse as reuse
 
     calls = spy_on(monkeypatch, reuse, "fingerprint")
@@ -487,3 +488,16 @@ def test_exit_fingerprints_each_served_weight_again_and_names_only_the_changed_o
             with torch.no_grad():
                 m.layers[1].moe.experts.w2.data.add_(1)  # one weight, through an alias: only the bytes tell
     assert served == 6 and len(calls) == 2 * served  # w1, w3, w2 of two layers: once more each on exit
+
+
+def test_exit_reads_no_weight_whose_operands_were_not_reused(monkeypatch):
+    import moe_quant.reuse as reuse
+
+    calls = spy_on(monkeypatch, reuse, "fingerprint")
+    m = model()
+    with reuse_quantized_weights(m) as scope:
+        run(m, micro_batches(1)[0])
+        assert scope.hits == 0 and len(calls) == len(scope.served) == 6  # at first use
+        with torch.no_grad():
+            m.layers[1].moe.experts.w2.data.add_(1)  # nothing made from the old bytes is used again
+    assert len(calls) == 6
