@@ -119,7 +119,7 @@ def reuse_scope(impl: str, W):
     if impl != "moe_quant_reused":
         return contextlib.nullcontext()
     scope = _REUSE_SCOPES.get(id(W))
-    if scope is None or scope.params.get(id(W)) is not W:
+    if scope is None or scope.roots.get(id(W)) is not W:
         _REUSE_SCOPES.clear()  # one weight at a time: the previous shape's operands are freed
         scope = _REUSE_SCOPES[id(W)] = reuse.Scope([W])
     return scope.activate()

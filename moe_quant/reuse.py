@@ -8,27 +8,54 @@ forward quantizes them along K and every backward along N again. Inside::
             loss_fn(model(micro_batch)).backward()
     optimizer.step()
 
-each weight operand of the MXFP8 grouped GEMM (a view of one of ``model``'s parameters) is
-quantized once and reused by the later micro-batches. The contract is the user's statement that
-the weights do not change inside the scope; on exit the scope checks it: for each weight it served,
-the parameter's version counter, storage and shape, and a fingerprint of its bytes (which also sees
-writes through ``.data`` or ``state_dict()`` tensors), and raises ``RuntimeError`` if one changed
-(results computed inside the scope may then have used stale operands). The fingerprint
-(:mod:`moe_quant.fingerprint`: a position-keyed, mixed sum of the weight's 64-bit words mod 2**64, which
-any change of one word changes) costs one read of each served weight at its first use and one on exit,
-on Hopper and newer one CuTe-DSL kernel that reads the bytes once; nothing inside forward or backward synchronizes with the
-host, and the comparison on exit does once per device (all served weights' fingerprints at once).
+each weight operand of the MXFP8 grouped GEMM is quantized once and reused by the later micro-batches,
+bit for bit what quantizing every time gives.
 
-Not served inside the scope (every call quantizes, as outside it): under ``torch.compile``,
-``torch.inference_mode`` and ``torch.func`` transforms, and parameters that are not ``model``'s when
-the scope is entered (FSDP2 gathers its unsharded weights anew for every forward). The cached
-operands stay allocated until the scope exits: two bf16 copies of each served weight on the
-emulated GEMM, two fp8 copies plus scales on the scaled one.
+What is served. A GEMM's weight view ``W_t`` is served when its root tensor (``W_t._base``, or ``W_t``
+itself when it is no view) is the root of one of the scope's weights: a parameter and every view of it
+(``w.transpose(-2, -1)``, ``w[:2]``), and weights that are views of one buffer (``buf[0]``, ``buf[1]``:
+their root is ``buf``). Served only to the thread that entered the scope (scopes are per thread, the
+innermost one holding the weight serves), and to the backward of a forward that ran there while the
+scope is still open (the autograd Function carries the scopes from its forward to its backward, which
+on CUDA runs on the engine's device thread). Never under ``torch.compile``, ``torch.inference_mode`` or
+``torch.func`` transforms (every call quantizes, as outside a scope).
+
+Checked at every use, on the host. Each use looks the view up by its state, read without touching the
+device: the root's TensorImpl, the storage's identity (its StorageImpl) and data pointer, the view's
+offset, shape, strides and dtype make the key, and the version counter (the root's, which the key's
+TensorImpl names) must equal the one the operands were made at. So a weight given other bytes -- an
+in-place write through it or any view of it (an optimizer step, ``copy_``, ``load_state_dict``,
+``set_``) or new storage (``.data = ema``, ``vector_to_parameters``, ``torch.utils.swap_tensors``) -- is
+quantized again at its next use, and a ``.data`` swap back finds the operands of the old storage again.
+Until it exits the scope holds each source's storage, so no storage identity in a key passes to another
+tensor meanwhile; it holds no reference to the root's TensorImpl (``swap_tensors`` refuses a tensor with
+one), so the one state this key cannot tell apart is a swapped-out TensorImpl freed and its address
+reused by another one over the same storage, swapped into the weight at the same version count.
+
+Checked on exit. A write no version counter of the weight sees -- through an alias with its own counter
+(``w.data.mul_()``, a NumPy or DLPack view, another process after ``share_memory()``) -- cannot be seen at
+a use without reading the bytes. So the scope fingerprints each source's bytes at its first use
+(:mod:`moe_quant.fingerprint`) and, on exit, those of every source whose operands were reused (a hit)
+again, and raises ``RuntimeError`` where they differ (the comparison on the device, one host
+synchronization per device). That also names a weight changed through its counter after a reuse (an
+optimizer step inside the scope): those later uses were served right, but an unseen write before the
+change cannot be told apart. Sources never reused need no check: each of their operands was made from
+the bytes current at that use. A write no counter sees is missed by both checks where the bytes are
+restored before the scope exits (``w.data.copy_(ema)`` ... ``w.data.copy_(backup)``, or an unseen write
+that a ``copy_`` on the weight undoes): swap with ``.data =``, ``copy_`` on the weight or
+``load_state_dict`` instead. Nothing inside forward or backward synchronizes with the host.
+
+Costs: a fingerprint (one read of the bytes; on Hopper and newer a CuTe-DSL kernel) of each source at its
+first use and of each reused one on exit, and a few microseconds of host time per lookup. The cached
+operands stay allocated until the scope exits (two bf16 copies of each served view on the emulated GEMM,
+two fp8 copies plus scales on the scaled one), with the storage of each source (with ``.data`` swaps, also
+that of each storage swapped in).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable
 
 import torch
@@ -36,82 +63,178 @@ from torch import nn
 
 from .fingerprint import fingerprint
 
-_ACTIVE: list["Scope"] = []
+_LOCAL = threading.local()  # .scopes: the scopes entered on this thread, innermost last (a tuple)
+_NOT_HERE = object()
 
 
-def _state(p: torch.Tensor) -> tuple:
-    return (p._version, p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), p.stride(), p.dtype)
+def current() -> tuple:
+    """The scopes that serve this thread's GEMMs now, innermost last (empty where none may serve: under
+    ``torch.compile``, ``inference_mode`` and ``torch.func`` transforms). A forward passes them to
+    :func:`serve` and keeps them for its backward."""
+    if torch.compiler.is_compiling():  # first: dynamo never traces the thread-local read
+        return ()
+    scopes = getattr(_LOCAL, "scopes", ())
+    if scopes and (torch.is_inference_mode_enabled() or torch._C._are_functorch_transforms_active()):
+        return ()
+    return scopes
+
+
+def serve(scopes: tuple, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]):
+    """``compute()`` -- the quantized operand ``kind`` of the weight view ``W_t`` -- or the one the
+    innermost of ``scopes`` (from :func:`current`) that holds ``W_t``'s weight made from the same bytes."""
+    if not scopes or torch.compiler.is_compiling():  # compiled autograd traces an eager forward's backward
+        return compute()
+    for scope in reversed(scopes):
+        value = scope.operand(W_t, kind, compute)
+        if value is not _NOT_HERE:
+            return value
+    return compute()
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose TensorImpl ``t``'s views share: ``t._base`` (a view's base is never a view), else ``t``."""
+    base = t._base
+    return t if base is None else base
+
+
+def _storage_state(t: torch.Tensor) -> tuple:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class _Source:
+    """A served weight view's bytes as the scope saw them at first use: the operands made from them, by kind."""
+
+    __slots__ = ("key", "view", "version", "storage", "fingerprint", "operands", "hits")
+
+    def __init__(self, key: tuple, W_t: torch.Tensor, version: int):
+        self.key = key
+        # ``view`` holds the storage (its identity in the key stays unique while the scope holds the source) and
+        # shares W_t's version counter: W_t's alias with its dims in memory order, whose row-major bytes are those
+        # of a dense W_t without a copy (a transpose of a parameter). Not a view of the root: a reference to the
+        # root's TensorImpl, strong or weak, makes torch.utils.swap_tensors refuse the weight.
+        order = sorted(range(W_t.dim()), key=lambda d: -W_t.stride(d))
+        self.view = W_t.detach().permute(order)
+        self.version = version
+        self.storage = _storage_state(W_t)
+        self.fingerprint = fingerprint(self.view)
+        self.operands: dict = {}
+        self.hits = 0
 
 
 class Scope:
     """The operands of one scope. :func:`reuse_quantized_weights` makes one; ``activate()`` serves from it
-    without the exit check (benchmarks time the steady state with it)."""
+    on this thread without the exit check (benchmarks time the steady state with it)."""
 
     def __init__(self, weights):
-        self.params = {id(p): p for p in weights}
-        self.entries: dict = {}
-        self.served: dict = {}  # id -> (parameter, its state, its fingerprint) at first use
+        self.roots = {id(r): r for r in map(_root, weights)}
+        self.served: dict = {}  # state key (all but the version) -> the _Source of its current version
+        self.retired: list = []  # sources reused, then replaced at a use that saw a new version (checked on exit)
         self.hits = 0
         self.misses = 0
+        self._active = 0
+        self._lock = threading.Lock()  # backward device threads of one forward thread may share the scope
 
     def operand(self, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]):
-        param = W_t if id(W_t) in self.params else W_t._base
-        if param is None or self.params.get(id(param)) is not param:
-            return compute()
-        key = (id(param), kind, W_t.storage_offset(), tuple(W_t.shape), W_t.stride(), W_t.dtype)
-        hit = self.entries.get(key)
-        if hit is not None:
-            self.hits += 1
-            return hit
-        if id(param) not in self.served:
-            self.served[id(param)] = (param, _state(param), fingerprint(param))
-        value = self.entries[key] = compute()
-        self.misses += 1
+        """The operand ``kind`` of ``W_t`` from this scope (made now unless made before from its current
+        state), or ``_NOT_HERE`` where this scope does not hold ``W_t``'s weight or is closed."""
+        root = W_t._base  # _root(W_t), inline: every use pays for this method
+        if root is None:
+            root = W_t
+        if self.roots.get(id(root)) is not root or not self._active:
+            return _NOT_HERE
+        try:
+            version = W_t._version
+        except RuntimeError:  # an inference tensor: no version counter to check
+            return _NOT_HERE
+        storage = W_t.untyped_storage()
+        key = (root._cdata, storage._cdata, storage.data_ptr(), W_t.storage_offset(), W_t.shape, W_t.stride(),
+               W_t.dtype)
+        with self._lock:
+            source = self.served.get(key)
+            if source is not None and source.version == version:
+                value = source.operands.get(kind)
+                if value is not None:
+                    source.hits += 1
+                    self.hits += 1
+                    return value
+        fresh = None if source is not None and source.version == version else _Source(key, W_t, version)
+        value = compute()
+        with self._lock:
+            if fresh is not None:
+                old = self.served.get(key)
+                if old is not None and old.hits:
+                    old.operands = {}
+                    self.retired.append(old)
+                self.served[key] = source = fresh
+            source.operands[kind] = value
+            self.misses += 1
         return value
 
     @contextlib.contextmanager
     def activate(self):
-        _ACTIVE.append(self)
+        _LOCAL.scopes = getattr(_LOCAL, "scopes", ()) + (self,)  # not current(): () under inference_mode
+        self._active += 1
         try:
             yield self
         finally:
-            _ACTIVE.remove(self)
+            self._active -= 1
+            mine = _LOCAL.scopes
+            i = len(mine) - 1 - mine[::-1].index(self)
+            _LOCAL.scopes = mine[:i] + mine[i + 1:]
 
-    def check(self) -> None:
-        flags = {}  # id -> changed?, in the order the weights were served
-        by_device: dict = {}  # weights of unchanged state: compared by fingerprint, all of a device at once
-        for key, (param, state, fp) in self.served.items():
-            flags[key] = _state(param) != state
-            if not flags[key]:
-                by_device.setdefault(fp.device, []).append((key, fp, fingerprint(param)))
+    def close(self, check: bool) -> None:
+        """Free the operands and forget the sources; with ``check``, first raise ``RuntimeError`` where a
+        source whose operands were reused does not hold the bytes it held at first use."""
+        for source in self.served.values():
+            source.operands = {}
+        try:
+            if check:
+                self._check()
+        finally:
+            self.served.clear()
+            self.retired.clear()
+
+    def _check(self) -> None:
+        by_key: dict = {}  # the reused sources of a state key: one storage, one view, one fingerprint now
+        for source in [s for s in self.served.values() if s.hits] + self.retired:
+            by_key.setdefault(source.key, []).append(source)
+        changed, by_device = [], {}
+        for sources in by_key.values():
+            view = sources[0].view
+            now = _storage_state(view)
+            if any(s.storage != now for s in sources):  # reallocated (storage.resize_): not readable as then
+                changed += sources
+                continue
+            by_device.setdefault(view.device, []).append((sources, fingerprint(view)))
         for items in by_device.values():  # one host synchronization per device
-            differ = (torch.stack([old for _, old, _ in items]) != torch.stack([new for *_, new in items])).tolist()
-            flags.update((key, d) for (key, _, _), d in zip(items, differ))
-        changed = [self.served[key][0] for key, c in flags.items() if c]
+            old = torch.stack([s.fingerprint for sources, _ in items for s in sources])
+            new = torch.stack([f for sources, f in items for _ in sources])
+            changed += [s for s, d in zip([s for sources, _ in items for s in sources], (old != new).tolist()) if d]
         if changed:
-            names = ", ".join(f"{tuple(p.shape)}" for p in changed)
+            shapes = lambda sources: ", ".join(str(tuple(s.view.shape)) for s in sources)  # noqa: E731
+            unseen = [s for s in changed if s.view._version == s.version]
+            seen = [s for s in changed if s.view._version != s.version]
+            how = ([f"through a write no version counter saw (.data, another alias: the operands reused after it "
+                    f"were stale), shapes {shapes(unseen)}"] if unseen else []) + (
+                   [f"by an in-place write its version counter saw (quantized again from then on, but an unseen "
+                    f"write before it cannot be told apart), shapes {shapes(seen)}"] if seen else [])
             raise RuntimeError(
-                f"reuse_quantized_weights: {len(changed)} weight(s) it served changed inside the scope (shapes "
-                f"{names}); results computed inside it may have used their old quantized values. Step the "
-                f"optimizer (or write the weights) outside the scope: one scope per optimizer step's micro-batches."
+                f"reuse_quantized_weights: {len(changed)} weight(s) it served changed inside the scope after their "
+                f"quantized operands had been reused: {'; '.join(how)}. Results computed inside the scope may have "
+                f"used old quantized values. Step the optimizer (or write the weights) outside the scope: one scope "
+                f"per optimizer step's micro-batches."
             )
-
-
-def active_operand(W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]):
-    """``compute()`` -- the quantized operand ``kind`` of the weight view ``W_t`` -- or the one the
-    innermost active :func:`reuse_quantized_weights` scope made before for the same view."""
-    if (not _ACTIVE or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
-            or torch._C._are_functorch_transforms_active()):
-        return compute()
-    return _ACTIVE[-1].operand(W_t, kind, compute)
 
 
 @contextlib.contextmanager
 def reuse_quantized_weights(model):
     """Quantize each expert weight of ``model`` (an ``nn.Module``, or an iterable of weight tensors for
     direct :func:`moe_quant.mxfp8_grouped_mm` calls on their views) once for all micro-batches run
-    inside; on exit raise ``RuntimeError`` if a weight it served changed (see the module doc). Yields
-    the scope (its ``hits`` and ``misses`` count the weight operands reused and made)."""
+    inside, on this thread; every use checks that the weight still holds the bytes its operands were
+    made from (else quantizes again); on exit raise ``RuntimeError`` if a weight whose operands were
+    reused changed (see the module doc). Yields the scope (its ``hits`` and ``misses`` count the weight
+    operands reused and made)."""
     if isinstance(model, nn.Module):
         weights = list(model.parameters())
     elif isinstance(model, torch.Tensor):
@@ -127,6 +250,7 @@ def reuse_quantized_weights(model):
     try:
         with scope.activate():
             yield scope
-    finally:
-        scope.entries.clear()
-    scope.check()
+    except BaseException:  # the user's error wins: no check
+        scope.close(check=False)
+        raise
+    scope.close(check=True)

@@ -113,12 +113,15 @@ def test_02_writes_through_views_are_seen(write):
     with torch.no_grad():
         ALIAS_WRITES[write](moe.experts.w1)
     assert torch.equal(moe(x), fresh_output(moe, x))  # the new values, outside a reuse scope
-    if not OLD:  # inside one: the exit check names the change
-        with pytest.raises(RuntimeError, match="changed inside the scope"):
+    if not OLD:  # inside one: seen at the next use (the version counter they share), or named on exit (.data)
+        unseen = write.startswith("data_")
+        with pytest.raises(RuntimeError, match="changed inside the scope") if unseen else contextlib.nullcontext():
             with reuse_quantized_weights(moe):
                 moe(x).float().sum().backward()
                 with torch.no_grad():
                     ALIAS_WRITES[write](moe.experts.w1)
+                out = moe(x)
+                assert unseen or torch.equal(out, fresh_output(moe, x))
 
 
 @pytest.mark.parametrize("write", list(OWN_COUNTER_WRITES))
@@ -131,11 +134,12 @@ def test_05_writes_through_aliases_with_their_own_version_counter(write):
     OWN_COUNTER_WRITES[write](moe, x)
     assert not torch.equal(moe.experts.w1.detach(), before)  # precondition: the write reached the weight
     assert torch.equal(moe(x), fresh_output(moe, x))
-    if not OLD:
+    if not OLD:  # inside a scope: the next use reuses the old operands (no counter saw the write); named on exit
         with pytest.raises(RuntimeError, match="changed inside the scope"):
             with reuse_quantized_weights(moe):
                 moe(x).sum().backward()
                 OWN_COUNTER_WRITES[write](moe, x)
+                moe(x).sum().backward()
 
 
 # 3 --------------------------------------------------------------------------------------------------
@@ -206,6 +210,7 @@ def test_06_write_from_another_process_after_share_memory():
             p.start()
             p.join(120)
             assert p.exitcode == 0
+            moe(x).sum().backward()  # reuses the operands of the bytes before the child's write: named on exit
     except RuntimeError as e:
         raised = e
     assert torch.equal(moe(x), fresh_output(moe, x))  # the parent sees the child's write

@@ -27,7 +27,7 @@ from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
 from ..layouts import row_major, sanitize_offsets
 from ..numerics import ScaleMode
-from ..reuse import active_operand
+from .. import reuse
 from ..validation import check_grouped_mm_args
 
 _GEMM_DTYPE = torch.bfloat16
@@ -48,27 +48,28 @@ _WEIGHT_FORMS = {
 }
 
 
-def weight_operand(W_t, mode: ScaleMode, backend: GemmBackend, gemm: str):
+def weight_operand(W_t, mode: ScaleMode, backend: GemmBackend, gemm: str, scopes: tuple):
     """The ``gemm`` ("fwd" or "dgrad") operand of the weight view ``W_t`` on ``backend``: made here, or
-    reused from an active :func:`moe_quant.reuse_quantized_weights` scope. The one place the GEMMs of
+    reused from one of ``scopes`` (:func:`moe_quant.reuse.current` where the forward ran: the forward passes
+    them, its backward the ones the forward kept in ``ctx``). The one place the GEMMs of
     :func:`mxfp8_grouped_mm` and of the SwiGLU expert block get their weight operands."""
     form = _WEIGHT_FORMS[backend, gemm]
 
     def compute():  # of the weight read as bf16 (fp32 master weights: their bf16 rounding)
         return form(W_t if W_t.dtype in _WEIGHT_DTYPES else W_t.to(_GEMM_DTYPE), mode)
 
-    return active_operand(W_t, (backend.value, gemm, mode), compute)
+    return reuse.serve(scopes, W_t, (backend.value, gemm, mode), compute)
 
 
-def emulated_fwd(A, W_t, offs, mode: ScaleMode):
+def emulated_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):
     a = pq.rowwise_values(A, mode)  # A's MXFP8 form may be known already (expert parallelism)
-    w = weight_operand(W_t, mode, GemmBackend.EMULATED, "fwd")
+    w = weight_operand(W_t, mode, GemmBackend.EMULATED, "fwd", scopes)
     return torch._grouped_mm(a, w, offs=offs)
 
 
-def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode):
+def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode, scopes: tuple):
     g = pq.rowwise_values(grad_out, mode)
-    w = weight_operand(W_t, mode, GemmBackend.EMULATED, "dgrad")
+    w = weight_operand(W_t, mode, GemmBackend.EMULATED, "dgrad", scopes)
     return torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
 
 
@@ -86,15 +87,15 @@ def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
 # ----------------------------------------------------------------------------- scaled (SM100+)
 
 
-def scaled_fwd(A, W_t, offs, mode: ScaleMode):
+def scaled_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):
     a, a_s = pq.rowwise_operand(A, mode, offs)
-    w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "fwd")
+    w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "fwd", scopes)
     return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
-def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode):
+def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode, scopes: tuple):
     g, g_s = pq.rowwise_operand(grad_out, mode, offs)
-    w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "dgrad")
+    w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "dgrad", scopes)
     return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
@@ -121,15 +122,21 @@ def _empty_contraction(A, W_t) -> bool:
     return A.shape[1] == 0 or W_t.shape[2] == 0
 
 
-def _forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
+def _output(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, scopes: tuple):
     if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
         return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
     fwd, _, _ = _GEMMS[backend]
-    out = fwd(A, W_t, offs, mode)
+    out = fwd(A, W_t, offs, mode, scopes)
     # never ``out.to(out_dtype)`` when it is already that dtype: that returns ``out`` itself, and torch 2.11's
     # dynamo then traces this Function's backward with a zero output gradient (every gradient zero; fixed in
     # later torch; tests/test_grouped_mm.py::test_compiled_gradients_equal_eager)
     return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def _forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
+    """The transforms form's forward: it runs under ``torch.compile`` and ``torch.func``, where no reuse scope
+    serves. (No ``scopes`` parameter with a default: ``apply`` would bind it as a seventh input.)"""
+    return _output(A, W_t, offs, mode, out_dtype, backend, ())
 
 
 def _setup_context(ctx, inputs, output):
@@ -140,6 +147,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(A if need_W else None, W_t if need_A else None, offs)
     ctx.shapes = (A.shape, A.dtype, W_t.shape, W_t.dtype)
     ctx.mode, ctx.backend = mode, backend
+    ctx.reuse_scopes = ()  # the reuse scopes that serve dgrad: the eager form's forward sets its own
 
 
 def _backward(ctx, grad_out):
@@ -160,15 +168,17 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     the Function defines ``setup_context`` (whatever its defaults), which costs more host time than
     the rest of the call's Python; so eager calls outside ``torch.func`` transforms and ``torch.compile``
     take this form, which has none. :class:`_MXFP8GroupedMMTransforms` is the same function in the
-    ``forward`` + ``setup_context`` form that transforms need; both share ``_forward``,
+    ``forward`` + ``setup_context`` form that transforms need; both share ``_output``,
     ``_setup_context`` and ``_backward``.
     """
 
     @staticmethod
     def forward(ctx, A, W_t, offs, mode, out_dtype, backend):
         inputs = (A, W_t, offs, mode, out_dtype, backend)
-        out = _forward(*inputs)
+        scopes = reuse.current()
+        out = _output(*inputs, scopes)
         _setup_context(ctx, inputs, out)
+        ctx.reuse_scopes = scopes  # the scopes this forward ran in serve its dgrad, on whatever thread
         return out
 
     backward = staticmethod(_backward)
@@ -208,7 +218,7 @@ def _input_grads(ctx, grad_out, A, W_t, offs):
             dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
         grad_W_t = (dW if dW.dtype == w_dtype else dW.to(w_dtype)).transpose(-2, -1)
     if ctx.needs_input_grad[0]:
-        grad_A = dgrad(grad_out, W_t, offs, ctx.mode)
+        grad_A = dgrad(grad_out, W_t, offs, ctx.mode, ctx.reuse_scopes)
         if grad_A.dtype != a_dtype:
             grad_A = grad_A.to(a_dtype)
     return grad_A, grad_W_t

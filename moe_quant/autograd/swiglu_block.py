@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .. import block_quantize as bq
 from .. import layouts
+from .. import reuse
 from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
 from ..layouts import row_major, sanitize_offsets
@@ -37,14 +38,14 @@ from .grouped_mm import _GEMM_DTYPE, _first_order_only, _zero_empty_experts, mxf
 # ----------------------------------------------------------------------------- GEMMs on quantized forms
 
 
-def _w_fwd(w: torch.Tensor, mode: ScaleMode, backend: GemmBackend):
+def _w_fwd(w: torch.Tensor, mode: ScaleMode, backend: GemmBackend, scopes: tuple):
     """Forward operand of an expert weight ``w (E, N, K)`` (blocks along K), as mxfp8_grouped_mm builds it."""
-    return weight_operand(w.transpose(-2, -1), mode, backend, "fwd")
+    return weight_operand(w.transpose(-2, -1), mode, backend, "fwd", scopes)
 
 
-def _w_dgrad(w: torch.Tensor, mode: ScaleMode, backend: GemmBackend):
+def _w_dgrad(w: torch.Tensor, mode: ScaleMode, backend: GemmBackend, scopes: tuple):
     """Dgrad operand of ``w (E, N, K)`` (blocks along N)."""
-    return weight_operand(w.transpose(-2, -1), mode, backend, "dgrad")
+    return weight_operand(w.transpose(-2, -1), mode, backend, "dgrad", scopes)
 
 
 def _mm_fwd(row: tuple, w_op, offs: torch.Tensor) -> torch.Tensor:
@@ -78,15 +79,16 @@ def _mm_wgrad(g_col: tuple, a_col: tuple, offs: torch.Tensor, backend: GemmBacke
 # ----------------------------------------------------------------------------- the autograd function
 
 
-def _gate_up_fwd(x_row: tuple, w1, w3, offs, mode, backend):
+def _gate_up_fwd(x_row: tuple, w1, w3, offs, mode, backend, scopes):
     """``(a, b)`` = ``(x W1^T, x W3^T)``. With the gate and up weights concatenated (``w3`` None, ``w1`` the
     ``(E, 2H, D)`` weight ``[W1; W3]``) the weight is quantized once and, on the emulated GEMM, each half of its
     operand runs its own GEMM: every output element is the same dot product as in one GEMM over ``w13`` (its
     columns are independent; byte-checked on the H100), and ``a`` and ``b`` come out row-major, as the fused
     passes read them (halves of one output would be copied there). The scaled GEMM runs one GEMM and splits."""
     if w3 is not None:
-        return _mm_fwd(x_row, _w_fwd(w1, mode, backend), offs), _mm_fwd(x_row, _w_fwd(w3, mode, backend), offs)
-    w13 = _w_fwd(w1, mode, backend)
+        return (_mm_fwd(x_row, _w_fwd(w1, mode, backend, scopes), offs),
+                _mm_fwd(x_row, _w_fwd(w3, mode, backend, scopes), offs))
+    w13 = _w_fwd(w1, mode, backend, scopes)
     if len(x_row) == 1:  # emulated: w13 (E, D, 2H) bf16
         h = w13.shape[-1] // 2
         return _mm_fwd(x_row, w13[..., :h], offs), _mm_fwd(x_row, w13[..., h:], offs)
@@ -112,21 +114,22 @@ class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend):
         fake = backend is GemmBackend.EMULATED
+        scopes = reuse.current()  # the reuse scopes this forward runs in serve its backward too
         x_row = bq.rowwise(x, mode, offs, fake)
-        a, b = _gate_up_fwd(x_row, w1, w3, offs, mode, backend)
+        a, b = _gate_up_fwd(x_row, w1, w3, offs, mode, backend, scopes)
         del x_row
         h_row, h_col = bq.swiglu(a, b, mode, offs, fake)
-        y = _mm_fwd(h_row, _w_fwd(w2, mode, backend), offs)
+        y = _mm_fwd(h_row, _w_fwd(w2, mode, backend, scopes), offs)
         # x itself, as the bf16 block saves it: its colwise form is made in backward (one more read of x)
         # instead of living from forward to backward as a second (M, D) tensor
         ctx.save_for_backward(w1, w3, w2, offs, x, a, b, *h_col)
-        ctx.mode, ctx.backend, ctx.x_dtype = mode, backend, x.dtype
+        ctx.mode, ctx.backend, ctx.x_dtype, ctx.reuse_scopes = mode, backend, x.dtype, scopes
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         w1, w3, w2, offs, x, a, b, *h_col = ctx.saved_tensors
-        mode, backend = ctx.mode, ctx.backend
+        mode, backend, scopes = ctx.mode, ctx.backend, ctx.reuse_scopes
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
         concat = w3 is None
         with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
@@ -134,7 +137,7 @@ class _SwiGLUExperts(torch.autograd.Function):
             g_row, g_col = bq.dual(row_major(grad_y), mode, offs, fake)
             dw2 = _mm_wgrad(g_col, h_col, offs, backend, w2.dtype) if need_w2 else None
             del g_col, h_col
-            grad_h = _mm_dgrad(g_row, _w_dgrad(w2, mode, backend), offs)
+            grad_h = _mm_dgrad(g_row, _w_dgrad(w2, mode, backend, scopes), offs)
             del g_row
             if concat and fake:  # [grad_a | grad_b]'s forms (dx's and dW13's operands) written in place, no copy
                 g13_row, g13_col = bq.dswiglu_stacked(grad_h, a, b, mode, offs)
@@ -156,16 +159,16 @@ class _SwiGLUExperts(torch.autograd.Function):
                     if g13_row is None:  # scaled: the blocked scales concatenated tile by tile
                         g13_row = bq.concat_rowwise(ga_row, gb_row)
                     del ga_row, gb_row
-                    dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
+                    dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
             else:
                 dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
                 del ga_col
                 dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
                 del gb_col, x_col
                 if need_x:
-                    dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend), offs).to(ctx.x_dtype)
+                    dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
                     del ga_row
-                    dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend), offs).to(ctx.x_dtype))
+                    dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend, scopes), offs).to(ctx.x_dtype))
         # differentiating these again raises (grouped_mm.DOUBLE_BACKWARD_ERROR), as for mxfp8_grouped_mm
         dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))  # w3 None with w13
         dw3, dw2 = _first_order_only((dw3, dw2), (grad_y, w3, w2))
