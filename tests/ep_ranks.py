@@ -107,6 +107,10 @@ def _job(job):
         import titan_ranks
 
         return titan_ranks.run(**arg)
+    if kind == "titan_bits":
+        import titan_bits_ranks
+
+        return titan_bits_ranks.run(**arg)
     if kind == "titan_model":
         import titan_model_ranks
 

@@ -113,6 +113,9 @@ class MXFP8TokenDispatcher:
         self._agreed = ()  # (group,): the group the one-time handshake passed on
         self._bound = None  # sync-free mode: the token bound agreed on that group
 
+    # combine's sum, ``scatter_add(out, index, src)`` (see moe_quant.routing.unsort_tokens); None: Tensor.scatter_add
+    _scatter_add = None
+
     @classmethod
     def config_class(cls):
         """torchtitan's ``Config`` for this dispatcher (imports torchtitan); see :func:`torchtitan_config`."""
@@ -354,7 +357,8 @@ class MXFP8TokenDispatcher:
                 y = torch.where(route.dropped > 0, float("nan"), y)
         else:
             y = routed_output if route is None else combine_rows(routed_output, route)
-        return unsort_tokens(y, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N, x_TD)
+        return unsort_tokens(y, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N, x_TD,
+                             scatter_add=self._scatter_add)
 
 
 __all__ = ["MXFP8TokenDispatcher", "EPDispatchMetadata"]
