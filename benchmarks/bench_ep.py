@@ -1,28 +1,43 @@
-"""Expert parallelism, bf16 vs MXFP8 on the wire: wire bytes, all-to-all legs, the EP MoE block fwd + bwd.
+"""Expert parallelism, bf16 vs MXFP8 on the wire: the EP MoE block fwd + bwd in every variant, in one process.
 
-    python -m benchmarks.bench_ep                                  # world size 1 on one GPU
-    torchrun --nproc_per_node N -m benchmarks.bench_ep             # N GPUs (nccl)
-    python -m benchmarks.bench_ep --device cpu                     # smoke run (gloo, tiny sizes)
-    options: --dim 7168 --hidden 2048 --experts-per-rank 8 --top-k 2 --tokens 16384 --iters 10
+    torchrun --nproc_per_node N -m benchmarks.bench_ep                    # N GPUs (nccl), N = 2 or 4
+    torchrun --nproc_per_node N -m benchmarks.bench_ep --json ep.json     # the record scripts/ep_wire_fit.py reads
+    python -m benchmarks.bench_ep --device cpu                            # smoke run (gloo, world 1, tiny sizes)
+    options: --dim 7168 --hidden 2048 --experts-per-rank 8 --top-k 2 --tokens 16384
+             --rows bf16,titan,conv_bf16,conv_mxfp8,p2p,p2p_c2,p2p_c4,sync_free,sync_free_c2 --rounds 5 --steps 4
 
-Three tables, printed by rank 0:
+Rows (``ROWS``; ``--rows`` picks some), each the EP block of the same weights, inputs and balanced routing:
 
-1. Wire bytes per token at DeepSeek-V3 (hidden 7168) and Llama4 (hidden 5120): bf16 ``2 D``, MXFP8
-   ``D + D/32`` (e4m3 data plus one e8m0 byte per 32), and the bytes per token actually handed to
-   ``all_to_all_single`` by one dispatch (``moe_quant.ep.WireLog``).
-2. Each leg's all-to-all alone (dispatch and combine backward in MXFP8 vs bf16): ms and bus bandwidth
-   ``bytes * (N - 1) / N / time`` per rank (with N = 1 this is a local copy through the backend).
-3. The EP MoE block (``moe_quant.moe.EPMoE``, balanced routing so bf16 groups are multiples of 8)
-   fwd + bwd: bf16 model + bf16 comms, converted + bf16 comms, converted + MXFP8 comms; ms per step,
-   tokens/s per rank, peak memory above the inputs.
+====================  =========================================================================================
+``bf16``              (i) ``moe_quant.moe.EPMoE``, bf16 experts, bf16 comms (all-to-all transport)
+``titan``             (ii) torchtitan 0.3.0's ``RoutedExperts``: its ``AllToAllTokenDispatcher``, bf16 experts
+``conv_bf16``         (iii) EPMoE, experts converted to MXFP8, bf16 comms
+``conv_mxfp8``        (iv) EPMoE converted, MXFP8 comms (all-to-all transport)
+``p2p``, ``p2p_cC``   (v) EPMoE converted, MXFP8 comms, point-to-point transport in C ranges of local experts
+                      (``moe_quant.ep.blocks``: no pack/permute copies; C > 1 overlaps experts and exchange)
+``conv_bf16_p2p_cC``  EPMoE converted, bf16 comms, point-to-point transport, C ranges
+``sync_free[_c2]``    EPMoE converted, MXFP8 comms, sync-free mode (capacity factor 1.25, ``max_tokens`` the
+                      tokens per rank), in 1 or 2 ranges
+====================  =========================================================================================
 
-Timing uses a fixed number of iterations on every rank (CUDA events between barriers), since ranks must
-issue the same collectives. Without a GPU (and without ``--device cpu``) it prints one line, exit 2.
+Timing: ``--rounds`` rounds, each running ``--steps`` steps of every row in turn (interleaved, so drift hits
+every row alike), after two warm-up steps per row; every step starts after a barrier and is timed with CUDA
+events. Per row: the median step, its spread (min and max of the per-round medians), the ratios to rows
+(i) and (ii), the peak memory of one step above what was allocated before it, the bytes each leg hands to
+the transport per step (``moe_quant.ep.WireLog``), and each leg's communication kernel time in one
+profiled step (``torch.profiler``: kernels whose name contains ``nccl``, attributed to the leg whose
+``moe_quant.ep::<leg>`` range launched them; torchtitan's forward legs get the same ranges here, its
+backward legs are left unattributed). Then one leg alone: ``all_to_all_single`` of bf16 and MXFP8 rows at
+three sizes (the points the bandwidth fit of ``scripts/ep_wire_fit.py`` takes).
+
+``--json``: everything above, with the environment (world size, device, ``NCCL_P2P_DISABLE``,
+``NCCL_SHM_DISABLE``). Without a GPU (and without ``--device cpu``) it prints one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -34,14 +49,56 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_moe import balanced_routing_
-from benchmarks.timing import device_name, peak_memory_bytes, print_table, require_cuda
+from benchmarks.timing import (device_name, peak_memory_bytes, print_table, prog_name, profile_device_ops,
+                               require_cuda, write_json)
+from moe_quant import cli
 from moe_quant.ep import WireLog, mxfp8_row_bytes
-from moe_quant.ep.wire import all_to_all_rows
+from moe_quant.ep.wire import PROFILE_PREFIX, all_to_all_rows, leg_range
 from moe_quant.moe import EPMoE, MoE
 
-SIZES = {"DeepSeek-V3": 7168, "Llama4": 5120}
 GPU = dict(dim=7168, hidden=2048, experts_per_rank=8, top_k=2, tokens=16384)
-CPU = dict(dim=64, hidden=96, experts_per_rank=2, top_k=2, tokens=64)
+CPU = dict(dim=64, hidden=96, experts_per_rank=4, top_k=2, tokens=64)
+LEGS = ("counts", "dispatch", "combine", "combine backward", "dispatch backward")
+# row -> EPMoE settings (convert, wire, transport, chunks), or "torchtitan"
+ROWS = {
+    "bf16": dict(convert=False, wire="bf16"),
+    "titan": "torchtitan",
+    "conv_bf16": dict(convert=True, wire="bf16"),
+    "conv_mxfp8": dict(convert=True, wire="mxfp8"),
+    "p2p": dict(convert=True, wire="mxfp8", transport="p2p"),
+    "p2p_c2": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2),
+    "p2p_c4": dict(convert=True, wire="mxfp8", transport="p2p", chunks=4),
+    "conv_bf16_p2p_c2": dict(convert=True, wire="bf16", transport="p2p", chunks=2),
+    "sync_free": dict(convert=True, wire="mxfp8", capacity_factor=1.25),
+    "sync_free_c2": dict(convert=True, wire="mxfp8", capacity_factor=1.25, chunks=2),
+}
+LABELS = {
+    "bf16": "(i) bf16 model, bf16 comms",
+    "titan": "(ii) torchtitan AllToAllTokenDispatcher, bf16 experts",
+    "conv_bf16": "(iii) converted, bf16 comms",
+    "conv_mxfp8": "(iv) converted, MXFP8 comms",
+    "p2p": "(v) converted, MXFP8 comms, p2p",
+    "p2p_c2": "(v) converted, MXFP8 comms, p2p, 2 chunks",
+    "p2p_c4": "(v) converted, MXFP8 comms, p2p, 4 chunks",
+    "conv_bf16_p2p_c2": "converted, bf16 comms, p2p, 2 chunks",
+    "sync_free": "converted, MXFP8 comms, sync-free (capacity 1.25)",
+    "sync_free_c2": "converted, MXFP8 comms, sync-free (capacity 1.25), 2 chunks",
+}
+DEFAULT_ROWS = "bf16,titan,conv_bf16,conv_mxfp8,p2p,p2p_c2,p2p_c4,sync_free,sync_free_c2"
+LEG_FRACTIONS = (0.25, 0.5, 1.0)  # the leg-alone sizes, fractions of one dispatch's rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    for name in GPU:
+        p.add_argument(f"--{name.replace('_', '-')}", type=cli.positive_int, default=None)
+    p.add_argument("--rows", type=cli.comma_choices(*ROWS), default=DEFAULT_ROWS.split(","),
+                   help=f"comma list of {', '.join(ROWS)} (default {DEFAULT_ROWS})")
+    p.add_argument("--rounds", type=cli.positive_int, default=5)
+    p.add_argument("--steps", type=cli.positive_int, default=4, help="timed steps of each row per round")
+    p.add_argument("--json", type=cli.writable_file, default=None)
+    return p.parse_args(argv)
 
 
 def _init(cuda: bool):
@@ -52,28 +109,28 @@ def _init(cuda: bool):
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def _time_ms(fn, device, iters: int) -> float:
-    """Median ms of ``fn()`` over ``iters`` calls after 2 warm-up calls; same count on every rank."""
-    for _ in range(2):
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device) -> float:
+    """ms of one ``fn()`` started after a barrier (every rank issues the same collectives)."""
+    dist.barrier()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
 
 
 def _convert(model, mode="rceil"):
@@ -85,7 +142,113 @@ def _convert(model, mode="rceil"):
     return model
 
 
-def run(args) -> None:
+def _titan_block(base: MoE, device, world: int, rank: int):
+    """torchtitan's RoutedExperts over this rank's experts of ``base`` with its AllToAllTokenDispatcher, the
+    dispatcher's forward exchanges inside ``moe_quant.ep::`` profiler ranges; returns ``step_fn(x, grad)``
+    that routes with ``base``'s router (the routing every row uses)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    set_spmd_backend("partial_dtensor")  # plain process groups (its default needs torchtitan's trainer)
+
+    class Ranged(AllToAllTokenDispatcher):
+        def _token_count_exchange(self, *a, **k):
+            with leg_range("counts"):
+                return super()._token_count_exchange(*a, **k)
+
+        def _dispatch_token_exchange(self, *a, **k):
+            with leg_range("dispatch"):
+                return super()._dispatch_token_exchange(*a, **k)
+
+        def _combine_token_exchange(self, *a, **k):
+            with leg_range("combine"):
+                return super()._combine_token_exchange(*a, **k)
+
+    n = base.experts.num_experts // world
+    w1 = base.experts.w1
+    cfg = RoutedExperts.Config(
+        inner_experts=GroupedExperts.Config(dim=w1.shape[2], hidden_dim=w1.shape[1], num_experts=n),
+        token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=base.experts.num_experts, top_k=base.top_k))
+    block = cfg.build()
+    block.token_dispatcher.__class__ = Ranged
+    block.to(device, torch.bfloat16)
+    with torch.no_grad():
+        for mine, theirs in (("w1_EFD", "w1"), ("w2_EDF", "w2"), ("w3_EFD", "w3")):
+            getattr(block.inner_experts, mine).copy_(getattr(base.experts, theirs)[rank * n:(rank + 1) * n])
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    block.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    router = base.router
+
+    def forward(x):
+        scores, ids, counts = router(x)
+        t, k = ids.shape
+        return block(x.view(1, t, -1), scores.view(1, t, k), ids.view(1, t, k), counts).view(t, -1)
+
+    return block, forward
+
+
+def _build(row: str, base: MoE, device, world: int, rank: int, tokens: int):
+    """``(module, forward)`` of one row."""
+    spec = ROWS[row]
+    if spec == "torchtitan":
+        return _titan_block(base, device, world, rank)
+    spec = dict(spec)
+    convert = spec.pop("convert")
+    if "capacity_factor" in spec:
+        spec["max_tokens"] = tokens
+    model = EPMoE.from_moe(base, **spec)
+    if convert:
+        _convert(model)
+    return model, model
+
+
+def _step_fn(module, forward, x, grad):
+    def step():
+        xi = x.detach().requires_grad_()
+        forward(xi).backward(grad)
+        for p in module.parameters():
+            p.grad = None
+
+    return step
+
+
+def _legs_from_profile(ops: list[dict], steps: int) -> dict:
+    """ms per step of the communication kernels of each leg (``nccl`` in the kernel name), by the
+    ``moe_quant.ep::<leg>`` range that launched them; ``unattributed`` for the rest."""
+    out = {}
+    for op in ops:
+        if "nccl" not in op["name"].lower():
+            continue
+        leg = next((s[len(PROFILE_PREFIX):] for s in op["scopes"] if s.startswith(PROFILE_PREFIX)), "unattributed")
+        out[leg] = out.get(leg, 0.0) + op["us"] / 1e3 / steps
+    return out
+
+
+def _legs_alone(device, world: int, s: dict, iters: int) -> list[dict]:
+    """``all_to_all_single`` of bf16 and MXFP8 rows alone at ``LEG_FRACTIONS`` of a dispatch (even splits)."""
+    out = []
+    full = s["tokens"] * s["top_k"]
+    for wire, row_bytes in (("bf16", 2 * s["dim"]), ("mxfp8", mxfp8_row_bytes(s["dim"]))):
+        for frac in LEG_FRACTIONS:
+            n_rows = max(world, int(full * frac) // world * world)
+            splits = [n_rows // world] * world
+            buf = torch.zeros(n_rows, row_bytes, dtype=torch.uint8, device=device)
+            fn = lambda: all_to_all_rows(buf, splits, splits, None, "bench")  # noqa: E731
+            for _ in range(2):
+                fn()
+            times = [_timed(fn, device) for _ in range(iters)]
+            ms = statistics.median(times)
+            to_others = n_rows * row_bytes * (world - 1) // world
+            out.append({"wire": wire, "rows": n_rows, "bytes": n_rows * row_bytes, "bytes_to_others": to_others,
+                        "ms": ms, "ms_min": min(times), "ms_max": max(times),
+                        "bus_gbps": to_others / ms / 1e6 if world > 1 else None})
+            del buf
+    return out
+
+
+def run(args) -> dict:
     cuda = args.device == "cuda"
     device = _init(cuda)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -93,82 +256,107 @@ def run(args) -> None:
     for k in s:
         if getattr(args, k) is not None:
             s[k] = getattr(args, k)
-    n_experts, t, k = s["experts_per_rank"] * world, s["tokens"], s["top_k"]
     torch.manual_seed(0)
-    base = MoE(s["dim"], s["hidden"], n_experts, k).to(device, torch.bfloat16)
-    x = torch.randn(t, s["dim"], device=device, dtype=torch.bfloat16)
+    base = MoE(s["dim"], s["hidden"], s["experts_per_rank"] * world, s["top_k"]).to(device, torch.bfloat16)
+    x = torch.randn(s["tokens"], s["dim"], device=device, dtype=torch.bfloat16)
     balanced_routing_(base, x)
     grad = torch.randn_like(x)
-    out_rows = []
 
-    # 1. wire bytes per token
-    rows1 = []
-    for name, d in SIZES.items():
-        rows1.append([name, d, 2 * d, mxfp8_row_bytes(d), f"{mxfp8_row_bytes(d) / d:.4f}",
-                      f"{mxfp8_row_bytes(d) / (2 * d):.4f}"])
-    ep = EPMoE.from_moe(base, wire="mxfp8")
-    with WireLog() as log, torch.no_grad():
-        ep(x)
-    rows_, nbytes = log.by_leg("dispatch")
-    rows1.append(["measured (this run)", s["dim"], "", f"{nbytes / max(rows_, 1):.1f}", f"{nbytes / max(rows_, 1) / s['dim']:.4f}", ""])
+    rows, notes = {}, {}
+    for row in args.rows:
+        try:
+            module, forward = _build(row, base, device, world, rank, s["tokens"])
+        except ImportError as e:  # torchtitan missing: the row is left out, said so
+            notes[row] = f"not run: {e}"
+            continue
+        rows[row] = {"step": _step_fn(module, forward, x, grad), "module": module, "ms": [], "round_medians": []}
+    for rec in rows.values():  # warm-up (kernel compiles, the dispatchers' handshakes)
+        for _ in range(2):
+            rec["step"]()
+    _sync(device)
+    for _ in range(args.rounds):
+        for rec in rows.values():
+            times = [_timed(rec["step"], device) for _ in range(args.steps)]
+            rec["ms"] += times
+            rec["round_medians"].append(statistics.median(times))
+    for row, rec in rows.items():
+        with WireLog() as log:
+            rec["step"]()
+        rec["wire"] = {leg: dict(zip(("rows", "bytes"), log.by_leg(leg))) for leg in LEGS}
+        rec["peak_mib"] = None if (p := peak_memory_bytes(rec["step"], device)) is None else p / 2**20
+        rec["legs_ms"] = _legs_from_profile(profile_device_ops(rec["step"], device, iters=1), 1) if cuda else {}
+        disp = getattr(rec["module"], "dispatcher", None)
+        rec["dropped"] = None
+        if getattr(disp, "capacity_factor", None) is not None:  # sync-free rows: copies past capacity, if any
+            try:
+                rec["dropped"] = disp.check_overflow()
+            except ValueError as e:
+                rec["dropped"] = str(e)
+    if "titan" in rows and "bf16" in rows:  # torchtitan's legs carry the bytes of the bf16 row's (same routing)
+        rows["titan"]["wire"] = rows["bf16"]["wire"]
+    legs_alone = _legs_alone(device, world, s, iters=max(3, args.rounds))
 
-    # 2. the legs alone
-    rows2 = []
-    n_rows = t * k
-    per_rank = [n_rows // world] * world
-    per_rank[-1] += n_rows - sum(per_rank)
-    d = s["dim"]
-    for wire, row_bytes in (("bf16", 2 * d), ("mxfp8", mxfp8_row_bytes(d))):
-        buf = torch.zeros(n_rows, row_bytes, dtype=torch.uint8, device=device)
-        ms = _time_ms(lambda: all_to_all_rows(buf, per_rank, per_rank, None, "bench"), device, args.iters)
-        moved = n_rows * row_bytes * (world - 1) / world if world > 1 else n_rows * row_bytes
-        rows2.append([wire, n_rows, row_bytes, f"{ms:.3f}", f"{moved / ms / 1e6:.1f}"])
-
-    # 3. the EP block fwd + bwd
-    rows3 = []
-    variants = (("bf16 model, bf16 comms", False, "bf16"), ("converted, bf16 comms", True, "bf16"),
-                ("converted, MXFP8 comms", True, "mxfp8"))
-    for label, convert, wire in variants:
-        model = EPMoE.from_moe(base, wire=wire)
-        if convert:
-            _convert(model)
-        xi = x.clone().requires_grad_()
-
-        def step():
-            model(xi).backward(grad)
-            xi.grad = None
-            for p in model.parameters():
-                p.grad = None
-
-        ms = _time_ms(step, device, args.iters)
-        peak = peak_memory_bytes(step, device)
-        peak = None if peak is None else peak / 2**20  # MiB
-        rows3.append([label, f"{ms:.2f}", f"{t / ms * 1e3:,.0f}", "" if peak is None else f"{peak:,.0f}"])
-        out_rows.append((label, ms))
-        del model
-
+    records = []
+    for row, rec in rows.items():
+        records.append({"row": row, "label": LABELS[row], "ms": statistics.median(rec["ms"]), "samples": rec["ms"],
+                        "round_min": min(rec["round_medians"]), "round_max": max(rec["round_medians"]),
+                        "peak_mib": rec["peak_mib"], "wire": rec["wire"], "legs_ms": rec["legs_ms"],
+                        "dropped": rec["dropped"],
+                        "settings": ROWS[row] if isinstance(ROWS[row], dict) else {"dispatcher": "torchtitan"}})
+    # every rank's medians: a step ends when the slowest rank's does
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, {r["row"]: r["ms"] for r in records})
+    ref = {k: next((r["ms"] for r in records if r["row"] == k), None) for k in ("bf16", "titan")}
+    for r in records:
+        r["ms_per_rank"] = [m[r["row"]] for m in per_rank]
+        r["vs_bf16"] = r["ms"] / ref["bf16"] if ref["bf16"] else None
+        r["vs_titan"] = r["ms"] / ref["titan"] if ref["titan"] else None
+    result = {"sizes": s, "world": world, "device": device_name() if cuda else "cpu", "torch": torch.__version__,
+              "env": {k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_ALGO",
+                                                       "NCCL_PROTO")},
+              "rounds": args.rounds, "steps": args.steps, "rows": records, "notes": notes, "legs_alone": legs_alone}
     if rank == 0:
-        print(f"bench_ep: {device_name()} x {world}, torch {torch.__version__}, sizes {s}")
-        print_table("Wire bytes per token", ["model", "hidden D", "bf16 B", "MXFP8 B", "MXFP8 / D", "MXFP8 / bf16"], rows1)
-        print_table(f"All-to-all of one leg, {world} rank(s)", ["wire", "rows", "bytes/row", "ms", "bus GB/s"], rows2)
-        print_table("EP MoE block fwd + bwd (per rank)", ["variant", "ms", "tokens/s", "peak MiB"], rows3)
+        _print(result)
+        write_json(args.json, result)
     dist.barrier()
     dist.destroy_process_group()
+    return result
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    for name in ("dim", "hidden", "experts_per_rank", "top_k", "tokens"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    p.add_argument("--iters", type=int, default=10)
-    args = p.parse_args()
+def _fmt(v, spec=".3f"):
+    return "" if v is None else format(v, spec)
+
+
+def _print(result: dict) -> None:
+    s, world = result["sizes"], result["world"]
+    env = ", ".join(f"{k}={v}" for k, v in result["env"].items() if v is not None) or "NCCL defaults"
+    print(f"bench_ep: {result['device']} x {world}, torch {result['torch']}, {env}, sizes {s}, "
+          f"{result['rounds']} rounds x {result['steps']} steps (interleaved)")
+    rows = []
+    for r in result["rows"]:
+        comm = sum(v for v in r["legs_ms"].values())
+        rows.append([r["label"], f"{r['ms']:.2f}", f"{r['round_min']:.2f}-{r['round_max']:.2f}", _fmt(r["vs_bf16"]),
+                     _fmt(r["vs_titan"]), "" if r["peak_mib"] is None else f"{r['peak_mib']:,.0f}",
+                     " ".join(f"{leg}={ms:.3f}" for leg, ms in r["legs_ms"].items()) + (f" (sum {comm:.2f})" if comm else "")])
+    print_table("EP MoE block fwd + bwd per rank (median; spread = min-max of the round medians)",
+                ["variant", "ms", "spread", "vs (i)", "vs (ii)", "peak MiB", "comm kernel ms per leg"], rows)
+    for row, note in result["notes"].items():
+        print(f"  {row}: {note}")
+    rows = [[p["wire"], p["rows"], p["bytes"], f"{p['ms']:.3f}", _fmt(p["bus_gbps"], ".1f")]
+            for p in result["legs_alone"]]
+    print_table(f"One leg alone (all_to_all_single, even splits), {world} rank(s)",
+                ["wire", "rows", "bytes", "ms", "bus GB/s"], rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.device == "cuda":
-        require_cuda()
+        require_cuda(argv)
     else:
         torch.set_num_threads(1)
     run(args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,10 +4,10 @@ Each pass reads its inputs once and writes every MXFP8 form the block's GEMMs ne
 that point:
 
 * :func:`rowwise` -- ``x`` (forward): its rowwise 1x32 form (the fwd operand of w1 and w3, made once for
-  both); :func:`colwise` -- ``x`` again (backward): its colwise 32x1 K-groups form (their wgrad operand).
+  both; where ``x`` arrived in MXFP8 -- expert parallelism's wire -- the received form, no pass); :func:`colwise` -- ``x`` again (backward): its colwise 32x1 K-groups form (their wgrad operand).
   ``x`` is saved by reference, as the bf16 block saves it, rather than a quantized copy of it.
 * :func:`dual` -- ``grad_out`` (backward): the rowwise 1x32 form (dgrad operand) and the colwise 32x1
-  K-groups form (wgrad operand).
+  K-groups form (wgrad operand); where it arrived in MXFP8, the received rowwise form and one colwise pass.
 * :func:`swiglu` -- ``h = silu(a) * b`` computed and quantized in both forms (w2's forward operand and
   w2's wgrad operand); ``h`` itself is never written.
 * :func:`dswiglu` -- the SwiGLU backward: ``grad_a`` and ``grad_b`` from ``grad_h``, ``a``, ``b``, each in
@@ -100,7 +100,11 @@ def _colwise_form(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bo
 
 def dual(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool):
     """``(rowwise form, colwise form)`` of ``x (M, R)`` (bf16 or fp32) in one read; ``fake``: the
-    dequantized bf16 values the emulated GEMM takes, else fp8 data and blocked scales."""
+    dequantized bf16 values the emulated GEMM takes, else fp8 data and blocked scales. Where ``x``'s
+    rowwise form is known (a gradient that arrived in MXFP8: expert parallelism's combine backward,
+    :mod:`moe_quant.prequantized`) only the colwise pass runs (one read, half the writes)."""
+    if pq.lookup(x, mode) is not None:
+        return rowwise(x, mode, offs, fake), colwise(x, mode, offs, fake)
     if _kernels_serve(x):
         from .kernels.block import ops as ops_block
 

@@ -114,18 +114,21 @@ class EPMoE(_RoutedBlock):
     :class:`moe_quant.ep.MXFP8TokenDispatcher` (``wire="mxfp8"``: MXFP8 dispatch and combine backward).
     With the experts converted (``quantize_(..., MXFP8MoEConfig(scale_mode=...))``, the same scale mode),
     the forward output and the input gradient equal the single-process converted :class:`MoE` bit for bit
-    for the same routing, global token order rank-major (``tests/test_ep.py``).
+    for the same routing, global token order rank-major (``tests/test_ep.py``). ``transport="p2p"`` with
+    ``chunks`` > 1 runs the local experts in that many ranges, each overlapping the exchange of the others
+    (:mod:`moe_quant.ep.blocks`; the same bits, weight gradients included).
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, group=None,
                  route_norm: bool = False, wire: str = "mxfp8", scale_mode: str = "rceil",
-                 capacity_factor: float | None = None, overflow: str = "error", max_tokens: int | None = None):
+                 capacity_factor: float | None = None, overflow: str = "error", max_tokens: int | None = None,
+                 transport: str = "all_to_all", chunks: int = 1):
         super().__init__()
         from .ep import MXFP8TokenDispatcher
 
         self.dispatcher = MXFP8TokenDispatcher(num_experts, top_k, group=group, wire=wire, scale_mode=scale_mode,
                                                capacity_factor=capacity_factor, overflow=overflow,
-                                               max_tokens=max_tokens)
+                                               max_tokens=max_tokens, transport=transport, chunks=chunks)
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, route_norm)
         self.experts = GroupedExperts(dim, hidden_dim, self.dispatcher.num_local_experts)
         self.top_k = top_k
@@ -133,16 +136,17 @@ class EPMoE(_RoutedBlock):
     @classmethod
     def from_moe(cls, moe: MoE, *, group=None, wire: str = "mxfp8", scale_mode: str = "rceil",
                  capacity_factor: float | None = None, overflow: str = "error",
-                 max_tokens: int | None = None) -> "EPMoE":
+                 max_tokens: int | None = None, transport: str = "all_to_all", chunks: int = 1) -> "EPMoE":
         """This rank's shard of an (unconverted) :class:`MoE`: its router and its slice of the experts
         (``capacity_factor``, ``overflow``, ``max_tokens``: the sync-free mode of
-        :class:`moe_quant.ep.MXFP8TokenDispatcher`)."""
+        :class:`moe_quant.ep.MXFP8TokenDispatcher`; ``transport``, ``chunks``: its transport)."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a moe_quant.moe.MoE, got {type(moe).__name__}")
         w1 = moe.experts.w1
         ep = cls(w1.shape[2], w1.shape[1], moe.experts.num_experts, moe.top_k, group=group,
                  route_norm=moe.router.route_norm, wire=wire, scale_mode=scale_mode,
-                 capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens).to(w1.device, w1.dtype)
+                 capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens, transport=transport,
+                 chunks=chunks).to(w1.device, w1.dtype)
         n, rank = ep.experts.num_experts, torch.distributed.get_rank(group)
         with torch.no_grad():
             ep.router.gate.weight.copy_(moe.router.gate.weight)
@@ -152,10 +156,21 @@ class EPMoE(_RoutedBlock):
 
     def forward_routed(self, x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E) -> torch.Tensor:
         """The block after the router, for this rank's tokens and their routing (global expert ids)."""
-        routed, num_tokens_per_local_expert, metadata = self.dispatcher.dispatch(
-            x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E)
-        routed_out = self.experts(routed, num_tokens_per_local_expert)
-        return self.dispatcher.combine(routed_out, metadata, x_TD)
+        return self.dispatcher.dispatch_combine(x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E,
+                                                self.experts, self._expert_ranges)
+
+    def _expert_ranges(self, ranges):
+        """One callable per range ``(lo, hi)`` of the local experts: ``self.experts`` (converted or not) on its
+        weights' slices ``[lo, hi)`` (``torch.func.functional_call``). The weights are split once, so their
+        gradients are the ranges' gradients concatenated (every bit)."""
+        sizes = [hi - lo for lo, hi in ranges]
+        parts = {name: p.split(sizes) for name, p in self.experts.named_parameters()}
+
+        def run(i):
+            return lambda x, counts: torch.func.functional_call(
+                self.experts, {name: ws[i] for name, ws in parts.items()}, (x, counts))
+
+        return [run(i) for i in range(len(ranges))]
 
 
 class MoELayer(nn.Module):

@@ -2,7 +2,10 @@
 
 One home for the permutation the reference block (:class:`moe_quant.moe.MoE`) and the expert-parallel
 dispatcher (:mod:`moe_quant.ep.dispatcher`) share; both must do exactly the same arithmetic for the
-EP block to be bit-identical to the single-process one.
+EP block to be bit-identical to the single-process one. The arithmetic is torchtitan's (0.3.0,
+``LocalTokenDispatcher`` / ``AllToAllTokenDispatcher``): the sort is its ``_local_reorder`` and the
+combine scales each expert output row by its routing score in fp32, rounds to the output's dtype and
+sums with ``scatter_add`` (``tests/test_routing.py`` compares the two bit for bit, gradients included).
 """
 
 from __future__ import annotations
@@ -19,19 +22,56 @@ def sort_tokens_by_expert(x_TD: torch.Tensor, top_scores_TK: torch.Tensor, exper
     return x_TD[token_idx], token_idx, top_scores_TK.reshape(-1)[order]
 
 
+class _ScaleRows(torch.autograd.Function):
+    """``rows (N, D) * scores (N,)`` in fp32, rounded to ``rows``' dtype: the values and gradients of
+    torchtitan's ``(rows.to(float32) * scores.reshape(-1, 1)).to(rows.dtype)``, which autograd would run
+    with an fp32 copy of ``rows`` saved for the score gradient; here ``rows`` is saved in its own dtype
+    (half the bytes for bf16) and widened again in backward, the same values."""
+
+    generate_vmap_rule = True  # torch.func transforms (vmap, grad) of the reference MoE
+
+    @staticmethod
+    def forward(rows, scores):
+        return (rows.to(torch.float32) * scores.reshape(-1, 1).to(torch.float32)).to(rows.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        rows, scores = inputs
+        ctx.save_for_backward(rows, scores)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, scores = ctx.saved_tensors
+        g = grad.to(torch.float32)
+        s = scores.reshape(-1, 1).to(torch.float32)
+        grad_rows = (g * s).to(rows.dtype) if ctx.needs_input_grad[0] else None
+        # autograd's reduction of a broadcast (N, 1) operand: sum over dim 1, keepdim (then the view back)
+        grad_scores = (g * rows.to(torch.float32)).sum(1, keepdim=True).reshape(scores.shape) \
+            if ctx.needs_input_grad[1] else None
+        return grad_rows, grad_scores
+
+
+def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``rows (N, D)`` times ``scores (N,)``, in fp32, rounded to ``rows``' dtype (torchtitan's combine)."""
+    return _ScaleRows.apply(rows, scores)
+
+
 def unsort_tokens(routed_out: torch.Tensor, scores_sorted: torch.Tensor, token_idx: torch.Tensor,
-                  x_TD: torch.Tensor) -> torch.Tensor:
-    """Scale each expert output row by its routing score (in the output's dtype) and sum the ``K`` rows
-    of each token back into token order (in sorted order, the sums of ``index_add``); ``(T, D)`` of
-    ``x_TD``'s dtype.
+                  x_TD: torch.Tensor, scatter_add=None) -> torch.Tensor:
+    """Scale each expert output row by its routing score (:func:`scale_rows`: fp32, rounded to the output's
+    dtype) and sum the ``K`` rows of each token back into token order; ``(T, D)`` of ``x_TD``'s dtype.
 
     The sum is ``scatter_add`` over the row index broadcast along D (a view): its backward keeps only the
     index, where ``index_add``'s keeps its source too, a second ``(T*K, D)`` tensor per MoE layer alive
-    until backward (2.25 GiB over torchtitan's DeepSeek-V3 16B cut to 4 layers, 16384 tokens)."""
-    routed_out = routed_out * scores_sorted.unsqueeze(-1).to(routed_out.dtype)
+    until backward (2.25 GiB over torchtitan's DeepSeek-V3 16B cut to 4 layers, 16384 tokens).
+    ``scatter_add(out, index, src)``: another op of ``Tensor.scatter_add(0, index, src)``'s meaning (the
+    torchtitan dispatcher passes torchtitan's deterministic one, so that its sums are torchtitan's on CUDA
+    for any top-k; for top-k <= 2 every order gives the same sum)."""
+    routed_out = scale_rows(routed_out, scores_sorted)
     index = token_idx.unsqueeze(-1).expand(-1, routed_out.shape[-1])
-    out = torch.zeros_like(x_TD, dtype=routed_out.dtype).scatter_add(0, index, routed_out)
+    out = torch.zeros_like(x_TD, dtype=routed_out.dtype)
+    out = out.scatter_add(0, index, routed_out) if scatter_add is None else scatter_add(out, index, routed_out)
     return out.to(x_TD.dtype)
 
 
-__all__ = ["sort_tokens_by_expert", "unsort_tokens"]
+__all__ = ["sort_tokens_by_expert", "scale_rows", "unsort_tokens"]

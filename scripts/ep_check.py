@@ -1,5 +1,5 @@
 """Expert-parallel MoE block against the single-process converted block: ``torchrun --nproc_per_node N
-scripts/ep_check.py [--device cuda|cpu]``.
+scripts/ep_check.py [--device cuda|cpu] [--transport all_to_all|p2p --chunks C]``.
 
 CUDA (nccl): DeepSeek-V3 expert sizes by default (hidden 7168, expert hidden 2048, 8 experts per rank,
 top-2, 16384 tokens per rank). CPU (gloo): tiny defaults. Every rank runs its shard of
@@ -38,6 +38,8 @@ def parse_args():
     p.add_argument("--wire", default="mxfp8", choices=["mxfp8", "bf16"])
     p.add_argument("--scale-mode", default="rceil", choices=["rceil", "floor"])
     p.add_argument("--routing", default="router", choices=["router", "one_rank"])
+    p.add_argument("--transport", default="all_to_all", choices=["all_to_all", "p2p"])
+    p.add_argument("--chunks", type=int, default=1, help="ranges of local experts (p2p transport)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -58,7 +60,7 @@ def main() -> int:
         if getattr(args, name) is not None:
             sizes[name] = getattr(args, name)
     case = CheckCase(**{**sizes, "tokens": (sizes["tokens"],)}, wire=args.wire, scale_mode=args.scale_mode,
-                     routing=args.routing, seed=args.seed)
+                     routing=args.routing, seed=args.seed, transport=args.transport, chunks=args.chunks)
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     try:
         result = run_check(case, device=device)

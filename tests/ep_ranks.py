@@ -70,6 +70,10 @@ def _bad_dispatch(kind: str, bad_rank: int):
         disp = MXFP8TokenDispatcher(num_experts, 1, capacity_factor=2.0)
     elif kind == "disagree_overflow":
         disp = MXFP8TokenDispatcher(num_experts, 1, capacity_factor=2.0, overflow="drop" if rank == bad_rank else "error")
+    elif kind == "disagree_transport" and rank == bad_rank:
+        disp = MXFP8TokenDispatcher(num_experts, 1, transport="p2p")
+    elif kind == "disagree_chunks":
+        disp = MXFP8TokenDispatcher(num_experts, 1, transport="p2p", chunks=2 if rank == bad_rank else 1)
     elif kind == "disagree_max_tokens":
         disp = MXFP8TokenDispatcher(num_experts, 1, capacity_factor=2.0, max_tokens=16 if rank == bad_rank else 8)
     elif kind == "bad_hidden_one_rank" and rank == bad_rank:  # an argument error only this rank sees
@@ -85,6 +89,40 @@ def _bad_dispatch(kind: str, bad_rank: int):
         counts = torch.bincount(ids.view(-1) % (world + 1), minlength=world + 1).to(torch.int32)
         ids = ids % (world + 1)
     return _error(lambda: disp.dispatch(x, scores, ids, counts))
+
+
+def _host_read_order(wire: str):
+    """What one synced dispatch does in order, from after the one-time handshake: "exchange" (each
+    all-to-all), "quantize" (the wire's rowwise quantization), "sort" (the tokens' sort) and "read" (the
+    host read of the counts)."""
+    import torch.distributed as dist_
+
+    from moe_quant import quantize as q
+    from moe_quant.ep import MXFP8TokenDispatcher, wire as ep_wire
+
+    world = dist.get_world_size()
+    disp = MXFP8TokenDispatcher(2 * world, 2, wire=wire)
+    disp.handshake(torch.device("cpu"))
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    ids = torch.stack([torch.arange(16) % (2 * world), (torch.arange(16) + 1) % (2 * world)], 1)
+    counts = torch.bincount(ids.reshape(-1), minlength=2 * world).to(torch.int32)
+    seen = []
+    patched = [(dist_, "all_to_all_single", "exchange"), (q, "quantize_rowwise", "quantize"),
+               (torch, "argsort", "sort"), (torch.Tensor, "tolist", "read")]
+    originals = [getattr(owner, name) for owner, name, _ in patched]
+    for (owner, name, mark), original in zip(patched, originals):
+        def spy(*a, _original=original, _mark=mark, **k):
+            seen.append(_mark)
+            return _original(*a, **k)
+
+        setattr(owner, name, spy)
+    try:
+        disp.dispatch(x, torch.rand(16, 2), ids, counts)
+    finally:
+        for (owner, name, _), original in zip(patched, originals):
+            setattr(owner, name, original)
+    assert ep_wire.dist is dist_  # the legs call dist.all_to_all_single through this module
+    return seen
 
 
 def _job(job):
@@ -107,6 +145,10 @@ def _job(job):
         import titan_ranks
 
         return titan_ranks.run(**arg)
+    if kind == "titan_bits":
+        import titan_bits_ranks
+
+        return titan_bits_ranks.run(**arg)
     if kind == "titan_model":
         import titan_model_ranks
 
@@ -118,6 +160,12 @@ def _job(job):
             titan_model_ranks.write_state(**arg)
         dist.barrier()
         return None
+    if kind == "host_read_order":
+        return _host_read_order(**arg)
+    if kind == "transports":
+        from moe_quant.ep.check import run_transport_check
+
+        return run_transport_check(CheckCase(**arg["case"]), arg["variants"])
     if kind in ("sync_free", "token_bound"):
         from moe_quant.ep.check import run_sync_free_check, run_token_bound_check
 

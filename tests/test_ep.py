@@ -16,6 +16,9 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
                                 reason="needs torch.distributed with gloo")
 
 D = 64
+# dispatcher settings compared with the all-to-all transport, bit for bit (tests/test_ep.py::test_transports...)
+P2P_VARIANTS = [{"transport": "p2p", "chunks": 1}, {"transport": "p2p", "chunks": 2},
+                {"transport": "p2p", "chunks": 4}]
 ROUTER = dict(dim=D, hidden_dim=96, experts_per_rank=2, top_k=2, tokens=(40,))
 CASES_2 = {
     "mxfp8": ("check", ROUTER),
@@ -35,6 +38,19 @@ CASES_2 = {
     "bad_counts_len_one_rank": ("bad", {"kind": "bad_counts_len_one_rank", "bad_rank": 1}),
     "sync_free_bad_hidden_one_rank": ("bad", {"kind": "sync_free_bad_hidden_one_rank", "bad_rank": 1}),
     "after_errors": ("check", {**ROUTER, "seed": 5}),
+    # the point-to-point transport, whole and in ranges of local experts (3 uneven ranges of 4 experts)
+    "p2p": ("check", {**ROUTER, "transport": "p2p", "seed": 8}),
+    "p2p_chunks": ("check", {**ROUTER, "experts_per_rank": 4, "transport": "p2p", "chunks": 3, "tokens": (23, 50),
+                             "seed": 9}),
+    "transports": ("transports", {"case": {**ROUTER, "experts_per_rank": 4, "tokens": (37, 20), "seed": 10},
+                                  "variants": P2P_VARIANTS}),
+    "transports_bf16": ("transports", {"case": {**ROUTER, "experts_per_rank": 4, "wire": "bf16", "seed": 11},
+                                       "variants": P2P_VARIANTS}),
+    "transports_one_rank": ("transports", {"case": {**ROUTER, "experts_per_rank": 3, "routing": "one_rank",
+                                                    "tokens": (30, 0), "seed": 12}, "variants": P2P_VARIANTS}),
+    **{f"disagree_{what}": ("bad", {"kind": f"disagree_{what}", "bad_rank": 1}) for what in ("transport", "chunks")},
+    "host_read_order_mxfp8": ("host_read_order", {"wire": "mxfp8"}),
+    "host_read_order_bf16": ("host_read_order", {"wire": "bf16"}),
     "sync_free": ("sync_free", {"case": ROUTER, "capacity_factor": 2.0}),
     "sync_free_tight": ("sync_free", {"case": {**ROUTER, "seed": 7}, "capacity_factor": 1.25}),
     "sync_free_bf16": ("sync_free", {"case": {**ROUTER, "wire": "bf16", "seed": 2}, "capacity_factor": 2.0}),
@@ -51,6 +67,13 @@ CASES_2 = {
                                                   "capacity_factor": 2.0, "max_tokens": 40}),
     "bound_error": ("token_bound", {"case": {**ROUTER, "tokens": (8, 4)}, "capacity_factor": 2.0,
                                     "later_tokens": (40, 40)}),
+    # sync-free in ranges of local experts (chunks): a factor of 4 leaves every range room for all its copies
+    "sync_free_chunks": ("sync_free", {"case": {**ROUTER, "experts_per_rank": 4, "tokens": (23, 50), "seed": 15},
+                                       "capacity_factor": 4.0, "chunks": 2}),
+    "sync_free_chunks_overflow": ("sync_free", {"case": {**ROUTER, "experts_per_rank": 4, "routing": "one_rank"},
+                                                "capacity_factor": 1.0, "chunks": 2}),
+    "sync_free_chunks_drop": ("sync_free", {"case": {**ROUTER, "experts_per_rank": 4, "routing": "one_rank"},
+                                            "capacity_factor": 1.0, "chunks": 2, "overflow": "drop"}),
     "bound_drop": ("token_bound", {"case": {**ROUTER, "tokens": (8, 4)}, "capacity_factor": 2.0,
                                    "later_tokens": (40, 40), "overflow": "drop"}),
     "max_tokens_drop": ("token_bound", {"case": {**ROUTER, "tokens": (8, 0)}, "capacity_factor": 2.0,
@@ -70,6 +93,14 @@ CASES_4 = {
     "sync_free_uneven": ("sync_free", {"case": {**ROUTER, "tokens": (40, 17, 0, 33), "seed": 1}, "capacity_factor": 4.0}),
     "bound_error": ("token_bound", {"case": {**ROUTER, "routing": "one_rank", "tokens": (6, 0, 3, 2)},
                                     "capacity_factor": 4.0, "later_tokens": (5, 30, 0, 2)}),
+    "p2p_chunks": ("check", {**ROUTER, "experts_per_rank": 2, "transport": "p2p", "chunks": 2,
+                             "tokens": (40, 17, 0, 33), "seed": 13}),
+    "transports": ("transports", {"case": {**ROUTER, "experts_per_rank": 4, "tokens": (12, 31, 0, 25), "seed": 14},
+                                  "variants": P2P_VARIANTS}),
+    "disagree_transport": ("bad", {"kind": "disagree_transport", "bad_rank": 2}),
+    "sync_free_chunks": ("sync_free", {"case": {**ROUTER, "experts_per_rank": 4, "tokens": (40, 17, 0, 33),
+                                                "seed": 16},
+                                       "capacity_factor": 8.0, "chunks": 4}),
 }
 
 
@@ -140,15 +171,19 @@ def test_wire_bytes_per_token(ep2, ep4):
 
 
 def test_received_mxfp8_is_not_quantized_again(ep2):
-    """With MXFP8 on the wire the received A of w1/w3 and grad_out of w2 are reused: the experts take the
-    per-GEMM path (conversion does not give MXFP8-received tokens to the fused block) and 3 of its 6 rowwise
-    quantizations are left; without the registry, or with the bf16 wire, the fused SwiGLU block runs, which
-    quantizes x once for w1 and w3 (5 rowwise passes); the results are bit-identical either way."""
+    """The fused SwiGLU block runs on tokens that arrived in MXFP8 too and takes the received form as its x
+    operand and the received output gradient as grad_y's rowwise form: 3 rowwise passes (h, grad_a,
+    grad_b) and 5 colwise ones (x once for w1 and w3, h, grad_y, grad_a, grad_b). Without the registry, or
+    with the bf16 wire, it quantizes x and grad_y itself (5 rowwise passes). (Before, received tokens took
+    the per-GEMM path: 3 rowwise but 6 colwise passes, x twice, and none of the fused passes.) The results
+    are bit-identical every way."""
     for r in ep2["mxfp8"]:
-        assert r["gemm_rowwise_quantizations"] == 3, r
+        assert r["fused_block_calls"] == 1, r
+        assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (3, 5), r
     for name in ("mxfp8_no_registry", "bf16_wire"):
         for r in ep2[name]:
-            assert r["gemm_rowwise_quantizations"] == 5, (name, r)
+            assert r["fused_block_calls"] == 1, (name, r)
+            assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (5, 5), (name, r)
             assert r["out_equal"] and r["xgrad_equal"], (name, r)
 
 
@@ -190,6 +225,7 @@ def test_bad_arguments_raise_before_any_collective(ep2):
     ("disagree_wire", "wire", ("'mxfp8'", "'bf16'")), ("disagree_scale_mode", "scale mode", ("'rceil'", "'floor'")),
     ("disagree_capacity_factor", "capacity factor", ("None (synced mode)", "2.0")),
     ("disagree_overflow", "overflow", ("'error'", "'drop'")), ("disagree_max_tokens", "max tokens", ("8", "16")),
+    ("disagree_transport", "transport", ("'all_to_all'", "'p2p'")), ("disagree_chunks", "chunks", ("1", "2")),
 ])
 def test_ranks_that_disagree_all_raise_the_same_error(case, field, values, ep2):
     """Each rank's arguments are valid; they differ across ranks: every rank raises one ValueError naming
@@ -228,7 +264,7 @@ def test_argument_error_on_one_rank_raises_on_every_rank(world, case, bad_rank, 
 
 
 @pytest.mark.parametrize("world, case", [(2, "sync_free"), (2, "sync_free_tight"), (2, "sync_free_bf16"),
-                                         (4, "sync_free")])
+                                         (4, "sync_free"), (2, "sync_free_chunks"), (4, "sync_free_chunks")])
 def test_sync_free_equals_synced_without_host_reads(world, case, ep2, ep4):
     """Fixed capacity, nothing overflowing: output, input and weight gradients bit-identical to the synced
     mode over two steps; the second step (after the one-time handshake) reads nothing on the host."""
@@ -297,3 +333,49 @@ def test_sync_free_more_tokens_than_the_bound_drops_counted(case, bound, ep2):
     for r in ranks:
         assert r["token_bound"] == bound and r["overflow"][0] == 0 and r["errors"] == [None, None], r
         assert r["later_finite"] and r["later_host_reads"] == [], r
+
+
+@pytest.mark.parametrize("world, case", [(2, "transports"), (2, "transports_bf16"), (2, "transports_one_rank"),
+                                         (4, "transports")])
+def test_p2p_transport_and_chunks_bit_identical_to_all_to_all(world, case, ep2, ep4):
+    """The point-to-point transport, in 1, 2 and 4 ranges of local experts (chunks; 3 experts per rank: the
+    ranges clamp to one expert each), against the all-to-all transport on the same weights and inputs:
+    output, input gradient and all three weight gradients every bit, and every leg hands the wire the same
+    rows and bytes (MXFP8 data and scales as two slices: the same bytes as the packed rows). Ranks and
+    experts without tokens included."""
+    ranks = (ep2 if world == 2 else ep4)[case]
+    assert any(r["wgrad_nonzero"] for r in ranks), ranks  # precondition: some weight gradients are not zero
+    for r in ranks:
+        assert len(r["variants"]) == len(P2P_VARIANTS), r
+        for v in r["variants"]:
+            assert all(v["equal"].values()), (case, r["rank"], v)
+            assert v["legs_equal"], (case, r["rank"], v)
+
+
+def test_four_rank_disagreement_on_the_transport(ep4):
+    errs = ep4["disagree_transport"]
+    assert len({e["message"] for e in errs}) == 1, errs
+    assert "disagree on transport" in errs[0]["message"] and "rank(s) [2]: 'p2p'" in errs[0]["message"], errs
+
+
+def test_sync_free_chunks_overflow_per_range_error_and_drop(ep2):
+    """Sync-free in 2 ranges, every token to rank 0's experts, a capacity too small: each range's slots
+    overflow on their own; overflow="error" makes every rank's output NaN and check_overflow raise the same
+    error everywhere, overflow="drop" counts the same total on every rank; neither reads the host after
+    the first step."""
+    err = ep2["sync_free_chunks_overflow"]
+    assert len({r["error"] for r in err}) == 1 and "overflowed the EP receive capacity" in err[0]["error"], err
+    assert all(not r["finite"] and r["host_reads"] == [] for r in err), err
+    drop = ep2["sync_free_chunks_drop"]
+    assert len({r["dropped"] for r in drop}) == 1 and drop[0]["dropped"] > 0, drop
+    assert all(r["finite"] and r["error"] is None and r["host_reads"] == [] for r in drop), drop
+
+
+@pytest.mark.parametrize("wire", ["mxfp8", "bf16"])
+def test_host_reads_the_counts_after_queuing_the_sort_and_the_quantization(wire, ep2):
+    """The synced dispatch exchanges the counts, then queues the sort and (MXFP8) the wire quantization, and
+    only then reads the counts on the host, so that the device works while the host waits for the counts;
+    then the token exchange. (Before: sort, counts, read, then the quantization.)"""
+    for seen in ep2[f"host_read_order_{wire}"]:
+        want = ["exchange", "sort"] + (["quantize"] if wire == "mxfp8" else []) + ["read", "exchange"]
+        assert seen == want, seen

@@ -93,3 +93,49 @@ def test_wgrad_requantization_of_received_values_equals_direct_rceil():
     direct, _ = q.fake_quantize_colwise_k_groups(y, offs, "rceil")
     twice, _ = q.fake_quantize_colwise_k_groups(q.fake_quantize_rowwise(y, "rceil"), offs, "rceil")
     assert not bits_equal(direct, twice)  # the documented exception exists
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_fused_block_takes_received_tokens_and_output_gradient(monkeypatch, mode):
+    """Tokens that arrived in MXFP8 (and an output gradient that did) go to the fused SwiGLU block, which
+    takes their received rowwise forms instead of quantizing them: two rowwise passes fewer (x, grad_y),
+    and the output and every gradient are the same bits as the block on the same values unregistered.
+    (Before, conversion sent received tokens to the per-GEMM path.)"""
+    from moe_quant import MXFP8MoEConfig
+    from moe_quant import autograd as mq_autograd
+    from moe_quant.conversion.experts import block_serves, swiglu_experts
+
+    g = torch.Generator().manual_seed(3)
+    m, d, h, e = 96, 64, 64, 3
+    w1, w3 = ((torch.randn(e, h, d, generator=g) * 0.1).bfloat16().requires_grad_() for _ in range(2))
+    w2 = (torch.randn(e, d, h, generator=g) * 0.1).bfloat16().requires_grad_()
+    offs = torch.tensor([20, 20, m], dtype=torch.int32)
+    values = q.fake_quantize_rowwise(torch.randn(m, d, generator=g).bfloat16(), mode)
+    grad = q.fake_quantize_rowwise(torch.randn(m, d, generator=g).bfloat16(), mode)
+    config = MXFP8MoEConfig(scale_mode=mode)
+    blocks = [0]
+    real_block = mq_autograd.mxfp8_swiglu_experts
+
+    def counting_block(*a, **k):
+        blocks[0] += 1
+        return real_block(*a, **k)
+
+    monkeypatch.setattr(mq_autograd, "mxfp8_swiglu_experts", counting_block)
+    runs = []
+    for registered in (False, True):
+        x, gy = values.clone().requires_grad_(), grad.clone()
+        if registered:
+            prequantized.remember(x, mode)
+            prequantized.remember(gy, mode)
+            assert block_serves(x, w1, w3, w2, offs, config)  # precondition of the count below
+        calls = _counting(monkeypatch)
+        y = swiglu_experts(x, w1, w3, w2, offs, config)
+        y.backward(gy)
+        runs.append((calls[0], [y.detach(), x.grad] + [w.grad.clone() for w in (w1, w2, w3)]))
+        for w in (w1, w2, w3):
+            w.grad = None
+    (plain_calls, plain), (known_calls, known) = runs
+    assert blocks[0] == 2  # the fused block ran both times
+    assert (plain_calls, known_calls) == (5, 3)
+    for a, b in zip(plain, known):
+        assert bits_equal(a, b)

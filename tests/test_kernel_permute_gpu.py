@@ -137,3 +137,24 @@ def test_compiles_in_graph():
     got = fn(data.cuda(), scales.cuda(), c.cuda())
     want = reference_permute_received(data, scales, c, out="dequant")
     assert all(torch.equal(to_bytes(a.cpu()), to_bytes(b)) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("m, k", [(1, 32), (257, 64), (4096, 7168), (0, 64)])
+@pytest.mark.parametrize("raw", [False, True])
+def test_dequantize_rows_is_dequantize_blocks(m, k, raw):
+    """``ep.permute.dequantize_rows`` (the permute kernel with one block: how the EP legs dequantize received
+    rows in one pass) writes exactly the bytes of ``numerics.dequantize_blocks``, NaN bytes included, on
+    rows that start anywhere in a receive buffer (a misaligned scales slice)."""
+    from moe_quant.ep.permute import dequantize_rows
+    from moe_quant.numerics import dequantize_blocks
+
+    g = torch.Generator().manual_seed(m + k)
+    if raw:
+        data = torch.randint(0, 256, (m + 3, k), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        scales = torch.randint(0, 256, (m + 3, k // 32), generator=g, dtype=torch.uint8)
+    else:
+        data, scales = to_mxfp8(make_values((m + 3, k), "normal", m))
+    data, scales = data.cuda()[3:], scales.view(torch.uint8).cuda()[3:]  # rows from the middle of a buffer
+    got = dequantize_rows(data, scales, torch.bfloat16)
+    want = dequantize_blocks(data, scales, torch.bfloat16)
+    assert got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16))

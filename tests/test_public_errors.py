@@ -243,6 +243,10 @@ CASES = [
     ("dispatcher max_tokens 0", lambda: _dispatcher(capacity_factor=1.0, max_tokens=0), ValueError, "max_tokens"),
     ("dispatcher max_tokens bool", lambda: _dispatcher(capacity_factor=1.0, max_tokens=True), TypeError, "max_tokens"),
     ("dispatcher max_tokens float", lambda: _dispatcher(capacity_factor=1.0, max_tokens=8.0), TypeError, "max_tokens"),
+    ("dispatcher transport", lambda: _dispatcher(transport="nvshmem"), ValueError, "transport"),
+    ("dispatcher chunks 0", lambda: _dispatcher(transport="p2p", chunks=0), ValueError, "chunks"),
+    ("dispatcher chunks float", lambda: _dispatcher(transport="p2p", chunks=2.0), TypeError, "chunks"),
+    ("dispatcher chunks all_to_all", lambda: _dispatcher(chunks=2), ValueError, "chunks"),
     ("EPMoE max_tokens negative", lambda: EPMoE(64, 96, 4, 2, capacity_factor=1.0, max_tokens=-1), ValueError,
      "max_tokens"),
 ]

@@ -1,6 +1,6 @@
 """The token permutation shared by the reference MoE block and the EP dispatcher (moe_quant.routing): the
-combine keeps for backward what its gradients need, not a copy of the expert outputs, and sums exactly
-as ``index_add`` does."""
+combine computes what torchtitan's LocalTokenDispatcher computes (scores applied in fp32), keeps for
+backward what its gradients need, not a copy of the expert outputs, and sums exactly as ``index_add`` does."""
 
 import pytest
 import torch
@@ -19,8 +19,9 @@ def _routing(t, k, e, d, dtype, seed):
 
 
 def _index_add_combine(routed_out, scores_sorted, token_idx, x_TD):
-    """The combine as first written: the plain index_add formula (keeps its source for backward)."""
-    routed_out = routed_out * scores_sorted.unsqueeze(-1).to(routed_out.dtype)
+    """The combine as first written: the plain index_add formula (keeps its source for backward), the scores
+    applied in fp32 as torchtitan applies them."""
+    routed_out = (routed_out.float() * scores_sorted.float().unsqueeze(-1)).to(routed_out.dtype)
     return torch.zeros_like(x_TD, dtype=routed_out.dtype).index_add(0, token_idx, routed_out).to(x_TD.dtype)
 
 
@@ -77,3 +78,56 @@ def test_combine_under_vmap_and_compile(k):
     assert torch.equal(batched[0], want)
     compiled = torch.compile(unsort_tokens, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x_sorted, scores_sorted, token_idx, x), want)
+
+
+def _titan_local_dispatcher(e, k):
+    token_dispatcher = pytest.importorskip("torchtitan.models.common.token_dispatcher",
+                                           reason="torchtitan not importable")
+    cls = token_dispatcher.LocalTokenDispatcher
+    return cls(cls.Config(num_experts=e, top_k=k))
+
+
+@settings(deadline=None, max_examples=40)
+@given(t=st.integers(1, 40), k=st.integers(1, 6), d=st.sampled_from([1, 8, 64]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_sort_and_combine_equal_torchtitans_local_dispatcher(t, k, d, dtype, seed):
+    """moe_quant.routing (the reference MoE's and the EP dispatcher's permutation) against torchtitan 0.3.0's
+    LocalTokenDispatcher: the sorted rows, and the combine's output and the gradients of the expert outputs
+    and of the routing scores (fp32 scores, as torchtitan's router makes them), every bit. Before the fix
+    the scores were applied in the activations' dtype: a fifth of bf16 outputs and every score gradient
+    differed."""
+    e = 8
+    disp = _titan_local_dispatcher(e, k)
+    x, _, ids = _routing(t, k, e, d, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    scores = torch.rand(t, k, generator=g).requires_grad_()
+    grad = torch.randn(t, d, generator=g).to(dtype)
+    counts = torch.bincount(ids.reshape(-1), minlength=e)
+    ours, theirs = [], []
+    for res, which in ((ours, "moe_quant"), (theirs, "torchtitan")):
+        xs = x.clone().requires_grad_()
+        if which == "moe_quant":
+            x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(xs, scores, ids)
+        else:
+            x_sorted, _, meta = disp.dispatch(xs, scores, ids, counts)
+        routed = (x_sorted.float() * 1.5 - 0.25).to(dtype)  # an "expert": differentiable, row by row
+        out = unsort_tokens(routed, scores_sorted, token_idx, xs) if which == "moe_quant" else \
+            disp.combine(routed, meta, xs)
+        res += [x_sorted.detach(), out.detach(), *torch.autograd.grad(out, (xs, scores), grad)]
+    for name, a, b in zip(("sorted rows", "output", "input grad", "score grad"), ours, theirs):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_combine_saves_the_expert_outputs_in_their_own_dtype():
+    """The fp32 score product keeps the bf16 expert outputs for the score gradient, not an fp32 copy of them
+    (which autograd would keep for torchtitan's formula: twice the bytes per MoE layer until backward)."""
+    t, k, d = 32, 2, 64
+    x, scores, ids = _routing(t, k, 8, d, torch.bfloat16, 0)
+    x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x, scores.float(), ids)
+    routed = x_sorted.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
+        unsort_tokens(routed, scores_sorted, token_idx, x)
+        (routed.float() * scores_sorted.reshape(-1, 1)).to(routed.dtype)  # torchtitan's formula, for contrast
+    rows = [s for s in saved if s.dim() == 2 and tuple(s.shape) == (t * k, d) and s.is_floating_point()]
+    assert [s.dtype for s in rows] == [torch.bfloat16, torch.float32], [s.dtype for s in rows]

@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import autograd as _autograd
-from .. import prequantized
-from ..numerics import ScaleMode
 from .config import MXFP8MoEConfig
 from .gemm import grouped_mm, unsupported_reason
 
@@ -24,13 +22,13 @@ def block_serves(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2:
     """The fused block serves this call: ``config.fused_block``, bf16 activations and bf16 GEMM outputs
     (``config.out_dtype`` None or bf16), no ``torch.func`` transform active (the block is no functorch-aware
     function), and each of the three GEMMs one that :func:`grouped_mm` would run in MXFP8 (no counted
-    fallback). ``w3`` None: ``w1`` is the concatenated ``w13``."""
+    fallback). ``w3`` None: ``w1`` is the concatenated ``w13``. Tokens that arrived in MXFP8 (expert
+    parallelism's wire, :mod:`moe_quant.prequantized`) take the block too: its x operand is the received
+    form, no quantization pass (:func:`moe_quant.block_quantize.rowwise`)."""
     if not config.fused_block or x.dtype != torch.bfloat16 or config.out_dtype not in (None, torch.bfloat16):
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    if prequantized.lookup(x, ScaleMode.parse(config.scale_mode)) is not None:
-        return False  # x arrived in MXFP8 (expert parallelism's wire): the per-GEMM path reuses that form
     # h (w2's A) is (M, F) bf16 like x: the reasons depend on A's rank and dtype only
     return all(unsupported_reason(x, w.transpose(-2, -1), offs, torch.bfloat16) is None
                for w in (w1, w3, w2) if w is not None)

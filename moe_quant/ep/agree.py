@@ -13,7 +13,8 @@ counts exchange itself: :class:`moe_quant.ep.MXFP8TokenDispatcher` runs a fixed-
 :func:`header` exchange once per process group before its first dispatch (a handshake), which catches
 that and every other setting of the dispatcher. The handshake message is the header followed by the
 sync-free settings (:data:`HANDSHAKE_FIELDS`: capacity factor, overflow, max tokens, which every rank
-must share, as they fix the sizes of every later exchange) and this rank's token count T, from which
+must share, as they fix the sizes of every later exchange), the transport and its chunks (they fix which
+messages every later exchange posts) and this rank's token count T, from which
 the sync-free mode takes its token bound (:func:`token_bound`).
 """
 
@@ -27,13 +28,15 @@ import torch
 NEGATIVE, BAD_SUM, MISMATCH, BAD_ARGS = 1, 2, 4, 8
 FIELDS = ("code", "hidden size", "num_experts", "top_k", "dtype", "wire", "scale mode")
 SIZE = len(FIELDS)
-# the one-time handshake: the header, the sync-free settings and this rank's token count (-1: unknown)
-HANDSHAKE_FIELDS = FIELDS + ("capacity factor", "overflow", "max tokens", "tokens")
+# the one-time handshake: the header, the sync-free settings, the transport and its chunks, and this rank's
+# token count (-1: unknown)
+HANDSHAKE_FIELDS = FIELDS + ("capacity factor", "overflow", "max tokens", "transport", "chunks", "tokens")
 
 _DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 _WIRES = ("mxfp8", "bf16")
 _MODES = ("rceil", "floor")
 _OVERFLOW = ("error", "drop")
+_TRANSPORTS = ("all_to_all", "p2p")
 
 
 def header(*, hidden: int, num_experts: int, top_k: int, dtype, wire, mode) -> list:
@@ -47,12 +50,15 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def handshake_row(settings: list, *, capacity_factor, overflow: str, max_tokens, tokens) -> list:
+def handshake_row(settings: list, *, capacity_factor, overflow: str, max_tokens, tokens, transport="all_to_all",
+                  chunks: int = 1) -> list:
     """The handshake message of one rank: ``settings`` (:func:`header`), then the capacity factor (its
-    float64 bits, 0: synced mode), overflow, max tokens (0: none given) and this rank's token count T
-    (-1: not known yet, e.g. a handshake before the first dispatch)."""
+    float64 bits, 0: synced mode), overflow, max tokens (0: none given), the transport and its chunks
+    (ranks on different transports would wait for each other's messages forever) and this rank's token
+    count T (-1: not known yet, e.g. a handshake before the first dispatch)."""
     return list(settings) + [0 if capacity_factor is None else _float_bits(capacity_factor),
                              _OVERFLOW.index(overflow) + 1, 0 if max_tokens is None else int(max_tokens),
+                             _TRANSPORTS.index(str(getattr(transport, "value", transport))) + 1, int(chunks),
                              -1 if tokens is None else int(tokens)]
 
 
@@ -78,6 +84,8 @@ def _show(field: str, value: int):
         return "None (synced mode)" if value == 0 else struct.unpack("<d", struct.pack("<q", value))[0]
     if field == "overflow":
         return repr(_OVERFLOW[value - 1])
+    if field == "transport":
+        return repr(_TRANSPORTS[value - 1])
     if field == "max tokens":
         return None if value == 0 else value
     return value

@@ -35,23 +35,33 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 
 from .. import backends, layouts
 from .. import prequantized as pq
 from .. import quantize as q
-from ..numerics import ScaleMode, dequantize_blocks
+from ..numerics import ScaleMode
 from .legs import Wire
-from .wire import all_to_all_rows, pack_mxfp8, unpack_mxfp8
+from .permute import dequantize_rows
+from .wire import WireLog, all_to_all_rows, leg_range, pack_mxfp8, row_bytes_view, unpack_mxfp8
 
 OVERFLOW = ("error", "drop")
 
 
-def slots_per_rank(tokens: int, top_k: int, world: int, local_experts: int, capacity_factor: float) -> int:
+def slots_per_rank(tokens: int, top_k: int, world: int, local_experts: int, capacity_factor: float,
+                   experts: tuple[int, int] | None = None) -> int:
     """``S``: row slots a rank sends each peer for a token bound ``tokens`` (``T_max``, the same on every
     rank), ``ceil(capacity_factor * T_max * top_k / R)``, at most ``T_max * min(top_k, E_local)`` (every
-    copy a peer can take; a factor ``>= R`` never overflows while no rank has more than ``T_max`` tokens)."""
-    s = math.ceil(capacity_factor * tokens * top_k / world)
-    return max(0, min(s, tokens * min(top_k, local_experts)))
+    copy a peer can take; a factor ``>= R`` never overflows while no rank has more than ``T_max`` tokens).
+    ``experts``: a range ``(lo, hi)`` of each peer's local experts (the chunked mode): its share,
+    ``ceil(capacity_factor * T_max * top_k * (hi - lo) / (R * E_local))``, at most ``T_max * min(top_k,
+    hi - lo)``; the whole range is the formula above."""
+    lo, hi = experts or (0, local_experts)
+    if (lo, hi) == (0, local_experts):
+        s = math.ceil(capacity_factor * tokens * top_k / world)
+    else:
+        s = math.ceil(capacity_factor * tokens * top_k * (hi - lo) / (world * local_experts))
+    return max(0, min(s, tokens * min(top_k, hi - lo)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -80,26 +90,34 @@ def _kept(counts_re: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.diff(ends, dim=1, prepend=ends.new_zeros(ends.shape[0], 1))
 
 
-def plan_send(counts: torch.Tensor, rows: int, world: int, slots: int):
-    """Sender side: ``(send_idx, send_valid, slot_of_row, kept (R, E_local), dropped)`` from this rank's
-    ``counts (E,)`` (sanitized: negative counts are 0, the running total is clamped to ``rows``)."""
+def plan_send(counts: torch.Tensor, rows: int, world: int, slots: int, experts: tuple[int, int] | None = None):
+    """Sender side: ``(send_idx, send_valid, slot_of_row, kept (R, E), dropped, in_range (N,))`` from this
+    rank's ``counts (E,)`` (sanitized: negative counts are 0, the running total is clamped to ``rows``).
+    ``experts``: a range ``(lo, hi)`` of each peer's local experts (default all): only the rows for those
+    are placed in the slots (``kept`` is ``(R, hi - lo)``, ``in_range`` marks them among the sorted rows)."""
     dev = counts.device
     c = counts.to(torch.int64).view(world, -1)
-    ends = layouts.sanitize_offsets(torch.cumsum(c.clamp(min=0).reshape(-1), 0), rows).view(world, -1)
-    rank_ends = ends[:, -1].contiguous()
-    rank_starts = torch.cat([rank_ends.new_zeros(1), rank_ends[:-1]])
-    n = rank_ends - rank_starts
+    n_local = c.shape[1]
+    lo, hi = experts or (0, n_local)
+    flat_ends = layouts.sanitize_offsets(torch.cumsum(c.clamp(min=0).reshape(-1), 0), rows)
+    ends = flat_ends.view(world, -1)
+    block_starts = torch.cat([flat_ends.new_zeros(1), flat_ends[:-1]]).view(world, -1)
+    seg_starts, seg_ends = block_starts[:, lo].contiguous(), ends[:, hi - 1].contiguous()
+    n = seg_ends - seg_starts
     kept_r = n.clamp(max=slots)
     j = torch.arange(slots, device=dev)
-    send_idx = (rank_starts.unsqueeze(1) + j).reshape(-1)
+    send_idx = (seg_starts.unsqueeze(1) + j).reshape(-1)
     send_valid = (j < kept_r.unsqueeze(1)).reshape(-1)
     i = torch.arange(rows, device=dev)
-    r_i = layouts.group_of(i, rank_ends).clamp(max=world - 1)
-    j_i = i - rank_starts[r_i]
-    inside = (i < rank_ends[-1]) & (j_i < slots)
+    b = layouts.group_of(i, flat_ends).clamp(max=max(flat_ends.numel() - 1, 0))  # (peer, expert) block of row i
+    r_i, e_i = b // n_local, b % n_local
+    in_range = (i < flat_ends[-1]) & (e_i >= lo) & (e_i < hi) if flat_ends.numel() else i < 0
+    j_i = i - seg_starts[r_i]
+    inside = in_range & (j_i < slots)
     slot_of_row = torch.where(inside, r_i * slots + j_i, world * slots)
-    sizes = torch.diff(ends.reshape(-1), prepend=ends.new_zeros(1)).view(world, -1)
-    return torch.where(send_valid, send_idx, 0), send_valid, slot_of_row, _kept(sizes, slots), (n - kept_r).sum()
+    sizes = torch.diff(flat_ends, prepend=flat_ends.new_zeros(1)).view(world, -1)[:, lo:hi]
+    return (torch.where(send_valid, send_idx, 0), send_valid, slot_of_row, _kept(sizes, slots), (n - kept_r).sum(),
+            in_range)
 
 
 def plan_receive(kept: torch.Tensor, slots: int):
@@ -142,7 +160,7 @@ def _forward_leg(x_sorted: torch.Tensor, route: CapacityRoute, leg: str) -> torc
         buf = _gather(pack_mxfp8(data, scales), route.send_idx, route.send_valid)
         data_r, scales_r = unpack_mxfp8(all_to_all_rows(buf, s, s, route.group, leg), x_sorted.shape[1])
         data_p, scales_p = _gather(data_r, route.src, route.valid), _gather(scales_r, route.src, route.valid)
-        values = dequantize_blocks(data_p, scales_p, x_sorted.dtype)
+        values = dequantize_rows(data_p, scales_p, x_sorted.dtype)
         if backends.supports_scaled_grouped_mm(x_sorted.device):
             pq.remember(values, route.mode, data_p, scales_p.view(torch.float8_e8m0fnu))
         else:
@@ -183,6 +201,86 @@ class _Combine(torch.autograd.Function):
         return _forward_leg(grad.contiguous(), ctx.route, "combine backward"), None
 
 
+class SlotExchange:
+    """The sync-free mode in ranges of local experts, for :mod:`moe_quant.ep.pipeline` (``chunks`` > 1,
+    eager): range c has its own ``S_c`` slots per peer (``plans[c]``, ``receives[c]``: the sender's and the
+    receiver's plans of :func:`plan_send` / :func:`plan_receive` for that range), and each leg of each
+    range is one ``all_to_all_single`` of static size, posted asynchronously (``async_op``: the wait is a
+    stream wait). The rows of every leg are those of :func:`dispatch_rows` / :func:`combine_rows` for
+    that range; a sorted row overflowing its range's slots contributes zero, counted like any overflow."""
+
+    def __init__(self, group, *, wire: Wire, mode: ScaleMode, world: int, ranges: list, plans: list,
+                 receives: list, rows: int):
+        self.group, self.wire, self.mode, self.world = group, wire, mode, world
+        self.ranges, self.plans, self.receives, self.rows = ranges, plans, receives, rows
+        self._posted: dict = {}  # (leg, range) -> (work, sent buffer, receive buffer)
+        self._issued: set = set()
+        self._dtypes: dict = {}  # leg -> (dtype, D) of its rows
+
+    def counts_of(self, c: int) -> torch.Tensor:
+        return self.receives[c][2]
+
+    def _slots(self, c: int) -> int:
+        return self.world * self.plans[c][3]
+
+    def _post(self, leg: str, c: int, buf: torch.Tensor) -> None:
+        buf = row_bytes_view(buf.contiguous())
+        out = torch.empty_like(buf)
+        WireLog._record(leg, buf)
+        with leg_range(leg):
+            work = dist.all_to_all_single(out, buf, group=self.group, async_op=True)
+        self._posted[(leg, c)] = (work, buf, out)
+
+    def _wait(self, leg: str, c: int) -> torch.Tensor:
+        work, _, out = self._posted.pop((leg, c))
+        work.wait()
+        return out
+
+    def to_experts(self, leg: str, rows: torch.Tensor, order, quantized: tuple | None = None) -> None:
+        rows = rows.contiguous()
+        self._dtypes[leg] = (rows.dtype, rows.shape[1])
+        if self.wire is Wire.MXFP8:
+            data, scales = quantized if quantized is not None else q.quantize_rowwise(rows, self.mode)
+            rows = pack_mxfp8(data, scales)
+        for c in order:
+            send_idx, send_valid = self.plans[c][:2]
+            self._post(leg, c, _gather(rows, send_idx, send_valid))
+
+    def arrived(self, leg: str, c: int) -> torch.Tensor:
+        out = self._wait(leg, c)
+        dtype, d = self._dtypes[leg]
+        src, valid, _ = self.receives[c]
+        if self.wire is not Wire.MXFP8:
+            return _gather(out.view(dtype).reshape(out.shape[0], d), src, valid)
+        data_r, scales_r = unpack_mxfp8(out, d)
+        data_p, scales_p = _gather(data_r, src, valid), _gather(scales_r, src, valid)
+        values = dequantize_rows(data_p, scales_p, dtype)
+        if backends.supports_scaled_grouped_mm(values.device):
+            pq.remember(values, self.mode, data_p, scales_p.view(torch.float8_e8m0fnu))
+        else:
+            pq.remember(values, self.mode)
+        return values
+
+    def from_experts(self, leg: str, c: int, rows: torch.Tensor) -> None:
+        src, valid, _ = self.receives[c]
+        self._issued.add((leg, c))
+        self._dtypes[leg] = (rows.dtype, rows.shape[1])
+        self._post(leg, c, _scatter(rows.contiguous(), src, valid, self._slots(c)))
+
+    def returned(self, leg: str, like: torch.Tensor) -> torch.Tensor:
+        for c in range(len(self.ranges)):
+            if (leg, c) not in self._issued:  # never posted: zeros, so that peers never wait for it
+                self.from_experts(leg, c, like.new_zeros(self._slots(c), like.shape[1]))
+        dtype, d = self._dtypes[leg]
+        out = torch.zeros(self.rows, d, dtype=dtype, device=like.device)
+        for c in range(len(self.ranges)):
+            back = self._wait(leg, c).view(dtype).reshape(-1, d)
+            slot_of_row, in_range = self.plans[c][2], self.plans[c][4]
+            inside = slot_of_row < self._slots(c)
+            out = torch.where(in_range.unsqueeze(1), _gather(back, torch.where(inside, slot_of_row, 0), inside), out)
+        return out
+
+
 def dispatch_rows(x_sorted: torch.Tensor, route: CapacityRoute) -> torch.Tensor:
     """``(R*S, D)``: the received rows expert-major, then zeros; differentiable."""
     return _Dispatch.apply(x_sorted, route)
@@ -193,5 +291,5 @@ def combine_rows(y: torch.Tensor, route: CapacityRoute) -> torch.Tensor:
     return _Combine.apply(y, route)
 
 
-__all__ = ["CapacityRoute", "OVERFLOW", "slots_per_rank", "plan_send", "plan_receive", "dispatch_rows",
+__all__ = ["CapacityRoute", "SlotExchange", "OVERFLOW", "slots_per_rank", "plan_send", "plan_receive", "dispatch_rows",
            "combine_rows"]

@@ -40,6 +40,8 @@ class CheckCase:
     scale_mode: str = "rceil"
     convert: bool = True  # the experts converted with MXFP8MoEConfig (else bf16 experts)
     seed: int = 0
+    transport: str = "all_to_all"  # the dispatcher's transport ("all_to_all" | "p2p")
+    chunks: int = 1  # ranges of local experts ("p2p")
 
     def tokens_of(self, rank: int) -> int:
         return self.tokens[rank] if len(self.tokens) > 1 else self.tokens[0]
@@ -92,19 +94,28 @@ def _routing(model: MoE, x: torch.Tensor, case: CheckCase, n_experts: int):
 
 
 @contextlib.contextmanager
-def _count_rowwise_quantizations(counter: list):
-    """Counts the GEMMs' rowwise quantizations (the emulated GEMM's ``fake_rowwise``)."""
-    original = q.fake_rowwise
+def _count_passes(counter: dict):
+    """Counts the emulated GEMMs' quantization passes (``fake_rowwise``: 1x32, ``fake_colwise_k_groups``:
+    32x1) and the fused SwiGLU block's calls (``moe_quant.autograd.mxfp8_swiglu_experts``, which the
+    conversion looks up on each call)."""
+    from .. import autograd
 
-    def counting(*args, **kwargs):
-        counter[0] += 1
-        return original(*args, **kwargs)
+    patched = [(q, "fake_rowwise", "rowwise"), (q, "fake_colwise_k_groups", "colwise"),
+               (autograd, "mxfp8_swiglu_experts", "block")]
+    originals = [getattr(owner, name) for owner, name, _ in patched]
+    for (owner, name, key), original in zip(patched, originals):
+        counter[key] = 0
 
-    q.fake_rowwise = counting
+        def counting(*args, _original=original, _key=key, **kwargs):
+            counter[_key] += 1
+            return _original(*args, **kwargs)
+
+        setattr(owner, name, counting)
     try:
         yield
     finally:
-        q.fake_rowwise = original
+        for (owner, name, _), original in zip(patched, originals):
+            setattr(owner, name, original)
 
 
 def _run(model, xs_local, routings, gouts, forward):
@@ -120,7 +131,8 @@ def run_check(case: CheckCase, group=None, device="cpu", dtype=torch.bfloat16) -
     n_experts = case.experts_per_rank * world
     torch.manual_seed(case.seed)
     base = MoE(case.dim, case.hidden_dim, n_experts, case.top_k).to(device, dtype)
-    ep = EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode)
+    ep = EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode, transport=case.transport,
+                        chunks=case.chunks)
     ref = copy.deepcopy(base)
     bf16 = copy.deepcopy(base)
     if case.convert:
@@ -142,8 +154,8 @@ def run_check(case: CheckCase, group=None, device="cpu", dtype=torch.bfloat16) -
 
     # expert parallel: this rank's tokens only
     x = xs[rank].clone().requires_grad_()
-    calls = [0]
-    with WireLog() as log, _count_rowwise_quantizations(calls):
+    calls = {}
+    with WireLog() as log, _count_passes(calls):
         scores, ids, counts = _routing(ep, x, case, n_experts)
         out = ep.forward_routed(x, scores, ids, counts)
         (out.float() * gouts[rank].float()).sum().backward()
@@ -180,7 +192,9 @@ def run_check(case: CheckCase, group=None, device="cpu", dtype=torch.bfloat16) -
         "wgrad_sqnr": wgrad,
         "legs": legs,
         "hidden": case.dim,
-        "gemm_rowwise_quantizations": calls[0] if emulated else None,
+        "gemm_rowwise_quantizations": calls["rowwise"] if emulated else None,
+        "gemm_colwise_quantizations": calls["colwise"] if emulated else None,
+        "fused_block_calls": calls["block"],
     }
 
 
@@ -229,6 +243,35 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+def run_transport_check(case: CheckCase, variants: list, group=None) -> dict:
+    """The EP block of ``case`` with the dispatcher settings of each of ``variants`` (dicts of EPMoE
+    arguments: transport, chunks) against ``case``'s own settings, same weights and inputs: are the output,
+    the input gradient and the three weight gradients bit-identical, and the bytes and rows of each leg?"""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_experts = case.experts_per_rank * world
+    torch.manual_seed(case.seed)
+    base = MoE(case.dim, case.hidden_dim, n_experts, case.top_k).to(torch.bfloat16)
+    xs, gouts = _inputs(case, world, "cpu", torch.bfloat16)
+    results = []
+    for settings in [{"transport": case.transport, "chunks": case.chunks}] + list(variants):
+        model = EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode, **settings)
+        if case.convert:
+            _convert(model, case)
+        x = xs[rank].clone().requires_grad_()
+        with WireLog() as log:
+            scores, ids, counts = _routing(model, x, case, n_experts)
+            out = model.forward_routed(x, scores, ids, counts)
+            (out.float() * gouts[rank].float()).sum().backward()
+        results.append(([out.detach(), x.grad] + [getattr(model.experts, w).grad for w in ("w1", "w2", "w3")],
+                        {leg: log.by_leg(leg) for leg in _LEGS}))
+    (ref, ref_legs), names = results[0], ("out", "x_grad", "w1_grad", "w2_grad", "w3_grad")
+    return {"rank": rank, "tokens": case.tokens_of(rank),
+            "variants": [{"settings": dict(v), "equal": {n: bits_equal(a, b) for n, a, b in zip(names, ref, res)},
+                          "legs_equal": legs == ref_legs, "legs": {k: list(val) for k, val in legs.items()}}
+                         for v, (res, legs) in zip(variants, results[1:])],
+            "wgrad_nonzero": all(bool(t.abs().sum() > 0) for t in ref[2:])}
+
+
 def _read_overflow(dispatcher) -> tuple:
     """``(count, None)`` from ``check_overflow``, or ``(None, message)`` where it raised."""
     try:
@@ -262,14 +305,15 @@ def _ep_models(case: CheckCase, world: int, group, **sync_free) -> dict:
 
 
 def run_sync_free_check(case: CheckCase, capacity_factor: float, overflow: str = "error", group=None,
-                        steps: int = 2, max_tokens: int | None = None) -> dict:
+                        steps: int = 2, max_tokens: int | None = None, chunks: int = 1) -> dict:
     """The EP block in the synced mode and in the sync-free mode (``capacity_factor``, ``overflow``,
-    ``max_tokens``), same weights and inputs (``case.tokens``: T per rank, may differ): are outputs and
+    ``max_tokens``, ``chunks``), same weights and inputs (``case.tokens``: T per rank, may differ): are outputs and
     gradients bit-identical, how many host reads did the sync-free steps after the first make, how many
     rows did each rank hand to the dispatch all-to-all, how many overflowed, what did ``check_overflow`` say."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n_experts = case.experts_per_rank * world
-    models = _ep_models(case, world, group, capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens)
+    models = _ep_models(case, world, group, capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens,
+                        chunks=chunks)
     xs, gouts = _inputs(case, world, "cpu", torch.bfloat16)
     res, host_reads = {}, {"synced": [], "sync_free": []}
     dispatch_rows = []
@@ -328,4 +372,5 @@ def run_token_bound_check(case: CheckCase, capacity_factor: float, later_tokens:
     return out
 
 
-__all__ = ["CheckCase", "run_check", "run_sync_free_check", "run_token_bound_check", "sqnr_db", "bits_equal"]
+__all__ = ["CheckCase", "run_check", "run_sync_free_check", "run_token_bound_check", "run_transport_check", "sqnr_db",
+           "bits_equal"]

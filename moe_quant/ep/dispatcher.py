@@ -14,11 +14,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from .. import quantize as q
 from .. import validation as v
+from ..choices import Choice
 from ..numerics import ScaleMode
 from ..routing import sort_tokens_by_expert, unsort_tokens
-from . import agree, capacity
-from .legs import Route, Wire, combine_rows, dispatch_rows, exchange_counts, read_counts, route_from_counts
+from . import agree, blocks, capacity, pipeline
+from .legs import (HostRead, Route, Wire, combine_rows, dispatch_rows, exchange_counts, read_counts, received_counts,
+                   route_from_counts)
 from .wire import all_to_all_rows
 
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
@@ -31,7 +34,13 @@ class EPDispatchMetadata:
 
     token_indices_experts_sorted_N: torch.Tensor  # (T*K,) token of each sorted row  # noqa: N815
     topk_scores_experts_sorted_N: torch.Tensor  # (T*K,) its routing score  # noqa: N815
-    route: Route | capacity.CapacityRoute | None  # None: local dispatch (no EP group)
+    route: Route | capacity.CapacityRoute | blocks.BlockExchange | None  # None: local dispatch (no EP group)
+
+
+class Transport(Choice):
+    ALL_TO_ALL = "all_to_all"  # one all_to_all_single per leg (rows packed, permuted); compiles
+    P2P = "p2p"  # point-to-point blocks placed where they are used (moe_quant.ep.blocks); eager, synced mode
+    __argname__ = "transport"
 
 
 _LOCAL = "local"  # group sentinel: no EP group, dispatch on this rank only (torchtitan's ep_mesh=None)
@@ -67,9 +76,22 @@ class MXFP8TokenDispatcher:
             capacity of every rank alike. ``None`` (default): the largest T of the ranks at the first
             dispatch, agreed in the one-time handshake (its host read). A later dispatch with more tokens
             on a rank than the bound overflows (counted, never mismatched sizes).
+        transport: synced mode: ``"all_to_all"`` (default: one ``all_to_all_single`` per leg, the rows
+            packed and permuted; compiles) or ``"p2p"`` (:mod:`moe_quant.ep.blocks`: each (rank, expert)
+            block sent point to point straight into the order it is used in, no pack or permute copies;
+            eager; under ``torch.compile`` the all-to-all transport runs, the same bits). The sync-free
+            mode always uses the all-to-all.
+        chunks: :meth:`dispatch_combine` (as :class:`moe_quant.moe.EPMoE` runs it), eager, with the ``"p2p"``
+            transport or in the sync-free mode: the local experts in this many ranges, each range's experts
+            running while the later ranges travel, each range's combine travelling while the next range
+            computes (:mod:`moe_quant.ep.pipeline`); default 1 (no overlap). Synced: the same bits for any
+            value. Sync-free: each range has its own slots per peer (its share of the capacity,
+            :func:`moe_quant.ep.capacity.slots_per_rank`), so overflow is per range; nothing
+            overflowing, the same bits as one range. :meth:`dispatch` / :meth:`combine` alone, and
+            compiled calls, run one range.
 
-    Ranks that disagree (on num_experts, top_k, wire, scale mode, capacity_factor, overflow, max_tokens:
-    checked by a one-time handshake per group before the first dispatch; on the hidden size and the
+    Ranks that disagree (on num_experts, top_k, wire, scale mode, capacity_factor, overflow, max_tokens,
+    transport, chunks: checked by a one-time handshake per group before the first dispatch; on the hidden size and the
     activation dtype: carried with every counts exchange) or whose arguments are invalid on one rank
     only all raise one ``ValueError`` naming the setting and the ranks, before any token is sent
     (:mod:`moe_quant.ep.agree`).
@@ -85,7 +107,8 @@ class MXFP8TokenDispatcher:
 
     def __init__(self, num_experts: int, top_k: int, *, group=None, wire: Wire | str = Wire.MXFP8,
                  scale_mode: ScaleMode | str = ScaleMode.RCEIL, capacity_factor: float | None = None,
-                 overflow: str = "error", max_tokens: int | None = None):
+                 overflow: str = "error", max_tokens: int | None = None,
+                 transport: Transport | str = Transport.ALL_TO_ALL, chunks: int = 1):
         self.num_experts = v.check_size("num_experts", num_experts)
         self.top_k = v.check_size("top_k", top_k)
         if self.num_experts < 1:
@@ -106,12 +129,23 @@ class MXFP8TokenDispatcher:
                                  "(the synced mode sizes every exchange from the counts)")
             if v.check_size("max_tokens", max_tokens) < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        self.transport = Transport.parse(transport)
+        if v.check_size("chunks", chunks) < 1:
+            raise ValueError(f"chunks must be at least 1, got {chunks}")
+        if chunks > 1 and self.transport is not Transport.P2P and capacity_factor is None:
+            raise ValueError(f"chunks={chunks} overlaps the experts with the exchange of the point-to-point transport "
+                             f"or of the sync-free mode: pass transport='p2p' or a capacity_factor (got transport="
+                             f"{self.transport.value!r}, capacity_factor=None)")
+        self.chunks = chunks
         self.capacity_factor = capacity_factor
         self.overflow = overflow
         self.max_tokens = max_tokens
         self.dropped_rows = None  # sync-free mode: device int64 counter of token copies past capacity
         self._agreed = ()  # (group,): the group the one-time handshake passed on
         self._bound = None  # sync-free mode: the token bound agreed on that group
+
+    # combine's sum, ``scatter_add(out, index, src)`` (see moe_quant.routing.unsort_tokens); None: Tensor.scatter_add
+    _scatter_add = None
 
     def wire_meshes(self, *, ep_mesh=None, **_unused) -> None:
         """Install the EP group (a ProcessGroup or a 1-D DeviceMesh), as torchtitan's dispatchers do:
@@ -179,7 +213,8 @@ class MXFP8TokenDispatcher:
             self._bound = None
         world = dist.get_world_size(self.group)
         mine = agree.handshake_row(self._settings(None), capacity_factor=self.capacity_factor,
-                                   overflow=self.overflow, max_tokens=self.max_tokens, tokens=tokens)
+                                   overflow=self.overflow, max_tokens=self.max_tokens, transport=self.transport,
+                                   chunks=self.chunks, tokens=tokens)
         if bad_args:
             mine[0] = agree.BAD_ARGS
         msg = torch.tensor(mine, dtype=torch.int64).to(device).expand(world, len(mine)).contiguous()
@@ -205,9 +240,10 @@ class MXFP8TokenDispatcher:
         return exchange_counts(counts, rows, self.group, settings=settings, mismatch=mismatch, bad_args=bad_args,
                                **kwargs)
 
-    def _sync_token_count_exchange(self, msg, recv, rows: int):
-        """The one host synchronization: ``(input_splits, output_splits)``, or the same error on every rank."""
-        return read_counts(msg, recv, rows, self.group)
+    def _sync_token_count_exchange(self, msg, recv, rows: int, pending: HostRead | None = None):
+        """The one host synchronization (``pending``: started earlier): the :class:`moe_quant.ep.legs.Counts`,
+        or the same error on every rank."""
+        return read_counts(msg, recv, rows, self.group, pending)
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         """Sort this rank's token copies by expert and send them to the experts' ranks.
@@ -226,22 +262,26 @@ class MXFP8TokenDispatcher:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
         if self.capacity_factor is not None:
-            # sync-free: peers read the host only in a handshake (the first dispatch on a group, until the
-            # token bound is fixed): an argument error found then reaches every rank through it; later it
-            # raises here only (dtypes and the shapes but T are the same on every rank of an SPMD
-            # program; T may differ: the sizes come from the agreed token bound, not from T)
-            try:
-                self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
-            except (TypeError, ValueError) as local_error:
-                if self._handshake_due(-1) and not torch.compiler.is_compiling():
-                    device = x_TD.device if isinstance(x_TD, torch.Tensor) else torch.device("cpu")
-                    try:
-                        self.handshake(device, tokens=-1, bad_args=True)  # raises on every rank
-                    except ValueError as group_error:  # peers raise this one; this rank its own error
-                        raise local_error from group_error
-                raise
-            self.handshake(x_TD.device, tokens=x_TD.shape[0])
+            self._sync_free_checks(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
             return self._dispatch_sync_free(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        x_sorted, token_idx, scores_sorted, quantized, counts, recv = self._synced_exchange(
+            x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        if self._blocks_transport():
+            ex = self._block_exchange(counts, recv, chunks=1)
+            routed = pipeline.received(pipeline.send(x_sorted, ex, quantized)[0], ex, 0)
+            route = ex
+        else:
+            route = route_from_counts(recv, counts, self.group, wire=self.wire, mode=self.scale_mode)
+            routed = dispatch_rows(x_sorted, route, quantized)
+        metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
+                                      topk_scores_experts_sorted_N=scores_sorted, route=route)
+        return routed, route.num_tokens_per_local_expert, metadata
+
+    def _synced_exchange(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        """The synced mode up to the token exchange: checks, the counts exchange, the sort and (MXFP8 wire)
+        the quantization of the sorted rows, queued before the host reads the counts (so the device works
+        while the host waits for the counts alone), then that read. Returns ``(x_sorted, token_idx,
+        scores_sorted, quantized or None, Counts, recv)``."""
         try:
             self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
             local_error = None
@@ -257,15 +297,64 @@ class MXFP8TokenDispatcher:
                 self._sync_token_count_exchange(msg, recv, 0)  # raises: this rank reported BAD_ARGS
             except ValueError as group_error:  # peers raise this one; this rank its own error
                 raise local_error from group_error
-        x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
         mismatch = self._mismatch(topk_expert_ids_TK, num_local_tokens_per_expert_E)
-        rows = token_idx.shape[0]
+        rows = topk_expert_ids_TK.numel()
         msg, recv = self._token_count_exchange(num_local_tokens_per_expert_E, rows, settings, mismatch, False)
-        input_splits, output_splits = self._sync_token_count_exchange(msg, recv, rows)
-        route = route_from_counts(recv, input_splits, output_splits, self.group, wire=self.wire, mode=self.scale_mode)
-        metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
-                                      topk_scores_experts_sorted_N=scores_sorted, route=route)
-        return dispatch_rows(x_sorted, route), route.num_tokens_per_local_expert, metadata
+        pending = HostRead(msg, recv)
+        x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        # traced, nothing is read on the host (unbacked sizes): the leg quantizes inside its autograd function
+        quantize = self.wire is Wire.MXFP8 and not torch.compiler.is_compiling()
+        quantized = q.quantize_rowwise(x_sorted, self.scale_mode) if quantize else None
+        counts = self._sync_token_count_exchange(msg, recv, rows, pending)
+        return x_sorted, token_idx, scores_sorted, quantized, counts, recv
+
+    def _blocks_transport(self) -> bool:
+        """The point-to-point transport runs (``"p2p"``, synced, eager)."""
+        return (self.transport is Transport.P2P and self.capacity_factor is None and not self.is_local
+                and not torch.compiler.is_compiling() and dist.is_available() and dist.is_initialized())
+
+    def _block_exchange(self, counts, recv, chunks: int) -> blocks.BlockExchange:
+        return blocks.BlockExchange(self.group, wire=self.wire, mode=self.scale_mode, sent=counts.sent,
+                                    recv=counts.received,
+                                    ranges=pipeline.expert_ranges(self.num_local_experts, chunks),
+                                    num_tokens_per_local_expert=received_counts(recv).sum(0, dtype=torch.int32))
+
+    def dispatch_combine(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E, experts,
+                         split_experts=None):
+        """:meth:`dispatch`, ``experts(routed_input, num_tokens_per_local_expert)``, :meth:`combine`: ``out_TD``.
+
+        With ``chunks`` > 1 (eager; the ``"p2p"`` transport or the sync-free mode) the local experts run in
+        ranges (:mod:`moe_quant.ep.pipeline`): ``split_experts(ranges)`` returns one callable per range
+        ``(lo, hi)`` of local experts, taking that range's rows and counts like ``experts``
+        (:class:`moe_quant.moe.EPMoE` splits its weights); range c's experts start once range c has arrived
+        while the later ranges travel, and its outputs travel back while range c + 1 computes. Outputs and
+        every gradient are the same bits as unchunked (sync-free: where nothing overflows).
+        """
+        chunked_sync_free = (self.capacity_factor is not None and self.chunks > 1 and not self.is_local
+                             and not torch.compiler.is_compiling())
+        if not (self._blocks_transport() or chunked_sync_free) or self.chunks == 1 and split_experts is None:
+            routed, num_tokens_per_local_expert, metadata = self.dispatch(
+                x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            return self.combine(experts(routed, num_tokens_per_local_expert), metadata, x_TD)
+        if self.chunks > 1 and split_experts is None:
+            raise ValueError(f"chunks={self.chunks} runs the experts range by range: pass split_experts, a "
+                             f"function of the ranges [(lo, hi), ...] that returns one experts callable per range")
+        ranges = pipeline.expert_ranges(self.num_local_experts, self.chunks)
+        runners = [experts] if len(ranges) == 1 else list(split_experts(ranges))
+        if chunked_sync_free:
+            self._sync_free_checks(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            x_sorted, token_idx, scores_sorted, plans, receives, total_dropped = self._sync_free_plan(
+                x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E, ranges)
+            ex = capacity.SlotExchange(self.group, wire=self.wire, mode=self.scale_mode, world=self.ep_size,
+                                       ranges=ranges, plans=plans, receives=receives, rows=token_idx.shape[0])
+            y = pipeline.run_ranges(ex, x_sorted, runners)
+            if self.overflow == "error":  # NaN at the next host read: never a silently wrong step
+                y = torch.where(total_dropped > 0, float("nan"), y)
+        else:
+            x_sorted, token_idx, scores_sorted, quantized, counts, recv = self._synced_exchange(
+                x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            y = pipeline.run_ranges(self._block_exchange(counts, recv, self.chunks), x_sorted, runners, quantized)
+        return unsort_tokens(y, scores_sorted, token_idx, x_TD, scatter_add=self._scatter_add)
 
     def _mismatch(self, topk_expert_ids_TK, counts):
         ids = topk_expert_ids_TK.reshape(-1)
@@ -276,6 +365,40 @@ class MXFP8TokenDispatcher:
 
     def _dispatch_sync_free(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts):
         """Fixed capacity (:mod:`moe_quant.ep.capacity`): static sizes, nothing read on the host."""
+        x_sorted, token_idx, scores_sorted, plans, receives, total_dropped = self._sync_free_plan(
+            x_TD, topk_scores_TK, topk_expert_ids_TK, counts, [(0, self.num_local_experts)])
+        (send_idx, send_valid, slot_of_row, slots, _), (src, valid, num_tokens_per_local_expert) = plans[0], receives[0]
+        route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode, slots=slots,
+                                       world=self.ep_size, send_idx=send_idx, send_valid=send_valid,
+                                       slot_of_row=slot_of_row, src=src, valid=valid,
+                                       num_tokens_per_local_expert=num_tokens_per_local_expert, dropped=total_dropped)
+        metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
+                                      topk_scores_experts_sorted_N=scores_sorted, route=route)
+        return capacity.dispatch_rows(x_sorted, route), num_tokens_per_local_expert, metadata
+
+    def _sync_free_checks(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        """The sync-free mode's argument checks and handshake."""
+        # sync-free: peers read the host only in a handshake (the first dispatch on a group, until the
+        # token bound is fixed): an argument error found then reaches every rank through it; later it
+        # raises here only (dtypes and the shapes but T are the same on every rank of an SPMD
+        # program; T may differ: the sizes come from the agreed token bound, not from T)
+        try:
+            self._check(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        except (TypeError, ValueError) as local_error:
+            if self._handshake_due(-1) and not torch.compiler.is_compiling():
+                device = x_TD.device if isinstance(x_TD, torch.Tensor) else torch.device("cpu")
+                try:
+                    self.handshake(device, tokens=-1, bad_args=True)  # raises on every rank
+                except ValueError as group_error:  # peers raise this one; this rank its own error
+                    raise local_error from group_error
+            raise
+        self.handshake(x_TD.device, tokens=x_TD.shape[0])
+
+    def _sync_free_plan(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts, ranges):
+        """The sync-free mode up to the token exchange, for ``ranges`` of local experts (each with its own
+        slots): ``(x_sorted, token_idx, scores_sorted, plans, receives, total_dropped)``, per range
+        ``plans[c] = (send_idx, send_valid, slot_of_row, slots, in_range)`` and ``receives[c] = (src, valid,
+        num_tokens)``."""
         world, n_local = self.ep_size, self.num_local_experts
         bound = self.token_bound
         if bound is None:
@@ -285,25 +408,25 @@ class MXFP8TokenDispatcher:
                     "cannot happen while tracing: pass max_tokens=..., or run one dispatch eagerly (or "
                     "handshake(device, tokens=T)) before torch.compile / CUDA graph capture")
             bound = 0  # every rank had T = 0 (the handshake saw it): nothing to send, bound still open
-        slots = capacity.slots_per_rank(bound, self.top_k, world, n_local, self.capacity_factor)
         x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
         rows = token_idx.shape[0]
-        send_idx, send_valid, slot_of_row, kept, dropped = capacity.plan_send(counts, rows, world, slots)
+        plans, kept, dropped = [], [], 0
+        for r in ranges:
+            slots = capacity.slots_per_rank(bound, self.top_k, world, n_local, self.capacity_factor, experts=r)
+            send_idx, send_valid, slot_of_row, kept_r, dropped_r, in_range = capacity.plan_send(
+                counts, rows, world, slots, experts=r)
+            plans.append((send_idx, send_valid, slot_of_row, slots, in_range))
+            kept.append(kept_r)
+            dropped = dropped + dropped_r
         settings = self._settings(x_TD)
         msg, recv = self._token_count_exchange(counts, rows, settings, self._mismatch(topk_expert_ids_TK, counts),
-                                               False, payload=kept, extra=dropped.view(1))
+                                               False, payload=torch.cat(kept, dim=1), extra=dropped.view(1))
         head = recv[:, n_local:n_local + agree.SIZE]
         bad = (head[:, 0] != 0).any() | (head[:, 1:] != msg[:1, n_local + 1:n_local + agree.SIZE]).any()
         total_dropped = recv[:, -1].sum() + bad.to(torch.int64)  # the same on every rank
         self._counter(x_TD.device).add_(total_dropped)
-        src, valid, num_tokens_per_local_expert = capacity.plan_receive(recv[:, :n_local], slots)
-        route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode, slots=slots,
-                                       world=world, send_idx=send_idx, send_valid=send_valid, slot_of_row=slot_of_row,
-                                       src=src, valid=valid, num_tokens_per_local_expert=num_tokens_per_local_expert,
-                                       dropped=total_dropped)
-        metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
-                                      topk_scores_experts_sorted_N=scores_sorted, route=route)
-        return capacity.dispatch_rows(x_sorted, route), num_tokens_per_local_expert, metadata
+        receives = [capacity.plan_receive(recv[:, lo:hi], plan[3]) for (lo, hi), plan in zip(ranges, plans)]
+        return x_sorted, token_idx, scores_sorted, plans, receives, total_dropped
 
     def _counter(self, device) -> torch.Tensor:
         """``dropped_rows`` on ``device`` (made on first use)."""
@@ -345,9 +468,12 @@ class MXFP8TokenDispatcher:
             y = capacity.combine_rows(routed_output, route)
             if self.overflow == "error":  # NaN at the next host read: never a silently wrong step
                 y = torch.where(route.dropped > 0, float("nan"), y)
+        elif isinstance(route, blocks.BlockExchange):
+            y = pipeline.gather(route, [pipeline.send_back(routed_output, route, 0)], routed_output)
         else:
             y = routed_output if route is None else combine_rows(routed_output, route)
-        return unsort_tokens(y, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N, x_TD)
+        return unsort_tokens(y, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N, x_TD,
+                             scatter_add=self._scatter_add)
 
 
 __all__ = ["MXFP8TokenDispatcher", "EPDispatchMetadata"]

@@ -16,7 +16,9 @@ With ``wire="bf16"`` every leg sends the tensor's own dtype (the bf16 baseline).
 receives come in (source rank, local expert) order; :func:`moe_quant.ep.permute.permute_received`
 (MXFP8 legs) or one gather (others) puts them in expert-major order, and the reverse legs undo it.
 
-Host synchronization: one, in :func:`plan_route` (the split sizes ``all_to_all_single`` needs).
+Host synchronization: one, in :func:`read_counts` (the split sizes ``all_to_all_single`` needs); the
+dispatcher starts it (:class:`HostRead`) before it sorts and quantizes the rows, so the host waits for the
+counts while the device goes on with that work.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .. import backends
 from ..choices import Choice
 from .. import prequantized as pq
 from .. import quantize as q
-from ..numerics import ScaleMode, dequantize_blocks
+from ..numerics import ScaleMode
 from . import agree, permute
 from .wire import all_to_all_rows, pack_mxfp8, unpack_mxfp8
 
@@ -96,11 +98,44 @@ def exchange_counts(num_local_tokens_per_expert_E: torch.Tensor, rows: int, grou
     return msg, recv
 
 
-def read_counts(msg: torch.Tensor, recv: torch.Tensor, rows: int, group) -> tuple:
-    """The one host synchronization of the synced mode: reads both messages, raises the same error on
-    every rank where any rank disagrees or reported a problem, returns ``(input_splits, output_splits)``."""
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """What the one host read of the synced mode gives: the split sizes and every block's size."""
+
+    input_splits: list  # rows this rank sends to each rank
+    output_splits: list  # rows it receives from each rank
+    sent: list  # sent[r][e]: rows to rank r for r's local expert e
+    received: list  # received[r][e]: rows from rank r for this rank's local expert e
+
+
+class HostRead:
+    """Both count messages on their way to the host: on CUDA a copy into pinned memory and an event, so that
+    the host waits for the counts alone (:meth:`rows`) while the device goes on with the work queued after
+    them (the sort and the wire quantization); elsewhere (and while tracing) read when asked."""
+
+    def __init__(self, msg: torch.Tensor, recv: torch.Tensor):
+        both = torch.stack([msg, recv])
+        self._event = None
+        if both.device.type == "cuda" and not torch.compiler.is_compiling():
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            both = host
+        self._both = both
+
+    def rows(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._both.tolist()
+
+
+def read_counts(msg: torch.Tensor, recv: torch.Tensor, rows: int, group, pending: HostRead | None = None) -> Counts:
+    """The one host synchronization of the synced mode: reads both messages (``pending``: started earlier),
+    raises the same error on every rank where any rank disagrees or reported a problem, returns the
+    :class:`Counts`."""
     n_local = msg.shape[1] - agree.SIZE
-    host = torch.stack([msg, recv]).tolist()
+    host = (pending or HostRead(msg, recv)).rows()
     sent, got = host[0], host[1]
     if torch.compiler.is_compiling():  # values are unbacked SymInts: checked when the graph runs
         return _check_traced(sent, got, n_local)
@@ -115,7 +150,12 @@ def read_counts(msg: torch.Tensor, recv: torch.Tensor, rows: int, group) -> tupl
                              f"{[c for row in sent for c in row[:n_local]]} for {rows} routed rows")
         raise ValueError(f"num_local_tokens_per_expert_E is invalid on rank(s) {sorted(bad)} of the EP group "
                          f"(see the error raised there); no tokens were exchanged")
-    return [sum(row[:n_local]) for row in sent], [sum(row[:n_local]) for row in got]
+    return _counts(sent, got, n_local)
+
+
+def _counts(sent: list, got: list, n_local: int) -> Counts:
+    return Counts([sum(row[:n_local]) for row in sent], [sum(row[:n_local]) for row in got],
+                  [row[:n_local] for row in sent], [row[:n_local] for row in got])
 
 
 def _check_traced(sent: list, got: list, n_local: int) -> tuple:
@@ -132,17 +172,20 @@ def _check_traced(sent: list, got: list, n_local: int) -> tuple:
     for row in sent + got:
         for c in row[:n_local]:
             torch._check(c >= 0)
-    return [sum(row[:n_local]) for row in sent], [sum(row[:n_local]) for row in got]
+    return _counts(sent, got, n_local)
 
 
-def route_from_counts(recv: torch.Tensor, input_splits: list, output_splits: list, group, *, wire: Wire,
-                      mode: ScaleMode) -> Route:
-    n_local = recv.shape[1] - agree.SIZE
-    recv_counts = recv[:, :n_local].to(torch.int32)
-    src, _, offs = permute._source_rows(recv_counts, sum(output_splits))
-    return Route(group=group, wire=wire, mode=mode, input_splits=input_splits, output_splits=output_splits,
-                 recv_counts=recv_counts, num_tokens_per_local_expert=torch.diff(offs, prepend=offs.new_zeros(1)),
-                 src=src)
+def received_counts(recv: torch.Tensor) -> torch.Tensor:
+    """``(R, E_local)`` int32 device counts of the received rows, from the counts message."""
+    return recv[:, :recv.shape[1] - agree.SIZE].to(torch.int32)
+
+
+def route_from_counts(recv: torch.Tensor, counts: Counts, group, *, wire: Wire, mode: ScaleMode) -> Route:
+    recv_counts = received_counts(recv)
+    src, _, offs = permute._source_rows(recv_counts, sum(counts.output_splits))
+    return Route(group=group, wire=wire, mode=mode, input_splits=counts.input_splits,
+                 output_splits=counts.output_splits, recv_counts=recv_counts,
+                 num_tokens_per_local_expert=torch.diff(offs, prepend=offs.new_zeros(1)), src=src)
 
 
 def plan_route(num_local_tokens_per_expert_E: torch.Tensor, rows: int, group, *, wire: Wire, mode: ScaleMode,
@@ -161,8 +204,7 @@ def plan_route(num_local_tokens_per_expert_E: torch.Tensor, rows: int, group, *,
         settings = agree.header(hidden=0, num_experts=num_local_tokens_per_expert_E.numel(), top_k=0,
                                 dtype=None, wire=wire, mode=mode)
     msg, recv = exchange_counts(num_local_tokens_per_expert_E, rows, group, settings=settings, mismatch=mismatch)
-    input_splits, output_splits = read_counts(msg, recv, rows, group)
-    return route_from_counts(recv, input_splits, output_splits, group, wire=wire, mode=mode)
+    return route_from_counts(recv, read_counts(msg, recv, rows, group), group, wire=wire, mode=mode)
 
 
 def _expert_major(rows_received: torch.Tensor, route: Route) -> torch.Tensor:
@@ -174,15 +216,16 @@ def _received_order(rows_expert_major: torch.Tensor, route: Route) -> torch.Tens
     return torch.empty_like(rows_expert_major).index_copy_(0, route.src, rows_expert_major)
 
 
-def _send_mxfp8(x: torch.Tensor, route: Route, leg: str) -> torch.Tensor:
-    """Quantize the rows of ``x`` 1x32 along the last dim, send them (splits of the forward direction),
-    and return the received rows dequantized in expert-major order, registered as known MXFP8."""
-    data, scales = q.quantize_rowwise(x, route.mode)
+def _send_mxfp8(x: torch.Tensor, route: Route, leg: str, quantized: tuple | None = None) -> torch.Tensor:
+    """Quantize the rows of ``x`` 1x32 along the last dim (``quantized``: that quantization, made earlier),
+    send them (splits of the forward direction), and return the received rows dequantized in expert-major
+    order, registered as known MXFP8."""
+    data, scales = quantized if quantized is not None else q.quantize_rowwise(x, route.mode)
     recv = all_to_all_rows(pack_mxfp8(data, scales), route.output_splits, route.input_splits, route.group, leg)
     data_r, scales_r = unpack_mxfp8(recv, x.shape[1])
     if backends.supports_scaled_grouped_mm(x.device):  # the scaled GEMM reads the fp8 data and scales too
         data_p, scales_p, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="plain")
-        values = dequantize_blocks(data_p, scales_p, x.dtype)
+        values = permute.dequantize_rows(data_p, scales_p, x.dtype)
         pq.remember(values, route.mode, data_p, scales_p)
     else:
         values, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="dequant", out_dtype=x.dtype)
@@ -192,10 +235,10 @@ def _send_mxfp8(x: torch.Tensor, route: Route, leg: str) -> torch.Tensor:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_sorted: torch.Tensor, route: Route):
+    def forward(ctx, x_sorted: torch.Tensor, route: Route, quantized: tuple | None = None):
         ctx.route = route
         if route.wire is Wire.MXFP8:
-            return _send_mxfp8(x_sorted, route, "dispatch")
+            return _send_mxfp8(x_sorted, route, "dispatch", quantized)
         recv = all_to_all_rows(x_sorted, route.output_splits, route.input_splits, route.group, "dispatch")
         return _expert_major(recv, route)
 
@@ -203,7 +246,7 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad):
         route = ctx.route
         g = _received_order(grad.contiguous(), route)
-        return all_to_all_rows(g, route.input_splits, route.output_splits, route.group, "dispatch backward"), None
+        return all_to_all_rows(g, route.input_splits, route.output_splits, route.group, "dispatch backward"), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -223,10 +266,11 @@ class _Combine(torch.autograd.Function):
         return _expert_major(recv, route), None
 
 
-def dispatch_rows(x_sorted: torch.Tensor, route: Route) -> torch.Tensor:
+def dispatch_rows(x_sorted: torch.Tensor, route: Route, quantized: tuple | None = None) -> torch.Tensor:
     """Send this rank's rows (sorted by global expert) to the experts' ranks; returns the received rows in
-    expert-major order ``(M_recv, D)``, differentiable (the backward sends the gradient back)."""
-    return _Dispatch.apply(x_sorted, route)
+    expert-major order ``(M_recv, D)``, differentiable (the backward sends the gradient back).
+    ``quantized``: ``quantize_rowwise(x_sorted, route.mode)``, made earlier (MXFP8 wire)."""
+    return _Dispatch.apply(x_sorted, route, quantized)
 
 
 def combine_rows(y_expert_major: torch.Tensor, route: Route) -> torch.Tensor:
@@ -235,5 +279,5 @@ def combine_rows(y_expert_major: torch.Tensor, route: Route) -> torch.Tensor:
     return _Combine.apply(y_expert_major, route)
 
 
-__all__ = ["Wire", "Route", "plan_route", "exchange_counts", "read_counts", "route_from_counts", "dispatch_rows",
-           "combine_rows"]
+__all__ = ["Wire", "Route", "Counts", "HostRead", "plan_route", "exchange_counts", "read_counts", "received_counts",
+           "route_from_counts", "dispatch_rows", "combine_rows"]

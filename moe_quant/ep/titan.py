@@ -26,6 +26,7 @@ def dispatcher_class():
 
     import torch
     from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    from torchtitan.ops.scatter_add import deterministic_scatter_add
 
     from .dispatcher import _LOCAL, MXFP8TokenDispatcher
 
@@ -52,6 +53,8 @@ def dispatcher_class():
 
         dispatch = MXFP8TokenDispatcher.dispatch
         combine = MXFP8TokenDispatcher.combine
+        # torchtitan's combine sum (deterministic on CUDA): its dispatchers' bits for any top-k
+        _scatter_add = staticmethod(deterministic_scatter_add)
 
         def wire_meshes(self, *, ep_mesh=None, **_unused):
             """torchtitan's meaning (``None``: local dispatch); with an EP mesh, the one-time handshake

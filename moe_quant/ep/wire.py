@@ -1,9 +1,11 @@
-"""What the expert-parallel all-to-alls send, and how many bytes.
+"""What the expert-parallel legs send, and how many bytes.
 
 Every leg sends rows as raw bytes (``uint8``), which every backend moves (gloo has no float8 or, on
 some builds, bfloat16). An MXFP8 row is packed as its K e4m3 bytes followed by its K/32 e8m0 scale
 bytes: one buffer of ``K + K/32`` bytes per token, one ``all_to_all_single`` per leg. A
-:class:`WireLog` records the bytes of every tensor handed to ``all_to_all_single`` in this process.
+:class:`WireLog` records the bytes of every tensor handed to ``all_to_all_single`` in this process (and of
+every leg of the point-to-point transport, :mod:`moe_quant.ep.blocks`, which sends data and scales as
+two slices, the same bytes).
 """
 
 from __future__ import annotations
@@ -71,20 +73,42 @@ class WireLog(contextlib.AbstractContextManager):
 
     @classmethod
     def _record(cls, leg: str, t: torch.Tensor) -> None:
+        cls.record_rows(leg, t.shape[0], t.numel() * t.element_size())
+
+    @classmethod
+    def record_rows(cls, leg: str, rows: int, nbytes: int) -> None:
+        """Record that ``leg`` handed ``rows`` rows of ``nbytes`` bytes in all to the transport."""
         log = getattr(cls._active, "log", None)
         if log is not None:
-            log.records.append(WireRecord(leg, t.shape[0], t.numel() * t.element_size()))
+            log.records.append(WireRecord(leg, rows, nbytes))
+
+
+PROFILE_PREFIX = "moe_quant.ep::"
+
+
+def leg_range(leg: str):
+    """A ``torch.profiler`` range named ``moe_quant.ep::<leg>`` around a leg's collective (its kernels carry
+    it: ``benchmarks/bench_ep.py`` times each leg from it); nothing while tracing."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(PROFILE_PREFIX + leg)
+
+
+def row_bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """``t (M, ...)`` (contiguous, any dtype) as ``(M, row bytes)`` uint8: what every leg hands a backend."""
+    return t.view(torch.uint8).reshape(t.shape[0], math.prod(t.shape[1:]) * t.element_size())
 
 
 def all_to_all_rows(t: torch.Tensor, output_splits: list[int], input_splits: list[int], group, leg: str):
     """``all_to_all_single`` of the rows of ``t (M, ...)`` (any dtype, sent as bytes) with row splits."""
     t = t.contiguous()
-    row_bytes = math.prod(t.shape[1:]) * t.element_size()
-    as_bytes = t.view(torch.uint8).reshape(t.shape[0], row_bytes)
+    as_bytes = row_bytes_view(t)
     out = as_bytes.new_empty((sum(output_splits), as_bytes.shape[1]))
     WireLog._record(leg, as_bytes)
-    dist.all_to_all_single(out, as_bytes, output_splits, input_splits, group=group)
+    with leg_range(leg):
+        dist.all_to_all_single(out, as_bytes, output_splits, input_splits, group=group)
     return out.view(t.dtype).reshape(out.shape[0], *t.shape[1:])
 
 
-__all__ = ["mxfp8_row_bytes", "pack_mxfp8", "unpack_mxfp8", "WireLog", "WireRecord", "all_to_all_rows"]
+__all__ = ["mxfp8_row_bytes", "pack_mxfp8", "unpack_mxfp8", "WireLog", "WireRecord", "all_to_all_rows", "leg_range",
+           "row_bytes_view", "PROFILE_PREFIX"]

@@ -1,0 +1,203 @@
+"""The point-to-point transport of expert parallelism: every (peer, expert) block of rows goes straight from
+where it is to where it is used, and the exchange can run in chunks of local experts that overlap the experts.
+
+The all-to-all transport (:mod:`moe_quant.ep.legs`) hands ``all_to_all_single`` one buffer per leg, in
+(source rank, local expert) order: the MXFP8 rows are packed (data and scales concatenated, one copy),
+the received rows unpacked and permuted into expert-major order (one more copy and a permutation pass), and
+the expert outputs permuted back before the combine. Here the synced mode knows every block's size on the
+host (the one host read of the counts), so each leg is one batch of point-to-point sends and receives
+(``torch.distributed.batch_isend_irecv``, one NCCL group) whose slices are already in place:
+
+* dispatch: block (peer r, local expert e) of this rank's rows, sorted by global expert, is a contiguous
+  slice; it lands in the receiver's expert-major buffer at (expert e, source rank) -- the order the grouped
+  GEMM takes. MXFP8 sends the quantized data and the plain scales as two slices of two buffers (no packing);
+  the receiver dequantizes once (the permute kernel with one block, where it serves) and registers the
+  fp8 data and scales (:mod:`moe_quant.prequantized`), so the GEMMs reuse them.
+* combine: the expert outputs go from the experts' expert-major rows straight into the sender's sorted rows.
+* backward: the same blocks the other way (combine backward in MXFP8 on that wire, dispatch backward exact).
+
+Rows to this rank itself are copied locally. Every rank posts the same legs in the same order (the blocks
+of a pair agree on their sizes: what rank a sends to rank b for expert e is what b receives from a for e).
+
+Chunks. With ``chunks = C`` the local experts are split into C contiguous ranges; each leg posts one batch
+per range, all at once (their transfers queue on the communication stream), and the caller runs the experts
+of range c as soon as range c has arrived (:meth:`BlockExchange.arrived` waits on the stream, not the
+host), while the later ranges travel; each range's combine is posted when its experts are done, so it
+travels while the next range computes. In backward the combine-backward batches are posted together
+(latest range first, the order autograd runs the ranges in), and each range's dispatch backward is posted
+when its experts' backward is done. Every expert sees exactly the rows it sees unchunked, in the same order
+(a range's rows are a contiguous slice of the expert-major buffer), and the combine writes every row to the
+same place, so outputs and every gradient (weights included) are bit-identical for any C.
+
+One :class:`BlockExchange` per dispatch holds the buffers and the pending work of its four legs; the
+autograd functions of :mod:`moe_quant.ep.pipeline` drive it, so that autograd orders the waits and posts
+as above. Eager only: under ``torch.compile`` the dispatcher uses the all-to-all transport (the same bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import backends
+from .. import prequantized as pq
+from .. import quantize as q
+from ..numerics import ScaleMode
+from .legs import Wire
+from .permute import dequantize_rows
+from .wire import WireLog, leg_range, row_bytes_view
+
+_LEGS = ("dispatch", "combine", "combine backward", "dispatch backward")
+
+
+class BlockExchange:
+    """The blocks of one dispatch and the state of its four legs (see the module doc).
+
+    ``sent[r][e]``: rows this rank sends to rank r for r's local expert e (its rows sorted by global
+    expert: block (r, e) starts at ``send_start[r][e]``); ``recv[r][e]``: rows it receives from rank r
+    for its own local expert e (expert-major: block (e, r) starts at ``recv_start[r][e]``).
+    ``num_tokens_per_local_expert``: the same counts as an (E_local,) int32 device tensor; ``ranges``: the
+    ranges ``(lo, hi)`` of local experts (:func:`moe_quant.ep.pipeline.expert_ranges`).
+    """
+
+    def __init__(self, group, *, wire: Wire, mode: ScaleMode, sent: list, recv: list,
+                 num_tokens_per_local_expert: torch.Tensor, ranges: list):
+        self.group, self.wire, self.mode = group, wire, mode
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.peers = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world)]
+        self.sent, self.recv = sent, recv
+        n_local = len(sent[0]) if sent else 0
+        self.ranges = ranges
+        self.send_start, at = [], 0
+        for r in range(self.world):
+            row = []
+            for e in range(n_local):
+                row.append(at)
+                at += sent[r][e]
+            self.send_start.append(row)
+        self.rows_sent = at
+        self.recv_start = [[0] * n_local for _ in range(self.world)]
+        self.expert_start, at = [], 0
+        for e in range(n_local):
+            self.expert_start.append(at)
+            for r in range(self.world):
+                self.recv_start[r][e] = at
+                at += recv[r][e]
+        self.expert_start.append(at)
+        self.rows_received = at
+        self.num_tokens_per_local_expert = num_tokens_per_local_expert
+        self._posted: dict = {}  # (leg, range) -> pending works and the tensors they use
+        self._issued: set = set()  # (leg, range) posted back from the experts
+        self._buffers: dict = {}  # leg -> its receive buffers while the exchange holds them
+
+    # ------------------------------------------------------------------ rows of a range
+
+    def rows_of(self, c: int) -> tuple[int, int]:
+        """Expert-major rows ``[start, end)`` of range c."""
+        lo, hi = self.ranges[c]
+        return self.expert_start[lo], self.expert_start[hi]
+
+    def counts_of(self, c: int) -> torch.Tensor:
+        """``(hi - lo,)`` int32 device counts of range c's experts."""
+        lo, hi = self.ranges[c]
+        return self.num_tokens_per_local_expert[lo:hi]
+
+    # ------------------------------------------------------------------ posting
+
+    def _post(self, leg: str, c: int, sorted_side: list, expert_side: list, *, to_experts: bool,
+              expert_base: int = 0) -> None:
+        """Post range c of ``leg``: block (r, e) between row ``send_start[r][e]`` of each tensor of
+        ``sorted_side`` (this rank's sorted rows) and row ``recv_start[r][e] - expert_base`` of the
+        matching tensor of ``expert_side`` (expert-major rows), towards the experts or back."""
+        lo, hi = self.ranges[c]
+        n_local, n_t = len(self.sent[0]), len(sorted_side)
+        ops, rows = [], 0
+        for r in range(self.world):
+            for e in range(lo, hi):
+                a, n_a = self.send_start[r][e], self.sent[r][e]  # this rank's rows for (r, e)
+                b, n_b = self.recv_start[r][e] - expert_base, self.recv[r][e]  # rows of (e, r) here
+                rows += n_a if to_experts else n_b
+                for i, (s_t, x_t) in enumerate(zip(sorted_side, expert_side)):
+                    src, dst = (s_t[a:a + n_a], x_t[b:b + n_b]) if to_experts else (x_t[b:b + n_b], s_t[a:a + n_a])
+                    if r == self.rank:
+                        if src.shape[0]:
+                            dst.copy_(src)
+                        continue
+                    tag = ((_LEGS.index(leg) * len(self.ranges) + c) * n_local + e) * n_t + i
+                    if src.shape[0]:
+                        ops.append(dist.P2POp(dist.isend, src, self.peers[r], self.group, tag))
+                    if dst.shape[0]:
+                        ops.append(dist.P2POp(dist.irecv, dst, self.peers[r], self.group, tag))
+        row_bytes = sum(t.shape[1] * t.element_size() for t in (sorted_side if to_experts else expert_side))
+        WireLog.record_rows(leg, rows, rows * row_bytes)
+        with leg_range(leg):
+            works = dist.batch_isend_irecv(ops) if ops else []
+        self._posted[(leg, c)] = (works, sorted_side, expert_side)  # the tensors live until the wait
+
+    def _wait(self, leg: str, c: int) -> None:
+        works, *_ = self._posted.pop((leg, c))
+        for w in works:
+            w.wait()  # NCCL: the current stream waits, the host does not
+
+    # ------------------------------------------------------------------ the legs
+
+    def to_experts(self, leg: str, rows: torch.Tensor, order, quantized: tuple | None = None) -> None:
+        """Post ``rows (N, D)`` (this rank's sorted rows) towards the experts, ranges in ``order``:
+        MXFP8 data and scales on that wire (quantized once for every range; ``quantized``: that
+        quantization, made earlier), else the rows' own bytes."""
+        dev, d = rows.device, rows.shape[1]
+        rows = rows.contiguous()
+        if self.wire is Wire.MXFP8:
+            data, scales = quantized if quantized is not None else q.quantize_rowwise(rows, self.mode)
+            src = [data.view(torch.uint8), scales.view(torch.uint8)]
+            dst = [torch.empty(self.rows_received, d, dtype=torch.uint8, device=dev),
+                   torch.empty(self.rows_received, d // 32, dtype=torch.uint8, device=dev)]
+        else:
+            src = [row_bytes_view(rows)]
+            dst = [row_bytes_view(torch.empty(self.rows_received, d, dtype=rows.dtype, device=dev))]
+        self._buffers[leg] = (dst, rows.dtype, d, set())
+        for c in order:
+            self._post(leg, c, src, dst, to_experts=True)
+
+    def arrived(self, leg: str, c: int) -> torch.Tensor:
+        """Range c of ``leg`` (towards the experts) once arrived: expert-major rows ``(M_c, D)``; MXFP8 rows
+        dequantized and registered with their fp8 data and scales (the GEMMs reuse them)."""
+        self._wait(leg, c)
+        dst, dtype, d, seen = self._buffers[leg]
+        seen.add(c)
+        if len(seen) == len(self.ranges):
+            del self._buffers[leg]  # the last range: the exchange no longer holds the buffers
+        start, end = self.rows_of(c)
+        if self.wire is not Wire.MXFP8:
+            return dst[0][start:end].view(dtype).reshape(end - start, d)
+        data = dst[0][start:end].view(torch.float8_e4m3fn)
+        scales = dst[1][start:end]
+        values = dequantize_rows(data, scales, dtype)
+        if backends.supports_scaled_grouped_mm(values.device):  # the scaled GEMM reads the fp8 data and scales
+            pq.remember(values, self.mode, data, scales)
+        else:
+            pq.remember(values, self.mode)
+        return values
+
+    def from_experts(self, leg: str, c: int, rows: torch.Tensor) -> None:
+        """Post range c's expert-major rows ``(M_c, D)`` back to the ranks they came from, into this rank's
+        sorted rows (exact: the rows' own bytes)."""
+        if leg not in self._buffers:
+            self._buffers[leg] = torch.empty(self.rows_sent, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        self._issued.add((leg, c))
+        self._post(leg, c, [row_bytes_view(self._buffers[leg])], [row_bytes_view(rows.contiguous())], to_experts=False,
+                   expert_base=self.rows_of(c)[0])
+
+    def returned(self, leg: str, like: torch.Tensor) -> torch.Tensor:
+        """Every range of ``leg`` (back from the experts) once arrived: this rank's sorted rows ``(N, D)``,
+        ``like``'s dtype. A range never posted (no gradient reached its rows) is posted now with zeros, so
+        peers never wait for it."""
+        for c in range(len(self.ranges)):
+            if (leg, c) not in self._issued:
+                start, end = self.rows_of(c)
+                self.from_experts(leg, c, like.new_zeros(end - start, like.shape[1]))
+            self._wait(leg, c)
+        return self._buffers.pop(leg)
+
+
+__all__ = ["BlockExchange"]

@@ -1,0 +1,130 @@
+"""The experts of one rank run range by range while the exchange of the other ranges is in flight.
+
+An *exchange* is one dispatch's four legs over some transport, with the methods below (
+:class:`moe_quant.ep.blocks.BlockExchange`: point-to-point blocks of the synced mode;
+:class:`moe_quant.ep.capacity.SlotExchange`: the slots of the sync-free mode):
+
+* ``ranges``: the ranges ``(lo, hi)`` of local experts (:func:`expert_ranges`); ``counts_of(c)``: range
+  c's counts per expert (device);
+* ``to_experts(leg, rows, order, quantized)``: post this rank's sorted rows towards the experts, range by
+  range in ``order``; ``arrived(leg, c)``: range c's rows for this rank's experts once arrived (a stream
+  wait, no host read), MXFP8 dequantized and registered for the GEMMs;
+* ``from_experts(leg, c, rows)``: post range c's expert-side rows back; ``returned(leg, like)``: this
+  rank's sorted rows once every range is back (a range never posted is posted with zeros first, so that
+  peers never wait for it).
+
+The four legs are autograd functions linked by empty "token" tensors, so that autograd runs the posts and
+waits where they overlap the experts: the forward posts every range's dispatch at once, waits for range
+c just before its experts and posts its combine right after them; the backward posts every range's
+combine backward at once, latest range first (autograd runs later nodes first), and each range's
+dispatch backward as soon as that range's experts' backward is done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expert_ranges(num_local_experts: int, chunks: int) -> list[tuple[int, int]]:
+    """``chunks`` contiguous ranges ``[lo, hi)`` of the local experts, as even as possible (at most one
+    per expert: ``min(chunks, E_local)`` ranges)."""
+    n = max(1, min(chunks, num_local_experts))
+    bounds = [num_local_experts * i // n for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def _token(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
+
+
+class _Send(torch.autograd.Function):
+    """Sorted rows -> every range posted towards the experts; one empty token per range."""
+
+    @staticmethod
+    def forward(ctx, x_sorted, ex, quantized):
+        ctx.ex, ctx.like = ex, x_sorted.new_empty(0, x_sorted.shape[1])
+        ex.to_experts("dispatch", x_sorted, range(len(ex.ranges)), quantized)
+        return tuple(_token(x_sorted) for _ in ex.ranges)
+
+    @staticmethod
+    def backward(ctx, *_tokens):
+        return ctx.ex.returned("dispatch backward", ctx.like), None, None
+
+
+class _Received(torch.autograd.Function):
+    """Range c once arrived (expert-major rows); backward posts their gradient back (dispatch backward)."""
+
+    @staticmethod
+    def forward(ctx, token, ex, c: int):
+        ctx.ex, ctx.c = ex, c
+        return ex.arrived("dispatch", c)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.ex.from_experts("dispatch backward", ctx.c, grad)
+        return grad.new_empty(0), None, None
+
+
+class _Return(torch.autograd.Function):
+    """Range c's expert outputs posted back (combine); backward waits for their gradient (combine backward)."""
+
+    @staticmethod
+    def forward(ctx, y, ex, c: int):
+        ctx.ex, ctx.c = ex, c
+        ex.from_experts("combine", c, y)
+        return _token(y)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        return ctx.ex.arrived("combine backward", ctx.c), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Every range's combine arrived: this rank's sorted rows ``(N, D)``; backward posts the gradient of
+    every range towards the experts (latest range first, the order autograd runs them in)."""
+
+    @staticmethod
+    def forward(ctx, ex, like, *tokens):
+        ctx.ex = ex
+        return ex.returned("combine", like)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ex = ctx.ex
+        ex.to_experts("combine backward", grad, reversed(range(len(ex.ranges))))
+        return (None, None, *(grad.new_empty(0) for _ in ex.ranges))
+
+
+def send(x_sorted: torch.Tensor, ex, quantized: tuple | None = None) -> tuple:
+    """Post this rank's sorted rows towards the experts (every range; ``quantized``: their 1x32 MXFP8
+    form, made earlier); the tokens :func:`received` takes."""
+    return _Send.apply(x_sorted, ex, quantized)
+
+
+def received(token: torch.Tensor, ex, c: int) -> torch.Tensor:
+    """Range c's rows for this rank's experts ``[lo, hi)``, expert-major, once arrived (differentiable)."""
+    return _Received.apply(token, ex, c)
+
+
+def send_back(y: torch.Tensor, ex, c: int) -> torch.Tensor:
+    """Post range c's expert outputs back; the token :func:`gather` takes."""
+    return _Return.apply(y, ex, c)
+
+
+def gather(ex, tokens, like: torch.Tensor) -> torch.Tensor:
+    """This rank's sorted rows back from every range's experts ``(N, D)`` (``like``: dtype and width)."""
+    return _Gather.apply(ex, like.new_empty(0, like.shape[1]), *tokens)
+
+
+def run_ranges(ex, x_sorted: torch.Tensor, runners: list, quantized: tuple | None = None) -> torch.Tensor:
+    """This rank's sorted rows ``x_sorted`` through the experts of every range of ``ex`` (``runners[c]``:
+    range c's experts, ``(rows, counts) -> outputs``) and back: ``(N, D)`` in ``x_sorted``'s order."""
+    if len(runners) != len(ex.ranges):
+        raise ValueError(f"split_experts returned {len(runners)} callables for {len(ex.ranges)} ranges")
+    tokens = send(x_sorted, ex, quantized)
+    back = [send_back(run(received(token, ex, c), ex.counts_of(c)), ex, c)
+            for c, (run, token) in enumerate(zip(runners, tokens))]
+    return gather(ex, back, x_sorted)
+
+
+__all__ = ["expert_ranges", "send", "received", "send_back", "gather", "run_ranges"]
