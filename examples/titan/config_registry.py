@@ -31,8 +31,9 @@ checkpointing; the synthetic stream of :mod:`examples.titan.data`; metrics of ev
 
 ``--moe_quant.*`` (``layers``, ``variant``, ``scale_mode``, ``wire``, ``capacity_factor``, ``attention``) rebuild
 the model spec after the command line is read (:class:`MoEQuantTrainerConfig`). ``--moe_quant.attention
-sdpa`` swaps torchtitan's flex attention (whose backward needs CUDA) for causal SDPA, the same attention for
-these one-document sequences; ``auto`` (default) picks sdpa where no CUDA device is visible.
+sdpa`` swaps torchtitan's flex attention for causal SDPA, the same attention for these one-document sequences;
+``auto`` (default) picks sdpa where flex cannot run (no CUDA: its backward; torch 2.11: torchtitan calls
+``create_block_mask(separate_full_blocks=...)``, which 2.11 lacks).
 """
 
 from __future__ import annotations
@@ -74,9 +75,19 @@ class MoEQuantOptions:
     attention: Literal["auto", "flex", "sdpa"] = "auto"
 
 
+def flex_usable() -> bool:
+    """torchtitan 0.3.0's flex attention runs here: CUDA (its backward) and a torch whose ``create_block_mask``
+    takes ``separate_full_blocks`` (torch 2.11's does not)."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.cuda.is_available() and "separate_full_blocks" in inspect.signature(create_block_mask).parameters
+
+
 def _attention(options: MoEQuantOptions) -> str:
     if options.attention == "auto":
-        return "flex" if torch.cuda.is_available() else "sdpa"
+        return "flex" if flex_usable() else "sdpa"
     return options.attention
 
 

@@ -28,6 +28,7 @@ import types
 import torch
 
 STUBBED_NAME = "torch.distributed.fsdp.DataParallelMeshDims"
+APPLIED: list[str] = []  # what main() put in place in this process (recorded in each run's setup file)
 
 
 def stub_missing_fsdp_names() -> list[str]:
@@ -102,11 +103,10 @@ def has_accelerator() -> bool:
 
 
 def main() -> None:
-    stub_missing_fsdp_names()
-    provide_set_timeout()
-    provide_is_non_strict_tracing()
+    APPLIED.extend(stub_missing_fsdp_names() + provide_set_timeout() + provide_is_non_strict_tracing())
     if not has_accelerator():
         use_cpu_device()
+        APPLIED.append("cpu device")
     import torchtitan.train
 
     torchtitan.train.main()

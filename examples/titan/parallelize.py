@@ -13,17 +13,22 @@
   rank, as the configs here set): each expert then lives on one rank, its gradient needs no reduction, and the
   experts cast their fp32 weights to bf16 themselves (torchtitan's GroupedExperts; moe_quant's converted experts
   quantize the fp32 weights to MXFP8 directly instead of FSDP's bf16 copy). ``efsdp > 1`` raises.
-* On gloo (the CPU process groups of the tests), every FSDP module is set to
+* On gloo (the CPU process groups of the tests), after either, every FSDP module is set to
   ``set_force_sum_reduction_for_comms(True)``: FSDP's reduce-scatter otherwise uses ``ReduceOp.PREMUL_SUM`` for
   torchtitan's gradient divide factor 1.0, which gloo lacks; plain SUM then a division by 1.0 gives the same
   values (torchtitan's ``enable_fsdp_symm_mem`` option sets the same, on CUDA only).
 
-:func:`for_this_torch` picks; every variant of a run gets the same.
+:func:`for_this_torch` picks; every variant of a run gets the same. Whatever it picks, it then writes what was
+built to ``<dump_folder>/setup/rank<r>.json`` (:func:`describe`): the torch version, the function, the launcher's
+shims, the attention, experts and token dispatcher classes, the EP sizes, FSDP modules, compiled blocks.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -96,17 +101,62 @@ def parallelize_without_per_param_mesh(model, *, parallel_dims, training, parall
     return model
 
 
+def _ep_size(dispatcher) -> int:
+    """Ranks a token dispatcher exchanges tokens over (moe_quant's: its group; torchtitan's: its EP mesh; 1: local)."""
+    if hasattr(dispatcher, "ep_size"):
+        return dispatcher.ep_size
+    mesh = getattr(dispatcher, "ep_mesh", None)
+    return 1 if mesh is None else mesh.size()
+
+
+def describe(model, fn, *, force_sum: int, compile_config) -> dict:
+    """What :func:`for_this_torch`'s function built (JSON-ready)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+
+    from moe_quant.conversion import is_converted
+
+    launch = sys.modules.get("examples.titan.launch")
+    routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    dispatchers = [r.token_dispatcher for r in routed]
+    settings = ("wire", "scale_mode", "capacity_factor", "overflow", "max_tokens")
+    return {
+        "torch": torch.__version__, "parallelize_fn": f"{fn.__module__}.{fn.__qualname__}",
+        "launcher_shims": list(getattr(launch, "APPLIED", [])),
+        "attention": sorted({type(m).__name__ for m in model.modules()
+                             if isinstance(m, (FlexAttention, ScaledDotProductAttention))}),
+        "experts": [type(m).__mro__[1 if is_converted(m) else 0].__name__ for m in model.modules()
+                    if isinstance(m, GroupedExperts)],
+        "experts_converted": [is_converted(m) for m in model.modules() if isinstance(m, GroupedExperts)],
+        "experts_scale_mode": [str(m._mxfp8_config.scale_mode.value) for m in model.modules()
+                               if isinstance(m, GroupedExperts) and is_converted(m)],
+        "dispatchers": [type(d).__name__ for d in dispatchers],
+        "ep_sizes": [_ep_size(d) for d in dispatchers],
+        "dispatcher_settings": [{k: (str(getattr(d, k).value) if hasattr(getattr(d, k), "value") else getattr(d, k))
+                                 for k in settings if hasattr(d, k)} for d in dispatchers],
+        "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "force_sum_modules": force_sum,
+        "compiled_blocks": sum(getattr(b, "_compiled_call_impl", None) is not None for b in model.layers.values()),
+        "compile_backend": compile_config.backend if compile_config.enable else None,
+    }
+
+
 def for_this_torch(torchtitan_fn):
-    """``torchtitan_fn`` where this torch runs it and CUDA is available; else :func:`parallelize_without_per_param_mesh`
-    and/or :func:`force_sum_on_gloo` after it (see the module doc)."""
+    """``torchtitan_fn`` where this torch runs it, else :func:`parallelize_without_per_param_mesh`; then
+    :func:`force_sum_on_gloo` (a no-op on NCCL) and the setup file (see the module doc)."""
     fn = torchtitan_fn if torch_has_per_param_fsdp_mesh() else parallelize_without_per_param_mesh
-    if torch.cuda.is_available():
-        return fn
 
     @functools.wraps(fn)
-    def parallelize_on_gloo(model, **kwargs):
+    def parallelize(model, **kwargs):
         model = fn(model, **kwargs)
-        force_sum_on_gloo(model)
+        forced = force_sum_on_gloo(model)
+        setup = describe(model, fn, force_sum=forced, compile_config=kwargs["compile_config"])
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        folder = os.path.join(kwargs["dump_folder"], "setup")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(setup, f, indent=1)
         return model
 
-    return parallelize_on_gloo
+    return parallelize
