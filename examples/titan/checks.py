@@ -9,15 +9,17 @@ Every job is launched the way users launch torchtitan (``torchrun -m examples.ti
 * ``resume`` (each variant and mode): a reference job of ``--steps`` S steps saving every ``--save-at`` N steps;
   a fresh job resuming from the reference's step-N checkpoint. Pass: it starts at step N + 1 and its losses of
   steps N + 1 .. S equal the reference's bit for bit, on every rank.
-* ``crossload`` (each mode): the bf16 reference's step-N checkpoint loaded by a fresh job of the converted model
+* ``crossload`` (each mode; it runs the bf16 and mxfp8 references if ``--variants`` has not): the bf16 reference's step-N checkpoint loaded by a fresh job of the converted model
   (``mxfp8``), and the ``mxfp8`` reference's by a bf16 job. Pass: both load (DCP raises on a key the checkpoint
   lacks: the state dict keys are the same), continue at step N + 1, and their step-N+1 loss is within
   ``--crossload-rtol`` of the reference that wrote the checkpoint (the same weights and batch, the other
   experts' numerics).
 * ``fault`` (each of ``--fault-variants``, eager): the last rank kills itself (SIGKILL) after step K
-  (``--kill-at``, N < K < S) in the job's first attempt; torchrun (``--max-restarts 1``) restarts the job, which
-  resumes from the step-N checkpoint. Pass: the restart happened (the rank logged steps N + 1 .. K twice) and
-  the job's losses of steps 1 .. S equal the reference's bit for bit.
+  (``--kill-at``, N < K < S); the job is restarted and resumes from the step-N checkpoint: ``--restart manual``
+  (default): the killed job fails and a second job is started in its dump folder; ``torchrun``: torchrun's own
+  ``--max-restarts 1`` restarts every rank (with gloo its restarted ranks failed now and then to connect,
+  ``Gloo connectFullMesh failed ... Connection refused``). Pass: the restart happened (the rank logged steps
+  N + 1 .. K twice) and the losses of steps 1 .. S equal the reference's bit for bit.
 * ``mismatch`` (each of ``--mismatch``, e.g. ``scale_mode=floor``; variant ``mxfp8``): the ranks started by hand,
   the last with that moe_quant setting changed. Pass: every rank exits with an error within ``--mismatch-timeout``
   seconds, every log holds the same ``EP ranks disagree on ...`` message, none a watchdog or timeout.
@@ -70,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--fault-variants", default="mxfp8")
     p.add_argument("--mismatch", default="scale_mode=floor,wire=bf16",
                    help="moe_quant settings the last rank gets instead (comma list of name=value)")
+    p.add_argument("--restart", default="manual", choices=["manual", "torchrun"],
+                   help="fault check: restart by a second job (manual) or by torchrun --max-restarts 1")
     p.add_argument("--crossload-rtol", type=float, default=0.02)
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=cuda)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
@@ -90,8 +94,6 @@ def parse_args(argv=None):
         p.error(f"need 1 <= --save-at ({args.save_at}) < --kill-at ({args.kill_at}) < --steps ({args.steps})")
     if args.nproc < 2:
         p.error("--nproc must be at least 2 (expert parallelism over the ranks)")
-    if "crossload" in args.checks and not {"bf16", "mxfp8"} <= set(args.variants):
-        p.error("the crossload check needs the variants bf16 and mxfp8")
     return args
 
 
@@ -121,15 +123,19 @@ class Checks:
             args.append("--debug.deterministic")
         return args + a.extra
 
-    def launch(self, name: str, variant: str, mode: str, *, seed_from=None, env=None, max_restarts=0):
-        """One torchrun job in a fresh dump folder ``<out>/<name>``; ``seed_from``: (dump, step) to resume from."""
+    def launch(self, name: str, variant: str, mode: str, *, seed_from=None, env=None, max_restarts=0, fresh=True,
+               log=None):
+        """One torchrun job in the dump folder ``<out>/<name>`` (``fresh``: emptied first); ``seed_from``: (dump,
+        step) to resume from."""
         dump = self.out / name
-        shutil.rmtree(dump, ignore_errors=True)
+        if fresh:
+            shutil.rmtree(dump, ignore_errors=True)
         if seed_from is not None:
             runs.seed_checkpoint(seed_from[0], seed_from[1], str(dump))
         targs = runs.trainer_args(self.args.flavor, variant, str(dump), self.job_args(mode, self.args.steps))
-        job = runs.run(runs.torchrun(self.args.nproc, targs, max_restarts=max_restarts), str(self.out / f"{name}.log"),
-                       env=env, timeout=self.args.timeout)
+        log = str(self.out / f"{log or name}.log")
+        job = runs.run(runs.torchrun(self.args.nproc, targs, max_restarts=max_restarts), log, env=env,
+                       timeout=self.args.timeout)
         print(f"  job {name}: rc {job.rc}, {job.seconds:.0f} s", flush=True)
         return str(dump), job
 
@@ -226,20 +232,26 @@ class Checks:
         ref = self._ref_ok("fault", variant, "eager")
         if ref is None:
             return
-        victim = a.nproc - 1
-        dump, job = self.launch(f"fault_{variant}", variant, "eager", env={"MOE_QUANT_TITAN_KILL": f"{victim}:{a.kill_at}"},
-                                max_restarts=1)
+        victim, kill = a.nproc - 1, {"MOE_QUANT_TITAN_KILL": f"{a.nproc - 1}:{a.kill_at}"}
+        if a.restart == "torchrun":  # torchrun restarts every rank once the killed one is gone
+            dump, job = self.launch(f"fault_{variant}", variant, "eager", env=kill, max_restarts=1)
+            jobs = [job]
+        else:  # the job fails; a second job in the same dump folder resumes from its last checkpoint
+            dump, first = self.launch(f"fault_{variant}", variant, "eager", env=kill, log=f"fault_{variant}_killed")
+            dump, job = self.launch(f"fault_{variant}", variant, "eager", fresh=False)
+            jobs = [first, job]
         rows = runs.raw_rows(dump, victim)
         twice = sorted({r["step"] for r in rows if sum(x["step"] == r["step"] for x in rows) > 1})
         got, want = runs.losses(dump), runs.losses(ref)
-        diffs = [f"rank {r} step {s}: {got[r].get(s)!r} != {want[r][s]!r}" for r in want for s in want[r]
+        diffs = [f"rank {r} step {s}: {got.get(r, {}).get(s)!r} != {want[r][s]!r}" for r in want for s in want[r]
                  if got.get(r, {}).get(s) != want[r][s]]
         restarted = twice == list(range(a.save_at + 1, a.kill_at + 1))
-        ok = job.rc == 0 and restarted and not diffs
+        ok = job.rc == 0 and restarted and not diffs and (a.restart == "torchrun" or jobs[0].rc not in (0, None))
         self.record("fault", variant, "eager", ok,
-                    summary=f"rank {victim} killed after step {a.kill_at}; steps logged twice {twice}; "
-                    f"{'losses equal the uninterrupted run bit for bit' if not diffs else f'{len(diffs)} difference(s)'}",
-                    logged_twice=twice, differences=diffs, seconds=job.seconds, log=None if ok else runs.log_tail(job.log))
+                    summary=f"rank {victim} killed after step {a.kill_at}, restarted by {a.restart}; steps logged twice "
+                    f"{twice}; {'losses equal the uninterrupted run bit for bit' if not diffs else f'{len(diffs)} difference(s)'}",
+                    restart=a.restart, exit_codes=[j.rc for j in jobs], logged_twice=twice, differences=diffs,
+                    seconds=sum(j.seconds for j in jobs), log=None if ok else [runs.log_tail(j.log) for j in jobs])
 
     def mismatch(self, setting: tuple):
         a = self.args
@@ -275,9 +287,12 @@ class Checks:
 def main(argv=None) -> int:
     args = parse_args(argv)
     c = Checks(args)
-    jobs = (len(args.variants) * len(args.modes) * (2 if "resume" in args.checks else 1)
+    refs = {(v, m) for v in args.variants for m in args.modes} | (
+        {(v, m) for v in ("bf16", "mxfp8") for m in args.modes} if "crossload" in args.checks else set()) | (
+        {(v, "eager") for v in args.fault_variants} if "fault" in args.checks else set())
+    jobs = (len(refs) + (len(args.variants) * len(args.modes) if "resume" in args.checks else 0)
             + (2 * len(args.modes) if "crossload" in args.checks else 0)
-            + (len(args.fault_variants) * 2 if "fault" in args.checks else 0))
+            + (len(args.fault_variants) if "fault" in args.checks else 0))
     print(f"examples.titan.checks: {args.nproc} ranks, {args.flavor} x {args.layers} layers, {args.steps} steps, "
           f"checkpoint every {args.save_at}; about {jobs} torchrun jobs and {len(args.mismatch)} mismatch launches",
           flush=True)

@@ -28,7 +28,7 @@ import types
 import torch
 
 STUBBED_NAME = "torch.distributed.fsdp.DataParallelMeshDims"
-APPLIED: list[str] = []  # what main() put in place in this process (recorded in each run's setup file)
+SHIMS_ENV = "MOE_QUANT_TITAN_SHIMS"  # what main() put in place in this process, comma separated (the setup file reads it)
 
 
 def stub_missing_fsdp_names() -> list[str]:
@@ -103,10 +103,11 @@ def has_accelerator() -> bool:
 
 
 def main() -> None:
-    APPLIED.extend(stub_missing_fsdp_names() + provide_set_timeout() + provide_is_non_strict_tracing())
+    applied = stub_missing_fsdp_names() + provide_set_timeout() + provide_is_non_strict_tracing()
     if not has_accelerator():
         use_cpu_device()
-        APPLIED.append("cpu device")
+        applied.append("cpu device")
+    os.environ[SHIMS_ENV] = ",".join(applied)
     import torchtitan.train
 
     torchtitan.train.main()

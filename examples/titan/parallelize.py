@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -117,13 +116,12 @@ def describe(model, fn, *, force_sum: int, compile_config) -> dict:
 
     from moe_quant.conversion import is_converted
 
-    launch = sys.modules.get("examples.titan.launch")
     routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     dispatchers = [r.token_dispatcher for r in routed]
     settings = ("wire", "scale_mode", "capacity_factor", "overflow", "max_tokens")
     return {
         "torch": torch.__version__, "parallelize_fn": f"{fn.__module__}.{fn.__qualname__}",
-        "launcher_shims": list(getattr(launch, "APPLIED", [])),
+        "launcher_shims": [n for n in os.environ.get("MOE_QUANT_TITAN_SHIMS", "").split(",") if n],
         "attention": sorted({type(m).__name__ for m in model.modules()
                              if isinstance(m, (FlexAttention, ScaledDotProductAttention))}),
         "experts": [type(m).__mro__[1 if is_converted(m) else 0].__name__ for m in model.modules()

@@ -1,0 +1,28 @@
+"""``python -m examples.titan.checks`` on 2 gloo CPU ranks at debug size, for ``tests/test_titan_trainer*.py``."""
+
+from __future__ import annotations
+
+import json
+
+from repo_subprocess import run_python
+
+STEPS, SAVE_AT, KILL_AT = 5, 2, 3
+
+
+def run_checks(out, *args) -> dict:
+    """Runs the checks (DeepSeek-V3 debugmodel x 2 blocks, ``STEPS`` steps, a checkpoint every ``SAVE_AT``) into
+    ``out``; returns the process, its report and the checks by ``(check, variant)``."""
+    proc = run_python("-m", "examples.titan.checks", "--out", str(out), "--nproc", "2", "--flavor", "debugmodel",
+                      "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--kill-at", str(KILL_AT), "--no-deterministic",
+                      *args, timeout=1200)
+    path = out / "checks.json"
+    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(path.read_text())
+    return {"proc": proc, "report": report, "out": out, "by": {(c["check"], c["variant"]): c for c in report["checks"]}}
+
+
+def assert_all_passed(checks: dict, expected: list) -> None:
+    report, proc = checks["report"], checks["proc"]
+    failed = [c for c in report["checks"] if not c["passed"]]
+    assert proc.returncode == 0 and report["passed"] and not failed, json.dumps(failed, indent=1)[-6000:]
+    assert sorted(checks["by"]) == sorted(expected)
