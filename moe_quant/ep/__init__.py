@@ -10,7 +10,7 @@
 * :mod:`moe_quant.ep.agree`: the settings every rank sends with its counts (ranks that disagree all raise).
 * :mod:`moe_quant.ep.capacity`: the sync-free mode (fixed capacity, static sizes, no host read).
 * :mod:`moe_quant.ep.titan`: torchtitan components (the dispatcher's ``Config``, a model converter);
-  imports torchtitan only when used.
+  imports torchtitan only when used (its classes: :mod:`moe_quant.ep.titan_classes`).
 """
 
 from .dispatcher import EPDispatchMetadata, MXFP8TokenDispatcher
