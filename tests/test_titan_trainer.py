@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+import time
 
 import pytest
 import torch
@@ -153,7 +156,8 @@ def test_config_functions_and_the_moe_quant_section(monkeypatch, capsys):
     assert parse("deepseek_v3_debug_mxfp8", "--moe_quant.variant", "bf16").moe_quant.variant == "bf16"
     with pytest.raises(SystemExit):  # tyro reports the config's ValueError and exits
         parse("deepseek_v3_16b_mxfp8", "--moe_quant.layers", "28")
-    assert "moe_quant.layers must be in [1, 27] for 16B, got 28" in " ".join(capsys.readouterr().err.replace("│", " ").split())
+    err = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro's box, wrapped
+    assert "moe_quant.layers must be in [1, 27] for 16B, got 28" in err
 
 
 def test_launcher_shims_only_where_torch_lacks_them(monkeypatch):
@@ -220,3 +224,26 @@ def test_script_arguments_are_checked(capsys):
             mod.parse_args(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err, (argv, message)
 
+
+
+def test_a_job_past_its_timeout_is_killed_with_its_children(tmp_path):
+    """A job is killed at its timeout with everything it started (torchrun's ranks), and it stays in the
+    caller's session (a time limit that ends the session ends the job too)."""
+    from examples.titan import runs
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import os, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "print(os.getsid(0), flush=True)\n"
+              "time.sleep(120)\n")
+    job = runs.run([sys.executable, "-c", script], str(tmp_path / "job.log"), timeout=10)
+    assert job.rc is None and job.seconds < 60
+    assert int((tmp_path / "job.log").read_text().split()[0]) == os.getsid(0)
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the job's child {child} outlived the job's timeout")

@@ -108,7 +108,8 @@ def test_converted_config_and_models_pickle(tmp_path):
     pickle and deep-copy like the plain ones; ``torch.save`` files load in a fresh process."""
     cfg = _convert(_config())
     back = pickle.loads(pickle.dumps(cfg))
-    assert back.to_dict() == cfg.to_dict() and type(_routed(back)[0].inner_experts) is type(_routed(cfg)[0].inner_experts)
+    assert back.to_dict() == cfg.to_dict()
+    assert type(_routed(back)[0].inner_experts) is type(_routed(cfg)[0].inner_experts)
     assert copy.deepcopy(cfg).to_dict() == cfg.to_dict()
 
     torch.manual_seed(0)

@@ -48,38 +48,19 @@ LEGS_BACKWARD = ("combine backward", "dispatch backward")
 
 
 def parse_args(argv=None):
-    if argv is None:
-        argv = sys.argv[1:]
-    extra = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--nproc", type=int, default=torch.cuda.device_count() if cuda else 2)
-    p.add_argument("--flavor", default="16B" if cuda else "debugmodel", choices=["16B", "debugmodel"])
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks kept (block 0 dense, the others MoE)")
-    p.add_argument("--steps", type=int, default=100)
+    p, argv, extra = runs.parser(__doc__, argv, layers=4, steps=100, modes="eager,compiled", timeout=1800.0)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput statistics")
     p.add_argument("--tail", type=int, default=10, help="final loss: mean of the last N steps")
-    p.add_argument("--variants", default=",".join(runs.VARIANTS))
-    p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="torchtitan's profiler on the last step (all-to-all time per leg)")
     p.add_argument("--loss-rtol", type=float, default=0.005)
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per job")
     p.add_argument("--budget", type=float, default=None, help="seconds: launch no job that would not finish in time")
     p.add_argument("--redo", action="store_true", help="run jobs whose results are already in --out again")
     p.add_argument("--report-only", action="store_true", help="rewrite bench.md, losses.png and the check only")
     args = p.parse_args(argv)
     args.extra = extra
-    args.variants = [v for v in args.variants.split(",") if v]
-    args.modes = [m for m in args.modes.split(",") if m]
-    if not args.variants or any(v not in runs.VARIANTS for v in args.variants):
-        p.error(f"--variants takes a comma list of {list(runs.VARIANTS)}")
-    if not args.modes or any(m not in ("eager", "compiled") for m in args.modes):
-        p.error("--modes takes a comma list of eager, compiled")
+    args.variants = runs.names(p, "--variants", args.variants, runs.VARIANTS)
+    args.modes = runs.names(p, "--modes", args.modes, ("eager", "compiled"))
     if args.nproc < 1:
         p.error("--nproc must be at least 1")
     if not 0 <= args.warmup < args.steps - (2 if args.profile else 0):
@@ -241,6 +222,7 @@ def write(args, record: dict, out: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    runs.exit_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench.json"
@@ -267,7 +249,8 @@ def main(argv=None) -> int:
             break
         dump = out / f"{variant}_{mode}"
         targs = runs.trainer_args(args.flavor, variant, str(dump), job_args(args, mode))
-        print(f"[{i + 1}/{len(todo)}] {variant} {mode}" + (f" (about {estimate:.0f} s)" if estimate else ""), flush=True)
+        about = f" (about {estimate:.0f} s)" if estimate else ""
+        print(f"[{i + 1}/{len(todo)}] {variant} {mode}{about}", flush=True)
         job = runs.run(runs.torchrun(args.nproc, targs), str(out / f"{variant}_{mode}.log"), timeout=args.timeout)
         times.setdefault(mode, []).append(job.seconds)
         res = summarize(args, variant, mode, str(dump), job)
@@ -282,8 +265,9 @@ def main(argv=None) -> int:
     checks = record["loss_check"]
     for c in checks:
         rel = "n/a" if c["relative"] is None else f"{100 * c['relative']:.2f}%"
-        print(f"{'PASS' if c['passed'] else 'FAIL'} final loss {c['variant']} {c['mode']}: {_fmt(c['final_loss'], '.4f')} "
-              f"vs bf16 {_fmt(c['bf16'], '.4f')} ({rel}, limit {100 * args.loss_rtol:.1f}%)")
+        print(f"{'PASS' if c['passed'] else 'FAIL'} final loss {c['variant']} {c['mode']}: "
+              f"{_fmt(c['final_loss'], '.4f')} vs bf16 {_fmt(c['bf16'], '.4f')} ({rel}, "
+              f"limit {100 * args.loss_rtol:.1f}%)")
     failed = [r for r in record["results"] if r["rc"] != 0]
     return 1 if failed or any(not c["passed"] for c in checks) else 0
 

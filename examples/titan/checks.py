@@ -9,7 +9,8 @@ Every job is launched the way users launch torchtitan (``torchrun -m examples.ti
 * ``resume`` (each variant and mode): a reference job of ``--steps`` S steps saving every ``--save-at`` N steps;
   a fresh job resuming from the reference's step-N checkpoint. Pass: it starts at step N + 1 and its losses of
   steps N + 1 .. S equal the reference's bit for bit, on every rank.
-* ``crossload`` (each mode; it runs the bf16 and mxfp8 references if ``--variants`` has not): the bf16 reference's step-N checkpoint loaded by a fresh job of the converted model
+* ``crossload`` (each mode; it runs the bf16 and mxfp8 references if ``--variants`` has not): the bf16
+  reference's step-N checkpoint loaded by a fresh job of the converted model
   (``mxfp8``), and the ``mxfp8`` reference's by a bf16 job. Pass: both load (DCP raises on a key the checkpoint
   lacks: the state dict keys are the same), continue at step N + 1, and their step-N+1 loss is within
   ``--crossload-rtol`` of the reference that wrote the checkpoint (the same weights and batch, the other
@@ -51,23 +52,9 @@ HANG_WORDS = ("watchdog", "Watchdog", "timed out", "Timeout", "DistBackendError"
 
 
 def parse_args(argv=None):
-    if argv is None:
-        argv = sys.argv[1:]
-    extra = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output folder (jobs' dump folders, logs, checks.json)")
-    p.add_argument("--nproc", type=int, default=torch.cuda.device_count() if cuda else 2)
-    p.add_argument("--flavor", default="16B" if cuda else "debugmodel", choices=["16B", "debugmodel"])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6, help="S: steps of every job")
+    p, argv, extra = runs.parser(__doc__, argv, layers=2, steps=6, modes="eager", timeout=900.0)
     p.add_argument("--save-at", type=int, default=3, help="N: checkpoint interval and the step resumed from")
     p.add_argument("--kill-at", type=int, default=None, help="K: the fault check's kill step (default N + 1)")
-    p.add_argument("--variants", default=",".join(runs.VARIANTS))
-    p.add_argument("--modes", default="eager", help="eager and/or compiled (torchtitan's --compile.enable)")
     p.add_argument("--checks", default="resume,crossload,fault,mismatch")
     p.add_argument("--fault-variants", default="mxfp8")
     p.add_argument("--mismatch", default="scale_mode=floor,wire=bf16",
@@ -75,16 +62,15 @@ def parse_args(argv=None):
     p.add_argument("--restart", default="manual", choices=["manual", "torchrun"],
                    help="fault check: restart by a second job (manual) or by torchrun --max-restarts 1")
     p.add_argument("--crossload-rtol", type=float, default=0.02)
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=cuda)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available())
     p.add_argument("--mismatch-timeout", type=float, default=300.0)
     p.add_argument("--keep-checkpoints", action="store_true")
     args = p.parse_args(argv)
     args.extra = extra
-    args.variants = _names(p, "--variants", args.variants, runs.VARIANTS)
-    args.fault_variants = _names(p, "--fault-variants", args.fault_variants, runs.VARIANTS)
-    args.modes = _names(p, "--modes", args.modes, ("eager", "compiled"))
-    args.checks = _names(p, "--checks", args.checks, ("resume", "crossload", "fault", "mismatch"))
+    args.variants = runs.names(p, "--variants", args.variants, runs.VARIANTS)
+    args.fault_variants = runs.names(p, "--fault-variants", args.fault_variants, runs.VARIANTS)
+    args.modes = runs.names(p, "--modes", args.modes, ("eager", "compiled"))
+    args.checks = runs.names(p, "--checks", args.checks, ("resume", "crossload", "fault", "mismatch"))
     args.mismatch = [tuple(kv.split("=", 1)) for kv in args.mismatch.split(",") if kv]
     if any(len(kv) != 2 or kv[0] not in ("scale_mode", "wire", "capacity_factor") for kv in args.mismatch):
         p.error("--mismatch takes name=value pairs of scale_mode, wire, capacity_factor")
@@ -95,14 +81,6 @@ def parse_args(argv=None):
     if args.nproc < 2:
         p.error("--nproc must be at least 2 (expert parallelism over the ranks)")
     return args
-
-
-def _names(p, flag, text, allowed):
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in allowed]
-    if bad or not names:
-        p.error(f"{flag} takes a comma list of {list(allowed)}, got {text!r}")
-    return names
 
 
 class Checks:
@@ -184,7 +162,8 @@ class Checks:
                 ok = False
                 diffs.append(f"rank {r} logged steps {sorted(got[r])}, expected {steps}")
                 continue
-            diffs += [f"rank {r} step {s}: {got[r][s]!r} != {want[r].get(s)!r}" for s in steps if got[r][s] != want[r].get(s)]
+            diffs += [f"rank {r} step {s}: {got[r][s]!r} != {want[r].get(s)!r}" for s in steps
+                      if got[r][s] != want[r].get(s)]
         ok = ok and not diffs
         self.record("resume", variant, mode, ok, summary=f"steps {steps[0]}..{steps[-1]} after resuming from step "
                     f"{a.save_at}: {'equal bit for bit' if ok else f'{len(diffs)} difference(s)'}",
@@ -248,8 +227,9 @@ class Checks:
         restarted = twice == list(range(a.save_at + 1, a.kill_at + 1))
         ok = job.rc == 0 and restarted and not diffs and (a.restart == "torchrun" or jobs[0].rc not in (0, None))
         self.record("fault", variant, "eager", ok,
-                    summary=f"rank {victim} killed after step {a.kill_at}, restarted by {a.restart}; steps logged twice "
-                    f"{twice}; {'losses equal the uninterrupted run bit for bit' if not diffs else f'{len(diffs)} difference(s)'}",
+                    summary=f"rank {victim} killed after step {a.kill_at}, restarted by {a.restart}; steps logged "
+                    f"twice {twice}; " + ("losses equal the uninterrupted run bit for bit" if not diffs
+                                    else f"{len(diffs)} difference(s)"),
                     restart=a.restart, exit_codes=[j.rc for j in jobs], logged_twice=twice, differences=diffs,
                     seconds=sum(j.seconds for j in jobs), log=None if ok else [runs.log_tail(j.log) for j in jobs])
 
@@ -286,6 +266,7 @@ class Checks:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    runs.exit_on_sigterm()
     c = Checks(args)
     refs = {(v, m) for v in args.variants for m in args.modes} | (
         {(v, m) for v in ("bf16", "mxfp8") for m in args.modes} if "crossload" in args.checks else set()) | (

@@ -121,8 +121,8 @@ class AffineDataLoader(BaseDataLoader):
         if self._rank_id not in state_dict:
             raise ValueError(f"AffineDataLoader: the checkpoint has no state for {self._rank_id}")
         if state_dict["world_size"] != self.dp_world_size:
-            raise ValueError(f"AffineDataLoader: the checkpoint was written by {state_dict['world_size']} data-parallel "
-                             f"ranks, this job has {self.dp_world_size} (the batches would differ)")
+            raise ValueError(f"AffineDataLoader: the checkpoint was written by {state_dict['world_size']} "
+                             f"data-parallel ranks, this job has {self.dp_world_size} (the batches would differ)")
         self.next_batch = int(state_dict[self._rank_id])
 
 

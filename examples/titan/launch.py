@@ -28,7 +28,7 @@ import types
 import torch
 
 STUBBED_NAME = "torch.distributed.fsdp.DataParallelMeshDims"
-SHIMS_ENV = "MOE_QUANT_TITAN_SHIMS"  # what main() put in place in this process, comma separated (the setup file reads it)
+SHIMS_ENV = "MOE_QUANT_TITAN_SHIMS"  # what main() put in place in this process, comma separated (for the setup file)
 
 
 def stub_missing_fsdp_names() -> list[str]:

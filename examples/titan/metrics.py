@@ -1,4 +1,5 @@
-"""torchtitan's ``MetricsProcessor`` that also writes every logged step to ``<dump_folder>/<jsonl_folder>/rank<r>.jsonl``.
+"""torchtitan's ``MetricsProcessor`` that also writes every logged step to ``<dump_folder>/metrics/rank<r>.jsonl``
+(``jsonl_folder``, default ``metrics``).
 
 One JSON object per logged step, on every rank: ``step`` and the dict torchtitan's processor logs (global
 average loss as the exact float, grad norm, this rank's tokens/s ``throughput(tps)``, the step's wall time

@@ -9,6 +9,7 @@ A job is ``torchrun --standalone --nproc_per_node N -m examples.titan.launch --m
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -20,9 +21,41 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = "examples.titan.config_registry"
 VARIANTS = ("bf16", "converted", "mxfp8", "mxfp8_sync_free")
+
+
+def parser(doc: str, argv=None, *, layers: int, steps: int, modes: str, timeout: float):
+    """The arguments :mod:`examples.titan.bench` and :mod:`examples.titan.checks` share: ``(parser, argv, extra)``,
+    ``extra`` being what follows ``--`` (for every job's torchtitan command line)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output folder (the jobs' dump folders and logs, the report)")
+    p.add_argument("--nproc", type=int, default=torch.cuda.device_count() if cuda else 2, help="ranks per job")
+    p.add_argument("--flavor", default="16B" if cuda else "debugmodel", choices=["16B", "debugmodel"])
+    p.add_argument("--layers", type=int, default=layers, help="transformer blocks kept (block 0 dense, the others MoE)")
+    p.add_argument("--steps", type=int, default=steps, help="steps of every job")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--modes", default=modes, help="eager and/or compiled (torchtitan's --compile.enable)")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds per job")
+    return p, argv, extra
+
+
+def names(p, flag: str, text: str, allowed) -> list[str]:
+    """A comma list of ``allowed`` names (``p.error`` otherwise)."""
+    out = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in out if n not in allowed]
+    if bad or not out:
+        p.error(f"{flag} takes a comma list of {list(allowed)}, got {text!r}")
+    return out
 
 
 def config_name(flavor: str, variant: str) -> str:
@@ -59,14 +92,32 @@ def _env(extra: dict | None) -> dict:
 
 
 def _finish(proc, started: float, timeout: float | None, log_file) -> Job:
+    """Wait for ``proc`` (its own process group); at the timeout, or if this process is interrupted, kill the group."""
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
         rc = None
-    log_file.close()
+    except BaseException:
+        _kill(proc)
+        raise
+    finally:
+        log_file.close()
+    if rc is None:
+        _kill(proc)
     return Job(rc=rc, seconds=time.monotonic() - started, log=log_file.name)
+
+
+def _kill(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (a time limit) raises SystemExit, so the jobs' process groups are killed on the way out."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 def run(cmd: list[str], log: str, *, env: dict | None = None, timeout: float | None = None) -> Job:
@@ -75,7 +126,7 @@ def run(cmd: list[str], log: str, *, env: dict | None = None, timeout: float | N
     started = time.monotonic()
     log_file = open(log, "w", encoding="utf-8")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=log_file, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            preexec_fn=os.setpgrp)  # a group, not a new session: a time limit ends it too
     return _finish(proc, started, timeout, log_file)
 
 
@@ -96,9 +147,15 @@ def run_ranks(rank_args: list[list[str]], logs: list[str], *, timeout: float) ->
         os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
         log_file = open(log, "w", encoding="utf-8")
         procs.append((subprocess.Popen([sys.executable, "-m", "examples.titan.launch", *targs], cwd=ROOT, env=env,
-                                       stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True), log_file))
+                                       stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp), log_file))
     deadline = started + timeout
-    return [_finish(p, started, max(0.0, deadline - time.monotonic()), f) for p, f in procs]
+    try:
+        return [_finish(p, started, max(0.0, deadline - time.monotonic()), f) for p, f in procs]
+    except BaseException:
+        for p, _ in procs:
+            if p.poll() is None:
+                _kill(p)
+        raise
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -136,12 +193,16 @@ def raw_rows(dump: str, rank: int) -> list[dict]:
 
 def setup(dump: str) -> dict[int, dict]:
     folder = Path(dump) / "setup"
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))} if folder.is_dir() else {}
+    if not folder.is_dir():
+        return {}
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))}
 
 
 def checkpoint_steps(dump: str) -> list[int]:
     folder = Path(dump) / "checkpoint"
-    return sorted(int(p.name[5:]) for p in folder.glob("step-*") if (p / ".metadata").exists()) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in folder.glob("step-*") if (p / ".metadata").exists())
 
 
 def seed_checkpoint(src_dump: str, step: int, dst_dump: str) -> None:
@@ -169,5 +230,6 @@ def log_tail(path: str, chars: int = 3000) -> str:
         return ""
 
 
-__all__ = ["config_name", "trainer_args", "torchrun", "run", "run_ranks", "metrics", "losses", "raw_rows", "setup",
-           "checkpoint_steps", "seed_checkpoint", "log_tail", "Job", "VARIANTS"]
+__all__ = ["exit_on_sigterm", "parser", "names", "config_name", "trainer_args", "torchrun", "run", "run_ranks",
+           "metrics", "losses", "raw_rows", "setup", "checkpoint_steps", "seed_checkpoint", "log_tail", "Job",
+           "VARIANTS"]

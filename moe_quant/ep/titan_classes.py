@@ -84,14 +84,15 @@ def _build_converted(self, **kwargs):
     module = plain.build(**kwargs)
     quantize_(module, MXFP8MoEConfig(scale_mode=self.scale_mode), filter_fn=lambda mod, fqn: mod is module)
     if not is_converted(module):  # e.g. experts without 3-D weights: conversion warned, nothing converted
-        raise TypeError(f"MXFP8MoEConverter: {type(module).__name__} built from {parent.__qualname__} was not converted "
-                        f"(see the warning above)")
+        raise TypeError(f"MXFP8MoEConverter: {type(module).__name__} built from {parent.__qualname__} was not "
+                        f"converted (see the warning above)")
     return module
 
 
 def _reduce(self):
     parent = type(self)._mxfp8_parent
-    return _rebuild_experts_config, (parent, {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+    return _rebuild_experts_config, (parent, values)
 
 
 @functools.cache  # keyed by the class object: two classes of the same name get their own subclass
