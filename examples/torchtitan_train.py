@@ -52,6 +52,7 @@ from moe_quant import MXFP8MoEConfig  # noqa: E402  (before torchao: keeps its i
 from moe_quant.conversion import fallback_counts, is_converted, reset_fallback_counts  # noqa: E402
 from examples.titan.launch import STUBBED_NAME, stub_missing_fsdp_names  # noqa: E402,F401  (one placeholder for both)
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flavor", default="16B", help="torchtitan DeepSeek-V3 flavor (debugmodel, 16B, ...)")

@@ -101,7 +101,8 @@ def experts_config_class(parent: type) -> type:
     subclass): a dataclass subclass with a ``scale_mode`` field whose ``build()`` makes the converted
     module. Given a converted one, returns it (conversion never stacks)."""
     if not (isinstance(parent, type) and issubclass(parent, GroupedExperts.Config)):
-        raise TypeError(f"MXFP8MoEConverter converts GroupedExperts, got {getattr(parent, '__qualname__', parent)!r}")
+        raise TypeError(f"MXFP8MoEConverter converts GroupedExperts (a GroupedExperts.Config as inner_experts), got "
+                        f"{getattr(parent, '__qualname__', parent)!r}")
     if getattr(parent, "_mxfp8_parent", None) is not None:
         return parent
     namespace = {
