@@ -20,10 +20,11 @@ the job's per-rank metrics (:mod:`examples.titan.metrics`, torchtitan's own numb
 
 Every finished job adds its row at once to ``<out>/bench.json``, ``<out>/bench.md`` (the table) and
 ``<out>/losses.png`` (every variant's loss curve): a run killed at its time limit keeps what finished, and a
-later run with the same ``--out`` skips what is there (``--redo`` runs it again). After each job it prints its
-wall time and an estimate for the jobs left; ``--budget`` seconds: launch no job the estimate says would not
-finish in time. At the end it checks every MXFP8 variant's final loss within ``--loss-rtol`` (0.5%) of bf16's in
-the same mode (exit status 1 otherwise). Arguments after ``--`` go to every job (torchtitan's command line).
+later run with the same ``--out`` skips what is there from a run of the same settings (``--redo`` runs it
+again). After each job it prints its wall time and an estimate for the jobs left; ``--budget`` seconds: launch
+no job the estimate says would not finish in time. At the end it checks every MXFP8 variant's final loss
+within ``--loss-rtol`` (0.5%) of bf16's in the same mode (exit status 1 otherwise). Arguments after ``--`` go
+to every job (torchtitan's command line).
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ def main(argv=None) -> int:
     todo = [(m, v) for m in args.modes for v in args.variants]
     if args.report_only:
         todo = []
-    done = {(r["mode"], r["variant"]) for r in record["results"] if r["rc"] == 0}
+    config = {k: record[k] for k in ("torch", "nproc", "flavor", "layers", "steps", "extra", "device")}
+    done = {(r["mode"], r["variant"]) for r in record["results"] if r["rc"] == 0 and r.get("config") == config}
     if not args.redo:
         skipped = [t for t in todo if t in done]
         todo = [t for t in todo if t not in done]
@@ -254,6 +256,7 @@ def main(argv=None) -> int:
         job = runs.run(runs.torchrun(args.nproc, targs), str(out / f"{variant}_{mode}.log"), timeout=args.timeout)
         times.setdefault(mode, []).append(job.seconds)
         res = summarize(args, variant, mode, str(dump), job)
+        res["config"] = config
         record["results"] = [r for r in record["results"] if (r["mode"], r["variant"]) != (mode, variant)] + [res]
         write(args, record, out)
         rest = [m for m, _ in todo[i + 1:]]

@@ -273,9 +273,10 @@ def main(argv=None) -> int:
         {(v, "eager") for v in args.fault_variants} if "fault" in args.checks else set())
     jobs = (len(refs) + (len(args.variants) * len(args.modes) if "resume" in args.checks else 0)
             + (2 * len(args.modes) if "crossload" in args.checks else 0)
-            + (len(args.fault_variants) if "fault" in args.checks else 0))
+            + ((2 if args.restart == "manual" else 1) * len(args.fault_variants) if "fault" in args.checks else 0))
     print(f"examples.titan.checks: {args.nproc} ranks, {args.flavor} x {args.layers} layers, {args.steps} steps, "
-          f"checkpoint every {args.save_at}; about {jobs} torchrun jobs and {len(args.mismatch)} mismatch launches",
+          f"checkpoint every {args.save_at}; about {jobs} torchrun jobs and "
+          f"{len(args.mismatch) if 'mismatch' in args.checks else 0} mismatch launches",
           flush=True)
     t0 = time.monotonic()
     for mode in args.modes:
