@@ -31,13 +31,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from repo_subprocess import run_python
-from titan_checks import SAVE_AT, STEPS, assert_all_passed, run_checks
+from titan_checks import NEEDS_GLOO, SAVE_AT, STEPS, assert_all_passed, run_checks
 
-from examples.titan.launch import stub_missing_fsdp_names
-
-stub_missing_fsdp_names()  # torchtitan 0.3.0 imports a name torch 2.11 lacks (a placeholder; see the launcher)
-pytest.importorskip("torchtitan.models.deepseek_v3", reason="torchtitan not importable")
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+pytestmark = NEEDS_GLOO
 
 
 @pytest.fixture(scope="module")

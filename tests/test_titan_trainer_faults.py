@@ -11,14 +11,9 @@ lacks: the state dict keys are the same). About 150 s (6 jobs).
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
-from titan_checks import KILL_AT, SAVE_AT, assert_all_passed, run_checks
+from titan_checks import KILL_AT, NEEDS_GLOO, SAVE_AT, assert_all_passed, run_checks
 
-from examples.titan.launch import stub_missing_fsdp_names
-
-stub_missing_fsdp_names()  # torchtitan 0.3.0 imports a name torch 2.11 lacks (a placeholder; see the launcher)
-pytest.importorskip("torchtitan.models.deepseek_v3", reason="torchtitan not importable")
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+pytestmark = NEEDS_GLOO
 
 
 @pytest.fixture(scope="module")

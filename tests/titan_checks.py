@@ -1,10 +1,20 @@
-"""``python -m examples.titan.checks`` on 2 gloo CPU ranks at debug size, for ``tests/test_titan_trainer*.py``."""
+"""``python -m examples.titan.checks`` on 2 gloo CPU ranks at debug size, for ``tests/test_titan_trainer*.py``.
+
+Importing this skips the importing test module where torchtitan is not importable; ``NEEDS_GLOO`` is its mark."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch.distributed as dist
 from repo_subprocess import run_python
+
+from examples.titan.launch import stub_missing_fsdp_names
+
+stub_missing_fsdp_names()  # torchtitan 0.3.0 imports a name torch 2.11 lacks (a placeholder; see the launcher)
+pytest.importorskip("torchtitan.models.deepseek_v3", reason="torchtitan not importable")
+NEEDS_GLOO = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
 STEPS, SAVE_AT, KILL_AT = 5, 2, 3
 
