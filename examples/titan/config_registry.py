@@ -4,7 +4,8 @@ bf16 experts (torchtitan's own) or moe_quant's MXFP8 experts. ``--module example
     torchrun --nproc_per_node 2 -m torchtitan.train --module examples.titan.config_registry \\
         --config deepseek_v3_16b_mxfp8 [--compile.enable] [--moe_quant.layers 4] [--training.steps 100]
 
-(torch < 2.12: ``-m examples.titan.launch`` instead of ``-m torchtitan.train``, see that module.)
+(with a released torch, up to 2.13 at least: ``-m examples.titan.launch`` in place of ``-m torchtitan.train``;
+that module says what it puts in place.)
 
 moe_quant goes in with one line, the converter in the model registry's ``converters`` (what
 :func:`model_spec` does)::
@@ -24,8 +25,9 @@ The rest is the same for every variant: the first ``--moe_quant.layers`` blocks 
 the others MoE), no MTP; FSDP over every rank (``data_parallel_shard_degree=-1``), expert parallelism over
 every rank (``expert_parallel_degree`` = ``WORLD_SIZE``, or ``--parallelism.expert_parallel_degree``);
 torchtitan's default mixed precision (fp32 parameters, bf16 compute, fp32 gradient reduction);
-``local_batch_size`` x ``seq_len`` = 16384 tokens per GPU per step (16B), 100 steps; AdamW; no activation
-checkpointing; the synthetic stream of :mod:`examples.titan.data`; metrics of every step also in
+``local_batch_size`` x ``seq_len`` = 16384 tokens per GPU per step (16B), 100 steps; AdamW; torchtitan's
+``CrossEntropyLoss`` (not its ``ChunkedLossWrapper``, which failed in backward under torch 2.11's FSDP2); no
+activation checkpointing; seed 0; the synthetic stream of :mod:`examples.titan.data`; metrics of every step also in
 ``<dump_folder>/metrics/rank<r>.jsonl`` (:mod:`examples.titan.metrics`); DCP checkpoints when
 ``--checkpoint.enable`` (every ``--checkpoint.interval`` steps, full state, the last one too).
 
