@@ -50,30 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_quant import MXFP8MoEConfig  # noqa: E402  (before torchao: keeps its import quiet)
 from moe_quant.conversion import fallback_counts, is_converted, reset_fallback_counts  # noqa: E402
-
-STUBBED_NAME = "torch.distributed.fsdp.DataParallelMeshDims"
-
-
-def stub_missing_fsdp_names() -> list[str]:
-    """Give ``torch.distributed.fsdp`` the names torchtitan 0.3.0 imports but this torch lacks.
-
-    Only ``DataParallelMeshDims`` (added after torch 2.11); torchtitan uses it for FSDP meshes,
-    which a single-process run never builds. Returns the names it stubbed.
-    """
-    import torch.distributed.fsdp as fsdp
-
-    if hasattr(fsdp, "DataParallelMeshDims"):
-        return []
-
-    class DataParallelMeshDims:
-        """Placeholder for torch versions without it; any use is an error."""
-
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError(f"{STUBBED_NAME} is a placeholder here (torch {torch.__version__} lacks it): "
-                               "single-process runs only, no FSDP")
-
-    fsdp.DataParallelMeshDims = DataParallelMeshDims
-    return [STUBBED_NAME]
+from examples.titan.launch import STUBBED_NAME, stub_missing_fsdp_names  # noqa: E402,F401  (one placeholder for both)
 
 
 def parse_args(argv=None):

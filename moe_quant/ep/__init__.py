@@ -13,7 +13,7 @@
   sent straight into the order it is used in, no pack or permute copies).
 * :mod:`moe_quant.ep.pipeline`: the experts run range by range while the other ranges travel (``chunks``).
 * :mod:`moe_quant.ep.titan`: torchtitan components (the dispatcher's ``Config``, a model converter);
-  imports torchtitan only when used.
+  imports torchtitan only when used (its classes: :mod:`moe_quant.ep.titan_classes`).
 """
 
 from .dispatcher import EPDispatchMetadata, MXFP8TokenDispatcher

@@ -1,0 +1,279 @@
+"""What a torchtitan user gains or loses by converting the experts and by the MXFP8 wire, on the GPUs it finds::
+
+    python -m examples.titan.bench --out out/titan_bench                          # every variant, eager and compiled
+    python -m examples.titan.bench --out out/titan_bench --modes eager --steps 40 --layers 3
+
+Each variant of :mod:`examples.titan.config_registry` (``bf16``, ``converted``, ``mxfp8``, ``mxfp8_sync_free``), in
+each mode (``eager``; ``compiled``: torchtitan's ``--compile.enable``), is one job of torchtitan's trainer
+(``torchrun --nproc_per_node <GPUs> -m examples.titan.launch``), FSDP and expert parallelism over every GPU. From
+the job's per-rank metrics (:mod:`examples.titan.metrics`, torchtitan's own numbers):
+
+* tokens/s per GPU: torchtitan's ``throughput(tps)`` of each rank, the median over the steps after ``--warmup``
+  (the profiled last two steps left out) and over the ranks, with the spread (min, max over those steps and ranks);
+* peak memory per GPU: the largest ``memory/max_reserved(GiB)`` (and ``max_active``) of each rank;
+* the loss curve (the global average loss of every step), and the final loss: the mean of the last ``--tail``
+  steps' losses (every variant sees the same batches, so the curves are paired step by step);
+* the all-to-all time per leg, from torchtitan's profiler (``--profiler.enable_profiling``, the last step): the
+  NCCL all-to-all kernels of that step (``ncclDevKernel_SendRecv``: ``all_to_all_single`` is grouped
+  send/recv), in their order: per MoE layer forward the counts, dispatch and combine exchanges, backward the
+  combine and dispatch exchanges (in reverse layer order); the median over the layers and ranks of each leg.
+
+Every finished job adds its row at once to ``<out>/bench.json``, ``<out>/bench.md`` (the table) and
+``<out>/losses.png`` (every variant's loss curve): a run killed at its time limit keeps what finished, and a
+later run with the same ``--out`` skips what is there from a run of the same settings (``--redo`` runs it
+again). After each job it prints its wall time and an estimate for the jobs left; ``--budget`` seconds: launch
+no job the estimate says would not finish in time. At the end it checks every MXFP8 variant's final loss
+within ``--loss-rtol`` (0.5%) of bf16's in the same mode (exit status 1 otherwise). Arguments after ``--`` go
+to every job (torchtitan's command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from examples.titan import runs
+
+A2A_KERNEL = re.compile(r"SendRecv|AllToAll|alltoall", re.IGNORECASE)
+LEGS_FORWARD = ("counts", "dispatch", "combine")
+LEGS_BACKWARD = ("combine backward", "dispatch backward")
+
+
+def parse_args(argv=None):
+    p, argv, extra = runs.parser(__doc__, argv, layers=4, steps=100, modes="eager,compiled", timeout=1800.0)
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput statistics")
+    p.add_argument("--tail", type=int, default=10, help="final loss: mean of the last N steps")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torchtitan's profiler on the last step (all-to-all time per leg)")
+    p.add_argument("--loss-rtol", type=float, default=0.005)
+    p.add_argument("--budget", type=float, default=None, help="seconds: launch no job that would not finish in time")
+    p.add_argument("--redo", action="store_true", help="run jobs whose results are already in --out again")
+    p.add_argument("--report-only", action="store_true", help="rewrite bench.md, losses.png and the check only")
+    args = p.parse_args(argv)
+    args.extra = extra
+    args.variants = runs.names(p, "--variants", args.variants, runs.VARIANTS)
+    args.modes = runs.names(p, "--modes", args.modes, ("eager", "compiled"))
+    if args.nproc < 1:
+        p.error("--nproc must be at least 1")
+    if not 0 <= args.warmup < args.steps - (2 if args.profile else 0):
+        p.error("--warmup must leave at least one timed step (the profiled last two steps are not timed)")
+    if not 1 <= args.tail <= args.steps:
+        p.error("--tail must be in [1, --steps]")
+    return args
+
+
+def job_args(args, mode: str) -> list[str]:
+    a = ["--moe_quant.layers", str(args.layers), "--training.steps", str(args.steps), "--metrics.log_freq", "1"]
+    if mode == "compiled":
+        a.append("--compile.enable")
+    if args.profile:  # torch.profiler schedule: wait steps - 2, warm up 1, record the last step
+        a += ["--profiler.enable_profiling", "--profiler.profile_freq", str(args.steps),
+              "--profiler.profiler_warmup", "1", "--profiler.profiler_active", "1"]
+    return a + args.extra
+
+
+def _gib(x):
+    """torchtitan logs -1 bytes where the device has no memory statistics (the CPU)."""
+    return None if x is None or x < 0 else x
+
+
+def _spread(values: list) -> dict:
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def a2a_legs(trace_path: str, moe_layers: int) -> dict:
+    """The all-to-all kernels of one rank's profiled step, attributed to legs by their order (see the module doc)."""
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt", encoding="utf-8") as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and A2A_KERNEL.search(e.get("name", ""))),
+                     key=lambda e: e.get("ts", 0))
+    names = sorted({e["name"] for e in kernels})
+    expected = moe_layers * (len(LEGS_FORWARD) + len(LEGS_BACKWARD))
+    if len(kernels) != expected:
+        return {"attributed": False, "kernels": len(kernels), "expected": expected, "names": names,
+                "ms": [e.get("dur", 0) / 1e3 for e in kernels]}
+    legs = {leg: [] for leg in LEGS_FORWARD + LEGS_BACKWARD}
+    forward, backward = kernels[:3 * moe_layers], kernels[3 * moe_layers:]
+    for i, e in enumerate(forward):
+        legs[LEGS_FORWARD[i % 3]].append(e["dur"] / 1e3)
+    for i, e in enumerate(backward):
+        legs[LEGS_BACKWARD[i % 2]].append(e["dur"] / 1e3)
+    return {"attributed": True, "kernels": len(kernels), "names": names, "legs_ms": legs}
+
+
+def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
+    steps_timed = range(args.warmup + 1, args.steps - (1 if args.profile else -1))
+    m = runs.metrics(dump)
+    tps, step_s, peak, active = [], [], {}, {}
+    for r, rows in m.items():
+        for row in rows:
+            if row["step"] in steps_timed:
+                tps.append(row["throughput(tps)"])
+                step_s.append(row["time_metrics/end_to_end(s)"])
+        peak[r] = _gib(max((row["memory/max_reserved(GiB)"] for row in rows), default=None))
+        active[r] = _gib(max((row["memory/max_active(GiB)"] for row in rows), default=None))
+    losses = runs.losses(dump).get(0, {})
+    curve = [losses[s] for s in sorted(losses)]
+    final = statistics.fmean(curve[-args.tail:]) if len(curve) >= args.tail else None
+    res = {
+        "variant": variant, "mode": mode, "rc": job.rc, "wall_s": job.seconds, "steps_logged": len(curve),
+        "tokens_per_s_per_gpu": _spread(tps), "step_s": _spread(step_s), "peak_reserved_gib": peak,
+        "peak_active_gib": active, "losses": curve, "final_loss": final,
+        "fallbacks": max((rows[-1].get("moe_quant/fallbacks", 0) for rows in m.values() if rows), default=None),
+        "dropped_rows": max((rows[-1].get("moe_quant/dropped_rows", 0) for rows in m.values() if rows), default=None),
+        "setup": runs.setup(dump).get(0), "log": job.log,
+    }
+    if job.rc != 0:
+        res["log_tail"] = runs.log_tail(job.log)
+    traces = sorted(Path(dump).glob("profiling/traces/iteration_*/rank*_trace.json*"))
+    if traces:
+        per_rank = {t.name.split("_")[0]: a2a_legs(str(t), args.layers - 1) for t in traces}
+        res["a2a_per_rank"] = per_rank
+        legs = {}
+        for r in per_rank.values():
+            for leg, ms in r.get("legs_ms", {}).items():
+                legs.setdefault(leg, []).extend(ms)
+        res["a2a_ms"] = {leg: statistics.median(v) for leg, v in legs.items()} if legs else None
+    return res
+
+
+def _fmt(x, spec=".0f"):
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def table(record: dict) -> str:
+    rows = record["results"]
+    base = {r["mode"]: r for r in rows if r["variant"] == "bf16"}
+    lines = [f"torchtitan trainer, DeepSeek-V3 {record['flavor']} x {record['layers']} layers, {record['nproc']} x "
+             f"{record['device']}, torch {record['torch']}, {record['steps']} steps; tokens/s per GPU: median over "
+             f"steps {record['warmup'] + 1}.. and ranks (min-max); final loss: mean of the last {record['tail']} steps",
+             "", "| variant | mode | tokens/s/GPU (min-max) | vs bf16 | peak reserved GiB/GPU | final loss | vs bf16 "
+             "| a2a ms: dispatch / combine / combine bwd / dispatch bwd (counts) | job s |", "|" + "---|" * 9]
+    for r in rows:
+        t, b = r["tokens_per_s_per_gpu"], base.get(r["mode"])
+        speed = (t["median"] / b["tokens_per_s_per_gpu"]["median"]
+                 if b and t["median"] and b["tokens_per_s_per_gpu"]["median"] else None)
+        dloss = (r["final_loss"] / b["final_loss"] - 1 if b and r["final_loss"] and b["final_loss"] else None)
+        a2a = r.get("a2a_ms")
+        legs = ("n/a" if not a2a else " / ".join(_fmt(a2a.get(k), ".2f") for k in
+                                                 ("dispatch", "combine", "combine backward", "dispatch backward"))
+                + f" ({_fmt(a2a.get('counts'), '.2f')})")
+        peak = ", ".join(_fmt(v, ".1f") for _, v in sorted(r["peak_reserved_gib"].items()))
+        lines.append(f"| {r['variant']} | {r['mode']} | {_fmt(t['median'])} ({_fmt(t['min'])}-{_fmt(t['max'])}) | "
+                     f"{_fmt(speed, '.3f')} | {peak} | {_fmt(r['final_loss'], '.4f')} | "
+                     f"{'n/a' if dloss is None else f'{100 * dloss:+.2f}%'} | {legs} | {_fmt(r['wall_s'])} |"
+                     + ("" if r["rc"] == 0 else f" failed (rc {r['rc']})"))
+    return "\n".join(lines) + "\n"
+
+
+def plot(record: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in record["results"]:
+        if r["losses"]:
+            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['variant']} {r['mode']}",
+                    linestyle="-" if r["mode"] == "eager" else "--", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (global average)")
+    ax.set_title(f"DeepSeek-V3 {record['flavor']} x {record['layers']} layers, {record['nproc']} x {record['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def loss_check(record: dict, rtol: float) -> list[dict]:
+    out = []
+    base = {r["mode"]: r for r in record["results"] if r["variant"] == "bf16" and r["final_loss"] is not None}
+    for r in record["results"]:
+        if r["variant"] == "bf16" or r["mode"] not in base:
+            continue
+        b = base[r["mode"]]["final_loss"]
+        rel = None if r["final_loss"] is None else abs(r["final_loss"] - b) / abs(b)
+        out.append({"variant": r["variant"], "mode": r["mode"], "final_loss": r["final_loss"], "bf16": b,
+                    "relative": rel, "passed": rel is not None and rel <= rtol})
+    return out
+
+
+def write(args, record: dict, out: Path) -> None:
+    record["loss_check"] = loss_check(record, args.loss_rtol)
+    (out / "bench.json").write_text(json.dumps(record, indent=1))
+    (out / "bench.md").write_text(table(record))
+    plot(record, out / "losses.png")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    runs.exit_on_sigterm()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.json"
+    record = json.loads(path.read_text()) if path.exists() else {"results": []}
+    record.update({"torch": torch.__version__, "nproc": args.nproc, "flavor": args.flavor, "layers": args.layers,
+                   "steps": args.steps, "warmup": args.warmup, "tail": args.tail, "extra": args.extra,
+                   "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                   "command": " ".join([sys.executable, "-m", "examples.titan.bench", *sys.argv[1:]])})
+    todo = [(m, v) for m in args.modes for v in args.variants]
+    if args.report_only:
+        todo = []
+    config = {k: record[k] for k in ("torch", "nproc", "flavor", "layers", "steps", "extra", "device")}
+    done = {(r["mode"], r["variant"]) for r in record["results"] if r["rc"] == 0 and r.get("config") == config}
+    if not args.redo:
+        skipped = [t for t in todo if t in done]
+        todo = [t for t in todo if t not in done]
+        if skipped:
+            print(f"already in {path} (--redo runs them again): {skipped}", flush=True)
+    started, times = time.monotonic(), {}
+    for i, (mode, variant) in enumerate(todo):
+        estimate = statistics.fmean(times[mode]) if times.get(mode) else None
+        left = None if args.budget is None else args.budget - (time.monotonic() - started)
+        if estimate is not None and left is not None and estimate > left:
+            print(f"stopping: {variant} {mode} needs about {estimate:.0f} s, {left:.0f} s of --budget left", flush=True)
+            break
+        dump = out / f"{variant}_{mode}"
+        targs = runs.trainer_args(args.flavor, variant, str(dump), job_args(args, mode))
+        about = f" (about {estimate:.0f} s)" if estimate else ""
+        print(f"[{i + 1}/{len(todo)}] {variant} {mode}{about}", flush=True)
+        job = runs.run(runs.torchrun(args.nproc, targs), str(out / f"{variant}_{mode}.log"), timeout=args.timeout)
+        times.setdefault(mode, []).append(job.seconds)
+        res = summarize(args, variant, mode, str(dump), job)
+        res["config"] = config
+        record["results"] = [r for r in record["results"] if (r["mode"], r["variant"]) != (mode, variant)] + [res]
+        write(args, record, out)
+        rest = [m for m, _ in todo[i + 1:]]
+        eta = sum(statistics.fmean(times.get(m) or times[mode]) for m in rest)
+        print(f"    rc {job.rc}, {job.seconds:.0f} s, tokens/s/GPU {_fmt(res['tokens_per_s_per_gpu']['median'])}, "
+              f"final loss {_fmt(res['final_loss'], '.4f')}; {len(rest)} job(s) left, about {eta:.0f} s", flush=True)
+    write(args, record, out)
+    print(table(record))
+    checks = record["loss_check"]
+    for c in checks:
+        rel = "n/a" if c["relative"] is None else f"{100 * c['relative']:.2f}%"
+        print(f"{'PASS' if c['passed'] else 'FAIL'} final loss {c['variant']} {c['mode']}: "
+              f"{_fmt(c['final_loss'], '.4f')} vs bf16 {_fmt(c['bf16'], '.4f')} ({rel}, "
+              f"limit {100 * args.loss_rtol:.1f}%)")
+    failed = [r for r in record["results"] if r["rc"] != 0]
+    return 1 if failed or any(not c["passed"] for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""torchtitan trainer configs: DeepSeek-V3 with FSDP2 over every rank and expert parallelism over every rank,
+bf16 experts (torchtitan's own) or moe_quant's MXFP8 experts. ``--module examples.titan.config_registry``::
+
+    torchrun --nproc_per_node 2 -m torchtitan.train --module examples.titan.config_registry \\
+        --config deepseek_v3_16b_mxfp8 [--compile.enable] [--moe_quant.layers 4] [--training.steps 100]
+
+(with a released torch, up to 2.13 at least: ``-m examples.titan.launch`` in place of ``-m torchtitan.train``;
+that module says what it puts in place.)
+
+moe_quant goes in with one line, the converter in the model registry's ``converters`` (what
+:func:`model_spec` does)::
+
+    model_registry("16B", converters=[converter_config()])
+
+Config functions, one per variant, of DeepSeek-V3 16B (``deepseek_v3_16b_*``) and of torchtitan's debug
+flavour (``deepseek_v3_debug_*``, for CPU tests):
+
+* ``*_bf16``: torchtitan's model as it is: bf16 experts, its all-to-all token dispatcher (the baseline);
+* ``*_converted``: moe_quant's MXFP8 experts (``converter_config(dispatcher=False)``), torchtitan's dispatcher;
+* ``*_mxfp8``: MXFP8 experts and moe_quant's dispatcher, MXFP8 on the wire (``converter_config()``);
+* ``*_mxfp8_sync_free``: the same dispatcher in its sync-free mode (``capacity_factor``; the token bound
+  ``max_tokens`` = ``local_batch_size * seq_len``, this rank's tokens per step).
+
+The rest is the same for every variant: the first ``--moe_quant.layers`` blocks of the flavour (block 0 dense,
+the others MoE), no MTP; FSDP over every rank (``data_parallel_shard_degree=-1``), expert parallelism over
+every rank (``expert_parallel_degree`` = ``WORLD_SIZE``, or ``--parallelism.expert_parallel_degree``);
+torchtitan's default mixed precision (fp32 parameters, bf16 compute, fp32 gradient reduction);
+``local_batch_size`` x ``seq_len`` = 16384 tokens per GPU per step (16B), 100 steps; AdamW; torchtitan's
+``CrossEntropyLoss`` (not its ``ChunkedLossWrapper``, which failed in backward under torch 2.11's FSDP2); no
+activation checkpointing; seed 0; the synthetic stream of :mod:`examples.titan.data`; metrics of every step also in
+``<dump_folder>/metrics/rank<r>.jsonl`` (:mod:`examples.titan.metrics`); DCP checkpoints when
+``--checkpoint.enable`` (every ``--checkpoint.interval`` steps, full state, the last one too).
+
+``--moe_quant.*`` (``layers``, ``variant``, ``scale_mode``, ``wire``, ``capacity_factor``, ``attention``) rebuild
+the model spec after the command line is read (:class:`MoEQuantTrainerConfig`). ``--moe_quant.attention
+sdpa`` swaps torchtitan's flex attention for causal SDPA, the same attention for these one-document sequences;
+``auto`` (default) picks sdpa where flex cannot run (no CUDA: its backward; torch 2.11: torchtitan calls
+``create_block_mask(separate_full_blocks=...)``, which 2.11 lacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config.configs import DebugConfig
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.models.deepseek_v3 import model_registry
+from torchtitan.trainer import Trainer
+
+from examples.titan import parallelize
+from examples.titan.data import AffineDataLoader, AffineTokenizer
+from examples.titan.metrics import JsonlMetricsProcessor
+from moe_quant.ep.titan import converter_config
+
+VARIANTS = ("bf16", "converted", "mxfp8", "mxfp8_sync_free")
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEQuantOptions:
+    flavor: Literal["16B", "debugmodel"] = "16B"
+    layers: int = 4
+    """Keep the first N transformer blocks (block 0 is dense, the others MoE)."""
+    variant: Literal["bf16", "converted", "mxfp8", "mxfp8_sync_free"] = "mxfp8"
+    scale_mode: Literal["rceil", "floor"] = "rceil"
+    wire: Literal["mxfp8", "bf16"] = "mxfp8"
+    """moe_quant's dispatcher: what the dispatch forward and combine backward legs send."""
+    capacity_factor: float | None = None
+    """Sync-free variant: the receive capacity factor; None: the EP degree (never overflows)."""
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+
+
+def flex_usable() -> bool:
+    """torchtitan 0.3.0's flex attention runs here: CUDA (its backward) and a torch whose ``create_block_mask``
+    takes ``separate_full_blocks`` (torch 2.11's does not)."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.cuda.is_available() and "separate_full_blocks" in inspect.signature(create_block_mask).parameters
+
+
+def _attention(options: MoEQuantOptions) -> str:
+    if options.attention == "auto":
+        return "flex" if flex_usable() else "sdpa"
+    return options.attention
+
+
+def model_spec(options: MoEQuantOptions, *, ep_degree: int, tokens_per_rank: int):
+    """torchtitan's DeepSeek-V3 model spec of ``options`` (the flavour cut to ``options.layers`` blocks)."""
+    if options.variant not in VARIANTS:
+        raise ValueError(f"moe_quant.variant must be one of {list(VARIANTS)}, got {options.variant!r}")
+    converters = {
+        "bf16": None,
+        "converted": [converter_config(scale_mode=options.scale_mode, dispatcher=False)],
+        "mxfp8": [converter_config(scale_mode=options.scale_mode, wire=options.wire)],
+        "mxfp8_sync_free": [converter_config(
+            scale_mode=options.scale_mode, wire=options.wire, max_tokens=tokens_per_rank,
+            capacity_factor=float(ep_degree) if options.capacity_factor is None else options.capacity_factor)],
+    }[options.variant]
+    spec = model_registry(options.flavor, converters=converters)
+    layers = spec.model.layers
+    if not 1 <= options.layers <= len(layers):
+        raise ValueError(f"moe_quant.layers must be in [1, {len(layers)}] for {options.flavor}, got {options.layers}")
+    spec.model = dataclasses.replace(spec.model, layers=layers[:options.layers], mtp_layers=[])
+    if _attention(options) == "sdpa":
+        for _fqn, _cfg, parent, attr in spec.model.traverse(FlexAttention.Config):
+            setattr(parent, attr, ScaledDotProductAttention.Config())
+    spec.parallelize_fn = parallelize.for_this_torch(spec.parallelize_fn)
+    return spec
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEQuantTrainerConfig(Trainer.Config):
+    """torchtitan's ``Trainer.Config`` with a ``moe_quant`` section; the model spec follows it (rebuilt once
+    the command line is read)."""
+
+    moe_quant: MoEQuantOptions = field(default_factory=MoEQuantOptions)
+
+    def __post_init__(self):
+        tokens = self.training.local_batch_size * self.training.seq_len
+        self.model_spec = model_spec(self.moe_quant, ep_degree=self.parallelism.expert_parallel_degree,
+                                     tokens_per_rank=tokens)
+        self.tokenizer = AffineTokenizer.Config(vocab_size=self.model_spec.model.vocab_size)
+        self.loss = CrossEntropyLoss.Config(global_vocab_size=self.model_spec.model.vocab_size)
+        Trainer.Config.__post_init__(self)
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _config(flavor: str, variant: str) -> MoEQuantTrainerConfig:
+    debug = flavor == "debugmodel"
+    return MoEQuantTrainerConfig(
+        moe_quant=MoEQuantOptions(flavor=flavor, variant=variant, layers=2 if debug else 4),
+        hf_assets_path="",  # nothing to read: the tokenizer and data are synthetic
+        metrics=JsonlMetricsProcessor.Config(log_freq=1),
+        dataloader=AffineDataLoader.Config(),
+        optimizer=default_adamw(lr=8e-4 if debug else 3e-4),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2 if debug else 10, decay_ratio=0.8,
+                                                  decay_type="cosine", min_lr_factor=0.1),
+        training=TrainingConfig(local_batch_size=2 if debug else 4, seq_len=32 if debug else 4096,
+                                steps=4 if debug else 100, disable_cuda_graphs=True),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1, expert_parallel_degree=_world(),
+                                      spmd_backend="partial_dtensor"),
+        checkpoint=CheckpointManager.Config(interval=50, last_save_model_only=False),
+        activation_checkpoint=None,
+        debug=DebugConfig(seed=0),
+    )
+
+
+def deepseek_v3_16b_bf16() -> MoEQuantTrainerConfig:
+    return _config("16B", "bf16")
+
+
+def deepseek_v3_16b_converted() -> MoEQuantTrainerConfig:
+    return _config("16B", "converted")
+
+
+def deepseek_v3_16b_mxfp8() -> MoEQuantTrainerConfig:
+    return _config("16B", "mxfp8")
+
+
+def deepseek_v3_16b_mxfp8_sync_free() -> MoEQuantTrainerConfig:
+    return _config("16B", "mxfp8_sync_free")
+
+
+def deepseek_v3_debug_bf16() -> MoEQuantTrainerConfig:
+    return _config("debugmodel", "bf16")
+
+
+def deepseek_v3_debug_converted() -> MoEQuantTrainerConfig:
+    return _config("debugmodel", "converted")
+
+
+def deepseek_v3_debug_mxfp8() -> MoEQuantTrainerConfig:
+    return _config("debugmodel", "mxfp8")
+
+
+def deepseek_v3_debug_mxfp8_sync_free() -> MoEQuantTrainerConfig:
+    return _config("debugmodel", "mxfp8_sync_free")

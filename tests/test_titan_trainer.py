@@ -1,0 +1,248 @@
+"""torchtitan's own trainer with the configs of ``examples/titan`` on 2 gloo CPU ranks, launched as users launch it.
+
+``python -m examples.titan.checks`` (the GPU check script, here at debug size: DeepSeek-V3 debugmodel cut to 2
+blocks, 5 steps of 2 x 32 tokens per rank) runs ``torchrun --nproc_per_node 2 -m examples.titan.launch --module
+examples.titan.config_registry --config deepseek_v3_debug_<variant>`` (``examples.titan.launch`` is
+``torchtitan.train.main()`` after the shims a released torch lacks) with FSDP and expert parallelism over both
+ranks, torchtitan's DCP checkpoints, and checks: a job resumed from the step-2 checkpoint equals the uninterrupted
+one bit for bit; ranks launched with another ``scale_mode`` all exit with the same error (about 80 s).
+``tests/test_titan_trainer_faults.py`` runs its fault and cross-loading checks. The other tests here cover the
+pieces in-process.
+
+Substituted on this CPU machine (each through a torchtitan option or the smallest hook; none on CUDA):
+
+* device: torchtitan picks ``"cuda"`` where no accelerator exists; ``examples.titan.launch`` sets its device type
+  to ``"cpu"`` (gloo process groups) with a CPU device module (no memory statistics);
+* attention: causal SDPA for flex (no flex backward on the CPU): the configs' ``--moe_quant.attention auto``;
+* gradient reduce-scatter: ``set_force_sum_reduction_for_comms(True)`` on gloo (no ``PREMUL_SUM``), in the
+  configs' ``parallelize_fn`` (``examples/titan/parallelize.py``), exact for torchtitan's divide factor 1.0;
+* the optimizer: torchtitan's default ``fused`` AdamW runs on the CPU as it is (nothing substituted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from repo_subprocess import run_python
+from titan_checks import NEEDS_GLOO, SAVE_AT, STEPS, assert_all_passed, run_checks
+
+pytestmark = NEEDS_GLOO
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    return run_checks(tmp_path_factory.mktemp("titan_checks"), "--variants", "mxfp8", "--checks", "resume,mismatch",
+                      "--mismatch", "scale_mode=floor")
+
+
+def test_every_check_passes(checks):
+    assert_all_passed(checks, [("mismatch", "mxfp8"), ("resume", "mxfp8")])
+
+
+def test_resumed_job_equals_the_uninterrupted_one_bit_for_bit(checks):
+    c = checks["by"][("resume", "mxfp8")]
+    ref, resumed = c["reference"], c["resumed"]
+    for rank in ("0", "1"):
+        want = {int(s): v for s, v in ref[rank].items()}
+        got = {int(s): v for s, v in resumed[rank].items()}
+        assert sorted(want) == list(range(1, STEPS + 1)) and sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
+        assert all(got[s] == want[s] for s in got), (got, want)
+        assert len(set(want.values())) == STEPS  # the steps trained (every loss differs)
+    assert ref["0"] == ref["1"]  # torchtitan logs the global average loss on every rank
+
+
+def test_the_trainer_built_moe_quant_behind_fsdp_and_ep(checks):
+    """What the reference job built (``setup/rank<r>.json``) and logged (``metrics/rank<r>.jsonl``)."""
+    out = checks["out"]
+    for rank in (0, 1):
+        setup = json.loads((out / "ref_mxfp8_eager" / "setup" / f"rank{rank}.json").read_text())
+        assert setup["experts_converted"] == [True] and setup["dispatchers"] == ["TitanMXFP8TokenDispatcher"]
+        assert setup["ep_sizes"] == [2] and setup["dispatcher_settings"][0]["wire"] == "mxfp8"
+        assert setup["fsdp_modules"] >= 4 and setup["force_sum_modules"] == setup["fsdp_modules"]
+        assert setup["attention"] == ["ScaledDotProductAttention"] and "cpu device" in setup["launcher_shims"]
+        rows = [json.loads(line) for line in (out / "ref_mxfp8_eager" / "metrics" / f"rank{rank}.jsonl").open()]
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+        assert all(r["moe_quant/fallbacks"] == 0 and math.isfinite(r["loss_metrics/global_avg_loss"]) for r in rows)
+
+
+def test_ranks_with_another_scale_mode_all_raise_the_same_error(checks):
+    c = checks["by"][("mismatch", "mxfp8")]
+    assert all(rc not in (0, None) for rc in c["exit_codes"]), c
+    (message,) = {m[0] for m in c["messages"]}
+    assert message.startswith("EP ranks disagree on scale mode (rank(s) [0]: 'rceil'; rank(s) [1]: 'floor')")
+    assert max(c["seconds"]) < 240 and not any(c["hang_words"]), c
+
+
+# -- the pieces, in-process ------------------------------------------------------------------------------------
+
+
+def test_affine_stream_is_the_same_for_any_rank_count():
+    """Rank r of W at batch k holds sequences (k W + r) B ..: the global batch of step k is the stream's next W B
+    sequences for any W, every sequence follows its recurrence, and the state a checkpoint keeps is k."""
+    from examples.titan.data import AffineDataLoader, AffineTokenizer, affine_sequences
+
+    tok = AffineTokenizer.Config(vocab_size=97).build(tokenizer_path="")
+    assert tok.decode(tok.encode("3 5 96")) == "3 5 96" and tok.get_vocab_size() == 97
+
+    def loader(world, rank, batch):
+        return AffineDataLoader.Config(seed=3).build(dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=16,
+                                                     local_batch_size=batch)
+
+    one = iter(loader(1, 0, 4))
+    two = [iter(loader(2, r, 2)) for r in range(2)]
+    for _ in range(3):
+        (x1, y1), parts = next(one), [next(it) for it in two]
+        assert torch.equal(x1["input"], torch.cat([p[0]["input"] for p in parts]))
+        assert torch.equal(y1, torch.cat([p[1] for p in parts]))
+        assert torch.equal(x1["input"][:, 1:], y1[:, :-1])
+        assert torch.equal(x1["positions"][0], torch.arange(16))
+    seqs = affine_sequences(0, 8, 20, 97, 3)
+    for s in seqs.tolist():  # every sequence: x[t+1] = (a x[t] + b) mod vocab for one (a, b)
+        assert any(all((a * s[t] + b) % 97 == s[t + 1] for t in range(19)) for a in range(1, 8) for b in range(8)), s
+    assert len({tuple(s) for s in seqs.tolist()}) == 8
+
+    dl = loader(2, 1, 2)
+    it = iter(dl)
+    next(it), next(it)
+    state = dl.state_dict()
+    assert state == {"dp_rank_1": 2, "world_size": 2}
+    fresh = loader(2, 1, 2)
+    fresh.load_state_dict(state)
+    assert torch.equal(next(iter(fresh))[1], next(it)[1])
+    with pytest.raises(ValueError, match="written by 2 data-parallel ranks, this job has 4"):
+        loader(4, 1, 2).load_state_dict({"dp_rank_1": 2, "world_size": 2})
+    with pytest.raises(ValueError, match="dp_rank must be in"):
+        loader(2, 2, 2)
+
+
+def test_config_functions_and_the_moe_quant_section(monkeypatch, capsys):
+    """torchtitan's ConfigManager (what ``--module/--config`` and the command line go through)."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from moe_quant.ep.titan import dispatcher_config_class
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def parse(name, *args):
+        return ConfigManager().parse_args(["--module", "examples.titan.config_registry", "--config", name, *args])
+
+    def routed(cfg):
+        return [c for _, c, _, _ in cfg.model_spec.model.traverse(RoutedExperts.Config)]
+
+    bf16 = parse("deepseek_v3_16b_bf16")
+    assert bf16.parallelism.expert_parallel_degree == 2 and bf16.parallelism.data_parallel_shard_degree == -1
+    assert bf16.training.local_batch_size * bf16.training.seq_len == 16384 and bf16.training.steps == 100
+    assert (bf16.training.mixed_precision_param, bf16.training.mixed_precision_reduce) == ("bfloat16", "float32")
+    assert len(bf16.model_spec.model.layers) == 4 and bf16.model_spec.model.mtp_layers == []
+    assert all(type(r.inner_experts) is GroupedExperts.Config and type(r.token_dispatcher) is
+               AllToAllTokenDispatcher.Config for r in routed(bf16))
+    conv = parse("deepseek_v3_16b_converted", "--moe_quant.layers", "3", "--parallelism.expert_parallel_degree", "4")
+    assert len(conv.model_spec.model.layers) == 3 and len(routed(conv)) == 2
+    assert all(type(r.inner_experts)._mxfp8_parent is GroupedExperts.Config and type(r.token_dispatcher) is
+               AllToAllTokenDispatcher.Config for r in routed(conv))
+    free = parse("deepseek_v3_debug_mxfp8_sync_free", "--training.seq_len", "64")
+    (d,) = [r.token_dispatcher for r in routed(free)]
+    assert type(d) is dispatcher_config_class() and (d.capacity_factor, d.max_tokens) == (2.0, 2 * 64)
+    assert parse("deepseek_v3_debug_mxfp8", "--moe_quant.variant", "bf16").moe_quant.variant == "bf16"
+    with pytest.raises(SystemExit):  # tyro reports the config's ValueError and exits
+        parse("deepseek_v3_16b_mxfp8", "--moe_quant.layers", "28")
+    err = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro's box, wrapped
+    assert "moe_quant.layers must be in [1, 27] for 16B, got 28" in err
+
+
+def test_launcher_shims_only_where_torch_lacks_them(monkeypatch):
+    import torch.distributed.distributed_c10d as c10d
+
+    from examples.titan import launch
+
+    monkeypatch.delattr(dist, "set_timeout", raising=False)
+    assert launch.provide_set_timeout() == ["torch.distributed.set_timeout"]
+    assert dist.set_timeout is c10d._set_pg_timeout and launch.provide_set_timeout() == []
+    monkeypatch.delattr(torch.compiler, "_is_non_strict_tracing", raising=False)
+    assert launch.provide_is_non_strict_tracing() == ["torch.compiler._is_non_strict_tracing"]
+    assert torch.compiler._is_non_strict_tracing() is False and launch.provide_is_non_strict_tracing() == []
+
+
+def test_cpu_device_reaches_every_torchtitan_module():
+    """In a fresh process: after ``use_cpu_device`` every torchtitan module that copied the device type or
+    module at import (before or after the call) holds the CPU ones."""
+    script = (
+        "import os; os.environ['LOCAL_RANK'] = '0'\n"
+        "import torchtitan.distributed.parallel_dims as before\n"
+        "from examples.titan import launch\n"
+        "launch.stub_missing_fsdp_names(); launch.use_cpu_device()\n"
+        "import torchtitan.components.metrics as m, torchtitan.tools.profiler as p, torchtitan.tools.utils as u\n"
+        "import torchtitan.distributed.utils as d\n"
+        "print(before.device_type, m.device_type, d.device_type, u.device_type, m.device_module is u.device_module,"
+        " p.device_module is u.device_module, u.get_local_device())\n"
+    )
+    proc = run_python("-c", script, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "cpu cpu cpu cpu True True cpu:0", proc.stdout
+
+
+def test_a2a_legs_follow_the_kernel_order(tmp_path):
+    """The bench attributes a step's all-to-all kernels to legs by their order: per MoE layer forward counts,
+    dispatch, combine; backward combine, dispatch; anything else is reported unattributed."""
+    import gzip
+
+    from examples.titan.bench import a2a_legs
+
+    names = ["counts", "dispatch", "combine"] * 2 + ["combine backward", "dispatch backward"] * 2
+    events = [{"cat": "kernel", "name": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "ts": i,
+               "dur": 1000.0 * (i + 1)} for i in range(len(names))]
+    events += [{"cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 3.5, "dur": 5.0},
+               {"cat": "cpu_op", "name": "SendRecv", "ts": 0, "dur": 9.0}]
+    path = tmp_path / "rank0_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    res = a2a_legs(str(path), moe_layers=2)
+    assert res["attributed"] and res["legs_ms"] == {"counts": [1.0, 4.0], "dispatch": [2.0, 5.0], "combine": [3.0, 6.0],
+                                                    "combine backward": [7.0, 9.0], "dispatch backward": [8.0, 10.0]}
+    assert a2a_legs(str(path), moe_layers=3)["attributed"] is False
+
+
+def test_script_arguments_are_checked(capsys):
+    from examples.titan import bench, checks
+
+    for mod, argv, message in ((checks, ["--out", "x", "--save-at", "3", "--kill-at", "3"], "--kill-at"),
+                               (checks, ["--out", "x", "--variants", "fp4"], "--variants"),
+                               (checks, ["--out", "x", "--mismatch", "top_k=2"], "--mismatch"),
+                               (bench, ["--out", "x", "--modes", "fast"], "--modes"),
+                               (bench, ["--out", "x", "--steps", "5", "--warmup", "3"], "--warmup")):
+        with pytest.raises(SystemExit) as exc:
+            mod.parse_args(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, (argv, message)
+
+
+
+def test_a_job_past_its_timeout_is_killed_with_its_children(tmp_path):
+    """A job is killed at its timeout with everything it started (torchrun's ranks), and it stays in the
+    caller's session (a time limit that ends the session ends the job too)."""
+    from examples.titan import runs
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import os, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "print(os.getsid(0), flush=True)\n"
+              "time.sleep(120)\n")
+    job = runs.run([sys.executable, "-c", script], str(tmp_path / "job.log"), timeout=10)
+    assert job.rc is None and job.seconds < 60
+    assert int((tmp_path / "job.log").read_text().split()[0]) == os.getsid(0)
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the job's child {child} outlived the job's timeout")
