@@ -147,6 +147,10 @@ def _titan_block(base: MoE, device, world: int, rank: int):
     dispatcher's forward exchanges inside ``moe_quant.ep::`` profiler ranges; returns ``step_fn(x, grad)``
     that routes with ``base``'s router (the routing every row uses)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from examples.titan.launch import provide_missing_torch_names
+
+    provide_missing_torch_names()  # torchtitan 0.3.0 on a released torch (2.11: its dispatcher calls a missing name)
     from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher

@@ -69,6 +69,12 @@ def provide_is_non_strict_tracing() -> list[str]:
     return ["torch.compiler._is_non_strict_tracing"]
 
 
+def provide_missing_torch_names() -> list[str]:
+    """Every stand-in above that this torch needs (the torch-level ones; not the CPU device): what a process that
+    imports torchtitan 0.3.0 on a released torch runs first. Returns the names it put in place."""
+    return stub_missing_fsdp_names() + provide_set_timeout() + provide_is_non_strict_tracing()
+
+
 def _cpu_device_module() -> types.SimpleNamespace:
     """``torch.cpu`` with the CUDA-module functions torchtitan calls (device 0, no memory statistics)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -103,7 +109,7 @@ def has_accelerator() -> bool:
 
 
 def main() -> None:
-    applied = stub_missing_fsdp_names() + provide_set_timeout() + provide_is_non_strict_tracing()
+    applied = provide_missing_torch_names()
     if not has_accelerator():
         use_cpu_device()
         applied.append("cpu device")

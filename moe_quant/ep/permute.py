@@ -104,7 +104,7 @@ def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.d
     ``dequantize_blocks``), where the reference is several elementwise passes over fp32 copies; the
     reference elsewhere. ``data (M, K)`` e4m3, ``scales (M, K / 32)`` e8m0 bytes, both contiguous."""
     if backends.use_quant_kernels(data):
-        from ..kernels import ops_permute
+        from ..kernels.permute import ops as ops_permute
 
         counts = torch.full((1, 1), data.shape[0], dtype=torch.int32, device=data.device)
         return ops_permute.permute_mxfp8(data.contiguous(), scales.contiguous(), counts, "dequant", out_dtype)[0]
