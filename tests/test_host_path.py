@@ -92,7 +92,8 @@ def fresh_decisions(monkeypatch):
     monkeypatch.setattr(backends, "_RESOLVED", {})
     monkeypatch.setattr(backends, "_KERNELS_ON", {})
     caps = {0: (9, 0), 1: (10, 0), 2: (8, 0)}
-    monkeypatch.setattr(backends, "_capability", lambda i: caps[i])
+    monkeypatch.setattr(backends, "_CAPABILITY", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: caps[i])
     monkeypatch.setattr(backends, "cutedsl_importable", lambda: True)
     current = [0]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
