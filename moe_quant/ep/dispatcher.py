@@ -101,7 +101,7 @@ class MXFP8TokenDispatcher:
     host read). torchtitan's graph passes (its graph_trainer experiment) do not tag them here: they wrap
     torchtitan's own class attributes, which this class does not inherit, and expect bare tagged
     all-to-all nodes, while the token exchanges here run inside the differentiable legs of
-    :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute); the README's torchtitan section says
+    :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute); docs/torchtitan.md ("torchtitan's graph passes") says
     what that means for them.
     """
 
