@@ -101,8 +101,8 @@ class MXFP8TokenDispatcher:
     host read). torchtitan's graph passes (its graph_trainer experiment) do not tag them here: they wrap
     torchtitan's own class attributes, which this class does not inherit, and expect bare tagged
     all-to-all nodes, while the token exchanges here run inside the differentiable legs of
-    :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute); docs/torchtitan.md ("torchtitan's graph passes") says
-    what that means for them.
+    :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute); docs/torchtitan.md ("torchtitan's graph
+    passes") says what that means for them.
     """
 
     def __init__(self, num_experts: int, top_k: int, *, group=None, wire: Wire | str = Wire.MXFP8,
