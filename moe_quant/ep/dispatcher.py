@@ -347,9 +347,7 @@ class MXFP8TokenDispatcher:
                 x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E, ranges)
             ex = capacity.SlotExchange(self.group, wire=self.wire, mode=self.scale_mode, world=self.ep_size,
                                        ranges=ranges, plans=plans, receives=receives, rows=token_idx.shape[0])
-            y = pipeline.run_ranges(ex, x_sorted, runners)
-            if self.overflow == "error":  # NaN at the next host read: never a silently wrong step
-                y = torch.where(total_dropped > 0, float("nan"), y)
+            y = self._poisoned_if_dropped(pipeline.run_ranges(ex, x_sorted, runners), total_dropped)
         else:
             x_sorted, token_idx, scores_sorted, quantized, counts, recv = self._synced_exchange(
                 x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
@@ -428,6 +426,13 @@ class MXFP8TokenDispatcher:
         receives = [capacity.plan_receive(recv[:, lo:hi], plan[3]) for (lo, hi), plan in zip(ranges, plans)]
         return x_sorted, token_idx, scores_sorted, plans, receives, total_dropped
 
+    def _poisoned_if_dropped(self, y: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+        """Sync-free combine output: NaN where rows were dropped and ``overflow="error"`` (seen at the next host
+        read: never a silently wrong step), else ``y``."""
+        if self.overflow == "error":
+            return torch.where(dropped > 0, float("nan"), y)
+        return y
+
     def _counter(self, device) -> torch.Tensor:
         """``dropped_rows`` on ``device`` (made on first use)."""
         device = torch.device(device)
@@ -465,9 +470,7 @@ class MXFP8TokenDispatcher:
         v.check_shape("routed_output", routed_output, (rows, x_TD.shape[1]), "(rows dispatch returned, D)")
         route = metadata.route
         if isinstance(route, capacity.CapacityRoute):
-            y = capacity.combine_rows(routed_output, route)
-            if self.overflow == "error":  # NaN at the next host read: never a silently wrong step
-                y = torch.where(route.dropped > 0, float("nan"), y)
+            y = self._poisoned_if_dropped(capacity.combine_rows(routed_output, route), route.dropped)
         elif isinstance(route, blocks.BlockExchange):
             y = pipeline.gather(route, [pipeline.send_back(routed_output, route, 0)], routed_output)
         else:
