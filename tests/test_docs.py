@@ -189,15 +189,11 @@ def parse_titan(args: list[str], monkeypatch) -> None:
     """Parse a ``torchtitan.train`` command line as the trainer does (its ConfigManager loads ``--config`` from
     ``--module`` and tyro parses the rest; SystemExit on an argument it rejects), after the stand-ins the
     launcher puts in place where this torch lacks a name torchtitan 0.3.0 uses (undone after the test)."""
-    import torch
-
     from examples.titan import launch
 
-    names = {"torch.distributed.fsdp.DataParallelMeshDims": (torch.distributed.fsdp, "DataParallelMeshDims"),
-             "torch.distributed.set_timeout": (torch.distributed, "set_timeout"),
-             "torch.compiler._is_non_strict_tracing": (torch.compiler, "_is_non_strict_tracing")}
-    for applied in launch.provide_missing_torch_names():
-        module, name = names[applied]
+    for applied in launch.provide_missing_torch_names():  # dotted names, e.g. "torch.distributed.set_timeout"
+        module_name, _, name = applied.rpartition(".")
+        module = importlib.import_module(module_name)
         value = getattr(module, name)
         delattr(module, name)
         monkeypatch.setattr(module, name, value, raising=False)  # undone: deleted again
