@@ -47,6 +47,10 @@ def test_bench_ep_runs_every_row_on_two_gloo_ranks(tmp_path):
         mx = r["settings"].get("wire") == "mxfp8"
         assert r["wire"]["dispatch"]["bytes"] == rows_sent * ((d + d // 32) if mx else 2 * d), (name, r["wire"])
         assert r["wire"]["combine"]["bytes"] == r["wire"]["combine"]["rows"] * 2 * d, (name, r["wire"])
+        # the backward legs mirror the forward ones: the gradient of the expert output on the dispatch's wire,
+        # the input gradient in bf16
+        assert r["wire"]["combine backward"] == r["wire"]["dispatch"], (name, r["wire"])
+        assert r["wire"]["dispatch backward"] == r["wire"]["combine"], (name, r["wire"])
     assert [p["wire"] for p in record["legs_alone"]] == ["bf16"] * 3 + ["mxfp8"] * 3
     for p in record["legs_alone"]:
         assert p["bytes_to_others"] == p["bytes"] // 2 and p["ms"] > 0
@@ -96,6 +100,39 @@ def test_fit_gives_the_model_back_and_predicts_every_point():
             assert info["compute_ms"] == pytest.approx(compute, rel=1e-6)
             assert max(abs(e) for e in info["error"].values()) < 1e-6
     assert model["ok"]
+
+
+def test_wire_log_records_legs_sent_from_other_threads():
+    """On CUDA autograd runs the backward legs on its device threads: the log must see them."""
+    import threading
+
+    from moe_quant.ep import WireLog
+
+    with WireLog() as log:
+        WireLog.record_rows("dispatch", 3, 30)
+        t = threading.Thread(target=WireLog.record_rows, args=("combine backward", 5, 50))
+        t.start()
+        t.join()
+    WireLog.record_rows("dispatch", 7, 70)  # after the scope: not recorded
+    assert log.by_leg("dispatch") == (3, 30)
+    assert log.by_leg("combine backward") == (5, 50)
+
+
+def test_fit_takes_compute_from_the_fastest_transport_and_predicts_the_others():
+    records = _records()
+    off = copy.deepcopy(records["nvlink"])
+    off["rows"][2]["ms"] += 2.0  # conv_mxfp8 on NVLink: 2 ms more compute than the other transports show
+    records["nvlink"] = off
+    model = ep_wire_fit.fit(records)
+    assert model["compute_from"] == "nvlink"  # the highest fitted bandwidth
+    assert model["rows"]["conv_mxfp8"]["compute_ms"] == pytest.approx(21.6 + 2.0, rel=1e-9)
+    assert model["rows"]["conv_mxfp8"]["error"]["nvlink"] == pytest.approx(0.0, abs=1e-9)
+    assert model["rows"]["conv_mxfp8"]["error"]["shm"] > 0.01  # shm and socket predicted 2 ms too slow
+    by_socket = ep_wire_fit.fit(records, compute_from="socket")
+    assert by_socket["rows"]["conv_mxfp8"]["compute_ms"] == pytest.approx(21.6, rel=1e-9)
+    assert by_socket["rows"]["conv_mxfp8"]["error"]["nvlink"] < -0.01
+    with pytest.raises(ValueError, match="compute_from must be one of"):
+        ep_wire_fit.fit(records, compute_from="ib")
 
 
 def test_fit_flags_a_point_it_cannot_predict():

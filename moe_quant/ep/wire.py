@@ -50,20 +50,24 @@ class WireRecord:
 
 
 class WireLog(contextlib.AbstractContextManager):
-    """Records every all-to-all of the EP legs in this process while active (``with WireLog() as log``)."""
+    """Records every all-to-all of the EP legs in this process while active (``with WireLog() as log``), from
+    every thread: on CUDA the backward legs run on autograd's device threads, not the one that entered."""
 
-    _active = threading.local()
+    _log: "WireLog | None" = None  # the active log, process-wide
+    _lock = threading.Lock()
 
     def __init__(self):
         self.records: list[WireRecord] = []
 
     def __enter__(self):
-        self._prev = getattr(WireLog._active, "log", None)
-        WireLog._active.log = self
+        with WireLog._lock:
+            self._prev = WireLog._log
+            WireLog._log = self
         return self
 
     def __exit__(self, *exc):
-        WireLog._active.log = self._prev
+        with WireLog._lock:
+            WireLog._log = self._prev
         return False
 
     def by_leg(self, leg: str) -> tuple[int, int]:
@@ -78,7 +82,7 @@ class WireLog(contextlib.AbstractContextManager):
     @classmethod
     def record_rows(cls, leg: str, rows: int, nbytes: int) -> None:
         """Record that ``leg`` handed ``rows`` rows of ``nbytes`` bytes in all to the transport."""
-        log = getattr(cls._active, "log", None)
+        log = WireLog._log
         if log is not None:
             log.records.append(WireRecord(leg, rows, nbytes))
 
