@@ -1,6 +1,6 @@
 """A/B of the 32x1 and permute kernel candidates (``CANDIDATES`` in ``quantize_32x1.config`` / ``permute.config``), one process.
 
-    python scripts/ab_kernels.py [--family q32x1,perm] [--rounds 5] [--json PATH]
+    python scripts/ab_kernels.py [--family q32x1,perm,perm-dequant] [--rounds 5] [--json PATH]
 
 For each candidate: first byte-exact against the reference (every output byte, padding included: outputs
 are filled with 0xFF before the launch) on ragged, empty and garbage-offset cases; then timed through the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -114,14 +115,15 @@ def q32_cases():
 # ----------------------------------------------------------------------------- permute
 
 
-def perm_family():
+def perm_family(out: str = "blocked"):
     from moe_quant.kernels.permute import config as config_permute
 
-    variants = {name: config_permute.Variant("blocked", **kw) for name, kw in config_permute.CANDIDATES.items()}
-    return {"blocked": (variants, ("perm", "blocked", "float8_e4m3fn", torch.cuda.current_device()))}
+    dtype = "bfloat16" if out == "dequant" else "float8_e4m3fn"
+    variants = {name: config_permute.Variant(out, dtype, **kw) for name, kw in config_permute.CANDIDATES.items()}
+    return {out: (variants, ("perm", out, dtype, torch.cuda.current_device()))}
 
 
-def perm_check() -> bool:
+def perm_check(out: str = "blocked") -> bool:
     from mx_strategies import make_values
 
     from moe_quant import to_mxfp8
@@ -139,25 +141,28 @@ def perm_check() -> bool:
         data, scales = to_mxfp8(make_values((m, k), "normal", m + k))
         c = torch.tensor(counts, dtype=torch.int64).clamp(-(2**31), 2**31 - 1).to(torch.int32)
         c = c.reshape(len(counts), -1)
-        got = ops_permute.permute_mxfp8(data.cuda(), scales.cuda(), c.cuda(), "blocked")
-        want = reference_permute_received(data, scales, c, out="blocked")
+        got = ops_permute.permute_mxfp8(data.cuda(), scales.cuda(), c.cuda(), out)
+        want = reference_permute_received(data, scales, c, out=out)
         ok &= len(got) == len(want) and all(same_bytes(a, b) for a, b in zip(got, want))
     return ok
 
 
-def perm_cases():
+def perm_cases(out: str = "blocked"):
     from benchmarks.bench_permute import permute_bytes, ragged_counts, received_rows
     from moe_quant.kernels.permute import ops as ops_permute
 
     for m, k in PERM_SHAPES:
         counts = ragged_counts(m, k, 8, 8)
-        yield ((m, k), permute_bytes(m, k, 8, "blocked"), lambda m=m, k=k: received_rows(m, k),
-               lambda d, s, counts=counts: ops_permute.permute_mxfp8(d, s, counts, "blocked"))
+        yield ((m, k), permute_bytes(m, k, 8, out), lambda m=m, k=k: received_rows(m, k),
+               lambda d, s, counts=counts: ops_permute.permute_mxfp8(d, s, counts, out))
 
 
 FAMILIES = {
     "q32x1": (q32_family, q32_check, q32_cases, "kgroups", [Q32_TARGET]),
     "perm": (perm_family, perm_check, perm_cases, "blocked", PERM_TARGETS),
+    # the same candidates writing the dequantized bf16 rows (Hopper's operand)
+    "perm-dequant": (functools.partial(perm_family, "dequant"), functools.partial(perm_check, "dequant"),
+                     functools.partial(perm_cases, "dequant"), "dequant", PERM_TARGETS),
 }
 
 

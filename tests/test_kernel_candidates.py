@@ -37,7 +37,9 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=32),
     lambda: config_permute.Variant("blocked", threads=100),
     lambda: config_permute.Variant("blocked", iters=0),
-    lambda: config_permute.Variant("blocked", order="rows"),
+    lambda: config_permute.Variant("blocked", order="sorted"),
+    lambda: config_permute.Variant("blocked", order="rows", iters=9),  # rows holds iters chunks per lane
+    lambda: config_permute.Variant("blocked", order="rows", staging="smem"),
     lambda: config_permute.Variant("blocked", order="gather", staging="smem"),  # gather has no smem staging
     lambda: config_permute.Variant("blocked", staging="tmem"),
     lambda: config_permute.Variant("blocked", staging="smem", iters=8),  # past the 24 KB stage

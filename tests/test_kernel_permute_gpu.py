@@ -1,5 +1,5 @@
 """GPU: the received-rows permutation kernel byte-exact against the reference, outputs poisoned first; the
-default and every A/B candidate (``config_permute.CANDIDATES``: gather and scatter orders, register and
+default and every A/B candidate (``config_permute.CANDIDATES``: gather, scatter and rows orders, register and
 shared-memory staging), each for every output kind."""
 
 import pytest
@@ -64,7 +64,7 @@ def test_matches_reference(cand, rc, k, dist, seed, raw):
 
 
 @pytest.mark.parametrize("cand", CANDIDATES)
-@given(r=st.integers(1, 32), e=st.integers(1, 32), m=st.integers(1, 3000), k=st.sampled_from([32, 224, 1056]),
+@given(r=st.integers(1, 32), e=st.integers(1, 32), m=st.integers(1, 3000), k=st.sampled_from([32, 224, 1056, 4128]),
        seed=st.integers(0, 2**31 - 1), zeros=st.floats(0, 1), bad=st.booleans())
 def test_many_blocks_and_garbage_counts(cand, r, e, m, k, seed, zeros, bad):
     """Up to 1024 blocks (the table's limit), a share of them empty; with ``bad``, negative, huge and

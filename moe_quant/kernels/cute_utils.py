@@ -436,6 +436,15 @@ def store_blocked_scale(scales, r: Int32, c: Int32, kb: Int32, nc: Int32, s: Int
                 st_global_u8(sp + (dest + j), 0)
 
 
+def e4m3_has_nan(words):
+    """Whether any byte of the packed e4m3 words is a NaN (0x7F or 0xFF): a byte's magnitude plus one reaches
+    bit 7 only from 0x7F, and no carry crosses into the next byte."""
+    acc = Int32(0)
+    for w in words:
+        acc = acc | ((Int32(w) & 0x7F7F7F7F) + 0x01010101)
+    return (acc & Int32(-0x7F7F7F80)) != 0  # 0x80808080
+
+
 def canonical_nan_words(words, f32: bool) -> list:
     """Output words of a dequantization with every NaN element replaced by the canonical positive NaN
     (bf16 0x7FC0, fp32 0x7FC00000), as :func:`moe_quant.numerics.dequantize_blocks` writes it: a NaN e4m3

@@ -19,7 +19,10 @@ OUTS = ("dequant", "blocked", "plain")
 # loaded from the source row the group table gives (the loads wait for the table); "scatter" -- consecutive
 # source chunks, loaded first (no table needed), stored to the destination row the table gives (the table is
 # built while the loads are in flight).
-ORDERS = ("gather", "scatter")
+# "rows" -- scatter by rows: each warp loads one source row's segment of 32 x iters consecutive chunks (lane l: chunks
+# l, l + 32, ...), so the row's destination (one table search) and its address math are done once per warp row
+# segment instead of once per chunk.
+ORDERS = ("gather", "scatter", "rows")
 # Where scatter holds its loaded chunks while the table is built: "registers" (16 bytes each), or "smem" (each
 # thread's chunks copied by cp.async into shared memory, no register held: fewer registers, more CTAs per SM).
 STAGINGS = ("registers", "smem")
@@ -68,6 +71,8 @@ class Variant:
             raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
         if self.staging != "registers" and self.order != "scatter":
             raise ValueError(f"staging={self.staging!r} is for order='scatter', got order={self.order!r}")
+        if self.order == "rows" and self.iters > 8:
+            raise ValueError(f"order='rows' loads iters chunks per lane before storing: iters <= 8, got {self.iters}")
         if self.staging == "smem" and self.threads * self.iters * CHUNK > MAX_STAGE_BYTES:
             raise ValueError(f"staging='smem' holds threads * iters * {CHUNK} bytes, at most {MAX_STAGE_BYTES}: "
                              f"got threads={self.threads}, iters={self.iters}")
@@ -105,6 +110,10 @@ CANDIDATES = {
     "scatter t256i4 smem": {"staging": "smem"},
     # the default until 2026-11-25 (77.7% above): 48 registers, 24 KB -> 5 CTAs per SM
     "gather t256i4": {"order": "gather", "staging": "registers"},
+    # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks per lane
+    "rows t256i4": {"order": "rows"},
+    # the same with 16 rows per CTA: half the table builds per byte
+    "rows t512i4": {"order": "rows", "threads": 512},
 }
 
 

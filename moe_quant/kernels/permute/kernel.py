@@ -24,8 +24,15 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
     The loaded chunks wait in registers (``staging="registers"``) or, copied by ``cp.async``, in shared
     memory (``"smem"``: no register held, so fewer registers and more CTAs per SM).
 
+  - ``rows``: scatter by source rows. Warp ``w`` of CTA ``b`` takes source row ``(b // S) * warps + w``,
+    segment ``b % S`` of its ``S`` segments of ``32 * iters`` chunks (lane ``l``: chunks ``l, l + 32, ...`` of
+    the segment: each load a warp's 512 consecutive bytes). As scatter, the loads go first and the table is
+    built while they are in flight; then one search per warp row (not per chunk) gives the destination row,
+    and the row's addresses are computed once for its ``iters`` chunks.
+
   Output rows past the total ``T`` are zero.
-* ``dequant`` writes ``fp32(q) * 2**(s-127)`` rounded to bf16 (or fp32), canonical NaN; ``plain`` the fp8
+* ``dequant`` writes ``fp32(q) * 2**(s-127)`` rounded to bf16 (or fp32), canonical NaN (the NaN handling runs
+  only for a chunk with a NaN byte or a NaN scale: a finite byte under a finite scale gives no NaN); ``plain`` the fp8
   chunk and its scale byte; ``blocked`` the fp8 chunk and the scale at its M-groups blocked byte, the
   row's last scale also zeroing the pad columns, and extra CTAs (one per 128-row tile of the scale buffer;
   gather: at the front of the grid, scatter: after the data CTAs) zero every other byte that holds no real
@@ -61,7 +68,8 @@ class PermuteMxfp8Kernel:
         self.blocked = variant.out == "blocked"
         self.threads = variant.threads
         self.iters = variant.iters
-        self.scatter = variant.order == "scatter"
+        self.rows = variant.order == "rows"
+        self.scatter = variant.order in ("scatter", "rows")  # loads before the table, searched by source row
         self.smem_staging = variant.staging == "smem"
         # Scatter builds the table while its loads are in flight: its scans are not unrolled (fewer registers
         # live next to the loaded chunks; their latency hides behind the loads). Gather keeps the compiler's.
@@ -79,6 +87,12 @@ class PermuteMxfp8Kernel:
         n_chunks = Int64(m) * Int64(k) // CHUNK
         per_cta = self.threads * self.iters
         n_data = Int32((n_chunks + (per_cta - 1)) // per_cta)
+        n_seg = Int32(1)
+        if cutlass.const_expr(self.rows):  # a CTA per (tile of `warps` rows, segment of 32 * iters chunks)
+            seg_chunks = 32 * self.iters
+            n_seg = Int32((k // CHUNK + (seg_chunks - 1)) // seg_chunks)
+            warps = self.threads // 32
+            n_data = Int32((m + (warps - 1)) // warps) * n_seg
         n_data = cutlass.max(n_data, Int32(1))  # one CTA writes offs even with no rows
         n_pad = Int32(0)
         buf_rows = Int32(0)
@@ -87,7 +101,7 @@ class PermuteMxfp8Kernel:
             n_pad = (buf_rows + (TILE_ROWS - 1)) // TILE_ROWS
         self.kernel(
             data, scales, counts, out, out_scales, offs, Int32(m), Int32(k), Int32(kb), Int32(nc),
-            Int32(counts.shape[0]), Int32(counts.shape[1]), n_chunks, n_pad, buf_rows, n_data,
+            Int32(counts.shape[0]), Int32(counts.shape[1]), n_chunks, n_pad, buf_rows, n_data, n_seg,
         ).launch(grid=[n_pad + n_data, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device
@@ -95,7 +109,7 @@ class PermuteMxfp8Kernel:
     @cute.kernel
     def kernel(self, data: cute.Tensor, scales: cute.Tensor, counts: cute.Tensor, out: cute.Tensor, out_scales,
                offs: cute.Tensor, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32, n_experts: Int32,
-               n_chunks: Int64, n_pad: Int32, buf_rows: Int32, n_data: Int32):
+               n_chunks: Int64, n_pad: Int32, buf_rows: Int32, n_data: Int32, n_seg: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
@@ -121,7 +135,12 @@ class PermuteMxfp8Kernel:
             stage = None
             if cutlass.const_expr(self.smem_staging):
                 stage = cute.arch.alloc_smem(Int32, self.threads * self.iters * CHUNK_WORDS, alignment=16)
-            words, sbytes = self.load_src_chunks(data, scales, n_chunks, bid, tid, stage)
+            row = Int32(0)
+            cols = None
+            if cutlass.const_expr(self.rows):
+                words, sbytes, row, cols = self.load_row_chunks(data, scales, m, k, kb, n_seg, bid, tid)
+            else:
+                words, sbytes = self.load_src_chunks(data, scales, n_chunks, bid, tid, stage)
             self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == 0, tables)
             if cutlass.const_expr(self.smem_staging):
                 cute.arch.cp_async_wait_group(0)  # this thread's own copies (every CTA: none left in flight)
@@ -130,11 +149,11 @@ class PermuteMxfp8Kernel:
                 if bid >= n_data:
                     self.pad_tile(out_scales, nc, (bid - n_data) * TILE_ROWS, n_experts, buf_rows, tid, tables)
                 else:
-                    self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
-                                      sbytes, tables)
+                    self.store_tile(out, out_scales, m, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
+                                    sbytes, row, cols, tables)
             else:
-                self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
-                                  sbytes, tables)
+                self.store_tile(out, out_scales, m, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
+                                sbytes, row, cols, tables)
         else:
             # Pad CTAs first, then the data CTAs; the table before any load.
             self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == n_pad, tables)
@@ -333,6 +352,67 @@ class PermuteMxfp8Kernel:
         return words, sbytes
 
     @cute.jit
+    def store_tile(self, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_experts: Int32,
+                   n_blocks: Int32, n_chunks: Int64, bid: Int32, tid: Int32, words, sbytes, row: Int32, cols,
+                   tables):
+        """The store half of ``scatter`` (``cols`` None) or ``rows``."""
+        if cutlass.const_expr(self.rows):
+            self.rows_tile(out, out_scales, m, k, kb, nc, n_experts, n_blocks, row, cols, words, sbytes, tables)
+        else:
+            self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words, sbytes,
+                              tables)
+
+    @cute.jit
+    def load_row_chunks(self, data, scales, m: Int32, k: Int32, kb: Int32, n_seg: Int32, bid: Int32, tid: Int32):
+        """Rows: issue the loads of this lane's ``iters`` chunks of its warp's source row segment (no table
+        needed). Returns the words, the scale bytes, the row and the chunk columns (``-1``: no chunk; its load
+        reads chunk 0, unused)."""
+        warps = self.threads // 32
+        tile = bid // n_seg
+        seg = bid - tile * n_seg
+        row = tile * warps + tid // 32
+        kc = k // CHUNK
+        c0 = seg * (32 * self.iters) + tid % 32
+        row_ok = row < m
+        safe_row = Int32(cutlass.select_(row_ok, row, Int32(0)))
+        src = data.iterator + Int64(safe_row) * Int64(k)
+        ssrc = scales.iterator + Int64(safe_row) * Int64(kb)
+        words = []
+        sbytes = []
+        cols = []
+        for u in cutlass.range_constexpr(self.iters):
+            col = c0 + u * 32
+            ok = row_ok & (col < kc)
+            safe = Int32(cutlass.select_(ok, col, Int32(0)))
+            words.append(cu.ld_global_v4(src + safe * CHUNK))
+            sbytes.append(cu.ld_global_u8(ssrc + safe // CHUNKS_PER_BLOCK))
+            cols.append(Int32(cutlass.select_(ok, col, Int32(-1))))
+        return words, sbytes, row, cols
+
+    @cute.jit
+    def rows_tile(self, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_experts: Int32,
+                  n_blocks: Int32, row: Int32, cols, words, sbytes, tables):
+        """Rows: store this lane's loaded chunks of source row ``row`` at its destination row (one search for
+        the warp's row): as :meth:`scatter_tile`, row ``s < T`` of r-major block b goes to ``s - shift[b]``, a
+        row ``s >= T`` to itself, zeroed."""
+        t_send, _, t_shift, _, g_shift, _ = tables
+        kc = cutlass.max(k // CHUNK, Int32(1))
+        total = Int32(0)
+        if n_blocks > 0:
+            total = Int32(t_send[n_blocks - 1])
+        valid = row < total
+        block = cu.upper_bounds(t_send, cutlass.max(n_blocks, Int32(1)), [row])[0]
+        dst = Int32(cutlass.select_(valid, row - Int32(t_shift[block]), row))
+        brow = Int32(0)
+        if cutlass.const_expr(self.blocked):
+            brow = dst + Int32(g_shift[block % cutlass.max(n_experts, Int32(1))])
+        dst_ch = Int64(dst) * Int64(kc)
+        for u in cutlass.range_constexpr(self.iters):
+            if cols[u] >= 0:
+                self.store_chunk(out, out_scales, kb, nc, dst_ch + Int64(cols[u]), dst, cols[u], brow, valid,
+                                 words[u], sbytes[u])
+
+    @cute.jit
     def scatter_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
                      n_chunks: Int64, dbid: Int32, tid: Int32, words, sbytes, tables):
         """Scatter: store the loaded source chunks of range ``dbid`` (``words``: the words, or the stage they
@@ -372,12 +452,23 @@ class PermuteMxfp8Kernel:
         w3 = Int32(cutlass.select_(ok, w3, Int32(0)))
         s = Int32(cutlass.select_(ok, sbyte, Int32(0)))
         if cutlass.const_expr(self.out == "dequant"):
+            n_words = 16 if self.f32 else 8
+            vals = cute.make_rmem_tensor(n_words, Int32)
+            sv = cu.e8m0_value_bits(s)
+            dq = cu.dequantize4_f32 if self.f32 else cu.dequantize4_bf16
+            fast = [*dq(w0, sv), *dq(w1, sv), *dq(w2, sv), *dq(w3, sv)]
+            for i in cutlass.range_constexpr(n_words):
+                vals[i] = Int32(fast[i])
             is_nan = s == E8M0_NAN
-            lo = cu.canonical_nan_words(cu.dequantize8(w0, w1, s, is_nan, self.f32), self.f32)
-            hi = cu.canonical_nan_words(cu.dequantize8(w2, w3, s, is_nan, self.f32), self.f32)
+            if is_nan | cu.e4m3_has_nan((w0, w1, w2, w3)):  # rare: the NaN rules (a finite byte and scale give none)
+                lo = cu.canonical_nan_words(cu.dequantize8(w0, w1, s, is_nan, self.f32), self.f32)
+                hi = cu.canonical_nan_words(cu.dequantize8(w2, w3, s, is_nan, self.f32), self.f32)
+                slow = lo + hi
+                for i in cutlass.range_constexpr(n_words):
+                    vals[i] = Int32(slow[i])
             dst = out.iterator + ch * CHUNK
-            cu.st_global_words(dst, lo)
-            cu.st_global_words(dst + 8, hi)
+            cu.st_global_words(dst, [vals[i] for i in range(n_words // 2)])
+            cu.st_global_words(dst + 8, [vals[i] for i in range(n_words // 2, n_words)])
         else:
             cu.st_global_v4(out.iterator + ch * CHUNK, w0, w1, w2, w3)
             if col % CHUNKS_PER_BLOCK == 0:
