@@ -5,7 +5,7 @@ also checked byte for byte against the reference.
 
 Ragged blocks, a silent rank, empty experts, negative / overflowing counts, totals past M, M = 0, K = 0,
 E = 0, 1024 blocks, raw fp8 / e8m0 bytes, every output kind; for the default variant and every A/B
-candidate (``config_permute.CANDIDATES``: the gather and scatter orders, register and cp.async staging).
+candidate (``config_permute.CANDIDATES``: the gather, scatter and rows orders, register and cp.async staging).
 """
 
 import sys

@@ -23,6 +23,10 @@ OUTS = ("dequant", "blocked", "plain")
 # l, l + 32, ...), so the row's destination (one table search) and its address math are done once per warp row
 # segment instead of once per chunk.
 ORDERS = ("gather", "scatter", "rows")
+# The default order of each output, measured (H200, 2026-11-28, scripts/ab_kernels.py, CANDIDATES below): rows for
+# the fp8 outputs (fewer instructions per chunk: the fp8 copy was issue-bound), scatter for dequant (rows wrote
+# the bf16 rows slower: long-scoreboard stalls, not instructions, bound it there).
+DEFAULT_ORDER = {"dequant": "scatter", "blocked": "rows", "plain": "rows"}
 # Where scatter holds its loaded chunks while the table is built: "registers" (16 bytes each), or "smem" (each
 # thread's chunks copied by cp.async into shared memory, no register held: fewer registers, more CTAs per SM).
 STAGINGS = ("registers", "smem")
@@ -47,7 +51,7 @@ class Variant:
     # Launch shape, A/B candidates (scripts/ab_kernels.py); the defaults are the measured ones.
     threads: int = THREADS
     iters: int = ITERS
-    order: str = "scatter"
+    order: str = ""  # "": the measured default of the output, DEFAULT_ORDER[out]
     staging: str = "registers"  # "smem": scatter only
 
     family = "perm"
@@ -56,6 +60,8 @@ class Variant:
     def __post_init__(self):
         if self.out not in OUTS:
             raise ValueError(f"out must be one of {OUTS}, got {self.out!r}")
+        if not self.order:
+            object.__setattr__(self, "order", DEFAULT_ORDER[self.out])
         if self.out == "dequant":
             if self.out_dtype not in DEQUANT_DTYPES:
                 raise ValueError(f"dequant out_dtype must be one of {DEQUANT_DTYPES}, got {self.out_dtype!r}")
@@ -93,29 +99,37 @@ def all_variants() -> list[Variant]:
 
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
-# every arch (compile_check) on the output the targets measure (blocked). Measured and dropped (H100,
-# 2026-11-24, blocked at (32768, 2048), % of memcpy; the default then, gather t256i4, 77.7): gather t256i8
-# 54.5, gather t128i8 65.7, gather t256i4 on a persistent grid of 132x4 CTAs building the table once each 74.6.
-# Scatter (each CTA owns consecutive input chunks: its loads need no table; the table is built and searched
-# while they are in flight) measured on the H100 (2026-11-26, `ab_kernels.py --family perm --rounds 5`,
-# blocked, % of memcpy, median over rounds at 8192x2048 / 32768x2048 / 32768x7168 / 131072x7168):
-# scatter registers 65.5 / 83.4 / 88.2 / 91.5 (the default since), scatter smem 66.5 / 82.1 / 87.9 / 91.3,
-# gather 58.0 / 78.3 / 85.3 / 88.2. Fewer table builds per chunk, measured and dropped (H100, 2026-11-26, same
-# script and shapes; the default in that run 64.4 / 81.8 (81.3-82.7) / 86.8 / 90.0): scatter t256i8 (80 registers,
-# 3 CTAs per SM) 62.6 / 81.4 / 86.6 / 89.8; scatter t512i4 (49 registers, 2 CTAs per SM) 59.1 / 78.1 / 85.9 / 89.6.
+# every arch (compile_check) on the blocked output. Measured and dropped (H100, 2026-11-24, blocked at (32768, 2048),
+# % of memcpy; the default then, gather t256i4, 77.7): gather t256i8 54.5, gather t128i8 65.7, gather t256i4 on a
+# persistent grid of 132x4 CTAs building the table once each 74.6. Scatter (each CTA owns consecutive input chunks:
+# its loads need no table; the table is built and searched while they are in flight) measured on the H100
+# (2026-11-26, `ab_kernels.py --family perm --rounds 5`, blocked, % of memcpy, median over rounds at 8192x2048 /
+# 32768x2048 / 32768x7168 / 131072x7168): scatter registers 65.5 / 83.4 / 88.2 / 91.5 (the default since), scatter
+# smem 66.5 / 82.1 / 87.9 / 91.3, gather 58.0 / 78.3 / 85.3 / 88.2. Fewer table builds per chunk, measured and
+# dropped (H100, 2026-11-26, same script and shapes; the default in that run 64.4 / 81.8 / 86.8 / 90.0): scatter
+# t256i8 62.6 / 81.4 / 86.6 / 89.8; scatter t512i4 59.1 / 78.1 / 85.9 / 89.6.
+# Rows (H200, 2026-11-28, `ab_kernels.py --family perm,perm-dequant --rounds 5`, median (min-max) over rounds at
+# the same shapes), blocked: scatter registers 55.0 (51.6-55.4) / 70.3 (70.1-70.4) / 77.5 (77.3-77.6) /
+# 81.4 (81.3-81.5); rows t256i4 61.1 (56.9-61.5) / 78.1 (77.8-78.2) / 84.3 (84.2-84.4) / 89.3 (89.3-89.3), the
+# default for fp8 outputs since (ncu at 32768x2048: 29.5M -> 18.4M instructions, 60.1 -> 43.0 us); rows t512i4
+# 59.8 / 75.4 / 83.6 / 88.5, dropped. dequant (bf16): scatter registers 74.4 / 83.0 / 88.1 / 91.1, rows t256i4
+# 60.9 / 71.9 / 78.2 / 80.9 (ncu: 28.8M -> 20.0M instructions, yet 62.3 -> 71.3 us with 3.0 long-scoreboard
+# stalls per issue against 0.16), rows t512i4 57.3 / 63.9 / 67.3 / 68.9: dequant stays scatter.
 CANDIDATES = {
-    # ptxas, sm_90a: 48 registers, 20 KB shared memory -> 5 CTAs per SM
-    "scatter t256i4 registers (default)": {},
+    # ptxas, sm_90a: rows 46 registers (blocked), scatter 58 (dequant bf16)
+    "default (rows for fp8 outputs, scatter for dequant)": {},
+    # 48 registers, 20 KB shared memory -> 5 CTAs per SM
+    "scatter t256i4 registers": {"order": "scatter"},
     # the chunks staged in shared memory with cp.async: 40 registers, 36 KB -> 6 CTAs per SM
-    "scatter t256i4 smem": {"staging": "smem"},
-    # the default until 2026-11-25 (77.7% above): 48 registers, 24 KB -> 5 CTAs per SM
-    "gather t256i4": {"order": "gather", "staging": "registers"},
-    # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks per lane
+    "scatter t256i4 smem": {"order": "scatter", "staging": "smem"},
+    # the default until 2026-11-25: 48 registers, 24 KB -> 5 CTAs per SM
+    "gather t256i4": {"order": "gather"},
+    # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks a lane
     "rows t256i4": {"order": "rows"},
-    # the same with 16 rows per CTA: half the table builds per byte
-    "rows t512i4": {"order": "rows", "threads": 512},
 }
 
 
 def candidate_variants() -> list[Variant]:
-    return [Variant("blocked", **kw) for kw in CANDIDATES.values() if kw]
+    """The candidates' blocked variants other than the default (a candidate may name the default's own order)."""
+    default = Variant("blocked")
+    return [v for v in (Variant("blocked", **kw) for kw in CANDIDATES.values() if kw) if v != default]
