@@ -12,7 +12,7 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
   writes ``offs``.
 * Data: the input and the output are flat arrays of 16-byte fp8 chunks (half a 32-element block); a CTA
   owns ``iters * threads`` consecutive chunks, ``iters`` per thread, all loaded before the first store.
-  Two orders (``Variant.order``):
+  Three orders (``Variant.order``; the default per output in ``config.DEFAULT_ORDER``):
 
   - ``gather``: consecutive *destination* chunks. The CTA builds the table, binary-searches each chunk's
     destination row in it (source row = row + shift), then loads: every load waits for the table.
@@ -149,10 +149,10 @@ class PermuteMxfp8Kernel:
                 if bid >= n_data:
                     self.pad_tile(out_scales, nc, (bid - n_data) * TILE_ROWS, n_experts, buf_rows, tid, tables)
                 else:
-                    self.store_tile(out, out_scales, m, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
+                    self.store_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
                                     sbytes, row, cols, tables)
             else:
-                self.store_tile(out, out_scales, m, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
+                self.store_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
                                 sbytes, row, cols, tables)
         else:
             # Pad CTAs first, then the data CTAs; the table before any load.
@@ -352,12 +352,11 @@ class PermuteMxfp8Kernel:
         return words, sbytes
 
     @cute.jit
-    def store_tile(self, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_experts: Int32,
-                   n_blocks: Int32, n_chunks: Int64, bid: Int32, tid: Int32, words, sbytes, row: Int32, cols,
-                   tables):
+    def store_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
+                   n_chunks: Int64, bid: Int32, tid: Int32, words, sbytes, row: Int32, cols, tables):
         """The store half of ``scatter`` (``cols`` None) or ``rows``."""
         if cutlass.const_expr(self.rows):
-            self.rows_tile(out, out_scales, m, k, kb, nc, n_experts, n_blocks, row, cols, words, sbytes, tables)
+            self.rows_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, row, cols, words, sbytes, tables)
         else:
             self.scatter_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words, sbytes,
                               tables)
@@ -390,8 +389,8 @@ class PermuteMxfp8Kernel:
         return words, sbytes, row, cols
 
     @cute.jit
-    def rows_tile(self, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_experts: Int32,
-                  n_blocks: Int32, row: Int32, cols, words, sbytes, tables):
+    def rows_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
+                  row: Int32, cols, words, sbytes, tables):
         """Rows: store this lane's loaded chunks of source row ``row`` at its destination row (one search for
         the warp's row): as :meth:`scatter_tile`, row ``s < T`` of r-major block b goes to ``s - shift[b]``, a
         row ``s >= T`` to itself, zeroed."""
