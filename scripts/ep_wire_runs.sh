@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Every measurement issue 33 needs on one machine of N GPUs (default 2), about 7 minutes on 2 H200s:
+# Every measurement issue 33 needs on one machine of N GPUs (default 2), about 9 minutes on 2 H200s:
 #   bash scripts/ep_wire_runs.sh [N]
 # 1. scripts/ep_check.py twice (all-to-all transport; p2p transport in 2 ranges): forward and input gradient
 #    bit-identical to one process at DeepSeek-V3 expert sizes;
-# 2. benchmarks/bench_ep.py over NVLink, NVLink with NCCL held to one channel (NCCL_MAX_NCHANNELS=1), NCCL's
+# 2. benchmarks/bench_ep.py over NVLink, NVLink with NCCL held to one and four channels (NCCL_MAX_NCHANNELS), NCCL's
 #    shared-memory transport (NCCL_P2P_DISABLE=1) and its socket transport (NCCL_P2P_DISABLE=1
 #    NCCL_SHM_DISABLE=1; fewer rounds: each step takes ~0.5 s there);
-# 3. scripts/ep_wire_fit.py over the four: the slow-wire model, its check, the gains at 25/50/100 GB/s.
-# Writes into $OUT (default ./out): ep_wire.log (everything printed), ep<N>_{nvlink,nvlink1ch,shm,socket}.json,
+# 3. scripts/ep_wire_fit.py over the five: the slow-wire model, its check, the gains at 25/50/100 GB/s.
+# Writes into $OUT (default ./out): ep_wire.log (everything printed), ep<N>_{nvlink,nvlink1ch,nvlink4ch,shm,socket}.json,
 # ep<N>_fit.md, ep<N>_fit.png. Exit status 1 if a step failed (the others still run).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -29,12 +29,17 @@ run check timeout 200 $TR scripts/ep_check.py
 run check-p2p timeout 150 $TR scripts/ep_check.py --transport p2p --chunks 2
 run nvlink timeout 150 $TR -m benchmarks.bench_ep --json "$OUT/ep${N}_nvlink.json"
 run shm NCCL_P2P_DISABLE=1 timeout 150 $TR -m benchmarks.bench_ep --json "$OUT/ep${N}_shm.json"
-# NVLink with NCCL held to one channel: a slower wire that is still NVLink (its fitted bandwidth is in the fit's table)
+# NVLink with NCCL held to one and to four channels: slower wires that are still NVLink, measured (one channel gave
+# 14.4 GB/s per GPU on 2 H200s; four aim near the 50 GB/s of a 400 Gb/s inter-node link; each fitted bandwidth is
+# in the fit's table)
 run nvlink-1ch NCCL_MIN_NCHANNELS=1 NCCL_MAX_NCHANNELS=1 timeout 150 $TR -m benchmarks.bench_ep \
   --json "$OUT/ep${N}_nvlink1ch.json"
+run nvlink-4ch NCCL_MIN_NCHANNELS=4 NCCL_MAX_NCHANNELS=4 timeout 150 $TR -m benchmarks.bench_ep \
+  --json "$OUT/ep${N}_nvlink4ch.json"
 run socket NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout 200 $TR -m benchmarks.bench_ep --rounds 2 --steps 2 \
   --json "$OUT/ep${N}_socket.json"
 run fit python3 scripts/ep_wire_fit.py nvlink="$OUT/ep${N}_nvlink.json" nvlink-1ch="$OUT/ep${N}_nvlink1ch.json" \
+  nvlink-4ch="$OUT/ep${N}_nvlink4ch.json" \
   shm="$OUT/ep${N}_shm.json" socket="$OUT/ep${N}_socket.json" --md "$OUT/ep${N}_fit.md" --png "$OUT/ep${N}_fit.png"
 grep -E "^\[ep_check\] (PASS|FAIL)|^=== " "$LOG"
 echo "=== done rc=$rc ($(date +%T))"
