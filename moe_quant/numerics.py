@@ -8,6 +8,7 @@ A scale is an e8m0 byte ``s`` meaning ``2**(s - 127)``; 255 is NaN. One scale co
 
 from __future__ import annotations
 
+import struct
 
 import torch
 
@@ -15,10 +16,12 @@ from .choices import Choice
 
 BLOCK_SIZE = 32
 E4M3_MAX = 448.0
+_E4M3_MAX_INT = 448
 E4M3_MAX_POW2 = 8  # floor(log2(448))
 E8M0_BIAS = 127
 E8M0_NAN = 255
-RCP_E4M3_MAX = 1.0 / E4M3_MAX  # rounded to fp32 where used (torch.float32 scalar multiply)
+# fp32(1/448) as an fp32 bit pattern: the reference multiplies by this fp32 scalar, the kernels by these bits
+RCP_E4M3_MAX_F32_BITS = struct.unpack("<I", struct.pack("<f", 1.0 / E4M3_MAX))[0]
 
 _F32_EXP_MASK = 0xFF
 _F32_MANT_MASK = 0x7FFFFF
@@ -45,7 +48,12 @@ def e8m0_from_amax(amax: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
     mode = ScaleMode.parse(mode, "mode")  # never let a string fall through to FLOOR
     amax = amax.to(torch.float32)
     if mode is ScaleMode.RCEIL:
-        descale = amax * torch.tensor(RCP_E4M3_MAX, dtype=torch.float32)
+        # the fp32 scalar made from its bit pattern: a float module constant read here (as a Python float or
+        # through torch.tensor) becomes a symbolic float under torch.compile(dynamic=True), and dynamo (2.11 to
+        # 2.13) fails to lift it into the second autograd.Function that reads it ("lift_tracked_freevar_to_input
+        # should not be called on root SubgraphTracer"); an int constant is not made symbolic there
+        rcp = amax.new_full((), RCP_E4M3_MAX_F32_BITS, dtype=torch.int32).view(torch.float32)
+        descale = amax * rcp
         bits = descale.view(torch.int32)
         exp = (bits >> 23) & _F32_EXP_MASK
         mant = bits & _F32_MANT_MASK
@@ -82,7 +90,9 @@ def e8m0_reciprocal_fp32(scale: torch.Tensor) -> torch.Tensor:
 
 def cast_to_e4m3(x_scaled_fp32: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even, saturating cast of fp32 values to float8_e4m3fn (NaN stays NaN)."""
-    return x_scaled_fp32.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    # int bounds (exactly 448): a float module constant would be a symbolic float under dynamic shapes (see
+    # e8m0_from_amax)
+    return x_scaled_fp32.clamp(-_E4M3_MAX_INT, _E4M3_MAX_INT).to(torch.float8_e4m3fn)
 
 
 def quantize_blocks(x: torch.Tensor, mode: ScaleMode) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,6 @@ Bit-exactness notes (docs/design.md section 2):
 
 from __future__ import annotations
 
-import struct
 
 import cutlass
 import cutlass.cute as cute
@@ -27,15 +26,13 @@ from cutlass._mlir.dialects import llvm, nvvm, vector
 from cutlass.cutlass_dsl import T
 
 from ..layouts import TILE_BYTES, TILE_COLS, TILE_ROWS, blocked_offset  # noqa: F401  (re-exported)
-from ..numerics import _F32_HALF_SUBNORMAL, BLOCK_SIZE, E4M3_MAX_POW2, E8M0_BIAS, E8M0_NAN, RCP_E4M3_MAX
+from ..numerics import _F32_HALF_SUBNORMAL, BLOCK_SIZE, E4M3_MAX_POW2, E8M0_BIAS, E8M0_NAN, RCP_E4M3_MAX_F32_BITS
 
 # fp32 bit patterns used by the scale math.
 F32_ABS_MASK = 0x7FFFFFFF
 F32_EXP_INF = 0x7F800000  # magnitude bits >= this: Inf or NaN
 F32_MANT_MASK = 0x007FFFFF
 F32_2POW_M127 = 0x00400000  # 2**-127, an fp32 subnormal
-# fp32(1/448) exactly as the reference multiplies by it (torch.float32 scalar).
-RCP_E4M3_MAX_F32_BITS = struct.unpack("<I", struct.pack("<f", RCP_E4M3_MAX))[0]
 
 # cutlass element types of the dtype names the kernel configs use.
 CUTLASS_DTYPES = {
