@@ -17,7 +17,6 @@ Bit-exactness notes (docs/design.md section 2):
 
 from __future__ import annotations
 
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
