@@ -394,17 +394,9 @@ class PermuteMxfp8Kernel:
         """Rows: store this lane's loaded chunks of source row ``row`` at its destination row (one search for
         the warp's row): as :meth:`scatter_tile`, row ``s < T`` of r-major block b goes to ``s - shift[b]``, a
         row ``s >= T`` to itself, zeroed."""
-        t_send, _, t_shift, _, g_shift, _ = tables
         kc = cutlass.max(k // CHUNK, Int32(1))
-        total = Int32(0)
-        if n_blocks > 0:
-            total = Int32(t_send[n_blocks - 1])
-        valid = row < total
-        block = cu.upper_bounds(t_send, cutlass.max(n_blocks, Int32(1)), [row])[0]
-        dst = Int32(cutlass.select_(valid, row - Int32(t_shift[block]), row))
-        brow = Int32(0)
-        if cutlass.const_expr(self.blocked):
-            brow = dst + Int32(g_shift[block % cutlass.max(n_experts, Int32(1))])
+        total, blocks = self.search_rows([row], n_blocks, tables)
+        valid, dst, brow = self.destination(row, blocks[0], total, n_experts, tables)
         dst_ch = Int64(dst) * Int64(kc)
         for u in cutlass.range_constexpr(self.iters):
             if cols[u] >= 0:
@@ -417,20 +409,11 @@ class PermuteMxfp8Kernel:
         """Scatter: store the loaded source chunks of range ``dbid`` (``words``: the words, or the stage they
         were copied to) at their destination rows: source row ``s < T`` of r-major block b (the first with
         source end ``> s``) goes to row ``s - shift[b]``; a row ``s >= T`` is output row ``s`` itself, zeroed."""
-        t_send, _, t_shift, _, g_shift, _ = tables
         kc = cutlass.max(k // CHUNK, Int32(1))
         chs, rows, cols = self.chunk_coords(k, dbid, tid, True)  # after the table: fewer registers held across it
-        total = Int32(0)
-        if n_blocks > 0:
-            total = Int32(t_send[n_blocks - 1])
-        # every chunk's block, searched together (a row past the total gets some block, unused)
-        blocks = cu.upper_bounds(t_send, cutlass.max(n_blocks, Int32(1)), rows)
+        total, blocks = self.search_rows(rows, n_blocks, tables)
         for u in cutlass.range_constexpr(self.iters):
-            valid = rows[u] < total
-            dst = Int32(cutlass.select_(valid, rows[u] - Int32(t_shift[blocks[u]]), rows[u]))
-            brow = Int32(0)
-            if cutlass.const_expr(self.blocked):
-                brow = dst + Int32(g_shift[blocks[u] % cutlass.max(n_experts, Int32(1))])
+            valid, dst, brow = self.destination(rows[u], blocks[u], total, n_experts, tables)
             if cutlass.const_expr(self.smem_staging):  # read where stored: 4 registers live, not 16
                 w = cu.ld_global_v4(words + (u * self.threads + tid) * CHUNK_WORDS)
             else:
@@ -438,6 +421,29 @@ class PermuteMxfp8Kernel:
             if chs[u] < n_chunks:
                 self.store_chunk(out, out_scales, kb, nc, Int64(dst) * Int64(kc) + Int64(cols[u]), dst, cols[u],
                                  brow, valid, w, sbytes[u])
+
+    @cute.jit
+    def search_rows(self, rows, n_blocks: Int32, tables):
+        """``(T, blocks)``: the total ``T`` and the r-major block of each source row in ``rows`` (scatter and
+        rows orders), searched together (a row past the total gets some block, unused)."""
+        t_send = tables[0]
+        total = Int32(0)
+        if n_blocks > 0:
+            total = Int32(t_send[n_blocks - 1])
+        return total, cu.upper_bounds(t_send, cutlass.max(n_blocks, Int32(1)), rows)
+
+    @cute.jit
+    def destination(self, row: Int32, block: Int32, total: Int32, n_experts: Int32, tables):
+        """``(valid, dst, brow)`` of source row ``row`` of r-major block ``block``: row ``s < T`` goes to output
+        row ``s - shift[b]`` (blocked scale row ``dst + g_shift[b % E]``), a row ``s >= T`` to itself (``valid``
+        false: zeroed)."""
+        _, _, t_shift, _, g_shift, _ = tables
+        valid = row < total
+        dst = Int32(cutlass.select_(valid, row - Int32(t_shift[block]), row))
+        brow = Int32(0)
+        if cutlass.const_expr(self.blocked):
+            brow = dst + Int32(g_shift[block % cutlass.max(n_experts, Int32(1))])
+        return valid, dst, brow
 
     @cute.jit
     def store_chunk(self, out, out_scales, kb: Int32, nc: Int32, ch: Int64, row: Int32, col: Int32, brow: Int32,
