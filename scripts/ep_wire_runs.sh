@@ -9,6 +9,8 @@
 # 3. scripts/ep_wire_fit.py over the five: the slow-wire model, its check, the gains at 25/50/100 GB/s.
 # Writes into $OUT (default ./out): ep_wire.log (everything printed), ep<N>_{nvlink,nvlink1ch,nvlink4ch,shm,socket}.json,
 # ep<N>_fit.md, ep<N>_fit.png. Exit status 1 if a step failed (the others still run).
+# STEPS="nvlink nvlink-4ch fit" runs only the named steps (check check-p2p nvlink shm nvlink-1ch nvlink-4ch socket fit);
+# the fit reads the JSONs in $OUT, so it can run later, on any machine, once the others are there.
 set -uo pipefail
 OUT=${OUT:-out}
 N=${1:-2}
@@ -18,9 +20,11 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 LOG="$OUT/ep_wire.log"
 : > "$LOG"
 rc=0
+STEPS=${STEPS:-check check-p2p nvlink shm nvlink-1ch nvlink-4ch socket fit}
 run() {  # run NAME [VAR=value ...] command ...
   local name=$1
   shift
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   echo "=== $name ($(date +%T))" | tee -a "$LOG"
   env "$@" >> "$LOG" 2>&1 || { echo "=== $name FAILED rc=$?" | tee -a "$LOG"; rc=1; }
 }
