@@ -141,6 +141,7 @@ def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:
 
     CUDA: one entry per kernel / memcpy / memset on the GPU, ``us`` its GPU duration. Other
     devices: one entry per ``aten::`` (or custom ``ns::op``) CPU op, ``us`` its self CPU time.
+    ``record_function`` ranges are no ops, on either (a range named ``ns::x`` included).
     ``scopes``: names of the CPU op that launched it and of every range around that op
     (``record_function`` ranges, autograd nodes), innermost first; empty when the profiler did
     not link the kernel to a launching op (``linked`` False). ``start_us``, ``end_us``: when it
@@ -181,6 +182,9 @@ def profile_trace(fn, device="cuda", iters: int = 3) -> dict:
     def span(e):
         return float(e.time_range.start), float(e.time_range.end)
 
+    def annotation(e):  # a record_function range (on the GPU: its row spanning the kernels it launched)
+        return getattr(e, "is_user_annotation", False) or getattr(e, "activity_type", None) == "gpu_user_annotation"
+
     out = []
     if cuda:
         # CPU ops and ranges (not the runtime API calls, which carry a linked id of their own)
@@ -189,8 +193,7 @@ def profile_trace(fn, device="cuda", iters: int = 3) -> dict:
 
         ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and link(e) == 0}
         for e in events:
-            # the GPU rows of record_function ranges (gpu_user_annotation) span kernels, they are none
-            if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            if e.device_type != DeviceType.CUDA or annotation(e):
                 continue
             op = ops.get(link(e)) if link(e) else None
             start, end = span(e)
@@ -207,7 +210,8 @@ def profile_trace(fn, device="cuda", iters: int = 3) -> dict:
             )
     else:
         for e in events:
-            if e.device_type != DeviceType.CPU or "::" not in e.name or e.name.startswith("autograd::"):
+            if (e.device_type != DeviceType.CPU or "::" not in e.name or e.name.startswith("autograd::")
+                    or annotation(e)):
                 continue
             start, end = span(e)
             out.append(

@@ -133,6 +133,25 @@ def test_plot_layer_time(tmp_path):
         plot.main([str(src)])
 
 
+def test_profile_device_ops_on_the_cpu_lists_ops_not_ranges():
+    from benchmarks import timing
+
+    def fn():
+        with torch.profiler.record_function("moe_quant.ep::dispatch"):  # a range named like an op
+            torch.ones(64, 64).sum()
+
+    trace = timing.profile_trace(fn, "cpu", iters=2)
+    ops = trace["ops"]
+    names = [op["name"] for op in ops]
+    assert names.count("aten::sum") == 2 and "moe_quant.ep::dispatch" not in names
+    ranges = [h for h in trace["host"] if h["name"] == "moe_quant.ep::dispatch"]
+    assert len(ranges) == 2
+    for op in ops:
+        assert op["scopes"][0] == op["name"] and op["scopes"][-1] == "moe_quant.ep::dispatch"
+        assert 0 <= op["us"] <= op["end_us"] - op["start_us"] + 1e-3 and op["stream"] is None
+        assert any(r["start_us"] <= op["start_us"] <= op["end_us"] <= r["end_us"] for r in ranges), op
+
+
 def test_profile_device_ops_links_gpu_kernels_to_their_cpu_ranges(monkeypatch):
     # The CUDA branch on a synthetic event list shaped like torch.profiler's: CPU ops and ranges
     # (linked id 0), a runtime launch event (linked to its op, and sharing its id), kernels.
