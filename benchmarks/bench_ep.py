@@ -30,6 +30,16 @@ profiled step (``torch.profiler``: kernels whose name contains ``nccl``, attribu
 backward legs are left unattributed). Then one leg alone: ``all_to_all_single`` of bf16 and MXFP8 rows at
 three sizes (the points the bandwidth fit of ``scripts/ep_wire_fit.py`` takes).
 
+Where the step goes (``breakdown`` of each row, rank 0 prints it last): the profiled step is the second of
+two run under the profiler (the first warms it up), each followed by a device sync. From it: the step's
+window (its host range's start to its last kernel's end), the device's busy time (the union of the kernel
+intervals on every stream) and idle time (window - busy: host-bound, or waiting on a host sync), the
+kernels' summed time by kind (:func:`kernel_kind`: gemm, moe_quant, nccl, copy, index, other; concurrent
+kernels each count, the excess over busy is the overlap), the kernel count, the host's
+``cudaStream/Event/DeviceSynchronize`` calls and device-to-host copies, and the top kernels by total time
+(printed for rows bf16, titan and p2p). ``legs_ms`` come from the same step. On the CPU: the aten ops'
+self time by the same kinds, busy = the union of the ops' spans.
+
 ``--json``: everything above, with the environment (world size, device, ``NCCL_P2P_DISABLE``,
 ``NCCL_SHM_DISABLE``). Without a GPU (and without ``--device cpu``) it prints one line, exit 2.
 """
@@ -40,6 +50,7 @@ import argparse
 import contextlib
 import datetime
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -49,8 +60,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_moe import balanced_routing_
-from benchmarks.timing import (device_name, peak_memory_bytes, print_table, prog_name, profile_device_ops,
-                               require_cuda, write_json)
+from benchmarks.timing import (device_name, peak_memory_bytes, print_table, prog_name, profile_trace, require_cuda,
+                               write_json)
 from moe_quant import cli
 from moe_quant.ep import WireLog, mxfp8_row_bytes
 from moe_quant.ep.wire import PROFILE_PREFIX, all_to_all_rows, leg_range
@@ -86,6 +97,23 @@ LABELS = {
 }
 DEFAULT_ROWS = "bf16,titan,conv_bf16,conv_mxfp8,p2p,p2p_c2,p2p_c4,sync_free,sync_free_c2"
 LEG_FRACTIONS = (0.25, 0.5, 1.0)  # the leg-alone sizes, fractions of one dispatch's rows
+# the step breakdown (``_breakdown``): the kinds of device time, in the order of the table
+KINDS = ("gemm", "moe_quant", "nccl", "copy", "index", "other")
+# moe_quant's CuTe-DSL kernel classes (moe_quant/kernels/*/kernel.py): cute names a kernel after its module path
+# and class, kernel_cutlass_kernel_moe_quantkernelsquantize_1x32Quantize1x32Kernel_object_at__tensorptr...
+MOE_QUANT_KERNELS = ("Quantize1x32Kernel", "Quantize32x1Kernel", "QuantizeBlockKernel", "SwiGLUMathKernel",
+                     "PermuteMxfp8Kernel", "FingerprintKernel")
+GEMM_MARKS = ("gemm", "cutlass", "cublas", "nvjet", "xmma", "wgmma")  # substrings of the lower-case name
+GEMM_OPS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear"}  # whole words: aten::mm, aten::_grouped_mm, ...
+INDEX_MARKS = ("index", "scatter", "gather", "sort", "cumsum", "scan", "histc", "histogram", "bincount", "nonzero",
+               "searchsorted", "unique", "repeat_interleave")
+COPY_MARKS = ("memcpy", "memset", "copy", "fill")
+COPY_OPS = {"cat", "clone", "contiguous", "zero", "zeros", "stack"}
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+STEP_RANGE = "bench_ep.step"  # no "::": on the CPU, not one of the ops itself
+PROFILED_STEPS = 2  # the breakdown takes the last (the first warms the profiler up)
+TOP_KERNELS = 12
+TOP_ROWS = ("bf16", "titan", "p2p")  # the rows whose top kernels the printout lists
 
 
 def parse_args(argv=None):
@@ -230,6 +258,116 @@ def _legs_from_profile(ops: list[dict], steps: int) -> dict:
     return out
 
 
+def kernel_kind(name: str) -> str:
+    """The kind of device time of a kernel (or, on the CPU, an op) by its name: ``nccl`` (NCCL kernels; the
+    ``c10d`` / ``gloo`` ops on the CPU), ``moe_quant`` (our CuTe-DSL kernels: their names carry moe_quant's module
+    path and class; the ``moe_quant::`` ops on the CPU), ``gemm`` (cuBLAS / CUTLASS / grouped and scaled mm),
+    ``index`` (index, scatter, gather, sort, scan / cumsum, histc, bincount), ``copy`` (memcpy, memset, fill,
+    cat, copy kernels), else ``other`` (elementwise, reductions, the rest). First match in that order."""
+    low = name.lower()
+    words = set(re.split(r"[^a-z0-9]+", low))  # aten::_scaled_grouped_mm -> {aten, scaled, grouped, mm}
+    if "nccl" in low or "c10d" in low or "gloo" in low:
+        return "nccl"
+    if "moe_quant::" in low or "moe_quantkernels" in low or any(k in name for k in MOE_QUANT_KERNELS):
+        return "moe_quant"
+    if any(m in low for m in GEMM_MARKS) or words & GEMM_OPS:
+        return "gemm"
+    if any(m in low for m in INDEX_MARKS):
+        return "index"
+    if any(m in low for m in COPY_MARKS) or words & COPY_OPS:
+        return "copy"
+    return "other"
+
+
+_NAMESPACES = re.compile(r"\(anonymous namespace\)::|\b(?:at::native|at::cuda::detail|at::detail|at_cuda_detail|cub|"
+                         r"cutlass::gemm::kernel|cutlass::gemm|cutlass|cute|c10|at|std)::")
+
+
+def short_kernel_name(name: str, width: int = 60) -> str:
+    """``name`` in at most ``width`` characters: a moe_quant CuTe-DSL kernel as its class and tensor dtypes
+    (``Quantize1x32Kernel f32,bf16``), any other without ``void`` and the common C++ namespaces, cut at ``width``."""
+    m = re.search(r"([A-Z][A-Za-z0-9]*Kernel)_object_at_", name)
+    if m and ("moe_quant" in name or m.group(1) in MOE_QUANT_KERNELS):
+        dtypes = re.findall(r"tensorptr([A-Za-z0-9]+?)gmem", name)
+        out = f"{m.group(1)} {','.join(dict.fromkeys(dtypes))}".strip()
+    else:
+        out = _NAMESPACES.sub("", name.removeprefix("void ")).strip()
+    return out if len(out) <= width else out[:width - 3] + "..."
+
+
+def _union_us(spans) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _profile_steps(step, device) -> dict:
+    """``PROFILED_STEPS`` steps under the profiler (:func:`benchmarks.timing.profile_trace`), each inside a
+    ``STEP_RANGE`` range and followed by a device sync (as the timed steps end), so no kernel of one step runs
+    in the next one's window."""
+    def one():
+        with torch.profiler.record_function(STEP_RANGE):
+            step()
+        _sync(device)
+
+    dist.barrier()
+    return profile_trace(one, device, iters=PROFILED_STEPS)
+
+
+def _breakdown(trace: dict, cuda: bool) -> tuple[dict, list[dict]]:
+    """Where the last profiled step's time goes, and that step's ops (for ``_legs_from_profile``).
+
+    The step's window opens with its host range and closes at the later of the range's end and its last
+    kernel's end; its kernels are those that start between the range's start and the next step's. ``busy``:
+    the union of their intervals on every stream (overlap counted once); ``idle`` = window - busy (the GPU had
+    nothing to run: host-bound or waiting on a host sync); ``kinds_ms``: their summed time by
+    :func:`kernel_kind` (concurrent kernels each count, so the kinds add up to ``kernel_sum_ms`` >= busy);
+    host side: the sync calls (``SYNC_CALLS``) inside the range and the device-to-host copies. CPU (no
+    kernels): the aten ops instead, ``us`` their self time, ``busy`` the union of their spans, ``idle`` the
+    Python between them."""
+    ranges = sorted((h for h in trace["host"] if h["name"] == STEP_RANGE), key=lambda h: h["start_us"])
+    if not ranges:
+        return {"available": False, "reason": f"no {STEP_RANGE} range in the profile"}, []
+    rng = ranges[-1]
+    ops = [o for o in trace["ops"] if o["start_us"] >= rng["start_us"]]
+    end = max([rng["end_us"]] + [o["end_us"] for o in ops])
+    wall = end - rng["start_us"]
+    busy = _union_us((o["start_us"], o["end_us"]) for o in ops)
+    kinds = dict.fromkeys(KINDS, 0.0)
+    kernels: dict = {}
+    for o in ops:
+        kind = kernel_kind(o["name"])
+        kinds[kind] += o["us"]
+        k = kernels.setdefault(o["name"], {"name": short_kernel_name(o["name"]), "kind": kind, "count": 0, "us": 0.0,
+                                           "full": o["name"][:400]})
+        k["count"] += 1
+        k["us"] += o["us"]
+    syncs = dict.fromkeys(SYNC_CALLS, 0)
+    sync_us = 0.0
+    for h in trace["host"]:
+        if h["name"] in syncs and rng["start_us"] <= h["start_us"] < rng["end_us"]:
+            syncs[h["name"]] += 1
+            sync_us += h["end_us"] - h["start_us"]
+    kernel_sum = sum(kinds.values())
+    out = {
+        "available": True,
+        "source": "CUDA kernels" if cuda else "CPU aten ops (self time; no CUDA kernels)",
+        "profiled_step": len(ranges), "wall_ms": wall / 1e3, "busy_ms": busy / 1e3, "idle_ms": (wall - busy) / 1e3,
+        "kernel_sum_ms": kernel_sum / 1e3, "overlap_ms": (kernel_sum - busy) / 1e3 if cuda else None,
+        "kernels": len(ops), "streams": len({o["stream"] for o in ops if o.get("stream") is not None}),
+        "d2h_copies": sum("dtoh" in o["name"].lower() for o in ops),
+        "syncs": syncs, "host_syncs": sum(syncs.values()), "sync_wait_ms": sync_us / 1e3,
+        "kinds_ms": {k: v / 1e3 for k, v in kinds.items()},
+        "top": sorted(kernels.values(), key=lambda k: -k["us"])[:TOP_KERNELS],
+    }
+    return out, ops
+
+
 def _legs_alone(device, world: int, s: dict, iters: int) -> list[dict]:
     """``all_to_all_single`` of bf16 and MXFP8 rows alone at ``LEG_FRACTIONS`` of a dispatch (even splits)."""
     out = []
@@ -288,7 +426,8 @@ def run(args) -> dict:
             rec["step"]()
         rec["wire"] = {leg: dict(zip(("rows", "bytes"), log.by_leg(leg))) for leg in LEGS}
         rec["peak_mib"] = None if (p := peak_memory_bytes(rec["step"], device)) is None else p / 2**20
-        rec["legs_ms"] = _legs_from_profile(profile_device_ops(rec["step"], device, iters=1), 1) if cuda else {}
+        rec["breakdown"], step_ops = _breakdown(_profile_steps(rec["step"], device), cuda)
+        rec["legs_ms"] = _legs_from_profile(step_ops, 1) if cuda else {}
         disp = getattr(rec["module"], "dispatcher", None)
         rec["dropped"] = None
         if getattr(disp, "capacity_factor", None) is not None:  # sync-free rows: copies past capacity, if any
@@ -305,7 +444,7 @@ def run(args) -> dict:
         records.append({"row": row, "label": LABELS[row], "ms": statistics.median(rec["ms"]), "samples": rec["ms"],
                         "round_min": min(rec["round_medians"]), "round_max": max(rec["round_medians"]),
                         "peak_mib": rec["peak_mib"], "wire": rec["wire"], "legs_ms": rec["legs_ms"],
-                        "dropped": rec["dropped"],
+                        "dropped": rec["dropped"], "breakdown": rec["breakdown"],
                         "settings": ROWS[row] if isinstance(ROWS[row], dict) else {"dispatcher": "torchtitan"}})
     # every rank's medians: a step ends when the slowest rank's does
     per_rank = [None] * world
@@ -350,6 +489,43 @@ def _print(result: dict) -> None:
             for p in result["legs_alone"]]
     print_table(f"One leg alone (all_to_all_single, even splits), {world} rank(s)",
                 ["wire", "rows", "bytes", "ms", "bus GB/s"], rows)
+    _print_breakdown(result)
+
+
+def _print_breakdown(result: dict) -> None:
+    """Where each row's profiled step goes (rank 0), then the top kernels of ``TOP_ROWS``."""
+    recs = [r for r in result["rows"] if r.get("breakdown", {}).get("available")]
+    for r in result["rows"]:
+        if r not in recs:
+            print(f"  {r['row']}: no breakdown ({r.get('breakdown', {}).get('reason', 'not profiled')})")
+    if not recs:
+        return
+    cuda = recs[0]["breakdown"]["overlap_ms"] is not None
+    rows = []
+    for r in recs:
+        b = r["breakdown"]
+        rows.append([r["row"], f"{r['ms']:.2f}", f"{b['wall_ms']:.2f}", f"{b['busy_ms']:.2f}", f"{b['idle_ms']:.2f}",
+                     _fmt(b["overlap_ms"], ".2f"), b["kernels"], b["streams"], b["d2h_copies"], b["host_syncs"],
+                     f"{b['sync_wait_ms']:.2f}"] + [f"{b['kinds_ms'][k]:.2f}" for k in KINDS])
+    what = "GPU kernels" if cuda else "CPU aten ops (self time; no GPU)"
+    print_table(f"Where the step goes, rank 0, step {recs[0]['breakdown']['profiled_step']} of {PROFILED_STEPS} "
+                f"under torch.profiler, by {what} (ms)",
+                ["row", "timed", "step", "busy", "idle", "overlap", "kernels", "streams", "d2h", "syncs", "sync wait"]
+                + list(KINDS), rows)
+    print("  timed: the median step above; step: the profiled step's window (its host range's start to its last\n"
+          "  kernel's end); busy: the union of the kernels' intervals on every stream; idle = step - busy (nothing\n"
+          "  on the device: host-bound or waiting on a host sync); overlap = sum of the kinds - busy (kernels running\n"
+          "  concurrently); d2h: device-to-host copies; syncs: cudaStream/Event/DeviceSynchronize calls in the step,\n"
+          "  sync wait: the host's time in them; kinds: summed kernel time (nccl includes a kernel's wait for its peer)"
+          if cuda else
+          "  CPU: busy = the union of the aten ops' spans, idle = step - busy (Python between ops); kinds: self time")
+    top = [r for r in recs if r["row"] in TOP_ROWS] or recs[:1]
+    for r in top:
+        b = r["breakdown"]
+        print_table(f"Top kernels of {r['label']} ({r['row']}), profiled step {b['wall_ms']:.2f} ms",
+                    ["kernel", "kind", "count", "total us", "% of step"],
+                    [[k["name"], k["kind"], k["count"], f"{k['us']:.0f}",
+                      f"{100 * k['us'] / 1e3 / b['wall_ms']:.1f}" if b["wall_ms"] else ""] for k in b["top"]])
 
 
 def main(argv=None) -> int:

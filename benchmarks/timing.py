@@ -141,9 +141,22 @@ def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:
 
     CUDA: one entry per kernel / memcpy / memset on the GPU, ``us`` its GPU duration. Other
     devices: one entry per ``aten::`` (or custom ``ns::op``) CPU op, ``us`` its self CPU time.
+    ``record_function`` ranges are no ops, on either (a range named ``ns::x`` included).
     ``scopes``: names of the CPU op that launched it and of every range around that op
     (``record_function`` ranges, autograd nodes), innermost first; empty when the profiler did
-    not link the kernel to a launching op (``linked`` False).
+    not link the kernel to a launching op (``linked`` False). ``start_us``, ``end_us``: when it
+    ran (the profiler's clock, shared by host and device events; on the CPU the op's whole span,
+    children included); ``stream``: the CUDA stream (None on the CPU or where the profiler does not say).
+    """
+    return profile_trace(fn, device, iters)["ops"]
+
+
+def profile_trace(fn, device="cuda", iters: int = 3) -> dict:
+    """:func:`profile_device_ops` with the host side of the same run: ``{"ops": [...], "host": [...]}``.
+
+    ``host``: one ``{"name", "start_us", "end_us"}`` per host event of the run (CPU ops,
+    ``record_function`` ranges and, on CUDA, the runtime API calls: ``cudaLaunchKernel``,
+    ``cudaStreamSynchronize``, ...), in the clock of ``ops``' ``start_us``.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -166,6 +179,12 @@ def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:
             evt = evt.cpu_parent
         return tuple(names)
 
+    def span(e):
+        return float(e.time_range.start), float(e.time_range.end)
+
+    def annotation(e):  # a record_function range (on the GPU: its row spanning the kernels it launched)
+        return getattr(e, "is_user_annotation", False) or getattr(e, "activity_type", None) == "gpu_user_annotation"
+
     out = []
     if cuda:
         # CPU ops and ranges (not the runtime API calls, which carry a linked id of their own)
@@ -174,25 +193,34 @@ def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:
 
         ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and link(e) == 0}
         for e in events:
-            if e.device_type != DeviceType.CUDA:
+            if e.device_type != DeviceType.CUDA or annotation(e):
                 continue
             op = ops.get(link(e)) if link(e) else None
+            start, end = span(e)
             out.append(
                 {
                     "name": e.name,
-                    "us": float(e.time_range.end - e.time_range.start),
+                    "us": end - start,
                     "scopes": chain(op) if op is not None else (),
                     "linked": op is not None,
+                    "start_us": start,
+                    "end_us": end,
+                    "stream": getattr(e, "device_resource_id", None),
                 }
             )
     else:
         for e in events:
-            if e.device_type != DeviceType.CPU or "::" not in e.name or e.name.startswith("autograd::"):
+            if (e.device_type != DeviceType.CPU or "::" not in e.name or e.name.startswith("autograd::")
+                    or annotation(e)):
                 continue
+            start, end = span(e)
             out.append(
-                {"name": e.name, "us": float(e.self_cpu_time_total), "scopes": chain(e), "linked": True}
+                {"name": e.name, "us": float(e.self_cpu_time_total), "scopes": chain(e), "linked": True,
+                 "start_us": start, "end_us": end, "stream": None}
             )
-    return out
+    host = [{"name": e.name, "start_us": span(e)[0], "end_us": span(e)[1]}
+            for e in events if e.device_type == DeviceType.CPU]
+    return {"ops": out, "host": host}
 
 
 def host_us(fn, n: int = 100, reps: int = 20) -> float:

@@ -133,6 +133,25 @@ def test_plot_layer_time(tmp_path):
         plot.main([str(src)])
 
 
+def test_profile_device_ops_on_the_cpu_lists_ops_not_ranges():
+    from benchmarks import timing
+
+    def fn():
+        with torch.profiler.record_function("moe_quant.ep::dispatch"):  # a range named like an op
+            torch.ones(64, 64).sum()
+
+    trace = timing.profile_trace(fn, "cpu", iters=2)
+    ops = trace["ops"]
+    names = [op["name"] for op in ops]
+    assert names.count("aten::sum") == 2 and "moe_quant.ep::dispatch" not in names
+    ranges = [h for h in trace["host"] if h["name"] == "moe_quant.ep::dispatch"]
+    assert len(ranges) == 2
+    for op in ops:
+        assert op["scopes"][0] == op["name"] and op["scopes"][-1] == "moe_quant.ep::dispatch"
+        assert 0 <= op["us"] <= op["end_us"] - op["start_us"] + 1e-3 and op["stream"] is None
+        assert any(r["start_us"] <= op["start_us"] <= op["end_us"] <= r["end_us"] for r in ranges), op
+
+
 def test_profile_device_ops_links_gpu_kernels_to_their_cpu_ranges(monkeypatch):
     # The CUDA branch on a synthetic event list shaped like torch.profiler's: CPU ops and ranges
     # (linked id 0), a runtime launch event (linked to its op, and sharing its id), kernels.
@@ -143,11 +162,18 @@ def test_profile_device_ops_links_gpu_kernels_to_their_cpu_ranges(monkeypatch):
     from benchmarks import timing
 
     cpu, gpu = DeviceType.CPU, DeviceType.CUDA
-    rng = NS(id=1, name="moe_quant.quantize.fake_quantize_3d", device_type=cpu, linked_correlation_id=0, cpu_parent=None)
-    op = NS(id=2, name="aten::mul", device_type=cpu, linked_correlation_id=0, cpu_parent=rng)
-    launch = NS(id=2, name="cudaLaunchKernel", device_type=cpu, linked_correlation_id=2, cpu_parent=op)
-    k1 = NS(id=9, name=ELEMENTWISE, device_type=gpu, linked_correlation_id=2, time_range=NS(start=10.0, end=15.0))
+    rng = NS(id=1, name="moe_quant.quantize.fake_quantize_3d", device_type=cpu, linked_correlation_id=0, cpu_parent=None,
+             time_range=NS(start=1.0, end=9.0))
+    op = NS(id=2, name="aten::mul", device_type=cpu, linked_correlation_id=0, cpu_parent=rng,
+            time_range=NS(start=2.0, end=8.0))
+    launch = NS(id=2, name="cudaLaunchKernel", device_type=cpu, linked_correlation_id=2, cpu_parent=op,
+                time_range=NS(start=3.0, end=4.0))
+    k1 = NS(id=9, name=ELEMENTWISE, device_type=gpu, linked_correlation_id=2, time_range=NS(start=10.0, end=15.0),
+            device_resource_id=7)
     k2 = NS(id=0, name="Memset (Device)", device_type=gpu, linked_correlation_id=0, time_range=NS(start=20.0, end=21.0))
+    # a record_function range's GPU row (gpu_user_annotation): not a kernel
+    k3 = NS(id=0, name="moe_quant.quantize.fake_quantize_3d", device_type=gpu, linked_correlation_id=0,
+            time_range=NS(start=10.0, end=21.0), is_user_annotation=True)
 
     class FakeProfile:
         def __init__(self, activities):
@@ -160,7 +186,7 @@ def test_profile_device_ops_links_gpu_kernels_to_their_cpu_ranges(monkeypatch):
             return False
 
         def events(self):
-            return [rng, op, launch, k1, k2]
+            return [rng, op, launch, k1, k2, k3]
 
     monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -168,9 +194,17 @@ def test_profile_device_ops_links_gpu_kernels_to_their_cpu_ranges(monkeypatch):
     ops = timing.profile_device_ops(lambda: calls.append(1), "cuda", iters=2)
     assert calls == [1, 1]
     assert ops == [
-        {"name": ELEMENTWISE, "us": 5.0, "scopes": ("aten::mul", "moe_quant.quantize.fake_quantize_3d"), "linked": True},
-        {"name": "Memset (Device)", "us": 1.0, "scopes": (), "linked": False},
+        {"name": ELEMENTWISE, "us": 5.0, "scopes": ("aten::mul", "moe_quant.quantize.fake_quantize_3d"), "linked": True,
+         "start_us": 10.0, "end_us": 15.0, "stream": 7},
+        {"name": "Memset (Device)", "us": 1.0, "scopes": (), "linked": False, "start_us": 20.0, "end_us": 21.0,
+         "stream": None},
     ]
+    # the same run's host side: ranges, ops and runtime API calls, in the kernels' clock
+    trace = timing.profile_trace(lambda: None, "cuda", iters=1)
+    assert trace["ops"] == ops
+    assert trace["host"] == [{"name": rng.name, "start_us": 1.0, "end_us": 9.0},
+                             {"name": "aten::mul", "start_us": 2.0, "end_us": 8.0},
+                             {"name": "cudaLaunchKernel", "start_us": 3.0, "end_us": 4.0}]
     assert bgm.categorize(ops[0]["name"], ops[0]["scopes"], True) == bgm.CAT_REF
 
 

@@ -15,6 +15,7 @@ from repo_subprocess import ROOT, run_python
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import ep_wire_fit  # noqa: E402
+from benchmarks import bench_ep  # noqa: E402
 
 D = 7168
 MX_ROW, BF16_ROW = D + D // 32, 2 * D
@@ -55,6 +56,156 @@ def test_bench_ep_runs_every_row_on_two_gloo_ranks(tmp_path):
     for p in record["legs_alone"]:
         assert p["bytes_to_others"] == p["bytes"] // 2 and p["ms"] > 0
     assert "EP MoE block fwd + bwd" in res.stdout and "One leg alone" in res.stdout
+    # where each row's profiled step goes: CPU aten ops here (no kernels), consistent within the step
+    for name, r in rows.items():
+        b = r["breakdown"]
+        assert b["available"] and b["source"].startswith("CPU") and b["profiled_step"] == bench_ep.PROFILED_STEPS
+        assert set(b["kinds_ms"]) == set(bench_ep.KINDS), name
+        assert 0 < b["busy_ms"] <= b["wall_ms"] and b["idle_ms"] == pytest.approx(b["wall_ms"] - b["busy_ms"]), name
+        assert sum(b["kinds_ms"].values()) == pytest.approx(b["kernel_sum_ms"]) and b["kernel_sum_ms"] <= b["busy_ms"]
+        assert b["kinds_ms"]["gemm"] > 0 and b["kinds_ms"]["nccl"] > 0, (name, b["kinds_ms"])  # aten::mm, c10d ops
+        assert b["overlap_ms"] is None and b["d2h_copies"] == 0 and b["host_syncs"] == 0, name
+        assert b["kernels"] > 0 and 0 < len(b["top"]) <= bench_ep.TOP_KERNELS, name
+        assert [k["us"] for k in b["top"]] == sorted((k["us"] for k in b["top"]), reverse=True)
+        assert all(k["kind"] == bench_ep.kernel_kind(k["full"]) and len(k["name"]) <= 60 for k in b["top"]), name
+        assert not any(k["full"].startswith("moe_quant.ep::") for k in b["top"]), name  # ranges are no ops
+    assert "Where the step goes" in res.stdout and "Top kernels of (i) bf16 model" in res.stdout
+    table = res.stdout[res.stdout.index("Where the step goes"):]
+    assert {line.split()[0] for line in table.splitlines()[3:3 + len(rows)]} == set(rows), table
+    assert table.splitlines()[1].split()[-6:] == list(bench_ep.KINDS), table
+
+
+# kernel (and CPU op) names as the profiler gives them, made up after real ones
+KIND_CASES = [
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "nccl"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "nccl"),  # "gather", still nccl
+    ("c10d::alltoall_base_", "nccl"),
+    ("_c10d_functional::wait_tensor", "nccl"),
+    ("kernel_cutlass_kernel_moe_quantkernelsquantize_1x32Quantize1x32Kernel_object_at__tensorptrf32gmem", "moe_quant"),
+    ("kernel_cutlass_kernel_moe_quantkernelspermutePermuteMxfp8Kernel_object_at__tensorptrbf16gmem", "moe_quant"),
+    ("kernel_cutlass_kernel_moe_quantkernelsfingerprintFingerprintKernel_object_at__tensorptri32gmem", "moe_quant"),
+    ("kernel_cutlass_kernel_QuantizeBlockKernel_object_at__tensorptrbf16gmem", "moe_quant"),  # class alone
+    ("moe_quant::quantize_1x32", "moe_quant"),
+    ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<>>>",
+     "gemm"),
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("aten::mm", "gemm"),
+    ("aten::_grouped_mm", "gemm"),
+    ("aten::_scaled_grouped_mm", "gemm"),
+    ("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<>>", "index"),
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>",
+     "index"),
+    ("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<at_cuda_detail::cub::DeviceRadixSortPolicy<long>>",
+     "index"),
+    ("void at::native::_scatter_gather_elementwise_kernel<128, 8>", "index"),
+    ("void at::native::tensor_kernel_scan_innermost_dim<long, std::plus<long> >", "index"),
+    ("void at::cuda::kernelHistogram1D<float, float, long, 1, 2, -1, 1>", "index"),
+    ("aten::cumsum", "index"),
+    ("aten::bincount", "index"),
+    ("aten::index_copy_", "index"),
+    ("Memcpy DtoH (Device -> Pinned)", "copy"),
+    ("Memset (Device)", "copy"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy_contig<at::native::(anonymous namespace)::"
+     "OpaqueType<2>>", "copy"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>",
+     "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::BFloat16>>", "copy"),
+    ("aten::cat", "copy"),
+    ("aten::copy_", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxNanFunctor<float>>>", "other"),
+    ("triton_poi_fused_mul_silu_0", "other"),
+    ("aten::mul", "other"),
+    ("aten::empty", "other"),
+    ("aten::commit", "other"),  # "mm" inside a word is no matmul
+]
+
+
+@pytest.mark.parametrize("name, kind", KIND_CASES)
+def test_kernel_kind(name, kind):
+    assert bench_ep.kernel_kind(name) == kind
+
+
+def test_every_moe_quant_kernel_class_is_told_by_its_name():
+    import re
+
+    classes = set()
+    for path in (ROOT / "moe_quant" / "kernels").rglob("*.py"):
+        classes |= set(re.findall(r"^class (\w+Kernel)\b", path.read_text(), re.M))
+    assert classes and classes <= set(bench_ep.MOE_QUANT_KERNELS), classes - set(bench_ep.MOE_QUANT_KERNELS)
+    for cls in classes:  # cute's name: the module path, then the class
+        assert bench_ep.kernel_kind(f"kernel_cutlass_kernel_moe_quantkernelsx{cls}_object_at__tensorptrbf16gmem") == \
+            "moe_quant"
+        assert bench_ep.kernel_kind(f"kernel_cutlass_kernel_{cls}_object_at__t") == "moe_quant"
+
+
+def test_short_kernel_names():
+    short = bench_ep.short_kernel_name
+    assert short("kernel_cutlass_kernel_moe_quantkernelsquantize_blockQuantizeBlockKernel_object_at__tensorptrbf16gmem"
+                 "align16odiv32i64div321_None_None_tensorptrf8E4M3FNgmemalign16_tensorptrbf16gmem") == \
+        "QuantizeBlockKernel bf16,f8E4M3FN"
+    assert short("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::BFloat16>, "
+                 "at::detail::Array<char*, 1> >(int, at::native::FillFunctor<c10::BFloat16>, "
+                 "at::detail::Array<char*, 1>)") == "vectorized_elementwise_kernel<4, FillFunctor<BFloat16>, A..."
+    assert short("aten::mm") == "aten::mm" and short("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == \
+        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+    assert all(len(short(n)) <= 60 for n, _ in KIND_CASES)
+
+
+def test_breakdown_of_a_gpu_shaped_trace():
+    """Two profiled steps; the breakdown takes the second: its window runs from its range's start to its last
+    kernel's end, busy counts two overlapping streams once, the host syncs inside the range are counted."""
+    def op(name, a, b, stream=7):
+        return {"name": name, "us": b - a, "scopes": (), "linked": True, "start_us": a, "end_us": b, "stream": stream}
+
+    def host(name, a, b):
+        return {"name": name, "start_us": a, "end_us": b}
+
+    gemm, nccl = "nvjet_tst_128x256_64x4_2x1_v_bz_TNT", "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+    trace = {
+        "ops": [op(gemm, 5, 50), op(nccl, 20, 60, stream=9),  # step 1: not counted
+                op(gemm, 110, 150), op(nccl, 120, 170, stream=9),  # overlap 120-150: busy 110-170 = 60
+                op("Memcpy DtoH (Device -> Pinned)", 180, 182),  # idle 170-180
+                op(gemm, 200, 230), op(gemm, 230, 240)],  # idle 182-200; window ends at 240
+        "host": [host(bench_ep.STEP_RANGE, 0, 70), host("cudaDeviceSynchronize", 70, 75),  # after step 1's range
+                 host(bench_ep.STEP_RANGE, 100, 220), host("cudaLaunchKernel", 101, 102),
+                 host("cudaStreamSynchronize", 182, 190), host("cudaEventSynchronize", 190, 195),
+                 host("cudaDeviceSynchronize", 220, 240)],  # the sync after the range: not the step's
+    }
+    b, ops = bench_ep._breakdown(trace, cuda=True)
+    assert len(ops) == 5 and b["profiled_step"] == 2
+    assert b["wall_ms"] == pytest.approx(0.140) and b["busy_ms"] == pytest.approx(0.102)
+    assert b["idle_ms"] == pytest.approx(0.038) and b["kernel_sum_ms"] == pytest.approx(0.132)
+    assert b["overlap_ms"] == pytest.approx(0.030) and b["kernels"] == 5 and b["streams"] == 2
+    assert b["d2h_copies"] == 1 and b["host_syncs"] == 2 and b["sync_wait_ms"] == pytest.approx(0.013)
+    assert b["syncs"] == {"cudaStreamSynchronize": 1, "cudaEventSynchronize": 1, "cudaDeviceSynchronize": 0}
+    assert b["kinds_ms"] == pytest.approx({"gemm": 0.080, "moe_quant": 0.0, "nccl": 0.050, "copy": 0.002,
+                                           "index": 0.0, "other": 0.0})
+    assert [(k["name"], k["count"], k["us"]) for k in b["top"]] == [
+        (gemm, 3, 80.0), (nccl, 1, 50.0), ("Memcpy DtoH (Device -> Pinned)", 1, 2.0)]
+    assert bench_ep._legs_from_profile(ops, 1) == {"unattributed": pytest.approx(0.050)}
+    assert bench_ep._breakdown({"ops": trace["ops"], "host": []}, cuda=True) == (
+        {"available": False, "reason": f"no {bench_ep.STEP_RANGE} range in the profile"}, [])
+
+
+def test_breakdown_table_prints_every_row_and_the_top_kernels(capsys):
+    b = {"available": True, "source": "CUDA kernels", "profiled_step": 2, "wall_ms": 26.7, "busy_ms": 25.0,
+         "idle_ms": 1.7, "kernel_sum_ms": 26.0, "overlap_ms": 1.0, "kernels": 400, "streams": 3, "d2h_copies": 1,
+         "syncs": {}, "host_syncs": 1, "sync_wait_ms": 0.4,
+         "kinds_ms": dict(zip(bench_ep.KINDS, (15.0, 0.0, 8.0, 1.0, 1.0, 1.0))),
+         "top": [{"name": "nvjet_tst_128x256", "kind": "gemm", "count": 6, "us": 15000.0, "full": "nvjet_tst_128x256"}]}
+    rows = [{"row": r, "label": bench_ep.LABELS[r], "ms": 26.7, "breakdown": b} for r in ("bf16", "titan", "conv_bf16")]
+    rows.append({"row": "p2p", "label": bench_ep.LABELS["p2p"], "ms": 28.4,
+                 "breakdown": {"available": False, "reason": "no bench_ep.step range in the profile"}})
+    bench_ep._print_breakdown({"rows": rows})
+    out = capsys.readouterr().out
+    assert "p2p: no breakdown (no bench_ep.step range in the profile)" in out
+    assert "by GPU kernels" in out and "idle = step - busy" in out
+    lines = out.splitlines()
+    assert any(line.split()[:6] == ["bf16", "26.70", "26.70", "25.00", "1.70", "1.00"] for line in lines), out
+    assert out.count("Top kernels of") == 2 and "Top kernels of (ii) torchtitan" in out  # bf16, titan; p2p had none
+    assert any(line.split() == ["nvjet_tst_128x256", "gemm", "6", "15000", "56.2"] for line in lines), out
 
 
 def _record(fixed_ms, gbps, rows, world=2, scale=None):
