@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# Brings a newer torch (default 2.12.1, the CUDA 13 build) and its triton to a GPU machine that has torch 2.11
-# and cannot reach an index, in parts of under 64 MiB (what one device call carries). torchtitan 0.3.0's FSDP of
-# an MoE block under expert parallelism needs torch >= 2.12 (docs/torchtitan_trainer.md).
+# Brings a newer torch (default 2.12.1, the CUDA 13 build), its triton and an NCCL it can load to a GPU machine that
+# has torch 2.11 and cannot reach an index, in parts of under 64 MiB (what one device call carries). torchtitan
+# 0.3.0's FSDP of an MoE block under expert parallelism needs torch >= 2.12 (docs/torchtitan_trainer.md).
 #
 #   here:            bash scripts/gpu_torch.sh stage          # .gpu/t01 .. .gpu/tNN (git-ignored), ~62 MB each
 #   GPU machine:     bash scripts/gpu_torch.sh keep .gpu/tNN  # one call per part (carry [".gpu/tNN"]): kept in $STASH
 #   GPU machine:     source scripts/gpu_torch.sh install      # joins, checks, installs into $TORCH_SITE, sets PYTHONPATH
 #
-# Only torch and triton travel: torch's NVIDIA libraries are the machine's own (those of its torch 2.11 wheel,
-# found through a link next to the new torch, which its RPATH `$ORIGIN/../../nvidia/...` reads). torch 2.12.1 asks
-# for NCCL 2.29.7 and cuDNN 9.20 where torch 2.11 has 2.28.9 and 9.19: its libtorch_cuda.so needs the same cuDNN,
-# cuBLAS and CUDA runtime functions as 2.11's, and eight NCCL functions more (ncclCommMemStats, ncclCommSuspend,
-# ncclCommResume, ncclPutSignal, ncclSignal, ncclWaitSignal, ncclGetPeerDevicePointer,
-# ncclGetLsaMultimemDevicePointer); it binds them lazily (no BIND_NOW), so only a call of one of those fails.
+# Besides torch and triton only NCCL travels; torch's other NVIDIA libraries are the machine's own (those of its
+# torch 2.11 wheel), linked into $TORCH_SITE/nvidia, where torch's RPATH `$ORIGIN/../../nvidia/...` looks.
+# torch 2.12.1 asks for NCCL 2.29.7, cuDNN 9.20 and cuBLAS 13.1; the machine has NCCL 2.28.9, cuDNN 9.19 and cuBLAS
+# 13.1.0.3. Its libtorch_cuda.so needs the same cuDNN, cuBLAS and CUDA runtime functions as 2.11's, but eight NCCL
+# functions more (ncclCommMemStats, ncclCommSuspend, ncclCommResume, ncclPutSignal, ncclSignal, ncclWaitSignal,
+# ncclGetPeerDevicePointer, ncclGetLsaMultimemDevicePointer): with NCCL 2.28.9 the import fails ("undefined
+# symbol: ncclCommResume", seen on 4 H200s, 2026-11-28). NCCL 2.29.7 is not on the index this was built with; 2.32.3
+# is, and defines all 46 NCCL functions torch 2.12.1 calls (NCCL_VERSION picks another).
 # `install` prints what the new torch then sees (version, CUDA, NCCL, cuDNN, triton).
 TORCH_VERSION=${TORCH_VERSION:-2.12.1}
 TRITON_VERSION=${TRITON_VERSION:-3.7.1}
+NCCL_VERSION=${NCCL_VERSION:-2.32.3}
 STASH=${STASH:-/root/gpu-stash/torch}
 TORCH_SITE=${TORCH_SITE:-/tmp/torch-site}
 PART_BYTES=${PART_BYTES:-62000000}
@@ -29,7 +32,8 @@ _gpu_torch_stage() {
   work=$(mktemp -d)
   plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
   # shellcheck disable=SC2086
-  python3 -m pip download -q --no-deps $plat -d "$work" "torch==$TORCH_VERSION" "triton==$TRITON_VERSION"
+  python3 -m pip download -q --no-deps $plat -d "$work" "torch==$TORCH_VERSION" "triton==$TRITON_VERSION" \
+    "nvidia-nccl-cu13==$NCCL_VERSION"
   rm -rf .gpu/t[0-9]*
   (cd "$work" && ls -- *.whl > wheels.txt && sha256sum -- *.whl > wheels.sha256 && cat -- *.whl > bundle \
      && split -d -a 2 -b "$PART_BYTES" bundle part-)
@@ -46,7 +50,7 @@ _gpu_torch_stage() {
   echo "$n" > "$dir/parts"
   rm -rf "$work"
   du -sh .gpu/t[0-9]* | tr '\n' ' '; echo
-  echo "staged torch $TORCH_VERSION + triton $TRITON_VERSION in $n parts: on the GPU machine one call per part," \
+  echo "staged torch $TORCH_VERSION + triton $TRITON_VERSION + NCCL $NCCL_VERSION in $n parts: on the GPU machine one call per part," \
        "carry [\".gpu/tNN\"], 'bash scripts/gpu_torch.sh keep .gpu/tNN'; then 'source scripts/gpu_torch.sh install'"
 }
 
@@ -83,10 +87,14 @@ _gpu_torch_install() {
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$TORCH_SITE" ./*.whl
     ) || { echo "gpu_torch.sh: install failed" >&2; rm -rf "$tmp"; return 1; }
     rm -rf "$tmp"
-    # torch's RPATH looks for its NVIDIA libraries in ../../nvidia from torch/lib: the machine's own
-    local nv
+    # torch's RPATH looks for its NVIDIA libraries in ../../nvidia from torch/lib: NCCL is the one installed
+    # there with it, the others are linked from the machine's own
+    local nv d
     nv=$(python3 -c "import nvidia, os; print([p for p in nvidia.__path__ if os.path.isdir(os.path.join(p, 'cudnn'))][0])")
-    ln -sfn "$nv" "$TORCH_SITE/nvidia"
+    for d in "$nv"/*/; do
+      d=${d%/}
+      [ -e "$TORCH_SITE/nvidia/$(basename "$d")" ] || ln -s "$d" "$TORCH_SITE/nvidia/$(basename "$d")"
+    done
     touch "$TORCH_SITE/.ready"
   fi
   export PYTHONPATH=$TORCH_SITE${PYTHONPATH:+:$PYTHONPATH}
