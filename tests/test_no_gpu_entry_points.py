@@ -111,3 +111,26 @@ def test_host_glue_script_times_the_kernel_path_on_a_cpu():
     proc = run_python("scripts/host_glue_cpu.py", "--calls", "3", "--rounds", "1", pythonpath=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("round 0: fwd+bwd ") and " us, bwd " in proc.stdout, proc.stdout
+
+
+def test_gpu_torch_script_says_what_is_missing(tmp_path):
+    """``scripts/gpu_torch.sh``: a bare call prints its usage (exit 2); ``keep`` copies a part into the stash;
+    ``install`` with the stash incomplete names what is missing (exit 1) and installs nothing."""
+    script = str(ROOT / "scripts" / "gpu_torch.sh")
+    env = dict(os.environ, STASH=str(tmp_path / "stash"), TORCH_SITE=str(tmp_path / "site"))
+    bare = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 2 and "usage: bash scripts/gpu_torch.sh stage" in bare.stderr, bare.stderr
+    part = tmp_path / "t01"
+    part.mkdir()
+    (part / "part-00").write_bytes(b"x" * 10)
+    keep = subprocess.run(["bash", script, "keep", str(part)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert keep.returncode == 0 and (tmp_path / "stash" / "part-00").read_bytes() == b"x" * 10, keep.stderr
+    install = subprocess.run(["bash", "-c", f"source {script} install"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert install.returncode == 1 and "parts is missing" in install.stderr, install.stderr
+    (tmp_path / "stash" / "parts").write_text("2\n")  # the list says 2 parts; 1 is kept
+    install = subprocess.run(["bash", "-c", f"source {script} install"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert install.returncode == 1 and "1 of 2 parts" in install.stderr, install.stderr
+    assert not (tmp_path / "site").exists()
