@@ -5,8 +5,9 @@ blocks, 5 steps of 2 x 32 tokens per rank) runs ``torchrun --nproc_per_node 2 -m
 examples.titan.config_registry --config deepseek_v3_debug_<variant>`` (``examples.titan.launch`` is
 ``torchtitan.train.main()`` after the shims a released torch lacks) with FSDP and expert parallelism over both
 ranks, torchtitan's DCP checkpoints, and checks: a job resumed from the step-2 checkpoint equals the uninterrupted
-one bit for bit; ranks launched with another ``scale_mode`` all exit with the same error (about 80 s).
-``tests/test_titan_trainer_faults.py`` runs its fault and cross-loading checks. The other tests here cover the
+one bit for bit; ranks launched with another ``scale_mode`` all exit with the same error.
+``tests/test_titan_trainer_faults.py`` reads the fault and cross-loading checks of the same run (one run of every
+check, ``titan_checks.all_checks``: 7 jobs and a mismatch launch, about 140 s). The other tests here cover the
 pieces in-process.
 
 Substituted on this CPU machine (each through a torchtitan option or the smallest hook; none on CUDA):
@@ -16,6 +17,8 @@ Substituted on this CPU machine (each through a torchtitan option or the smalles
 * attention: causal SDPA for flex (no flex backward on the CPU): the configs' ``--moe_quant.attention auto``;
 * gradient reduce-scatter: ``set_force_sum_reduction_for_comms(True)`` on gloo (no ``PREMUL_SUM``), in the
   configs' ``parallelize_fn`` (``examples/titan/parallelize.py``), exact for torchtitan's divide factor 1.0;
+* compute dtype: fp32 (``--training.mixed_precision_param float32``; torchtitan's default bf16 matmuls take the
+  CPU's scalar fallback GEMM where it lacks AVX512-BF16, see ``tests/titan_checks.py``);
 * the optimizer: torchtitan's default ``fused`` AdamW runs on the CPU as it is (nothing substituted).
 """
 
@@ -31,15 +34,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from repo_subprocess import run_python
-from titan_checks import NEEDS_GLOO, SAVE_AT, STEPS, assert_all_passed, run_checks
+from titan_checks import NEEDS_GLOO, SAVE_AT, STEPS, all_checks, assert_all_passed
 
 pytestmark = NEEDS_GLOO
 
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    return run_checks(tmp_path_factory.mktemp("titan_checks"), "--variants", "mxfp8", "--checks", "resume,mismatch",
-                      "--mismatch", "scale_mode=floor")
+    return all_checks(tmp_path_factory)
 
 
 def test_every_check_passes(checks):
@@ -236,7 +238,7 @@ def test_a_job_past_its_timeout_is_killed_with_its_children(tmp_path):
               f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
               "print(os.getsid(0), flush=True)\n"
               "time.sleep(120)\n")
-    job = runs.run([sys.executable, "-c", script], str(tmp_path / "job.log"), timeout=10)
+    job = runs.run([sys.executable, "-c", script], str(tmp_path / "job.log"), timeout=4)
     assert job.rc is None and job.seconds < 60
     assert int((tmp_path / "job.log").read_text().split()[0]) == os.getsid(0)
     child = int(pid_file.read_text())

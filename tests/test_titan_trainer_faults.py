@@ -5,21 +5,21 @@ the launch and what is substituted on the CPU): the last rank kills itself (SIGK
 job in the same dump folder resumes from the step-2 checkpoint: every step's loss equals the uninterrupted
 job's bit for bit; the bf16 job's step-2 checkpoint loads into the converted model (moe_quant's experts and
 dispatcher) and the converted one's into bf16, each continuing at step 3 (DCP raises on a key the checkpoint
-lacks: the state dict keys are the same). About 150 s (6 jobs).
+lacks: the state dict keys are the same). The run is the one ``tests/test_titan_trainer.py`` reads too
+(``titan_checks.all_checks``: whichever module runs first makes it).
 """
 
 from __future__ import annotations
 
 import pytest
-from titan_checks import KILL_AT, NEEDS_GLOO, SAVE_AT, assert_all_passed, run_checks
+from titan_checks import KILL_AT, NEEDS_GLOO, SAVE_AT, all_checks, assert_all_passed
 
 pytestmark = NEEDS_GLOO
 
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    return run_checks(tmp_path_factory.mktemp("titan_faults"), "--variants", "mxfp8", "--checks", "fault,crossload",
-                      "--fault-variants", "mxfp8")
+    return all_checks(tmp_path_factory)
 
 
 def test_every_check_passes(checks):
