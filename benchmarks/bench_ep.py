@@ -64,7 +64,7 @@ from benchmarks.timing import (device_name, peak_memory_bytes, print_table, prog
                                write_json)
 from moe_quant import cli
 from moe_quant.ep import WireLog, mxfp8_row_bytes
-from moe_quant.ep.wire import PROFILE_PREFIX, all_to_all_rows, leg_range
+from moe_quant.ep.wire import PROFILE_PREFIX, all_to_all_mxfp8, all_to_all_rows, leg_range
 from moe_quant.moe import EPMoE, MoE
 
 GPU = dict(dim=7168, hidden=2048, experts_per_rank=8, top_k=2, tokens=16384)
@@ -369,15 +369,21 @@ def _breakdown(trace: dict, cuda: bool) -> tuple[dict, list[dict]]:
 
 
 def _legs_alone(device, world: int, s: dict, iters: int) -> list[dict]:
-    """``all_to_all_single`` of bf16 and MXFP8 rows alone at ``LEG_FRACTIONS`` of a dispatch (even splits)."""
+    """One leg alone, bf16 rows (one ``all_to_all_single``) and MXFP8 rows (data and scales, two), at
+    ``LEG_FRACTIONS`` of a dispatch (even splits)."""
     out = []
     full = s["tokens"] * s["top_k"]
     for wire, row_bytes in (("bf16", 2 * s["dim"]), ("mxfp8", mxfp8_row_bytes(s["dim"]))):
         for frac in LEG_FRACTIONS:
             n_rows = max(world, int(full * frac) // world * world)
             splits = [n_rows // world] * world
-            buf = torch.zeros(n_rows, row_bytes, dtype=torch.uint8, device=device)
-            fn = lambda: all_to_all_rows(buf, splits, splits, None, "bench")  # noqa: E731
+            if wire == "bf16":
+                buf = torch.zeros(n_rows, row_bytes, dtype=torch.uint8, device=device)
+                fn = lambda: all_to_all_rows(buf, splits, splits, None, "bench")  # noqa: E731
+            else:  # what an MXFP8 leg sends: the data and the scales, two exchanges
+                buf = (torch.zeros(n_rows, s["dim"], dtype=torch.uint8, device=device).view(torch.float8_e4m3fn),
+                       torch.zeros(n_rows, s["dim"] // 32, dtype=torch.uint8, device=device))
+                fn = lambda: all_to_all_mxfp8(*buf, splits, splits, None, "bench")  # noqa: E731
             for _ in range(2):
                 fn()
             times = [_timed(fn, device) for _ in range(iters)]

@@ -10,7 +10,7 @@
 * :mod:`moe_quant.ep.agree`: the settings every rank sends with its counts (ranks that disagree all raise).
 * :mod:`moe_quant.ep.capacity`: the sync-free mode (fixed capacity, static sizes, no host read).
 * :mod:`moe_quant.ep.blocks`: the point-to-point transport (``transport="p2p"``: each (rank, expert) block
-  sent straight into the order it is used in, no pack or permute copies).
+  sent straight into the order it is used in, no permutation passes).
 * :mod:`moe_quant.ep.pipeline`: the experts run range by range while the other ranges travel (``chunks``).
 * :mod:`moe_quant.ep.titan`: torchtitan components (the dispatcher's ``Config``, a model converter);
   imports torchtitan only when used (its classes: :mod:`moe_quant.ep.titan_classes`).

@@ -1,10 +1,10 @@
 """The point-to-point transport of expert parallelism: every (peer, expert) block of rows goes straight from
 where it is to where it is used, and the exchange can run in chunks of local experts that overlap the experts.
 
-The all-to-all transport (:mod:`moe_quant.ep.legs`) hands ``all_to_all_single`` one buffer per leg, in
-(source rank, local expert) order: the MXFP8 rows are packed (data and scales concatenated, one copy),
-the received rows unpacked and permuted into expert-major order (one more copy and a permutation pass), and
-the expert outputs permuted back before the combine. Here the synced mode knows every block's size on the
+The all-to-all transport (:mod:`moe_quant.ep.legs`) hands ``all_to_all_single`` whole buffers per leg (MXFP8:
+the data and the scales, two exchanges), in (source rank, local expert) order: the received rows are
+permuted into expert-major order (a permutation pass), and the expert outputs permuted back before the
+combine. Here the synced mode knows every block's size on the
 host (the one host read of the counts), so each leg is one batch of point-to-point sends and receives
 (``torch.distributed.batch_isend_irecv``, one NCCL group) whose slices are already in place:
 

@@ -43,7 +43,7 @@ from .. import quantize as q
 from ..numerics import ScaleMode
 from .legs import Wire
 from .permute import dequantize_rows
-from .wire import WireLog, all_to_all_rows, leg_range, pack_mxfp8, row_bytes_view, unpack_mxfp8
+from .wire import WireLog, all_to_all_mxfp8, all_to_all_rows, leg_range, row_bytes_view
 
 OVERFLOW = ("error", "drop")
 
@@ -157,8 +157,9 @@ def _forward_leg(x_sorted: torch.Tensor, route: CapacityRoute, leg: str) -> torc
     s = [route.slots] * route.world
     if route.wire is Wire.MXFP8:
         data, scales = q.quantize_rowwise(x_sorted, route.mode)
-        buf = _gather(pack_mxfp8(data, scales), route.send_idx, route.send_valid)
-        data_r, scales_r = unpack_mxfp8(all_to_all_rows(buf, s, s, route.group, leg), x_sorted.shape[1])
+        data_s = _gather(data, route.send_idx, route.send_valid)
+        scales_s = _gather(scales.view(torch.uint8), route.send_idx, route.send_valid)
+        data_r, scales_r = all_to_all_mxfp8(data_s, scales_s, s, s, route.group, leg)
         data_p, scales_p = _gather(data_r, route.src, route.valid), _gather(scales_r, route.src, route.valid)
         values = dequantize_rows(data_p, scales_p, x_sorted.dtype)
         if backends.supports_scaled_grouped_mm(x_sorted.device):
@@ -213,7 +214,7 @@ class SlotExchange:
                  receives: list, rows: int):
         self.group, self.wire, self.mode, self.world = group, wire, mode, world
         self.ranges, self.plans, self.receives, self.rows = ranges, plans, receives, rows
-        self._posted: dict = {}  # (leg, range) -> (work, sent buffer, receive buffer)
+        self._posted: dict = {}  # (leg, range) -> [(work, sent buffer, receive buffer)] (MXFP8: data, scales)
         self._issued: set = set()
         self._dtypes: dict = {}  # leg -> (dtype, D) of its rows
 
@@ -223,36 +224,42 @@ class SlotExchange:
     def _slots(self, c: int) -> int:
         return self.world * self.plans[c][3]
 
-    def _post(self, leg: str, c: int, buf: torch.Tensor) -> None:
-        buf = row_bytes_view(buf.contiguous())
-        out = torch.empty_like(buf)
-        WireLog._record(leg, buf)
+    def _post(self, leg: str, c: int, *bufs: torch.Tensor) -> None:
+        """Post one asynchronous exchange of each buffer (MXFP8: the data, then the scales), recorded as one leg."""
+        bufs = [row_bytes_view(b.contiguous()) for b in bufs]
+        WireLog.record_rows(leg, bufs[0].shape[0], sum(b.numel() for b in bufs))
+        posted = []
         with leg_range(leg):
-            work = dist.all_to_all_single(out, buf, group=self.group, async_op=True)
-        self._posted[(leg, c)] = (work, buf, out)
+            for buf in bufs:
+                out = torch.empty_like(buf)
+                posted.append((dist.all_to_all_single(out, buf, group=self.group, async_op=True), buf, out))
+        self._posted[(leg, c)] = posted
 
-    def _wait(self, leg: str, c: int) -> torch.Tensor:
-        work, _, out = self._posted.pop((leg, c))
-        work.wait()
-        return out
+    def _wait(self, leg: str, c: int) -> list[torch.Tensor]:
+        outs = []
+        for work, _, out in self._posted.pop((leg, c)):
+            work.wait()
+            outs.append(out)
+        return outs
 
     def to_experts(self, leg: str, rows: torch.Tensor, order, quantized: tuple | None = None) -> None:
         rows = rows.contiguous()
         self._dtypes[leg] = (rows.dtype, rows.shape[1])
+        parts = [rows]
         if self.wire is Wire.MXFP8:
             data, scales = quantized if quantized is not None else q.quantize_rowwise(rows, self.mode)
-            rows = pack_mxfp8(data, scales)
+            parts = [data, scales.view(torch.uint8)]
         for c in order:
             send_idx, send_valid = self.plans[c][:2]
-            self._post(leg, c, _gather(rows, send_idx, send_valid))
+            self._post(leg, c, *(_gather(p, send_idx, send_valid) for p in parts))
 
     def arrived(self, leg: str, c: int) -> torch.Tensor:
-        out = self._wait(leg, c)
+        outs = self._wait(leg, c)
         dtype, d = self._dtypes[leg]
         src, valid, _ = self.receives[c]
         if self.wire is not Wire.MXFP8:
-            return _gather(out.view(dtype).reshape(out.shape[0], d), src, valid)
-        data_r, scales_r = unpack_mxfp8(out, d)
+            return _gather(outs[0].view(dtype).reshape(outs[0].shape[0], d), src, valid)
+        data_r, scales_r = outs[0].view(torch.float8_e4m3fn), outs[1]
         data_p, scales_p = _gather(data_r, src, valid), _gather(scales_r, src, valid)
         values = dequantize_rows(data_p, scales_p, dtype)
         if backends.supports_scaled_grouped_mm(values.device):
@@ -274,7 +281,7 @@ class SlotExchange:
         dtype, d = self._dtypes[leg]
         out = torch.zeros(self.rows, d, dtype=dtype, device=like.device)
         for c in range(len(self.ranges)):
-            back = self._wait(leg, c).view(dtype).reshape(-1, d)
+            back = self._wait(leg, c)[0].view(dtype).reshape(-1, d)
             slot_of_row, in_range = self.plans[c][2], self.plans[c][4]
             inside = slot_of_row < self._slots(c)
             out = torch.where(in_range.unsqueeze(1), _gather(back, torch.where(inside, slot_of_row, 0), inside), out)

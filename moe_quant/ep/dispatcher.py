@@ -38,7 +38,7 @@ class EPDispatchMetadata:
 
 
 class Transport(Choice):
-    ALL_TO_ALL = "all_to_all"  # one all_to_all_single per leg (rows packed, permuted); compiles
+    ALL_TO_ALL = "all_to_all"  # all_to_all_single per leg (MXFP8: data, then scales), rows permuted; compiles
     P2P = "p2p"  # point-to-point blocks placed where they are used (moe_quant.ep.blocks); eager, synced mode
     __argname__ = "transport"
 
@@ -76,8 +76,8 @@ class MXFP8TokenDispatcher:
             capacity of every rank alike. ``None`` (default): the largest T of the ranks at the first
             dispatch, agreed in the one-time handshake (its host read). A later dispatch with more tokens
             on a rank than the bound overflows (counted, never mismatched sizes).
-        transport: synced mode: ``"all_to_all"`` (default: one ``all_to_all_single`` per leg, the rows
-            packed and permuted; compiles) or ``"p2p"`` (:mod:`moe_quant.ep.blocks`: each (rank, expert)
+        transport: synced mode: ``"all_to_all"`` (default: ``all_to_all_single`` per leg, MXFP8 data
+            and scales as two exchanges, the rows permuted; compiles) or ``"p2p"`` (:mod:`moe_quant.ep.blocks`: each (rank, expert)
             block sent point to point straight into the order it is used in, no pack or permute copies;
             eager; under ``torch.compile`` the all-to-all transport runs, the same bits). The sync-free
             mode always uses the all-to-all.
@@ -101,7 +101,7 @@ class MXFP8TokenDispatcher:
     host read). torchtitan's graph passes (its graph_trainer experiment) do not tag them here: they wrap
     torchtitan's own class attributes, which this class does not inherit, and expect bare tagged
     all-to-all nodes, while the token exchanges here run inside the differentiable legs of
-    :mod:`moe_quant.ep.legs` (quantize, pack, all-to-all, permute); docs/torchtitan.md ("torchtitan's graph
+    :mod:`moe_quant.ep.legs` (quantize, all-to-all, permute); docs/torchtitan.md ("torchtitan's graph
     passes") says what that means for them.
     """
 

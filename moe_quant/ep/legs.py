@@ -34,7 +34,7 @@ from .. import prequantized as pq
 from .. import quantize as q
 from ..numerics import ScaleMode
 from . import agree, permute
-from .wire import all_to_all_rows, pack_mxfp8, unpack_mxfp8
+from .wire import all_to_all_mxfp8, all_to_all_rows
 
 
 class Wire(Choice):
@@ -221,8 +221,7 @@ def _send_mxfp8(x: torch.Tensor, route: Route, leg: str, quantized: tuple | None
     send them (splits of the forward direction), and return the received rows dequantized in expert-major
     order, registered as known MXFP8."""
     data, scales = quantized if quantized is not None else q.quantize_rowwise(x, route.mode)
-    recv = all_to_all_rows(pack_mxfp8(data, scales), route.output_splits, route.input_splits, route.group, leg)
-    data_r, scales_r = unpack_mxfp8(recv, x.shape[1])
+    data_r, scales_r = all_to_all_mxfp8(data, scales, route.output_splits, route.input_splits, route.group, leg)
     if backends.supports_scaled_grouped_mm(x.device):  # the scaled GEMM reads the fp8 data and scales too
         data_p, scales_p, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="plain")
         values = permute.dequantize_rows(data_p, scales_p, x.dtype)

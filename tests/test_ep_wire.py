@@ -1,0 +1,86 @@
+"""The MXFP8 wire moves the quantize kernel's outputs as they are: no packed buffer on either side.
+
+Each MXFP8 leg hands ``all_to_all_single`` the data and the scales (two exchanges of the same row splits),
+so the sender makes no ``torch.cat`` of them and the receiver's permutation gets contiguous rows (before,
+a packed ``(M, K + K/32)`` buffer cost a copy on each side: 1.0 ms of the receiver's alone at EP = 4 on H200s,
+docs/ep_performance.md). One rank over gloo: the same code as any world size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_quant.ep import MXFP8TokenDispatcher, WireLog, mxfp8_row_bytes
+from moe_quant.ep import permute as ep_permute
+
+T, K, E, TOP_K = 24, 64, 4, 2
+
+
+@pytest.fixture
+def one_rank():
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+class _BigByteOps(TorchDispatchMode):
+    """Ops that produce a 1-byte-element tensor of at least ``n`` elements (fp8 data, packed rows)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.seen = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and t.element_size() == 1 and t.numel() >= self.n:
+                self.seen.append(func.overloadpacket.__name__)
+        return out
+
+
+def _routing(gen):
+    x = torch.randn(T, K, generator=gen, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(T)])
+    scores = torch.rand(T, TOP_K, generator=gen)
+    return x, scores, ids, torch.bincount(ids.flatten(), minlength=E)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 2.0], ids=["synced", "sync_free"])
+def test_mxfp8_leg_sends_data_and_scales_without_a_packed_copy(one_rank, monkeypatch, capacity_factor):
+    sent, permuted = [], []
+    real_a2a, real_permute = dist.all_to_all_single, ep_permute.permute_received
+
+    def a2a(out, inp, *args, **kwargs):
+        sent.append((inp.dtype, tuple(inp.shape), inp.is_contiguous()))
+        return real_a2a(out, inp, *args, **kwargs)
+
+    def permute(data, scales, counts, **kwargs):
+        permuted.append((data.is_contiguous(), scales.is_contiguous()))
+        return real_permute(data, scales, counts, **kwargs)
+
+    monkeypatch.setattr(dist, "all_to_all_single", a2a)
+    monkeypatch.setattr(ep_permute, "permute_received", permute)
+    x, scores, ids, counts = _routing(torch.Generator().manual_seed(0))
+    disp = MXFP8TokenDispatcher(E, TOP_K, wire="mxfp8", capacity_factor=capacity_factor)
+    plain = MXFP8TokenDispatcher(E, TOP_K, wire="bf16", capacity_factor=capacity_factor)
+    want, _, _ = plain.dispatch(x, scores, ids, counts)
+    sent.clear()
+    with WireLog() as log, _BigByteOps(T * TOP_K * K) as ops:
+        got, tokens, _ = disp.dispatch(x, scores, ids, counts)
+    rows = T * TOP_K if capacity_factor is None else got.shape[0]
+    # the token leg: the data (rows, K) and the scales (rows, K / 32), each handed over as it is
+    token_legs = [s for s in sent if s[1][0] == rows]
+    assert token_legs == [(torch.uint8, (rows, K), True), (torch.uint8, (rows, K // 32), True)], sent
+    assert "cat" not in ops.seen, ops.seen  # no packed buffer on the sender
+    if capacity_factor is None:
+        assert permuted == [(True, True)], permuted  # the receiver's permutation reads contiguous rows
+    assert log.by_leg("dispatch") == (rows, rows * mxfp8_row_bytes(K))  # one leg, data and scales together
+    # and the rows are what they were: the bf16 wire's rows, quantized and dequantized (MXFP8 rounds them)
+    assert got.shape == want.shape and int(tokens.sum()) == T * TOP_K
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -3, atol=2 ** -6)
