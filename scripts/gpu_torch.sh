@@ -100,8 +100,12 @@ _gpu_torch_install() {
   export PYTHONPATH=$TORCH_SITE${PYTHONPATH:+:$PYTHONPATH}
   python3 - <<'PY'
 import torch, triton
+try:  # torch checks the cuDNN it finds against its own on first use: 9.19 (the machine's) fails 2.12.1's 9.20
+    cudnn = torch.backends.cudnn.version()
+except RuntimeError as e:
+    cudnn = f"unusable ({str(e).split(':')[1].strip()}); what needs cuDNN fails, the rest runs"
 print("gpu_torch.sh: torch", torch.__version__, "from", torch.__file__, "| CUDA", torch.version.cuda,
-      "| NCCL", ".".join(map(str, torch.cuda.nccl.version())), "| cuDNN", torch.backends.cudnn.version(),
+      "| NCCL", ".".join(map(str, torch.cuda.nccl.version())), "| cuDNN", cudnn,
       "| triton", triton.__version__, "| GPUs", torch.cuda.device_count())
 PY
 }

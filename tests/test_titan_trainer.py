@@ -211,6 +211,45 @@ def test_a2a_legs_follow_the_kernel_order(tmp_path):
     assert res["attributed"] and res["legs_ms"] == {"counts": [1.0, 4.0], "dispatch": [2.0, 5.0], "combine": [3.0, 6.0],
                                                     "combine backward": [7.0, 9.0], "dispatch backward": [8.0, 10.0]}
     assert a2a_legs(str(path), moe_layers=3)["attributed"] is False
+    # moe_quant's MXFP8 wire: two kernels (data, scales) per MXFP8 leg, summed; the same kernels do not fit it
+    assert a2a_legs(str(path), moe_layers=2, kernel_legs="mxfp8 wire")["attributed"] is False
+
+
+def test_a2a_legs_of_the_mxfp8_wire_and_report_only(tmp_path, capsys):
+    """moe_quant's dispatcher on the MXFP8 wire sends dispatch and combine backward as two exchanges each (data,
+    scales): 4 kernels per layer forward, 3 backward, each MXFP8 leg the sum of its two. ``--report-only``
+    attributes the stored kernel times again (the pattern from the job's setup) and keeps the record's own
+    device and torch."""
+    from examples.titan import bench
+
+    # 2 layers: forward (counts, data, scales, combine) x 2, backward (data, scales, dispatch bwd) x 2
+    ms = [0.1, 1.0, 0.01, 2.0, 0.2, 1.5, 0.02, 2.5, 3.0, 0.03, 4.0, 3.5, 0.04, 4.5]
+    got = bench.attribute_legs(ms, 2, "mxfp8 wire")
+    assert got["attributed"] and got["legs_ms"] == {
+        "counts": [0.1, 0.2], "dispatch": [1.01, 1.52], "combine": [2.0, 2.5],
+        "combine backward": [3.03, 3.54], "dispatch backward": [4.0, 4.5]}
+    assert bench.attribute_legs(ms, 2, "one per leg")["attributed"] is False  # 14 kernels, not 10
+    assert bench.kernel_legs_of({"dispatcher_settings": [{"wire": "mxfp8"}]}) == "mxfp8 wire"
+    assert bench.kernel_legs_of({"dispatcher_settings": [{}]}) == "one per leg"  # torchtitan's dispatcher
+    assert bench.kernel_legs_of(None) == "one per leg"
+
+    def result(variant, settings, kernel_ms):
+        return {"variant": variant, "mode": "eager", "rc": 0, "wall_s": 1.0, "final_loss": 5.0, "losses": [5.0],
+                "tokens_per_s_per_gpu": {"median": 1.0, "min": 1.0, "max": 1.0}, "peak_reserved_gib": {"0": 1.0},
+                "setup": {"dispatcher_settings": [settings]},
+                "a2a_per_rank": {"rank0": {"attributed": False, "ms": kernel_ms}}}
+
+    record = {"torch": "2.99", "nproc": 4, "flavor": "16B", "layers": 3, "steps": 1, "warmup": 0, "tail": 1,
+              "extra": [], "device": "Some GPU", "results": [result("bf16", {}, [1.0] * 10),
+                                                            result("mxfp8", {"wire": "mxfp8"}, ms)]}
+    (tmp_path / "bench.json").write_text(json.dumps(record))
+    assert bench.main(["--out", str(tmp_path), "--report-only"]) == 0
+    out = json.loads((tmp_path / "bench.json").read_text())
+    assert (out["device"], out["torch"]) == ("Some GPU", "2.99")
+    mx = next(r for r in out["results"] if r["variant"] == "mxfp8")
+    assert mx["a2a_ms"]["dispatch"] == pytest.approx(1.265) and mx["a2a_ms"]["combine backward"] == pytest.approx(3.285)
+    table = (tmp_path / "bench.md").read_text()
+    assert "Some GPU, torch 2.99" in table and "| 1.27 / 2.25 / 3.29 / 4.25 (0.15) |" in table, table
 
 
 def test_script_arguments_are_checked(capsys):

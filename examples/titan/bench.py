@@ -16,7 +16,11 @@ the job's per-rank metrics (:mod:`examples.titan.metrics`, torchtitan's own numb
 * the all-to-all time per leg, from torchtitan's profiler (``--profiler.enable_profiling``, the last step): the
   NCCL all-to-all kernels of that step (``ncclDevKernel_SendRecv``: ``all_to_all_single`` is grouped
   send/recv), in their order: per MoE layer forward the counts, dispatch and combine exchanges, backward the
-  combine and dispatch exchanges (in reverse layer order); the median over the layers and ranks of each leg.
+  combine and dispatch exchanges (in reverse layer order; :data:`KERNEL_LEGS`: torchtitan's dispatcher makes
+  one kernel per leg, moe_quant's on the MXFP8 wire two for each MXFP8 leg, the data and the scales, summed);
+  the median over the layers and ranks of each leg. A step whose kernel count does not match is reported
+  unattributed (``n/a``), never guessed. The kernel times are kept in ``bench.json``, so ``--report-only``
+  attributes them again.
 
 Every finished job adds its row at once to ``<out>/bench.json``, ``<out>/bench.md`` (the table) and
 ``<out>/losses.png`` (every variant's loss curve): a run killed at its time limit keeps what finished, and a
@@ -46,6 +50,20 @@ from examples.titan import runs
 A2A_KERNEL = re.compile(r"SendRecv|AllToAll|alltoall", re.IGNORECASE)
 LEGS_FORWARD = ("counts", "dispatch", "combine")
 LEGS_BACKWARD = ("combine backward", "dispatch backward")
+# The all-to-all kernels of one MoE layer, in launch order (forward, backward), per token dispatcher: torchtitan's
+# (and moe_quant's on the bf16 wire) one per leg; moe_quant's on the MXFP8 wire (synced or sync-free) sends each
+# MXFP8 leg as two exchanges, the data and the scales (moe_quant.ep.wire.all_to_all_mxfp8).
+KERNEL_LEGS = {
+    "one per leg": (LEGS_FORWARD, LEGS_BACKWARD),
+    "mxfp8 wire": (("counts", "dispatch", "dispatch", "combine"),
+                   ("combine backward", "combine backward", "dispatch backward")),
+}
+
+
+def kernel_legs_of(setup: dict | None) -> str:
+    """The :data:`KERNEL_LEGS` key of a job, from what it built (``parallelize.describe``: rank 0's setup)."""
+    settings = (setup or {}).get("dispatcher_settings") or [{}]
+    return "mxfp8 wire" if settings[0].get("wire") == "mxfp8" else "one per leg"
 
 
 def parse_args(argv=None):
@@ -92,25 +110,49 @@ def _spread(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def a2a_legs(trace_path: str, moe_layers: int) -> dict:
+def a2a_legs(trace_path: str, moe_layers: int, kernel_legs: str = "one per leg") -> dict:
     """The all-to-all kernels of one rank's profiled step, attributed to legs by their order (see the module doc)."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt", encoding="utf-8") as f:
         events = json.load(f).get("traceEvents", [])
     kernels = sorted((e for e in events if e.get("cat") == "kernel" and A2A_KERNEL.search(e.get("name", ""))),
                      key=lambda e: e.get("ts", 0))
-    names = sorted({e["name"] for e in kernels})
-    expected = moe_layers * (len(LEGS_FORWARD) + len(LEGS_BACKWARD))
-    if len(kernels) != expected:
-        return {"attributed": False, "kernels": len(kernels), "expected": expected, "names": names,
-                "ms": [e.get("dur", 0) / 1e3 for e in kernels]}
+    res = {"names": sorted({e["name"] for e in kernels}), "ms": [e.get("dur", 0) / 1e3 for e in kernels]}
+    return res | attribute_legs(res["ms"], moe_layers, kernel_legs)
+
+
+def attribute_legs(ms: list, moe_layers: int, kernel_legs: str) -> dict:
+    """Kernel times of a step, in launch order, to legs by the :data:`KERNEL_LEGS` pattern: per layer, the forward
+    pattern (layers in order), then the backward pattern (layers in reverse); a leg of several kernels is their sum.
+    ``{"attributed": False, ...}`` where the count does not match the pattern."""
+    forward, backward = KERNEL_LEGS[kernel_legs]
+    expected = moe_layers * (len(forward) + len(backward))
+    if len(ms) != expected:
+        return {"attributed": False, "kernels": len(ms), "expected": expected, "kernel_legs": kernel_legs}
     legs = {leg: [] for leg in LEGS_FORWARD + LEGS_BACKWARD}
-    forward, backward = kernels[:3 * moe_layers], kernels[3 * moe_layers:]
-    for i, e in enumerate(forward):
-        legs[LEGS_FORWARD[i % 3]].append(e["dur"] / 1e3)
-    for i, e in enumerate(backward):
-        legs[LEGS_BACKWARD[i % 2]].append(e["dur"] / 1e3)
-    return {"attributed": True, "kernels": len(kernels), "names": names, "legs_ms": legs}
+    i = 0
+    for pattern in [forward] * moe_layers + [backward] * moe_layers:
+        layer = {}
+        for leg in pattern:
+            layer[leg] = layer.get(leg, 0.0) + ms[i]
+            i += 1
+        for leg, t in layer.items():
+            legs[leg].append(t)
+    return {"attributed": True, "kernels": len(ms), "kernel_legs": kernel_legs, "legs_ms": legs}
+
+
+def _a2a_summary(res: dict, moe_layers: int) -> None:
+    """``res["a2a_ms"]``: each leg's median over layers and ranks, from the kernel times in ``res["a2a_per_rank"]``."""
+    kernel_legs = kernel_legs_of(res.get("setup"))
+    legs = {}
+    for rank, r in res["a2a_per_rank"].items():
+        if "ms" in r:  # attribute again (a record of an earlier run, or another pattern)
+            r.update(attribute_legs(r["ms"], moe_layers, kernel_legs))
+            if r["attributed"]:
+                r.pop("expected", None)
+        for leg, ms in r.get("legs_ms", {}).items():
+            legs.setdefault(leg, []).extend(ms)
+    res["a2a_ms"] = {leg: statistics.median(v) for leg, v in legs.items()} if legs else None
 
 
 def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
@@ -139,13 +181,9 @@ def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
         res["log_tail"] = runs.log_tail(job.log)
     traces = sorted(Path(dump).glob("profiling/traces/iteration_*/rank*_trace.json*"))
     if traces:
-        per_rank = {t.name.split("_")[0]: a2a_legs(str(t), args.layers - 1) for t in traces}
-        res["a2a_per_rank"] = per_rank
-        legs = {}
-        for r in per_rank.values():
-            for leg, ms in r.get("legs_ms", {}).items():
-                legs.setdefault(leg, []).extend(ms)
-        res["a2a_ms"] = {leg: statistics.median(v) for leg, v in legs.items()} if legs else None
+        kernel_legs = kernel_legs_of(res["setup"])
+        res["a2a_per_rank"] = {t.name.split("_")[0]: a2a_legs(str(t), args.layers - 1, kernel_legs) for t in traces}
+        _a2a_summary(res, args.layers - 1)
     return res
 
 
@@ -228,13 +266,19 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench.json"
     record = json.loads(path.read_text()) if path.exists() else {"results": []}
+    if args.report_only:  # the record's own settings and device stay; the kernel times are attributed again
+        if not record["results"]:
+            print(f"--report-only: no results in {path}", file=sys.stderr)
+            return 2
+        for r in record["results"]:
+            if r.get("a2a_per_rank"):
+                _a2a_summary(r, record["layers"] - 1)
+        return report(args, record, out)
     record.update({"torch": torch.__version__, "nproc": args.nproc, "flavor": args.flavor, "layers": args.layers,
                    "steps": args.steps, "warmup": args.warmup, "tail": args.tail, "extra": args.extra,
                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                    "command": " ".join([sys.executable, "-m", "examples.titan.bench", *sys.argv[1:]])})
     todo = [(m, v) for m in args.modes for v in args.variants]
-    if args.report_only:
-        todo = []
     config = {k: record[k] for k in ("torch", "nproc", "flavor", "layers", "steps", "extra", "device")}
     done = {(r["mode"], r["variant"]) for r in record["results"] if r["rc"] == 0 and r.get("config") == config}
     if not args.redo:
@@ -263,6 +307,11 @@ def main(argv=None) -> int:
         eta = sum(statistics.fmean(times.get(m) or times[mode]) for m in rest)
         print(f"    rc {job.rc}, {job.seconds:.0f} s, tokens/s/GPU {_fmt(res['tokens_per_s_per_gpu']['median'])}, "
               f"final loss {_fmt(res['final_loss'], '.4f')}; {len(rest)} job(s) left, about {eta:.0f} s", flush=True)
+    return report(args, record, out)
+
+
+def report(args, record: dict, out: Path) -> int:
+    """Write and print the table and the loss check; the exit status (1: a job failed or a loss is off)."""
     write(args, record, out)
     print(table(record))
     checks = record["loss_check"]
