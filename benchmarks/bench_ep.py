@@ -47,7 +47,6 @@ self time by the same kinds, busy = the union of the ops' spans.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import re
@@ -379,11 +378,11 @@ def _legs_alone(device, world: int, s: dict, iters: int) -> list[dict]:
             splits = [n_rows // world] * world
             if wire == "bf16":
                 buf = torch.zeros(n_rows, row_bytes, dtype=torch.uint8, device=device)
-                fn = lambda: all_to_all_rows(buf, splits, splits, None, "bench")  # noqa: E731
+                fn = lambda buf=buf: all_to_all_rows(buf, splits, splits, None, "bench")  # noqa: E731
             else:  # what an MXFP8 leg sends: the data and the scales, two exchanges
                 buf = (torch.zeros(n_rows, s["dim"], dtype=torch.uint8, device=device).view(torch.float8_e4m3fn),
                        torch.zeros(n_rows, s["dim"] // 32, dtype=torch.uint8, device=device))
-                fn = lambda: all_to_all_mxfp8(*buf, splits, splits, None, "bench")  # noqa: E731
+                fn = lambda buf=buf: all_to_all_mxfp8(*buf, splits, splits, None, "bench")  # noqa: E731
             for _ in range(2):
                 fn()
             times = [_timed(fn, device) for _ in range(iters)]

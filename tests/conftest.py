@@ -50,6 +50,20 @@ def spy_on(monkeypatch, owner, name: str) -> list:
 
 
 @pytest.fixture
+def gloo_group():
+    """A one-rank gloo default process group for the test (in this process), destroyed after it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def block_calls(monkeypatch):
     """Calls of moe_quant's fused SwiGLU expert block (conversion looks ``moe_quant.autograd.mxfp8_swiglu_experts``
     up on each call), counted also while ``torch.compile`` traces."""

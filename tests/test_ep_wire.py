@@ -18,17 +18,6 @@ from moe_quant.ep import permute as ep_permute
 T, K, E, TOP_K = 24, 64, 4, 2
 
 
-@pytest.fixture
-def one_rank():
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("needs torch.distributed with gloo")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
-
-
 class _BigByteOps(TorchDispatchMode):
     """Ops that produce a 1-byte-element tensor of at least ``n`` elements (fp8 data, packed rows)."""
 
@@ -52,7 +41,7 @@ def _routing(gen):
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 2.0], ids=["synced", "sync_free"])
-def test_mxfp8_leg_sends_data_and_scales_without_a_packed_copy(one_rank, monkeypatch, capacity_factor):
+def test_mxfp8_leg_sends_data_and_scales_without_a_packed_copy(gloo_group, monkeypatch, capacity_factor):
     sent, permuted = [], []
     real_a2a, real_permute = dist.all_to_all_single, ep_permute.permute_received
 

@@ -12,7 +12,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
@@ -185,17 +184,6 @@ def test_copies_pickles_and_state_dict():
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), mod.parameters()))
     unconvert(mod)
     assert type(mod) is OwnExperts and torch.equal(mod(x, COUNTS), plain(x, COUNTS))
-
-
-@pytest.fixture
-def gloo_group():
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("needs torch.distributed with gloo")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("order", ["convert_then_shard", "shard_then_convert"])
