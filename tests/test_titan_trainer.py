@@ -243,7 +243,11 @@ def test_a2a_legs_of_the_mxfp8_wire_and_report_only(tmp_path, capsys):
               "extra": [], "device": "Some GPU", "results": [result("bf16", {}, [1.0] * 10),
                                                             result("mxfp8", {"wire": "mxfp8"}, ms)]}
     (tmp_path / "bench.json").write_text(json.dumps(record))
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
     assert bench.main(["--out", str(tmp_path), "--report-only"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is handler  # report-only starts no job: the process's handler stays
     out = json.loads((tmp_path / "bench.json").read_text())
     assert (out["device"], out["torch"]) == ("Some GPU", "2.99")
     mx = next(r for r in out["results"] if r["variant"] == "mxfp8")

@@ -261,7 +261,6 @@ def write(args, record: dict, out: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    runs.exit_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench.json"
@@ -274,6 +273,7 @@ def main(argv=None) -> int:
             if r.get("a2a_per_rank"):
                 _a2a_summary(r, record["layers"] - 1)
         return report(args, record, out)
+    runs.exit_on_sigterm()  # jobs run from here: a time limit's SIGTERM kills their process groups on the way out
     record.update({"torch": torch.__version__, "nproc": args.nproc, "flavor": args.flavor, "layers": args.layers,
                    "steps": args.steps, "warmup": args.warmup, "tail": args.tail, "extra": args.extra,
                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
