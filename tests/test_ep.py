@@ -378,6 +378,6 @@ def test_host_reads_the_counts_after_queuing_the_sort_and_the_quantization(wire,
     then the token exchange (MXFP8: the data, then the scales, two ``all_to_all_single``). (Before: sort,
     counts, read, then the quantization.)"""
     for seen in ep2[f"host_read_order_{wire}"]:
-        want = ["exchange", "sort"] + (["quantize"] if wire == "mxfp8" else []) + ["read", "exchange"]
-        want += ["exchange"] if wire == "mxfp8" else []
+        mxfp8 = wire == "mxfp8"
+        want = ["exchange", "sort"] + ["quantize"] * mxfp8 + ["read", "exchange"] + ["exchange"] * mxfp8
         assert seen == want, seen

@@ -110,14 +110,19 @@ def _spread(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def a2a_legs(trace_path: str, moe_layers: int, kernel_legs: str = "one per leg") -> dict:
-    """The all-to-all kernels of one rank's profiled step, attributed to legs by their order (see the module doc)."""
+def a2a_kernels(trace_path: str) -> dict:
+    """The all-to-all kernels of one rank's profiled step: their names and their times (ms) in launch order."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt", encoding="utf-8") as f:
         events = json.load(f).get("traceEvents", [])
     kernels = sorted((e for e in events if e.get("cat") == "kernel" and A2A_KERNEL.search(e.get("name", ""))),
                      key=lambda e: e.get("ts", 0))
-    res = {"names": sorted({e["name"] for e in kernels}), "ms": [e.get("dur", 0) / 1e3 for e in kernels]}
+    return {"names": sorted({e["name"] for e in kernels}), "ms": [e.get("dur", 0) / 1e3 for e in kernels]}
+
+
+def a2a_legs(trace_path: str, moe_layers: int, kernel_legs: str = "one per leg") -> dict:
+    """The all-to-all kernels of one rank's profiled step, attributed to legs by their order (see the module doc)."""
+    res = a2a_kernels(trace_path)
     return res | attribute_legs(res["ms"], moe_layers, kernel_legs)
 
 
@@ -146,10 +151,9 @@ def _a2a_summary(res: dict, moe_layers: int) -> None:
     kernel_legs = kernel_legs_of(res.get("setup"))
     legs = {}
     for rank, r in res["a2a_per_rank"].items():
-        if "ms" in r:  # attribute again (a record of an earlier run, or another pattern)
-            r.update(attribute_legs(r["ms"], moe_layers, kernel_legs))
-            if r["attributed"]:
-                r.pop("expected", None)
+        if "ms" in r:  # the kernel times (older records kept them only where unattributed): attribute them
+            r = res["a2a_per_rank"][rank] = {"names": r.get("names"), "ms": r["ms"]} | attribute_legs(
+                r["ms"], moe_layers, kernel_legs)
         for leg, ms in r.get("legs_ms", {}).items():
             legs.setdefault(leg, []).extend(ms)
     res["a2a_ms"] = {leg: statistics.median(v) for leg, v in legs.items()} if legs else None
@@ -181,8 +185,7 @@ def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
         res["log_tail"] = runs.log_tail(job.log)
     traces = sorted(Path(dump).glob("profiling/traces/iteration_*/rank*_trace.json*"))
     if traces:
-        kernel_legs = kernel_legs_of(res["setup"])
-        res["a2a_per_rank"] = {t.name.split("_")[0]: a2a_legs(str(t), args.layers - 1, kernel_legs) for t in traces}
+        res["a2a_per_rank"] = {t.name.split("_")[0]: a2a_kernels(str(t)) for t in traces}
         _a2a_summary(res, args.layers - 1)
     return res
 

@@ -77,8 +77,9 @@ class MXFP8TokenDispatcher:
             dispatch, agreed in the one-time handshake (its host read). A later dispatch with more tokens
             on a rank than the bound overflows (counted, never mismatched sizes).
         transport: synced mode: ``"all_to_all"`` (default: ``all_to_all_single`` per leg, MXFP8 data
-            and scales as two exchanges, the rows permuted; compiles) or ``"p2p"`` (:mod:`moe_quant.ep.blocks`: each (rank, expert)
-            block sent point to point straight into the order it is used in, no pack or permute copies;
+            and scales as two exchanges, the rows permuted; compiles) or ``"p2p"``
+            (:mod:`moe_quant.ep.blocks`: each (rank, expert) block sent point to point straight into the
+            order it is used in, no permutation passes;
             eager; under ``torch.compile`` the all-to-all transport runs, the same bits). The sync-free
             mode always uses the all-to-all.
         chunks: :meth:`dispatch_combine` (as :class:`moe_quant.moe.EPMoE` runs it), eager, with the ``"p2p"``
