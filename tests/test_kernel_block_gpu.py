@@ -213,6 +213,23 @@ def test_swiglu_math_matches_pytorch_silu_for_every_bf16():
                           "silu_backward(1, a)")
 
 
+def test_swiglu_backward_matches_pytorch_for_every_pair_of_bf16():
+    """grad_a = silu_backward(g * b, a) and grad_b = g * silu(a) for every bf16 g (b = 1, so g * b = g) and every
+    bf16 a: 2^32 pairs, 256 values of g at a time. Every bit of the sigmoid reaches grad_a (fp32 products before
+    one bf16 rounding), so this checks grad_a for every input it can get, where the test above sees only g = 1."""
+    from moe_quant.kernels.block.kernel import run_swiglu_math
+
+    a_all = all_bf16()
+    n = a_all.numel()
+    a = a_all.repeat(256)
+    b = torch.ones_like(a)
+    for first in range(0, n, 256):
+        g = a_all[first:first + 256].repeat_interleave(n)
+        same_bits_or_both_nan(run_swiglu_math("grad_a", g, a, b), torch.ops.aten.silu_backward(g, a),
+                              f"silu_backward(g, a), g = bf16 values {first}..{first + 255} in bit order")
+        same_bits_or_both_nan(run_swiglu_math("grad_b", g, a, b), g * F.silu(a), f"g * silu(a), g {first}..")
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_swiglu_math_matches_pytorch_on_random_triples(seed):
     from moe_quant.kernels.block.kernel import run_swiglu_math

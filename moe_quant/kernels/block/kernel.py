@@ -231,46 +231,63 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         t0 = blk * BLOCK_SIZE + quad * TOKENS_PER_THREAD
         col_ok = col0 < r
         write = col_ok & (blk * BLOCK_SIZE < n_out)
-        for o in cutlass.range_constexpr(self.n_out):
-            if o_cta == o:
-                words = self.compute(o, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
-                row_out, row_sc, col_out, col_sc = (rd0, rs0, cd0, cs0) if o == 0 else (rd1, rs1, cd1, cs1)
-                if cutlass.const_expr(self.stacked):
-                    row_out = rd0  # both halves of [grad_a | grad_b]
-                # colwise: per column, 8 tokens of one 32-token block
-                for c in cutlass.range_constexpr(COLS_PER_THREAD):
-                    col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
-                    q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil)
-                    if write:
-                        self.store_tokens(col_out, out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0),
-                                          q0, q1, s, is_nan)
-                    if cutlass.const_expr(not self.fake):
-                        if tail == 0:
-                            if quad == c // 2:
-                                rr = tile_col + c
-                                byte = 16 * (rr % 32) + 4 * ((rr // 32) % 4) + blk
-                                cu.st_global_u8(col_sc.iterator + (scale_base + Int64(byte)), s)
-                # rowwise: per token, 8 columns of one 32-column block
-                for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-                    q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES)
-                    if col_ok & (t0 + i < n_real):
-                        dst = self.row_element(o, src0 + Int64(t0 + i), r, col0)
-                        if cutlass.const_expr(self.fake):
-                            cu.st_global_words(row_out.iterator + dst, cu.dequantize8(q0, q1, s, is_nan, False))
-                        else:
-                            cu.st_global_v2(row_out.iterator + dst, q0, q1)
-                    if cutlass.const_expr(not self.fake):
-                        if tail == 0:
-                            if (lane // 4) % 4 == i // 2:  # one lane of the block's four writes its scale
-                                rr = t0 + i
-                                byte = 16 * (rr % 32) + 4 * (rr // 32) + (warp % 2) * 2 + lane // 16
-                                cu.st_global_u8(row_sc.iterator + (mg_base + Int64(byte)), s)
-                if tail != 0:
-                    self.zero_tails(o, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
-                                    ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp,
-                                    info)
+        # Output tensor o_cta's tile. Only its math is per output: the two forms' quantization and stores
+        # below are one copy of code for both dswiglu outputs, which write through pointers picked at run
+        # time (two copies, 8880 SASS instructions, overflowed the instruction cache: ncu's top stall
+        # was "no instruction"; NOTES.md).
+        if cutlass.const_expr(self.n_out == 1):
+            words = self.compute(0, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
+        else:
+            words = [[Int32(0)] * 4 for _ in range(TOKENS_PER_THREAD)]
+            if o_cta == 0:
+                words = self.compute(0, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
+            else:
+                words = self.compute(1, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
+        row_out = self.pick(o_cta, rd0, None if self.stacked else rd1)  # stacked: both halves of one buffer
+        row_sc, col_out, col_sc = self.pick(o_cta, rs0, rs1), self.pick(o_cta, cd0, cd1), self.pick(o_cta, cs0, cs1)
+        # colwise: per column, 8 tokens of one 32-token block
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
+            q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil)
+            if write:
+                self.store_tokens(col_out + (out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)),
+                                  q0, q1, s, is_nan)
+            if cutlass.const_expr(not self.fake):
+                if tail == 0:
+                    if quad == c // 2:
+                        rr = tile_col + c
+                        byte = 16 * (rr % 32) + 4 * ((rr // 32) % 4) + blk
+                        cu.st_global_u8(col_sc + (scale_base + Int64(byte)), s)
+        # rowwise: per token, 8 columns of one 32-column block
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES)
+            if col_ok & (t0 + i < n_real):
+                dst = self.row_element(o_cta, src0 + Int64(t0 + i), r, col0)
+                if cutlass.const_expr(self.fake):
+                    cu.st_global_words(row_out + dst, cu.dequantize8(q0, q1, s, is_nan, False))
+                else:
+                    cu.st_global_v2(row_out + dst, q0, q1)
+            if cutlass.const_expr(not self.fake):
+                if tail == 0:
+                    if (lane // 4) % 4 == i // 2:  # one lane of the block's four writes its scale
+                        rr = t0 + i
+                        byte = 16 * (rr % 32) + 4 * (rr // 32) + (warp % 2) * 2 + lane // 16
+                        cu.st_global_u8(row_sc + (mg_base + Int64(byte)), s)
+        if tail != 0:
+            self.zero_tails(o_cta, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
+                            ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp, info)
 
-    def row_element(self, o: int, row: Int64, r: Int32, col0: Int32) -> Int64:
+    def pick(self, o, t0, t1):
+        """The data pointer of output ``o``'s buffer: ``t0``'s or ``t1``'s (``o`` a run-time value; ``t1``
+        ``None``: ``t0``'s), ``None`` where the buffer does not exist (a bf16 output's scales)."""
+        if cutlass.const_expr(t0 is None):
+            return None
+        if cutlass.const_expr(t1 is None):
+            return t0.iterator
+        addr = cutlass.select_(o == 0, t0.iterator.toint(), t1.iterator.toint())
+        return cute.make_ptr(t0.element_type, addr, cute.AddressSpace.gmem, assumed_align=16)
+
+    def row_element(self, o, row: Int64, r: Int32, col0: Int32) -> Int64:
         """Element index of ``(row, col0)`` of output ``o``'s rowwise data: its own ``(M, R)`` buffer, or
         (``stacked``) columns ``[o R, (o + 1) R)`` of the one ``(M, 2R)`` buffer."""
         if cutlass.const_expr(self.stacked):
@@ -328,7 +345,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         return out
 
     @cute.jit
-    def zero_tails(self, o: cutlass.Constexpr, rd, rs, cs, offs, m: Int32, r: Int32, n_groups: Int32,
+    def zero_tails(self, o, rd, rs, cs, offs, m: Int32, r: Int32, n_groups: Int32,
                    chunk_total: Int32, rp: Int32, sw: Int32, buf_rows: Int32, ny: Int32, q: Int32, n_tail: Int32,
                    tid: Int32, lane: Int32, warp: Int32, info):
         """Tail CTAs (``q`` of ``n_tail``): zero the rowwise data rows past the last group's end, the M-groups
@@ -355,20 +372,20 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             n16 = Int32((Int64(m) - Int64(end)) * Int64(r) // Int64(8))
             e_first = Int64(end) * (Int64(r) * Int64(2)) + Int64(o) * Int64(n16) * Int64(step)
             for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
-                cu.st_global_v4(rd.iterator + (e_first + Int64(w) * Int64(step)), 0, 0, 0, 0)
+                cu.st_global_v4(rd + (e_first + Int64(w) * Int64(step)), 0, 0, 0, 0)
         else:
             # rowwise data rows [end, M): 16-byte stores (R % 32 == 0 keeps them aligned)
             first = Int64(end) * Int64(r) * Int64(esize)
             n16 = Int32((Int64(m) * Int64(r) * Int64(esize) - first) // 16)
             for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
                 e0 = Int64(end) * Int64(r) + Int64(w) * Int64(step)
-                cu.st_global_v4(rd.iterator + e0, 0, 0, 0, 0)
+                cu.st_global_v4(rd + e0, 0, 0, 0, 0)
         if cutlass.const_expr(not self.fake):
             # M-groups scale rows [128 chunk_total, buf_rows): 4-byte stores (a row is 4 ny bytes)
             s_first = Int64(chunk_total) * Int64(TILE_ROWS) * Int64(4) * Int64(ny)
             n4 = Int32((Int64(buf_rows) * Int64(4) * Int64(ny) - s_first) // 4)
             for w in cutlass.range(q * THREADS + tid, n4, n_tail * THREADS):
-                cu.st_global_u32(rs.iterator + (s_first + Int64(w) * Int64(4)), 0)
+                cu.st_global_u32(rs + (s_first + Int64(w) * Int64(4)), 0)
             self.zero_scale_tail(cs, chunk_total, rp, sw, q, n_tail, tid)
 
 
@@ -449,9 +466,12 @@ class SwiGLUMathKernel:
                 out[i] = grad_b_bf16x2(Int32(g[i]), Int32(a[i]))
 
 
+_MATH_COMPILED: dict = {}
+
+
 def run_swiglu_math(op: str, g, a, b):
     """``op`` (``"swiglu"``, ``"grad_a"``, ``"grad_b"``) of bf16 CUDA tensors with an even number of elements,
-    through :class:`SwiGLUMathKernel` on the local GPU (compiled on each call: tests only)."""
+    through :class:`SwiGLUMathKernel` on the local GPU (compiled once per op and process: tests only)."""
     import torch
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import from_dlpack
@@ -460,6 +480,7 @@ def run_swiglu_math(op: str, g, a, b):
     out = torch.empty_like(words[1])
     args = [from_dlpack(t, assumed_align=4).mark_layout_dynamic() for t in (*words, out)]
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    compiled = cute.compile(SwiGLUMathKernel(op), *args, stream)
-    compiled(*args, stream)
+    if op not in _MATH_COMPILED:
+        _MATH_COMPILED[op] = cute.compile(SwiGLUMathKernel(op), *args, stream)
+    _MATH_COMPILED[op](*args, stream)
     return out.view(torch.bfloat16).view(a.shape)

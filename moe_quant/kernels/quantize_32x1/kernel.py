@@ -177,7 +177,7 @@ class Quantize32x1Kernel:
             q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil)
             dst = out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)
             if write:
-                self.store_tokens(out, dst, q0, q1, s, is_nan)
+                self.store_tokens(out.iterator + dst, q0, q1, s, is_nan)
             if cutlass.const_expr(not self.fake):
                 if tail == 0:
                     # lane q of the block's quad writes columns 2q, 2q+1: rows row0 + tile_col + c of scale tile ty
@@ -188,7 +188,7 @@ class Quantize32x1Kernel:
 
         if cutlass.const_expr(self.kgroups and not self.fake):
             if tail != 0:
-                self.zero_scale_tail(scales, chunk_total, rp, sw, (bx - chunk_total) * ny + by,
+                self.zero_scale_tail(scales.iterator, chunk_total, rp, sw, (bx - chunk_total) * ny + by,
                                      (nx - chunk_total) * ny, tid)
 
     @cute.jit
@@ -262,22 +262,22 @@ class Quantize32x1Kernel:
         return vals
 
     @cute.jit
-    def store_tokens(self, out, dst: Int64, q0, q1, s, is_nan):
-        """8 consecutive tokens of one output row: e4m3 bytes, or their dequantized values."""
+    def store_tokens(self, ptr, q0, q1, s, is_nan):
+        """8 consecutive tokens of one output row at ``ptr``: e4m3 bytes, or their dequantized values."""
         if cutlass.const_expr(not self.fake):
-            cu.st_global_v2(out.iterator + dst, q0, q1)
+            cu.st_global_v2(ptr, q0, q1)
         else:
-            cu.st_global_words(out.iterator + dst, cu.dequantize8(q0, q1, s, is_nan, self.fake_f32))
+            cu.st_global_words(ptr, cu.dequantize8(q0, q1, s, is_nan, self.fake_f32))
 
     @cute.jit
-    def zero_scale_tail(self, scales, chunk_total: Int32, rp: Int32, sw: Int32, q: Int32, n_tail: Int32,
+    def zero_scale_tail(self, sp, chunk_total: Int32, rp: Int32, sw: Int32, q: Int32, n_tail: Int32,
                         tid: Int32):
-        """Zero the scale bytes past the last group's tiles: ``[4 Rp S_end, Rp W)``, 16 bytes a store,
-        shared by the ``n_tail`` tail CTAs (``q`` is this CTA's rank among them)."""
+        """Zero the scale bytes past the last group's tiles, ``[4 Rp S_end, Rp W)`` of the buffer at ``sp``, 16
+        bytes a store, shared by the ``n_tail`` tail CTAs (``q`` is this CTA's rank among them)."""
         start = Int64(chunk_total) * Int64(4) * Int64(rp)
         n16 = Int32((Int64(rp) * Int64(sw) - start) // 16)
         for w in cutlass.range(q * self.threads + tid, n16, n_tail * self.threads):
-            cu.st_global_v4(scales.iterator + (start + Int64(w) * Int64(16)), 0, 0, 0, 0)
+            cu.st_global_v4(sp + (start + Int64(w) * Int64(16)), 0, 0, 0, 0)
 
 
 def make_fake_args(variant: Variant, tvm_ffi: bool):
