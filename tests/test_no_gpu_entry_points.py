@@ -107,6 +107,21 @@ def test_script_argument_errors_come_first(script, argv, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_sass_stats_counts_a_variants_instructions_on_a_cpu(tmp_path):
+    """``scripts/sass_stats.py`` compiles one variant for sm_90a on the CPU and counts its SASS (the block kernel's
+    code size is what NOTES.md measures); a bad spec is a usage error naming it."""
+    dump = tmp_path / "sass.txt"
+    proc = run_python("scripts/sass_stats.py", 'block.config:Variant("dual", "bfloat16", "rceil", "bfloat16")',
+                      "--dump", str(dump), pythonpath=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    count = int(proc.stdout.split("(sm_90a): ")[1].split()[0])
+    assert count > 1000 and len(dump.read_text().splitlines()) == count, proc.stdout
+    assert "FMUL:" in proc.stdout and "LDG" in dump.read_text()
+    bad = run_python("scripts/sass_stats.py", 'block.config:Variant("nope", "bfloat16", "rceil")', pythonpath=False)
+    assert bad.returncode == 2 and "ValueError: op must be one of" in bad.stderr, bad.stderr[-3000:]
+    assert "Traceback" not in bad.stderr, bad.stderr[-3000:]
+
+
 def test_host_glue_script_times_the_kernel_path_on_a_cpu():
     proc = run_python("scripts/host_glue_cpu.py", "--calls", "3", "--rounds", "1", pythonpath=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
