@@ -70,6 +70,12 @@ def ld_global_v4(ptr) -> tuple:
     return tuple(Int32(vector.extract(vec, [], [i])) for i in range(4))
 
 
+def ld_global_v2(ptr) -> tuple:
+    """8-byte load (global or shared, as :func:`ld_global_v4`); 8-byte aligned."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([2], T.i32()))
+    return tuple(Int32(vector.extract(vec, [], [i])) for i in range(2))
+
+
 def st_global_v4(ptr, a, b, c, d) -> None:
     vec = vector.from_elements(ir.VectorType.get([4], T.i32()), [_i32(a), _i32(b), _i32(c), _i32(d)])
     cute.arch.store(ptr, vec)

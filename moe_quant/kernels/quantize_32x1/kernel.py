@@ -18,7 +18,9 @@ output row gets 128 consecutive tokens.
   butterfly shuffles across the 4 lanes of the block. Scale, reciprocal and saturating cast are
   the exact recipes of :mod:`moe_quant.kernels.cute_utils` (one definition with ``numerics.py``).
 * A thread's 8 tokens of one column are contiguous in the transposed output: one 8-byte (e4m3),
-  16-byte (bf16) or 2x16-byte (fp32) store per column.
+  16-byte (bf16) or 2x16-byte (fp32) store per column. The scale bytes are gathered in a shared-memory
+  copy of the CTA's 512-byte scale tile and written as 16-byte rows by warp 0 (one-byte stores were
+  partial-sector writes to L2: NOTES.md, 2026-11-28).
 * Padding is fused: tokens past a group's end up to its 32-aligned end are quantized as zeros
   (they are never loaded), so their data bytes and scales come out 0 exactly as the reference's
   zero padding does (a NaN block stays NaN, padding included). Columns past R get scale 0.
@@ -172,6 +174,9 @@ class Quantize32x1Kernel:
 
         # ---- per column: scale, quantize 8 tokens, store transposed
         write = col_ok & (blk * BLOCK_SIZE < n_out)
+        # the CTA's scale bytes are gathered in shared memory and written as whole 16-byte rows of its scale tile
+        # (one byte store per scale reached L2 as a partial sector: a quarter of the kernel's L2 sector writes)
+        stile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16) if not self.fake else None
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             col = [vals[i][c] for i in range(TOKENS_PER_THREAD)]
             q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil)
@@ -180,16 +185,33 @@ class Quantize32x1Kernel:
                 self.store_tokens(out.iterator + dst, q0, q1, s, is_nan)
             if cutlass.const_expr(not self.fake):
                 if tail == 0:
-                    # lane q of the block's quad writes columns 2q, 2q+1: rows row0 + tile_col + c of scale tile ty
+                    # lane q of the block's quad holds columns 2q, 2q+1: rows row0 + tile_col + c of scale tile ty
                     if quad == c // 2:
                         rr = row0 + tile_col + c
-                        byte = 16 * (rr % 32) + 4 * ((rr // 32) % 4) + blk
-                        cu.st_global_u8(scales.iterator + (scale_base + Int64(byte)), s)
+                        cu.st_global_u8(stile + (16 * (rr % 32) + 4 * ((rr // 32) % 4) + blk), s)
+
+        if cutlass.const_expr(not self.fake):
+            if tail == 0:
+                self.store_scale_tile(scales, stile, scale_base, row0, tid)
 
         if cutlass.const_expr(self.kgroups and not self.fake):
             if tail != 0:
                 self.zero_scale_tail(scales.iterator, chunk_total, rp, sw, (bx - chunk_total) * ny + by,
                                      (nx - chunk_total) * ny, tid)
+
+    @cute.jit
+    def store_scale_tile(self, scales, stile, scale_base: Int64, row0: Int32, tid: Int32):
+        """The CTA's scale bytes, gathered in ``stile`` (the tile's 512-byte layout), to the tile at ``scale_base``:
+        warp 0 writes one 16-byte row each lane (``tile_cols`` = 64: the 8 bytes of rows ``row0 ..`` in it)."""
+        cute.arch.sync_threads()
+        if tid < 32:
+            off = 16 * tid + 4 * (row0 // 32)
+            if cutlass.const_expr(self.tile_cols == 128):
+                a, b, c, d = cu.ld_global_v4(stile + off)
+                cu.st_global_v4(scales.iterator + (scale_base + Int64(off)), a, b, c, d)
+            else:
+                a, b = cu.ld_global_v2(stile + off)
+                cu.st_global_v2(scales.iterator + (scale_base + Int64(off)), a, b)
 
     @cute.jit
     def scan_groups(self, offs, poffs, m: Int32, n_groups: Int32, lane: Int32, bx: Int32, by: Int32, info):
