@@ -1,23 +1,106 @@
 """Run Python from the repository root as a user would, for the tests of entry points and imports."""
 
+import atexit
+import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_python(*args, pythonpath=True, timeout=240, extra_paths=()):
-    """Run ``python *args`` from the repository root, as a user would (``PYTHONPATH`` = the root, or unset).
-
-    ``extra_paths`` go on ``PYTHONPATH`` after the root (where an optional package lies outside site-packages).
-    """
+def _env(pythonpath: bool, extra_paths) -> dict:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     paths = ([str(ROOT)] if pythonpath else []) + [str(p) for p in extra_paths]
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def run_python(*args, pythonpath=True, timeout=240, extra_paths=(), warm=False):
+    """Run ``python *args`` from the repository root, as a user would (``PYTHONPATH`` = the root, or unset).
+
+    ``extra_paths`` go on ``PYTHONPATH`` after the root (where an optional package lies outside site-packages).
+    ``warm``: forked from a server that imported torch, torch._dynamo, sympy, numpy and torchao once
+    (``tests/warm_python.py``: the same command line, environment, ``sys.path`` and exit status, no module of
+    this repository preloaded) instead of a fresh interpreter, which spends ~5 s on those imports; for tests
+    of what an entry point does, not of what importing prints. Falls back to a fresh interpreter where the
+    server cannot serve the call (another platform, an environment differing from the test process's).
+    """
+    env = _env(pythonpath, extra_paths)
+    if warm:
+        proc = _WARM.run(list(args), env, timeout)
+        if proc is not None:
+            return proc
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+class _WarmServer:
+    """The fork server of ``tests/warm_python.py``, started on first use, ended with this process."""
+
+    def __init__(self):
+        self.proc = None
+        self.failed = not (sys.platform.startswith("linux") and hasattr(os, "fork"))
+        self.lock = threading.Lock()
+
+    def _start(self) -> bool:
+        env = _env(False, ())
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "warm_python.py")], cwd=ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, bufsize=1)
+        atexit.register(self._stop)
+        reply = self._reply(300)
+        if not reply or "ready" not in reply:
+            self._stop()
+            self.failed = True
+        return not self.failed
+
+    def _stop(self):
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except Exception:  # noqa: BLE001 - on the way out
+                self.proc.kill()
+            self.proc = None
+
+    def _reply(self, timeout):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        return json.loads(line) if line else None
+
+    def run(self, argv, env, timeout):
+        with self.lock:
+            if self.failed or (self.proc is None and not self._start()):
+                return None
+            with tempfile.TemporaryDirectory() as tmp:
+                out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+                request = {"argv": argv, "env": env, "cwd": str(ROOT), "stdout": out, "stderr": err,
+                           "timeout": timeout}
+                try:
+                    self.proc.stdin.write(json.dumps(request) + "\n")
+                    self.proc.stdin.flush()
+                    reply = self._reply(None if timeout is None else timeout + 60)
+                except (OSError, ValueError):
+                    reply = None
+                if reply is None:  # the server died or hung: no more warm runs
+                    self._stop()
+                    self.failed = True
+                    return None
+                if "refused" in reply:
+                    return None
+                stdout, stderr = (Path(p).read_text() if os.path.exists(p) else "" for p in (out, err))
+            cmd = [sys.executable, *argv]
+            if reply.get("timeout"):
+                raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+            return subprocess.CompletedProcess(cmd, reply["rc"], stdout, stderr)
+
+
+_WARM = _WarmServer()

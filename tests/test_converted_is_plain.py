@@ -390,7 +390,7 @@ def test_15_ema_dict_loads_with_weights_only():
     ("-m", "examples.hf_train", "--device", "meta"),
 ])
 def test_16_command_lines_end_in_one_line_errors(argv):
-    r = run_python(*argv, timeout=120)
+    r = run_python(*argv, timeout=120, warm=True)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].count("error") + r.stderr.count(argv[-2]) >= 1

@@ -97,7 +97,7 @@ _UNUSABLE = ["meta", "garbage", "xla"] + ([] if torch.cuda.is_available() else [
 
 @pytest.mark.parametrize("device", _UNUSABLE)
 def test_demo_rejects_an_unusable_device_in_one_line_before_training(device):
-    proc = run_python("-m", "moe_quant.demo", "--device", device, "--steps", "1", "--tokens", "8")
+    proc = run_python("-m", "moe_quant.demo", "--device", device, "--steps", "1", "--tokens", "8", warm=True)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "tiny MoE" not in proc.stdout, "the demo started training"
     lines = proc.stderr.strip().splitlines()
@@ -114,7 +114,7 @@ def test_demo_rejects_bad_numbers_while_parsing(argv, capsys):
 def test_demo_writes_one_progress_line_per_run_to_a_log(tmp_path):
     """stderr a file or a pipe (a CI log): one summary line per training run, not a line per step."""
     proc = run_python("-m", "moe_quant.demo", "--steps", "40", "--tokens", "64", "--plot", str(tmp_path / "c.png"),
-                      timeout=300)
+                      timeout=300, warm=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final held-out loss" in proc.stdout, proc.stdout
     lines = proc.stderr.splitlines()  # splits at "\r" too, as a log viewer shows a redrawn bar

@@ -318,7 +318,7 @@ def test_script_writes_table_and_plot(tmp_path):
         p.write_text(json.dumps(rec))
         paths.append(f"{t}={p}")
     md, png = tmp_path / "fit.md", tmp_path / "fit.png"
-    res = run_python("scripts/ep_wire_fit.py", *paths, "--md", str(md), "--png", str(png))
+    res = run_python("scripts/ep_wire_fit.py", *paths, "--md", str(md), "--png", str(png), warm=True)
     assert res.returncode == 0, res.stderr
     text = md.read_text()
     assert "within 10%" in text and "gain at 50 GB/s" in text and "crossover" in text
@@ -329,10 +329,10 @@ def test_script_rejects_mixed_world_sizes_and_bad_arguments(tmp_path):
     a, b = _record(0.03, 150.0, ROWS), _record(0.06, 20.0, ROWS, world=4)
     (tmp_path / "a.json").write_text(json.dumps(a))
     (tmp_path / "b.json").write_text(json.dumps(b))
-    res = run_python("scripts/ep_wire_fit.py", f"nvlink={tmp_path / 'a.json'}", f"shm={tmp_path / 'b.json'}")
+    res = run_python("scripts/ep_wire_fit.py", f"nvlink={tmp_path / 'a.json'}", f"shm={tmp_path / 'b.json'}", warm=True)
     assert res.returncode == 2 and "world size" in res.stderr, res.stderr
-    res = run_python("scripts/ep_wire_fit.py", str(tmp_path / "a.json"))
+    res = run_python("scripts/ep_wire_fit.py", str(tmp_path / "a.json"), warm=True)
     assert res.returncode == 2 and "NAME=FILE" in res.stderr, res.stderr
-    res = run_python("-m", "benchmarks.bench_ep", "--device", "cpu", "--rows", "bf16,fp4")
+    res = run_python("-m", "benchmarks.bench_ep", "--device", "cpu", "--rows", "bf16,fp4", warm=True)
     assert res.returncode == 2 and "argument --rows" in res.stderr and "fp4" in res.stderr, res.stderr
     assert Path(ROOT / "scripts" / "ep_wire_runs.sh").exists()

@@ -167,7 +167,7 @@ def test_checkpoints_load_into_unconverted_models(family, tmp_path):
 def test_example_script_trains_both_copies():
     r = run_python("-m", "examples.hf_train", "--family", "qwen3_moe", "--layers", "1", "--experts", "8",
                    "--hidden", "64", "--intermediate", "32", "--vocab", "128", "--tokens", "64", "--seq", "32",
-                   "--steps", "3", "--warmup", "1", "--every", "1", "--device", "cpu")
+                   "--steps", "3", "--warmup", "1", "--every", "1", "--device", "cpu", warm=True)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert lines[0].startswith("qwen3_moe: 1 layers, 8 experts top-2, hidden 64"), r.stdout
@@ -180,7 +180,7 @@ def test_example_script_trains_both_copies():
 
 
 def test_example_script_runs_as_a_file():
-    r = run_python("examples/hf_train.py", "--help", pythonpath=False)
+    r = run_python("examples/hf_train.py", "--help", pythonpath=False, warm=True)
     assert r.returncode == 0 and "--family" in r.stdout, r.stderr[-3000:]
 
 

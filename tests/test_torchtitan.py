@@ -176,7 +176,7 @@ def test_script_cpu_smoke(tmp_path):
     out = tmp_path / "tt.json"
     proc = run_python("examples/torchtitan_train.py", "--flavor", "debugmodel", "--layers", "2", "--tokens", "64",
                       "--seq-len", "32", "--steps", "2", "--warmup", "1", "--device", "cpu", "--modes", "eager",
-                      "--json", str(out), pythonpath=False, extra_paths=[TITAN_PATH], timeout=600)
+                      "--json", str(out), pythonpath=False, extra_paths=[TITAN_PATH], timeout=600, warm=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert any(line.startswith("eager    mxfp8") and "fallbacks 0" in line for line in lines), proc.stdout
