@@ -17,6 +17,20 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+def pytest_collection_finish(session):
+    """Selected test modules with a ``start_in_background()`` (``tests/test_kernel_compile.py``) start their
+    background work now; their ``stop_background()`` runs when the session ends."""
+    for module in {item.module for item in getattr(session, "items", ()) if getattr(item, "module", None) is not None}:
+        if hasattr(module, "start_in_background"):
+            module.start_in_background()
+
+
+def pytest_sessionfinish(session):
+    for module in {item.module for item in getattr(session, "items", ()) if getattr(item, "module", None) is not None}:
+        if hasattr(module, "stop_background"):
+            module.stop_background()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,7 +1,10 @@
 """CI without a GPU: every kernel variant (every family: 1x32, 32x1, permute, block, fingerprint) compiles for sm_90a and sm_100a (CuTe DSL cross-compile).
 
 Runs moe_quant.kernels.compile_check (one subprocess per arch, in parallel) and checks that
-ptxas reports no register spills and no local-memory stack frame for any variant. The
+ptxas reports no register spills and no local-memory stack frame for any variant. The subprocesses start
+when the session's tests are collected (``start_in_background``, called by ``tests/conftest.py``), niced,
+so that the ~3 CPU-minutes of compiling fill the core the (mostly single-threaded) tests before this module
+leave idle; the fixture then waits for what is left. The
 per-variant report (registers, spills, compile time) goes to the log, not to the terminal:
 ``pytest tests/test_kernel_compile.py --log-cli-level=INFO`` shows it, and a failure
 includes it in the assertion message.
@@ -16,10 +19,26 @@ pytest.importorskip("cutlass")
 from moe_quant.kernels import compile_check  # noqa: E402
 
 ARCHS = ("sm_90a", "sm_100a")
+BACKGROUND_NICE = 10
+_STARTED: list = []
+
+
+def start_in_background() -> None:
+    """Start the compile subprocesses now (at the end of collection), behind the other tests (niced)."""
+    if not _STARTED:
+        _STARTED.append(compile_check.start(list(ARCHS), nice=BACKGROUND_NICE))
+
+
+def stop_background() -> None:
+    """Kill the subprocesses where the session ends before the fixture collected them."""
+    while _STARTED:
+        compile_check.stop(_STARTED.pop())
 
 
 @pytest.fixture(scope="module")
 def results():
+    if _STARTED:
+        return compile_check.collect(_STARTED.pop())
     return compile_check.run(list(ARCHS))
 
 

@@ -99,23 +99,55 @@ def _parse(arch: str, stderr: str) -> list[dict]:
 
 def run(archs: list[str], timeout: float = 900) -> list[dict]:
     """Compile all variants for each arch, one subprocess per arch, in parallel."""
-    procs = {}
+    return collect(start(archs), timeout)
+
+
+def start(archs: list[str], nice: int = 0) -> list:
+    """Start :func:`run`'s subprocesses (one per arch) and return at once; :func:`collect` waits for them and
+    parses their reports. ``nice``: their scheduling niceness (``os.nice``), e.g. to run behind other work.
+    Their output goes to temporary files, so nobody needs to read it while they run."""
+    import tempfile
+
+    started = []
     for arch in archs:
         env = dict(os.environ, CUTE_DSL_ARCH=arch)
-        procs[arch] = subprocess.Popen(
+        err = tempfile.TemporaryFile(mode="w+t")
+        proc = subprocess.Popen(
             [sys.executable, "-m", "moe_quant.kernels.compile_check", "--worker", arch],
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
             text=True,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
+        started.append((arch, proc, err))
+    return started
+
+
+def collect(started: list, timeout: float = 900) -> list[dict]:
+    """Wait for :func:`start`'s subprocesses (each at most ``timeout`` seconds from now) and return their results;
+    a failed one raises, and the others are killed."""
     results = []
-    for arch, p in procs.items():
-        out, err = p.communicate(timeout=timeout)
-        if p.returncode != 0:
-            raise RuntimeError(f"compile for {arch} failed (rc={p.returncode}):\n{err[-6000:]}")
-        results += _parse(arch, err)
+    try:
+        for arch, p, err in started:
+            p.wait(timeout=timeout)
+            err.seek(0)
+            text = err.read()
+            if p.returncode != 0:
+                raise RuntimeError(f"compile for {arch} failed (rc={p.returncode}):\n{text[-6000:]}")
+            results += _parse(arch, text)
+    finally:
+        stop(started)
     return results
+
+
+def stop(started: list) -> None:
+    """Kill :func:`start`'s subprocesses that still run and close their output files."""
+    for _, p, err in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        err.close()
 
 
 def format_results(results: list[dict]) -> str:
