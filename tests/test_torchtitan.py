@@ -94,14 +94,34 @@ def _args(**kw):
     return example.parse_args(argv)
 
 
-def test_deepseek_v3_converted_trains_close_to_bf16(mxfp8_calls):
+@pytest.fixture(scope="module")
+def bf16_run():
+    """The bf16 (unconverted) run both training tests compare with: the same config, arguments and batches
+    (``via`` only matters when converting), and the MXFP8 GEMM calls made during it (none)."""
+    import moe_quant.autograd
+
+    args = _args()
+    torch.set_num_threads(1)
+    cfg = example.model_config(args.flavor, args.layers, args.attn)
+    data = example.batches(cfg.vocab_size, args.tokens, args.seq_len, args.steps, args.seed)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("mxfp8_grouped_mm", "mxfp8_swiglu_experts"):
+            real = getattr(moe_quant.autograd, name)
+            mp.setattr(moe_quant.autograd, name, lambda *a, _real=real, **k: calls.append(a) or _real(*a, **k))
+        result = example.train(cfg, args, data, convert=False, compiled=False)
+    return {"cfg": cfg, "data": data, "result": result, "mxfp8_calls": len(calls)}
+
+
+def test_deepseek_v3_converted_trains_close_to_bf16(mxfp8_calls, bf16_run):
     args = _args()
     torch.set_num_threads(1)
     cfg = example.model_config(args.flavor, args.layers, args.attn)
     assert sum(layer.moe is not None for layer in cfg.layers) == 1  # debugmodel: layer 0 dense, layer 1 MoE
     data = example.batches(cfg.vocab_size, args.tokens, args.seq_len, args.steps, args.seed)
-    bf16 = example.train(cfg, args, data, convert=False, compiled=False)
-    assert not mxfp8_calls and bf16["converted_weights"] == 0
+    assert all(torch.equal(a, b) for x, y in zip(data, bf16_run["data"]) for a, b in zip(x, y))
+    bf16 = bf16_run["result"]
+    assert bf16_run["mxfp8_calls"] == 0 and bf16["converted_weights"] == 0
     mx = example.train(cfg, args, data, convert=True, compiled=False)
     assert mx["converted_weights"] == 3 and mx["fallbacks"] == 0
     assert len(mxfp8_calls) == 3 * args.steps  # w1, w3, w2 per forward
@@ -186,7 +206,7 @@ def test_script_cpu_smoke(tmp_path):
     assert all(len(r["losses"]) == 2 for r in record["runs"])
 
 
-def test_converter_entry_point_converts_experts_and_dispatcher(mxfp8_calls):
+def test_converter_entry_point_converts_experts_and_dispatcher(mxfp8_calls, bf16_run):
     """moe_quant's torchtitan model converter (``model_registry(..., converters=[converter_config()])``):
     the built model has converted experts and moe_quant's dispatcher (local: EP off), and trains close
     to bf16 through the MXFP8 GEMMs."""
@@ -209,7 +229,9 @@ def test_converter_entry_point_converts_experts_and_dispatcher(mxfp8_calls):
     data = example.batches(cfg.vocab_size, args.tokens, args.seq_len, args.steps, args.seed)
     mx = example.train(cfg, args, data, convert=True, compiled=False)
     assert mx["converted_weights"] == 3 and mx["fallbacks"] == 0 and len(mxfp8_calls) == 3 * args.steps
-    bf16 = example.train(cfg, args, data, convert=False, compiled=False)
+    assert repr(cfg) == repr(bf16_run["cfg"])
+    assert all(torch.equal(a, b) for x, y in zip(data, bf16_run["data"]) for a, b in zip(x, y))
+    bf16 = bf16_run["result"]  # the same unconverted run (arguments, config, batches)
     for a, b in zip(mx["losses"], bf16["losses"]):
         assert a != b and abs(a - b) <= 0.01 * abs(b), (mx["losses"], bf16["losses"])
 
