@@ -18,11 +18,13 @@ pytest's ``PYTEST_CURRENT_TEST``) is refused (the caller starts a real interpret
 
 Protocol: one JSON request per line on stdin (``argv`` without the interpreter, ``env``, ``cwd``, ``stdout``,
 ``stderr`` (file paths), ``timeout`` in seconds), one JSON reply per line on stdout: ``{"rc": int}``,
-``{"timeout": true}`` (the child's process group was killed) or ``{"refused": reason}``. EOF on stdin ends it.
+``{"timeout": true}`` (the child's process group was killed) or ``{"refused": reason}``. EOF on stdin ends it,
+and kills a command still running (as does this server's end: the child dies with it, ``PR_SET_PDEATHSIG``).
 """
 
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -40,11 +42,12 @@ def _same_env(env: dict) -> bool:
             == {k: v for k, v in _ENV.items() if k not in _ENV_FREE})
 
 
-def _child(req: dict, proto: tuple) -> None:
+def _child(req: dict, proto: tuple, server: int) -> None:
     """In the forked child: become the command; never returns."""
     code = 1
     try:
         os.setpgid(0, 0)
+        _die_with(server)
         for fd in proto:
             os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -67,6 +70,17 @@ def _child(req: dict, proto: tuple) -> None:
             pass
     finally:
         os._exit(_finish(code))
+
+
+def _die_with(server: int) -> None:
+    """Linux: this process gets SIGKILL when the server ends (killed, or interrupted while it waits), so that a
+    command never outlives the test session in its own process group."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != server:  # the server ended before prctl
+        os._exit(1)
 
 
 def _sys_path(first: str, extra: list) -> list:
@@ -155,24 +169,43 @@ def _serve(req: dict, proto: tuple) -> dict:
         return {"refused": "the environment differs from the server's"}
     sys.stdout.flush()
     sys.stderr.flush()
+    server = os.getpid()
     pid = os.fork()
     if pid == 0:
-        _child(req, proto)
-    deadline = time.monotonic() + req["timeout"] if req.get("timeout") else None
+        _child(req, proto, server)
+    try:
+        os.setpgid(pid, pid)  # the child does so too: either may run first
+    except OSError:
+        pass
+    return _wait(pid, req.get("timeout"), proto[0])
+
+
+def _wait(pid: int, timeout, requests: int) -> dict:
+    """Wait for the child; its process group is killed at the timeout, when the client closes its end of the
+    requests (it sends nothing while it waits for a reply: the session ended, e.g. interrupted) and when this
+    server is interrupted."""
+    deadline = time.monotonic() + timeout if timeout else None
     delay = 0.002
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return {"rc": os.waitstatus_to_exitcode(status)}
-        if deadline is not None and time.monotonic() > deadline:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    reaped = False
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                reaped = True
+                return {"rc": os.waitstatus_to_exitcode(status)}
+            if deadline is not None and time.monotonic() > deadline:
+                return {"timeout": True}
+            if select.select([requests], [], [], delay)[0]:  # EOF: nobody waits for this command any more
+                return {"gone": True}
+            delay = min(2 * delay, 0.05)
+    finally:
+        if not reaped:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             os.waitpid(pid, 0)
-            return {"timeout": True}
-        time.sleep(delay)
-        delay = min(2 * delay, 0.05)
 
 
 def main() -> None:
@@ -194,6 +227,8 @@ def main() -> None:
             reply = _serve(json.loads(line), (rfd, wfd))
         except Exception as e:  # noqa: BLE001 - a broken request is answered, the server goes on
             reply = {"refused": f"{type(e).__name__}: {e}"}
+        if reply.get("gone"):
+            break
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 
