@@ -19,7 +19,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 def pytest_collection_finish(session):
     """Selected test modules with a ``start_in_background()`` (``tests/test_kernel_compile.py``) start their
-    background work now; their ``stop_background()`` runs when the session ends."""
+    background work now; their ``stop_background()`` runs when the session ends. Not for ``--collect-only``."""
+    if session.config.option.collectonly:
+        return
     for module in {item.module for item in getattr(session, "items", ()) if getattr(item, "module", None) is not None}:
         if hasattr(module, "start_in_background"):
             module.start_in_background()

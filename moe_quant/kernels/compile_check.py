@@ -23,7 +23,27 @@ import time
 _MARK = "@@compile_check@@"
 
 
+_PARENT = "MOE_QUANT_COMPILE_CHECK_PARENT"  # set by start(): the pid its workers end with
+
+
+def _die_with_parent() -> None:
+    """Linux: a worker gets SIGKILL when the process that started it ends (a test session killed before it
+    collected the results, ``tests/test_kernel_compile.py`` starts them at collection), instead of compiling on
+    for minutes with nobody to read its report."""
+    parent = os.environ.pop(_PARENT, "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(parent):  # it ended before prctl
+        os._exit(1)
+
+
 def _worker(arch: str) -> None:
+    _die_with_parent()
     os.environ["CUTE_DSL_ARCH"] = arch
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # really compile, every time
     from .compile_cache import compile_variant
@@ -110,7 +130,7 @@ def start(archs: list[str], nice: int = 0) -> list:
 
     started = []
     for arch in archs:
-        env = dict(os.environ, CUTE_DSL_ARCH=arch)
+        env = dict(os.environ, CUTE_DSL_ARCH=arch, **{_PARENT: str(os.getpid())})
         err = tempfile.TemporaryFile(mode="w+t")
         proc = subprocess.Popen(
             [sys.executable, "-m", "moe_quant.kernels.compile_check", "--worker", arch],
@@ -118,9 +138,13 @@ def start(archs: list[str], nice: int = 0) -> list:
             stdout=subprocess.DEVNULL,
             stderr=err,
             text=True,
-            preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
         started.append((arch, proc, err))
+        if nice:  # set from here, not by a preexec_fn (unsafe in a process with threads, e.g. torch's)
+            try:
+                os.setpriority(os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+            except (AttributeError, OSError):  # no setpriority (Windows), or the worker ended already
+                pass
     return started
 
 
