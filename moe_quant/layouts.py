@@ -56,12 +56,13 @@ def blocked_offset(r, c, n_col_tiles):
     128x4 tiles of 512 bytes, row-tile-major; in a tile, rows b, 32+b, 64+b, 96+b share one
     16-byte line.
     """
-    return (
-        TILE_BYTES * (n_col_tiles * (r // TILE_ROWS) + c // TILE_COLS)
-        + 16 * (r % 32)
-        + 4 * ((r // 32) % 4)
-        + (c % TILE_COLS)
-    )
+    return TILE_BYTES * (n_col_tiles * (r // TILE_ROWS) + c // TILE_COLS) + tile_byte(r, c)
+
+
+def tile_byte(r, c):
+    """Byte of scale ``(r, c)`` inside its 512-byte 128x4 tile (rows b, 32+b, 64+b, 96+b share one 16-byte
+    line): the in-tile part of :func:`blocked_offset`, also what the kernels gather a tile in shared memory by."""
+    return 16 * (r % 32) + 4 * ((r // 32) % 4) + (c % TILE_COLS)
 
 
 def blocked_shape(rows: int, cols: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, nvvm, vector
 from cutlass.cutlass_dsl import T
 
-from ..layouts import TILE_BYTES, TILE_COLS, TILE_ROWS, blocked_offset  # noqa: F401  (re-exported)
+from ..layouts import TILE_BYTES, TILE_COLS, TILE_ROWS, blocked_offset, tile_byte  # noqa: F401  (re-exported)
 from ..numerics import _F32_HALF_SUBNORMAL, BLOCK_SIZE, E4M3_MAX_POW2, E8M0_BIAS, E8M0_NAN, RCP_E4M3_MAX_F32_BITS
 
 # fp32 bit patterns used by the scale math.

@@ -152,6 +152,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.fake_f32 = False
         self.n_out = N_OUTPUTS[variant.op]
         self.stacked = variant.stacked  # rowwise outputs in one (M, 2R) buffer (row pitch 2R)
+        # scale bytes gathered in shared memory and written as 16-byte rows: dual with fp8 outputs only (H200,
+        # 2026-11-29: dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8, NOTES.md)
+        self.scale_tile = not variant.fake and variant.op == "dual"
         self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
 
     # ------------------------------------------------------------------ host
@@ -245,6 +248,12 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 words = self.compute(1, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
         row_out = self.pick(o_cta, rd0, None if self.stacked else rd1)  # stacked: both halves of one buffer
         row_sc, col_out, col_sc = self.pick(o_cta, rs0, rs1), self.pick(o_cta, cd0, cd1), self.pick(o_cta, cs0, cs1)
+        # dual: both scale tiles gathered in shared memory, written as 16-byte rows after a barrier (as the 32x1
+        # kernel's); swiglu and dswiglu, issue-bound, store each scale byte where it is computed (self.scale_tile)
+        ctile = mtile = None
+        if cutlass.const_expr(self.scale_tile):
+            ctile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
+            mtile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
         # colwise: per column, 8 tokens of one 32-token block
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
@@ -256,8 +265,11 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 if tail == 0:
                     if quad == c // 2:
                         rr = tile_col + c
-                        byte = 16 * (rr % 32) + 4 * ((rr // 32) % 4) + blk
-                        cu.st_global_u8(col_sc + (scale_base + Int64(byte)), s)
+                        byte = cu.tile_byte(rr, blk)
+                        if cutlass.const_expr(self.scale_tile):
+                            cu.st_global_u8(ctile + byte, s)
+                        else:
+                            cu.st_global_u8(col_sc + (scale_base + Int64(byte)), s)
         # rowwise: per token, 8 columns of one 32-column block
         for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
             q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES)
@@ -271,8 +283,18 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 if tail == 0:
                     if (lane // 4) % 4 == i // 2:  # one lane of the block's four writes its scale
                         rr = t0 + i
-                        byte = 16 * (rr % 32) + 4 * (rr // 32) + (warp % 2) * 2 + lane // 16
-                        cu.st_global_u8(row_sc + (mg_base + Int64(byte)), s)
+                        byte = cu.tile_byte(rr, (warp % 2) * 2 + lane // 16)
+                        if cutlass.const_expr(self.scale_tile):
+                            cu.st_global_u8(mtile + byte, s)
+                        else:
+                            cu.st_global_u8(row_sc + (mg_base + Int64(byte)), s)
+        if cutlass.const_expr(self.scale_tile):
+            if tail == 0:
+                cute.arch.sync_threads()
+                if warp == 0:
+                    self.write_scale_rows(col_sc, ctile, scale_base, Int32(0), lane)
+                if warp == 1:
+                    self.write_scale_rows(row_sc, mtile, mg_base, Int32(0), lane)
         if tail != 0:
             self.zero_tails(o_cta, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
                             ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp, info)

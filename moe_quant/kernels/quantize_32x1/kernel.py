@@ -188,11 +188,11 @@ class Quantize32x1Kernel:
                     # lane q of the block's quad holds columns 2q, 2q+1: rows row0 + tile_col + c of scale tile ty
                     if quad == c // 2:
                         rr = row0 + tile_col + c
-                        cu.st_global_u8(stile + (16 * (rr % 32) + 4 * ((rr // 32) % 4) + blk), s)
+                        cu.st_global_u8(stile + cu.tile_byte(rr, blk), s)
 
         if cutlass.const_expr(not self.fake):
             if tail == 0:
-                self.store_scale_tile(scales, stile, scale_base, row0, tid)
+                self.store_scale_tile(scales.iterator, stile, scale_base, row0, tid)
 
         if cutlass.const_expr(self.kgroups and not self.fake):
             if tail != 0:
@@ -200,18 +200,24 @@ class Quantize32x1Kernel:
                                      (nx - chunk_total) * ny, tid)
 
     @cute.jit
-    def store_scale_tile(self, scales, stile, scale_base: Int64, row0: Int32, tid: Int32):
-        """The CTA's scale bytes, gathered in ``stile`` (the tile's 512-byte layout), to the tile at ``scale_base``:
-        warp 0 writes one 16-byte row each lane (``tile_cols`` = 64: the 8 bytes of rows ``row0 ..`` in it)."""
+    def store_scale_tile(self, sp, stile, scale_base: Int64, row0: Int32, tid: Int32):
+        """The CTA's scale bytes, gathered in ``stile`` (the tile's 512-byte layout), to the tile at byte
+        ``scale_base`` of the scale buffer at ``sp``, after a barrier, by warp 0 (:meth:`write_scale_rows`)."""
         cute.arch.sync_threads()
         if tid < 32:
-            off = 16 * tid + 4 * (row0 // 32)
-            if cutlass.const_expr(self.tile_cols == 128):
-                a, b, c, d = cu.ld_global_v4(stile + off)
-                cu.st_global_v4(scales.iterator + (scale_base + Int64(off)), a, b, c, d)
-            else:
-                a, b = cu.ld_global_v2(stile + off)
-                cu.st_global_v2(scales.iterator + (scale_base + Int64(off)), a, b)
+            self.write_scale_rows(sp, stile, scale_base, row0, tid)
+
+    @cute.jit
+    def write_scale_rows(self, sp, stile, scale_base: Int64, row0: Int32, lane: Int32):
+        """Lane ``lane``'s 16-byte row of the gathered scale tile ``stile`` to the tile at byte ``scale_base`` of
+        the buffer at ``sp`` (``tile_cols`` = 64: the 8 bytes of rows ``row0 ..`` in it)."""
+        off = 16 * lane + 4 * (row0 // 32)
+        if cutlass.const_expr(self.tile_cols == 128):
+            a, b, c, d = cu.ld_global_v4(stile + off)
+            cu.st_global_v4(sp + (scale_base + Int64(off)), a, b, c, d)
+        else:
+            a, b = cu.ld_global_v2(stile + off)
+            cu.st_global_v2(sp + (scale_base + Int64(off)), a, b)
 
     @cute.jit
     def scan_groups(self, offs, poffs, m: Int32, n_groups: Int32, lane: Int32, bx: Int32, by: Int32, info):
