@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import importlib
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -244,6 +243,18 @@ def arch(device: torch.device) -> str:
     """CuTe-DSL target of a CUDA device, e.g. ``sm_90a`` (capability cached in ``backends``)."""
     major, minor = device_capability(device)
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+_SMS: dict = {}  # device index -> streaming multiprocessors
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (cached): what a persistent grid is sized by."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SMS.get(index)
+    if n is None:
+        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 _FAST: dict = {}  # (family key..., device index) -> Compiled: one dict lookup per call

@@ -11,8 +11,6 @@ aligned staging buffer :data:`STAGE_BYTES` at a time (memory-bounded, one copy a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import compile_cache as cc
@@ -54,16 +52,11 @@ def accumulate(b: torch.Tensor, launch) -> None:
         launch(piece, start // 8)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _impl(b: torch.Tensor, variant: Variant, ctas_per_sm: int = CTAS_PER_SM) -> torch.Tensor:
     out = torch.zeros((), dtype=torch.int64, device=b.device)
     if b.numel():
         kernel = cc.kernel_for(("fp", variant), lambda: variant, b.device)
-        ctas = ctas_per_sm * _sm_count(b.device.index if b.device.index is not None else torch.cuda.current_device())
+        ctas = ctas_per_sm * cc.sm_count(b.device)
         acc = out.view(1)
         accumulate(b, lambda piece, first_word: cc.launch(kernel, piece, acc, first_word, ctas))
     return out

@@ -53,6 +53,9 @@ class Variant:
     iters: int = ITERS
     order: str = ""  # "": the measured default of the output, DEFAULT_ORDER[out]
     staging: str = "registers"  # "smem": scatter only
+    # rows only: a persistent grid of `persist` data CTAs per SM, each building the group table once and then
+    # taking row tiles bid, bid + grid, ... (0: one CTA per row tile, each building the table)
+    persist: int = 0
 
     family = "perm"
     kernel_module = "permute.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -77,6 +80,10 @@ class Variant:
             raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
         if self.staging != "registers" and self.order != "scatter":
             raise ValueError(f"staging={self.staging!r} is for order='scatter', got order={self.order!r}")
+        if not (0 <= self.persist <= 32):
+            raise ValueError(f"persist must be in [0, 32] CTAs per SM, got {self.persist}")
+        if self.persist and self.order != "rows":
+            raise ValueError(f"persist={self.persist} is for order='rows', got order={self.order!r}")
         if self.order == "rows" and self.iters > 8:
             raise ValueError(f"order='rows' loads iters chunks per lane before storing: iters <= 8, got {self.iters}")
         if self.staging == "smem" and self.threads * self.iters * CHUNK > MAX_STAGE_BYTES:
@@ -88,6 +95,8 @@ class Variant:
         order = "" if self.order == "gather" else f"-{self.order}"  # gather keys as before the field
         if self.staging != "registers":
             order += f"-{self.staging}"
+        if self.persist:
+            order += f"-p{self.persist}"
         return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{order}"
 
     def replace(self, **kw) -> "Variant":
@@ -126,6 +135,10 @@ CANDIDATES = {
     "gather t256i4": {"order": "gather"},
     # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks a lane
     "rows t256i4": {"order": "rows"},
+    # rows on a persistent grid of 4 or 5 CTAs per SM: the table built once per CTA, not once per 8 rows
+    # (ncu, H200, blocked at 32768 x 2048: 6.9 of 16 cycles per issued instruction stalled at the table's barriers)
+    "rows t256i4 persistent 4/SM": {"order": "rows", "persist": 4},
+    "rows t256i4 persistent 5/SM": {"order": "rows", "persist": 5},
 }
 
 
