@@ -58,8 +58,6 @@ def main():
         ("1024 blocks", [[3] * 32 for _ in range(32)], 3100, 160),
         ("rows past the total", [[10, 20]], 300, 7168),
         ("K=1056: 66 chunks per row", [[13, 0, 40], [7, 2, 1]], 90, 1056),
-        # 2500 row tiles of 8 rows: a persistent grid's CTAs take several each
-        ("more row tiles than persistent CTAs", [[1300] * 8, [1200] * 8], 20000, 96),
     ]
     if quick:
         cases = [cases[0], cases[5]]

@@ -104,22 +104,6 @@ def test_bad_counts_and_empty(cand):
         check([[1000]], 1, 32, 6)  # one row, count past M
 
 
-@pytest.mark.parametrize("persist", [1, 5])
-def test_persistent_rows_take_every_row_tile(persist):
-    """A persistent grid (``Variant.persist``) smaller than the row tiles: each CTA loops over several tiles
-    (1 CTA per SM: about 19 each here), every output byte as the reference's."""
-    m, k = 20000, 96
-    dev = torch.device("cuda", torch.cuda.current_device())
-    warps = config_permute.THREADS // 32
-    grid = persist * compile_cache.sm_count(dev)
-    assert (m + warps - 1) // warps > 2 * grid and 375 * 4 > 2 * grid  # the loop runs twice or more, both cases
-    counts = [[1300] * 8, [1200] * 7 + [0]]  # a total past M, an empty block
-    with ops_permute.variants_in_place(dev, order="rows", persist=persist):
-        check(counts, m, k, 12, raw_bytes=True)
-        # 4 segments a row (K = 7168: 448 chunks, 128 a segment): 1500 tiles; a count past M, saturated
-        check([[7, 0, 9], [0, 30000, 2]], 3000, 7168, 13)
-
-
 def test_past_table_falls_back_to_reference():
     from moe_quant.ep import permute_received
     from moe_quant.kernels.permute.config import MAX_BLOCKS

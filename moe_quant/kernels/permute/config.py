@@ -53,9 +53,6 @@ class Variant:
     iters: int = ITERS
     order: str = ""  # "": the measured default of the output, DEFAULT_ORDER[out]
     staging: str = "registers"  # "smem": scatter only
-    # rows only: a persistent grid of `persist` data CTAs per SM, each building the group table once and then
-    # taking row tiles bid, bid + grid, ... (0: one CTA per row tile, each building the table)
-    persist: int = 0
 
     family = "perm"
     kernel_module = "permute.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -80,10 +77,6 @@ class Variant:
             raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
         if self.staging != "registers" and self.order != "scatter":
             raise ValueError(f"staging={self.staging!r} is for order='scatter', got order={self.order!r}")
-        if not (0 <= self.persist <= 32):
-            raise ValueError(f"persist must be in [0, 32] CTAs per SM, got {self.persist}")
-        if self.persist and self.order != "rows":
-            raise ValueError(f"persist={self.persist} is for order='rows', got order={self.order!r}")
         if self.order == "rows" and self.iters > 8:
             raise ValueError(f"order='rows' loads iters chunks per lane before storing: iters <= 8, got {self.iters}")
         if self.staging == "smem" and self.threads * self.iters * CHUNK > MAX_STAGE_BYTES:
@@ -95,8 +88,6 @@ class Variant:
         order = "" if self.order == "gather" else f"-{self.order}"  # gather keys as before the field
         if self.staging != "registers":
             order += f"-{self.staging}"
-        if self.persist:
-            order += f"-p{self.persist}"
         return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{order}"
 
     def replace(self, **kw) -> "Variant":
@@ -124,6 +115,16 @@ def all_variants() -> list[Variant]:
 # 59.8 / 75.4 / 83.6 / 88.5, dropped. dequant (bf16): scatter registers 74.4 / 83.0 / 88.1 / 91.1, rows t256i4
 # 60.9 / 71.9 / 78.2 / 80.9 (ncu: 28.8M -> 20.0M instructions, yet 62.3 -> 71.3 us with 3.0 long-scoreboard
 # stalls per issue against 0.16), rows t512i4 57.3 / 63.9 / 67.3 / 68.9: dequant stays scatter.
+# Rows on a persistent grid (H200, 2026-11-29, same script, 5 rounds): ncu of the rows default at 32768x2048
+# blocked counted 6.9 of its 16 cycles per issued instruction stalled at a barrier (the per-CTA group table: warp 0
+# builds it while the other warps wait, their loads in flight) and only 0.28 on loads (long scoreboard). A grid of 4
+# or 5 CTAs per SM, each building the table once and then looping over row tiles bid, bid + grid, ... (load a
+# tile, store it, next; no barrier after the first), measured against the default in the same rounds: blocked
+# 61.6 / 79.1 / 85.3 / 89.7 (default) -> 4/SM 63.7 / 72.0 / 68.5 / 63.7, 5/SM 64.2 / 75.3 / 76.2 / 72.0; dequant
+# (rows) 60.3 / 72.1 / 78.3 / 80.2 -> 58.8 / 63.4 / 65.8 / 66.4 and 56.4 / 63.1 / 64.8 / 65.5. Byte-exact (GPU
+# tests with a grid smaller than the tiles, memcheck 0 errors) but slower from M = 32768: a warp with one tile
+# in flight between its stores keeps fewer bytes in flight than fresh CTAs whose loads overlap the table build.
+# Dropped (the code is in git history, commit 5030e4c on branch perm-persist).
 CANDIDATES = {
     # ptxas, sm_90a: rows 46 registers (blocked), scatter 58 (dequant bf16)
     "default (rows for fp8 outputs, scatter for dequant)": {},
@@ -135,10 +136,6 @@ CANDIDATES = {
     "gather t256i4": {"order": "gather"},
     # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks a lane
     "rows t256i4": {"order": "rows"},
-    # rows on a persistent grid of 4 or 5 CTAs per SM: the table built once per CTA, not once per 8 rows
-    # (ncu, H200, blocked at 32768 x 2048: 6.9 of 16 cycles per issued instruction stalled at the table's barriers)
-    "rows t256i4 persistent 4/SM": {"order": "rows", "persist": 4},
-    "rows t256i4 persistent 5/SM": {"order": "rows", "persist": 5},
 }
 
 

@@ -28,9 +28,7 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
     segment ``b % S`` of its ``S`` segments of ``32 * iters`` chunks (lane ``l``: chunks ``l, l + 32, ...`` of
     the segment: each load a warp's 512 consecutive bytes). As scatter, the loads go first and the table is
     built while they are in flight; then one search per warp row (not per chunk) gives the destination row,
-    and the row's addresses are computed once for its ``iters`` chunks. With ``persist`` (a candidate), the grid
-    holds ``persist`` data CTAs per SM, each building the table once and then taking row tiles ``bid``,
-    ``bid + grid``, ... (the later ones without a barrier).
+    and the row's addresses are computed once for its ``iters`` chunks.
 
   Output rows past the total ``T`` are zero.
 * ``dequant`` writes ``fp32(q) * 2**(s-127)`` rounded to bf16 (or fp32), canonical NaN (the NaN handling runs
@@ -57,12 +55,11 @@ CHUNK_WORDS = CHUNK // 4  # int32 words per chunk
 
 
 class PermuteMxfp8Kernel:
-    """Host entry ``__call__(data, scales, counts, out, out_scales, offs, n_sms, stream)``: ``data (M, K)`` and
+    """Host entry ``__call__(data, scales, counts, out, out_scales, offs, stream)``: ``data (M, K)`` and
     ``scales (M, K/32)`` uint8; ``counts (R, E)`` int32; ``out (M, K)`` (bf16/fp32 for dequant, else uint8);
     ``out_scales`` uint8 (``None`` for dequant): ``(M, K/32)`` plain or ``(M + 128 E, 4 ceil(K/128))``
-    blocked; ``offs (E,)`` int32; ``n_sms`` the device's SMs (what a persistent grid, ``Variant.persist``,
-    is sized by). Needs ``R * E <= MAX_BLOCKS`` and ``E <= MAX_BLOCKS``, and ``M K > 0`` (the op launches
-    nothing otherwise)."""
+    blocked; ``offs (E,)`` int32. Needs ``R * E <= MAX_BLOCKS`` and ``E <= MAX_BLOCKS``, and ``M K > 0``
+    (the op launches nothing otherwise)."""
 
     def __init__(self, variant: Variant):
         self.v = variant
@@ -77,13 +74,12 @@ class PermuteMxfp8Kernel:
         # Scatter builds the table while its loads are in flight: its scans are not unrolled (fewer registers
         # live next to the loaded chunks; their latency hides behind the loads). Gather keeps the compiler's.
         self.table_unroll = 1 if self.scatter else 0
-        self.persist = variant.persist
 
     # ------------------------------------------------------------------ host
 
     @cute.jit
     def __call__(self, data: cute.Tensor, scales: cute.Tensor, counts: cute.Tensor, out: cute.Tensor,
-                 out_scales, offs: cute.Tensor, n_sms: Int32, stream):
+                 out_scales, offs: cute.Tensor, stream):
         m = data.shape[0]
         k = data.shape[1]
         kb = k // BLOCK_SIZE
@@ -97,9 +93,6 @@ class PermuteMxfp8Kernel:
             n_seg = Int32((k // CHUNK + (seg_chunks - 1)) // seg_chunks)
             warps = self.threads // 32
             n_data = Int32((m + (warps - 1)) // warps) * n_seg
-        n_tiles = n_data  # rows: row tiles; a persistent grid has fewer data CTAs, each taking every n_data-th
-        if cutlass.const_expr(self.persist > 0):
-            n_data = cutlass.min(n_data, n_sms * self.persist)
         n_data = cutlass.max(n_data, Int32(1))  # one CTA writes offs even with no rows
         n_pad = Int32(0)
         buf_rows = Int32(0)
@@ -108,7 +101,7 @@ class PermuteMxfp8Kernel:
             n_pad = (buf_rows + (TILE_ROWS - 1)) // TILE_ROWS
         self.kernel(
             data, scales, counts, out, out_scales, offs, Int32(m), Int32(k), Int32(kb), Int32(nc),
-            Int32(counts.shape[0]), Int32(counts.shape[1]), n_chunks, n_pad, buf_rows, n_data, n_seg, n_tiles,
+            Int32(counts.shape[0]), Int32(counts.shape[1]), n_chunks, n_pad, buf_rows, n_data, n_seg,
         ).launch(grid=[n_pad + n_data, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device
@@ -116,7 +109,7 @@ class PermuteMxfp8Kernel:
     @cute.kernel
     def kernel(self, data: cute.Tensor, scales: cute.Tensor, counts: cute.Tensor, out: cute.Tensor, out_scales,
                offs: cute.Tensor, m: Int32, k: Int32, kb: Int32, nc: Int32, n_ranks: Int32, n_experts: Int32,
-               n_chunks: Int64, n_pad: Int32, buf_rows: Int32, n_data: Int32, n_seg: Int32, n_tiles: Int32):
+               n_chunks: Int64, n_pad: Int32, buf_rows: Int32, n_data: Int32, n_seg: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
@@ -158,13 +151,9 @@ class PermuteMxfp8Kernel:
                 else:
                     self.store_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
                                     sbytes, row, cols, tables)
-                    self.further_row_tiles(data, scales, out, out_scales, m, k, kb, nc, n_experts, n_blocks, n_seg,
-                                           n_tiles, n_data, bid, tid, tables)
             else:
                 self.store_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
                                 sbytes, row, cols, tables)
-                self.further_row_tiles(data, scales, out, out_scales, m, k, kb, nc, n_experts, n_blocks, n_seg,
-                                       n_tiles, n_data, bid, tid, tables)
         else:
             # Pad CTAs first, then the data CTAs; the table before any load.
             self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == n_pad, tables)
@@ -400,18 +389,6 @@ class PermuteMxfp8Kernel:
         return words, sbytes, row, cols
 
     @cute.jit
-    def further_row_tiles(self, data, scales, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32,
-                          n_experts: Int32, n_blocks: Int32, n_seg: Int32, n_tiles: Int32, n_data: Int32, bid: Int32,
-                          tid: Int32, tables):
-        """Persistent rows (``persist`` > 0): this data CTA's row tiles after its first, ``bid + n_data``,
-        ``bid + 2 n_data``, ... below ``n_tiles``, each loaded and stored as the first (the table, built once, is
-        only read: no barrier). Nothing otherwise."""
-        if cutlass.const_expr(self.persist > 0):
-            for t in cutlass.range(bid + n_data, n_tiles, n_data, unroll=1):
-                words, sbytes, row, cols = self.load_row_chunks(data, scales, m, k, kb, n_seg, t, tid)
-                self.rows_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, row, cols, words, sbytes, tables)
-
-    @cute.jit
     def rows_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
                   row: Int32, cols, words, sbytes, tables):
         """Rows: store this lane's loaded chunks of source row ``row`` at its destination row (one search for
@@ -529,7 +506,7 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
         out_scales = make_fake_compact_tensor(cutlass.Uint8, (rows, cols), stride_order=(1, 0), assumed_align=16)
     offs = make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()
-    return data, scales, counts, out, out_scales, offs, Int32(1), stream
+    return data, scales, counts, out, out_scales, offs, stream
 
 
 def compile_variant(variant: Variant, tvm_ffi: bool, extra_options: str = ""):

@@ -64,7 +64,7 @@ def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):
     if data.numel():
         cc.launch(_kernel(out, out_dtype, data.device), cc.aligned(data.view(torch.uint8)),
                   cc.aligned(scales.view(torch.uint8)), counts, res.view(torch.uint8) if out != "dequant" else res,
-                  res_scales, offs, cc.sm_count(data.device))
+                  res_scales, offs)
     else:  # no rows or K = 0: nothing to move, offs from the (device-side) table, scale buffer all zero
         offs.copy_(layouts.received_group_table(counts, m)[3])
         if res_scales is not None:
