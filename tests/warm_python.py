@@ -129,7 +129,16 @@ def _run(argv: list, pythonpath: str) -> int:
         else:
             sys.path[:] = _sys_path(os.path.dirname(os.path.abspath(argv[0])), extra)
             sys.argv = list(argv)
-            runpy.run_path(argv[0], run_name="__main__")
+            path = os.path.join(os.getcwd(), argv[0])  # the interpreter's __file__: absolute, not normalized
+            if os.path.isfile(path) and not path.endswith(".pyc"):  # a source file: run as the interpreter does
+                from importlib.machinery import SourceFileLoader
+
+                with open(path, "rb") as f:
+                    code = compile(f.read(), path, "exec", dont_inherit=True)
+                main.__dict__.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))
+                exec(code, main.__dict__)
+            else:  # a folder or zip file with a __main__.py, a .pyc
+                runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         if e.code is None:
             return 0
