@@ -124,7 +124,7 @@ def all_variants() -> list[Variant]:
 # (rows) 60.3 / 72.1 / 78.3 / 80.2 -> 58.8 / 63.4 / 65.8 / 66.4 and 56.4 / 63.1 / 64.8 / 65.5. Byte-exact (GPU
 # tests with a grid smaller than the tiles, memcheck 0 errors) but slower from M = 32768: a warp with one tile
 # in flight between its stores keeps fewer bytes in flight than fresh CTAs whose loads overlap the table build.
-# Dropped (the code is in git history, commit 5030e4c on branch perm-persist).
+# Dropped (the code is in git history, commit 13bf2da).
 CANDIDATES = {
     # ptxas, sm_90a: rows 46 registers (blocked), scatter 58 (dequant bf16)
     "default (rows for fp8 outputs, scatter for dequant)": {},
