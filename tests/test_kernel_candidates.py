@@ -19,10 +19,6 @@ def test_default_keys_unchanged():
     assert config_permute.Variant("blocked", order="scatter").key == "blocked-float8_e4m3fn-t256i4b1024-scatter"
     assert config_permute.Variant("blocked", order="gather", staging="registers").key == \
         "blocked-float8_e4m3fn-t256i4b1024"
-    assert config_permute.Variant("blocked", copy="bulk").key == "blocked-float8_e4m3fn-t256i4b1024-rows-bulk"
-    # dequant converts in registers: a bulk candidate's fields leave it the registers variant of its order
-    assert config_permute.Variant("dequant", "bfloat16", order="rows", copy="bulk") == \
-        config_permute.Variant("dequant", "bfloat16", order="rows")
     assert not config_32x1.CANDIDATES[next(iter(config_32x1.CANDIDATES))]  # the first candidate is the default
     assert not config_permute.CANDIDATES[next(iter(config_permute.CANDIDATES))]
 
@@ -56,8 +52,6 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_permute.Variant("blocked", order="gather", staging="smem"),  # gather has no smem staging
     lambda: config_permute.Variant("blocked", staging="tmem"),
     lambda: config_permute.Variant("blocked", staging="smem", iters=8),  # past the 24 KB stage
-    lambda: config_permute.Variant("blocked", copy="tma"),
-    lambda: config_permute.Variant("blocked", order="scatter", copy="bulk"),  # bulk copies move whole row segments
 ])
 def test_bad_tiles_raise(make):
     with pytest.raises(ValueError):

@@ -95,24 +95,6 @@ def cp_async_16(smem_ptr, gmem_ptr, src_bytes) -> None:
                                 cp_size=_i32(src_bytes))
 
 
-def bulk_copy_to_shared(smem_ptr, gmem_ptr, mbar_ptr, n_bytes) -> None:
-    """``cp.async.bulk`` (no tensor map) of ``n_bytes`` (a positive multiple of 16) from ``gmem_ptr`` to
-    ``smem_ptr`` (both 16-byte aligned); the mbarrier at ``mbar_ptr`` counts the bytes as they land (arm it with
-    ``mbarrier_arrive_and_expect_tx`` first)."""
-    from cutlass.experimental.primitives import nvvm_wrapper
-
-    nvvm_wrapper.cp_async_bulk_shared_cluster_global(smem_ptr, gmem_ptr, mbar_ptr, Int32(n_bytes))
-
-
-def bulk_copy_to_global(gmem_ptr, smem_ptr, n_bytes) -> None:
-    """``cp.async.bulk`` of ``n_bytes`` (a positive multiple of 16) from shared ``smem_ptr`` to ``gmem_ptr`` (both
-    16-byte aligned), in the issuing thread's bulk group (``cute.arch.cp_async_bulk_commit_group`` /
-    ``cp_async_bulk_wait_group``)."""
-    from cutlass.experimental.primitives import nvvm_wrapper
-
-    nvvm_wrapper.cp_async_bulk_global_shared_cta(gmem_ptr, smem_ptr, Int32(n_bytes))
-
-
 def st_global_v2(ptr, a, b) -> None:
     vec = vector.from_elements(ir.VectorType.get([2], T.i32()), [_i32(a), _i32(b)])
     cute.arch.store(ptr, vec)

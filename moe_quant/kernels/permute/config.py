@@ -30,7 +30,6 @@ DEFAULT_ORDER = {"dequant": "scatter", "blocked": "rows", "plain": "rows"}
 # Where scatter holds its loaded chunks while the table is built: "registers" (16 bytes each), or "smem" (each
 # thread's chunks copied by cp.async into shared memory, no register held: fewer registers, more CTAs per SM).
 STAGINGS = ("registers", "smem")
-COPIES = ("registers", "bulk")
 DEQUANT_DTYPES = ("bfloat16", "float32")
 CHUNK = 16  # fp8 bytes per lane per load (one 16-byte vector; half a 32-element block)
 THREADS = 256  # default threads per CTA
@@ -54,11 +53,6 @@ class Variant:
     iters: int = ITERS
     order: str = ""  # "": the measured default of the output, DEFAULT_ORDER[out]
     staging: str = "registers"  # "smem": scatter only
-    # rows, fp8 outputs: how a warp moves its row segment. "registers": each lane loads and stores its chunks;
-    # "bulk": one cp.async.bulk copy (TMA, no tensor map) global -> shared memory and one shared -> global at the
-    # destination row, no data in registers and no per-chunk address math (the lanes still move the scale bytes).
-    # The dequant output converts in registers: "bulk" means "registers" there.
-    copy: str = "registers"
 
     family = "perm"
     kernel_module = "permute.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -83,12 +77,6 @@ class Variant:
             raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
         if self.staging != "registers" and self.order != "scatter":
             raise ValueError(f"staging={self.staging!r} is for order='scatter', got order={self.order!r}")
-        if self.copy not in COPIES:
-            raise ValueError(f"copy must be one of {COPIES}, got {self.copy!r}")
-        if self.copy == "bulk" and self.order != "rows":
-            raise ValueError(f"copy='bulk' is for order='rows', got order={self.order!r}")
-        if self.out == "dequant":
-            object.__setattr__(self, "copy", "registers")
         if self.order == "rows" and self.iters > 8:
             raise ValueError(f"order='rows' loads iters chunks per lane before storing: iters <= 8, got {self.iters}")
         if self.staging == "smem" and self.threads * self.iters * CHUNK > MAX_STAGE_BYTES:
@@ -100,8 +88,6 @@ class Variant:
         order = "" if self.order == "gather" else f"-{self.order}"  # gather keys as before the field
         if self.staging != "registers":
             order += f"-{self.staging}"
-        if self.copy != "registers":
-            order += f"-{self.copy}"
         return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{order}"
 
     def replace(self, **kw) -> "Variant":
@@ -139,6 +125,13 @@ def all_variants() -> list[Variant]:
 # tests with a grid smaller than the tiles, memcheck 0 errors) but slower from M = 32768: a warp with one tile
 # in flight between its stores keeps fewer bytes in flight than fresh CTAs whose loads overlap the table build.
 # Dropped (the code is in git history, commit 13bf2da).
+# Two more rows candidates, the same day and script (5 rounds; the default in the same rounds 61.9 / 78.0 / 84.8 /
+# 89.7 blocked): "bulk", each warp's row segment moved by two cp.async.bulk copies (global -> shared memory, counted
+# by an mbarrier, then shared -> the destination row; the lanes moved only the scale bytes): 62.7 / 76.4 / 83.9 /
+# 88.4, byte-exact, memcheck 0 errors, racecheck 0 hazards; ncu at 32768x2048: 19.8M instructions against 18.4M
+# (lane 0's mbarrier wait spins), the same barrier stall (6.6 against 6.99 cycles per issue): the data path was
+# never what cost, the per-CTA table and the scale bytes are. "rows t256i8" (8 chunks a lane): 58.3 / 71.7 /
+# 84.0 / 88.7, 68 registers, 3 CTAs per SM. Both dropped (commit d3c5a9c).
 CANDIDATES = {
     # ptxas, sm_90a: rows 46 registers (blocked), scatter 58 (dequant bf16)
     "default (rows for fp8 outputs, scatter for dequant)": {},
@@ -150,10 +143,6 @@ CANDIDATES = {
     "gather t256i4": {"order": "gather"},
     # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks a lane
     "rows t256i4": {"order": "rows"},
-    # rows, each warp's row segment moved by two cp.async.bulk copies through shared memory (fp8 outputs)
-    "rows t256i4 bulk": {"order": "rows", "copy": "bulk"},
-    # rows with 8 chunks a lane: twice the bytes in flight per warp and per table build (more registers)
-    "rows t256i8": {"order": "rows", "iters": 8},
 }
 
 

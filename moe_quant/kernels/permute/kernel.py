@@ -28,10 +28,7 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
     segment ``b % S`` of its ``S`` segments of ``32 * iters`` chunks (lane ``l``: chunks ``l, l + 32, ...`` of
     the segment: each load a warp's 512 consecutive bytes). As scatter, the loads go first and the table is
     built while they are in flight; then one search per warp row (not per chunk) gives the destination row,
-    and the row's addresses are computed once for its ``iters`` chunks. ``copy="bulk"`` (fp8 outputs): lane 0 of
-    each warp moves the segment with one ``cp.async.bulk`` into shared memory (an mbarrier counts its bytes) and,
-    once the destination row is known, one ``cp.async.bulk`` out of it; the lanes move only the scale bytes (and
-    write zeros for a row past the total).
+    and the row's addresses are computed once for its ``iters`` chunks.
 
   Output rows past the total ``T`` are zero.
 * ``dequant`` writes ``fp32(q) * 2**(s-127)`` rounded to bf16 (or fp32), canonical NaN (the NaN handling runs
@@ -74,7 +71,6 @@ class PermuteMxfp8Kernel:
         self.rows = variant.order == "rows"
         self.scatter = variant.order in ("scatter", "rows")  # loads before the table, searched by source row
         self.smem_staging = variant.staging == "smem"
-        self.bulk = variant.copy == "bulk"
         # Scatter builds the table while its loads are in flight: its scans are not unrolled (fewer registers
         # live next to the loaded chunks; their latency hides behind the loads). Gather keeps the compiler's.
         self.table_unroll = 1 if self.scatter else 0
@@ -141,9 +137,7 @@ class PermuteMxfp8Kernel:
                 stage = cute.arch.alloc_smem(Int32, self.threads * self.iters * CHUNK_WORDS, alignment=16)
             row = Int32(0)
             cols = None
-            if cutlass.const_expr(self.bulk):  # words: the warp's (bytes, stage, mbarrier) of its bulk copy
-                words, sbytes, row, cols = self.bulk_load_row(data, scales, m, k, kb, n_seg, bid, tid)
-            elif cutlass.const_expr(self.rows):
+            if cutlass.const_expr(self.rows):
                 words, sbytes, row, cols = self.load_row_chunks(data, scales, m, k, kb, n_seg, bid, tid)
             else:
                 words, sbytes = self.load_src_chunks(data, scales, n_chunks, bid, tid, stage)
@@ -395,60 +389,6 @@ class PermuteMxfp8Kernel:
         return words, sbytes, row, cols
 
     @cute.jit
-    def bulk_load_row(self, data, scales, m: Int32, k: Int32, kb: Int32, n_seg: Int32, bid: Int32, tid: Int32):
-        """Rows with ``copy="bulk"``: lane 0 of each warp starts the bulk copy of its source row segment into the
-        warp's shared-memory stage (completion counted in bytes by the warp's mbarrier); every lane loads the
-        scale bytes of its chunks (as :meth:`load_row_chunks`). Returns ``(bytes, stage, mbarrier)``, the scale
-        bytes, the row and the chunk columns (``-1``: no chunk)."""
-        warps = self.threads // 32
-        seg_chunks = 32 * self.iters
-        tile = bid // n_seg
-        seg = bid - tile * n_seg
-        warp = tid // 32
-        lane = tid % 32
-        row = tile * warps + warp
-        kc = k // CHUNK
-        c_begin = seg * seg_chunks
-        row_ok = row < m
-        n_bytes = Int32(cutlass.select_(row_ok, cutlass.min(kc - c_begin, Int32(seg_chunks)) * CHUNK, Int32(0)))
-        stage = cute.arch.alloc_smem(cutlass.Uint8, warps * seg_chunks * CHUNK, alignment=128) + warp * (
-            seg_chunks * CHUNK)
-        mbar = cute.arch.alloc_smem(cutlass.Int64, warps, alignment=8) + warp
-        if lane == 0:
-            cute.arch.mbarrier_init(mbar, 1)
-            cute.arch.mbarrier_init_fence()
-            if n_bytes > 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, n_bytes)
-                cu.bulk_copy_to_shared(stage, data.iterator + (Int64(row) * Int64(k) + Int64(c_begin) * CHUNK), mbar,
-                                       n_bytes)
-        safe_row = Int32(cutlass.select_(row_ok, row, Int32(0)))
-        ssrc = scales.iterator + Int64(safe_row) * Int64(kb)
-        sbytes = []
-        cols = []
-        for u in cutlass.range_constexpr(self.iters):
-            col = c_begin + lane + u * 32
-            ok = row_ok & (col < kc)
-            safe = Int32(cutlass.select_(ok, col, Int32(0)))
-            sbytes.append(cu.ld_global_u8(ssrc + safe // CHUNKS_PER_BLOCK))
-            cols.append(Int32(cutlass.select_(ok, col, Int32(-1))))
-        return (n_bytes, stage, mbar, c_begin), sbytes, row, cols
-
-    @cute.jit
-    def bulk_store_row(self, out, dst_ch: Int64, valid, copy):
-        """Rows with ``copy="bulk"``: lane 0 waits for the warp's bulk load, then (a row below the total) copies
-        the stage to the destination row's segment (``dst_ch``: its first chunk) and waits until the copy has
-        read the stage (shared memory must outlive it)."""
-        n_bytes, stage, mbar, c_begin = copy
-        lane = cute.arch.lane_idx()
-        if lane == 0:
-            if n_bytes > 0:
-                cute.arch.mbarrier_wait(mbar, 0)  # also before a skipped store: no copy in flight at exit
-                if valid:
-                    cu.bulk_copy_to_global(out.iterator + (dst_ch + Int64(c_begin)) * CHUNK, stage, n_bytes)
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
     def rows_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
                   row: Int32, cols, words, sbytes, tables):
         """Rows: store this lane's loaded chunks of source row ``row`` at its destination row (one search for
@@ -458,17 +398,10 @@ class PermuteMxfp8Kernel:
         total, blocks = self.search_rows([row], n_blocks, tables)
         valid, dst, brow = self.destination(row, blocks[0], total, n_experts, tables)
         dst_ch = Int64(dst) * Int64(kc)
-        if cutlass.const_expr(self.bulk):
-            self.bulk_store_row(out, dst_ch, valid, words)
         for u in cutlass.range_constexpr(self.iters):
             if cols[u] >= 0:
-                if cutlass.const_expr(self.bulk):  # the data went (or goes) by the bulk copy; zeros past the total
-                    if not valid:
-                        cu.st_global_v4(out.iterator + (dst_ch + Int64(cols[u])) * CHUNK, 0, 0, 0, 0)
-                    self.store_scale(out_scales, kb, nc, dst, cols[u], brow, valid, sbytes[u])
-                else:
-                    self.store_chunk(out, out_scales, kb, nc, dst_ch + Int64(cols[u]), dst, cols[u], brow, valid,
-                                     words[u], sbytes[u])
+                self.store_chunk(out, out_scales, kb, nc, dst_ch + Int64(cols[u]), dst, cols[u], brow, valid,
+                                 words[u], sbytes[u])
 
     @cute.jit
     def scatter_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
@@ -543,21 +476,13 @@ class PermuteMxfp8Kernel:
             cu.st_global_words(dst + 8, [vals[i] for i in range(n_words // 2, n_words)])
         else:
             cu.st_global_v4(out.iterator + ch * CHUNK, w0, w1, w2, w3)
-            self.store_scale(out_scales, kb, nc, row, col, brow, ok, sbyte)
-
-    @cute.jit
-    def store_scale(self, out_scales, kb: Int32, nc: Int32, row: Int32, col: Int32, brow: Int32, ok, sbyte):
-        """fp8 outputs: the scale byte of output chunk column ``col`` of row ``row`` (blocked: scale row ``brow``),
-        written by the block's first chunk: the loaded byte where ``ok``, else zero (plain; blocked leaves it to
-        the pad CTAs)."""
-        if col % CHUNKS_PER_BLOCK == 0:
-            c = col // CHUNKS_PER_BLOCK
-            s = Int32(cutlass.select_(ok, sbyte, Int32(0)))
-            if cutlass.const_expr(self.out == "plain"):
-                cu.st_global_u8(out_scales.iterator + (Int64(row) * Int64(kb) + Int64(c)), s)
-            else:
-                if ok:
-                    cu.store_blocked_scale(out_scales, brow, c, kb, nc, s)
+            if col % CHUNKS_PER_BLOCK == 0:
+                c = col // CHUNKS_PER_BLOCK
+                if cutlass.const_expr(self.out == "plain"):
+                    cu.st_global_u8(out_scales.iterator + (Int64(row) * Int64(kb) + Int64(c)), s)
+                else:
+                    if ok:
+                        cu.store_blocked_scale(out_scales, brow, c, kb, nc, s)
 
 
 def make_fake_args(variant: Variant, tvm_ffi: bool):
