@@ -93,6 +93,38 @@ def test_experts_only_keeps_the_models_dispatcher():
         converter_config(dispatcher="no").build()
 
 
+def test_the_settings_the_ranks_compare_are_recorded_on_the_experts():
+    """The converted experts ``Config`` records the converter's settings in effect (``converter``), the built module
+    carries them to ``parallelize``, where the ranks compare them (``tests/test_titan_settings.py``); the dispatcher
+    settings only with moe_quant's dispatcher; ``unconvert`` drops them; re-converting replaces them."""
+    from moe_quant.conversion import ranks
+
+    cfg = _convert(_config(), dispatcher=False, wire="bf16")  # wire unused without moe_quant's dispatcher
+    (routed,) = _routed(cfg)
+    assert routed.inner_experts.converter == {"dispatcher": False}
+    model = cfg.build()
+    (experts,) = _experts(model)
+    assert ranks.settings(experts) == {"scale_mode": "rceil", "backend": "auto", "out_dtype": None,
+                                       "allow_fallback": True, "fused_block": True, "dispatcher": False}
+    assert ranks.settings(copy.deepcopy(model).get_submodule(_fqn(model, experts))) == ranks.settings(experts)
+    unconvert(model)
+    assert ranks.EXTRA not in experts.__dict__
+
+    cfg = _convert(_config(), scale_mode="floor", capacity_factor=2.0, max_tokens=64)
+    (routed,) = _routed(cfg)
+    assert routed.inner_experts.converter == {"dispatcher": True, "wire": "mxfp8", "capacity_factor": 2.0,
+                                              "overflow": "error", "max_tokens": 64}
+    _convert(cfg, scale_mode="floor")
+    assert routed.inner_experts.converter["capacity_factor"] is None
+    (experts,) = _experts(cfg.build())
+    s = ranks.settings(experts)
+    assert (s["scale_mode"], s["dispatcher"], s["capacity_factor"]) == ("floor", True, None)
+
+
+def _fqn(model, module):
+    return next(name for name, m in model.named_modules() if m is module)
+
+
 def test_a_failing_conversion_leaves_the_config_as_it_was():
     """The second MoE layer's experts are not a ``GroupedExperts.Config``: ``TypeError`` naming it, and
     the first MoE layer keeps torchtitan's dispatcher and experts (no half-converted config)."""

@@ -18,6 +18,10 @@ What the converted class overrides, by the class it converts:
   forward): that forward, its ``torch._grouped_mm`` / ``F.grouped_mm`` calls routed to MXFP8
   (:mod:`.own_forward`).
 
+A torchtitan module (one with a nested ``Config``) also gets a ``Config`` subclass (building from it makes a
+converted module) and ``parallelize``: torchtitan's own, after the ranks that parallelize the module agree on
+its settings (:mod:`.ranks`; ranks that differ all raise the same ``ValueError``).
+
 One converted class per class, cached by the class object (weakly: a class nothing uses any more is
 collected, and a second class of the same name -- a factory, a notebook cell run again,
 ``importlib.reload`` -- gets its own). A converted module pickles as its own class plus a marker
@@ -36,7 +40,7 @@ from typing import Optional
 
 from torch import nn
 
-from . import experts, hf, own_forward
+from . import experts, hf, own_forward, ranks
 from .config import MXFP8MoEConfig
 
 _CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> weak reference to its converted class
@@ -128,6 +132,8 @@ def converted_class(cls: type) -> type:
     config_cls = _torchtitan_config(cls)
     if config_cls is not None:
         namespace["Config"] = config_cls
+        if callable(getattr(cls, "parallelize", None)):
+            namespace["parallelize"] = _parallelize
     new = type(name, (cls,), namespace)
     _CLASSES[cls] = weakref.ref(new)
     return new
@@ -147,6 +153,14 @@ def _reduce_ex(self, protocol):
     if type(self) is converted and isinstance(rv, tuple) and rv[0] is copyreg.__newobj__ and rv[1][0] is converted:
         return (_new_converted, (converted.__dict__[_BASE],) + tuple(rv[1][1:])) + tuple(rv[2:])
     return rv  # layered (FSDP2, a parametrization): as the layer pickles
+
+
+def _parallelize(self, parallel_dims, *args, **kwargs):
+    """torchtitan's ``Module.parallelize`` of a converted module, after the ranks that parallelize it agree on
+    its settings (:mod:`.ranks`: one exchange; ranks that differ all raise the same ``ValueError``)."""
+    ranks.check(self, parallel_dims)
+    converted = next(c for c in type(self).__mro__ if _BASE in c.__dict__)
+    return super(converted, self).parallelize(parallel_dims, *args, **kwargs)
 
 
 def _torchtitan_config(cls: type) -> Optional[type]:

@@ -18,7 +18,7 @@ from typing import Optional
 
 from torch import nn
 
-from . import layers
+from . import layers, ranks
 from .._torchao import register_quantize_module_handler
 from .classes import base_class, converted_class, is_converted
 from .config import MXFP8MoEConfig
@@ -94,6 +94,7 @@ def unconvert(module: nn.Module) -> nn.Module:
         if base is not None:
             mod.__class__ = layers.rebuild(above, base)
             mod.__dict__.pop("_mxfp8_config", None)
+            mod.__dict__.pop(ranks.EXTRA, None)
     return module
 
 

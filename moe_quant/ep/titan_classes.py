@@ -4,10 +4,18 @@ Every class a torchtitan config or model can hold lives at a module-level name h
 config, and a model built from it, pickle (``torch.save``, ``copy.deepcopy``, multiprocessing spawn) like
 torchtitan's own: :class:`TitanMXFP8TokenDispatcher` (and its ``Config``), :class:`MXFP8MoEConverter` (and
 its ``Config``). The experts of a converted config are a ``Config`` subclass of the experts' own
-(:func:`experts_config_class`, one per experts ``Config`` class, cached) with one more field, ``scale_mode``;
-its ``build()`` builds the plain experts module and converts it with ``quantize_``, so the built module is
-the same class ``quantize_`` makes of a plain model (:func:`moe_quant.conversion.converted_class`), and
-``unconvert`` gives back the plain class. Its instances pickle as (experts ``Config`` class, field values).
+(:func:`experts_config_class`, one per experts ``Config`` class, cached) with two more fields, ``scale_mode``
+and ``converter`` (the converter's other settings in effect); its ``build()`` builds the plain experts module
+and converts it with ``quantize_``, so the built module is the same class ``quantize_`` makes of a plain model
+(:func:`moe_quant.conversion.converted_class`), and ``unconvert`` gives back the plain class. Its instances
+pickle as (experts ``Config`` class, field values).
+
+Ranks launched with different converter settings: when torchtitan parallelizes the model (after
+``init_distributed``, on every rank), each converted experts module's ``parallelize`` first compares its
+settings (``scale_mode`` and ``converter``) across the ranks (:mod:`moe_quant.conversion.ranks`) and every rank
+raises the same ``ValueError`` where they differ, with ``dispatcher=False`` too. The converter's ``convert``
+cannot: torchtitan runs it when the config is made (``model_registry(..., converters=...)`` at command-line
+parsing), before any process group exists.
 """
 
 from __future__ import annotations
@@ -70,6 +78,15 @@ def _dispatcher_settings(c) -> dict:
             "overflow": c.overflow, "max_tokens": c.max_tokens}
 
 
+def _converter_settings(c) -> dict:
+    """The converter's settings in effect besides ``scale_mode`` (the experts' field): the ranks compare them
+    (``dispatcher=False`` leaves the dispatcher's unused: not compared)."""
+    out = {"dispatcher": c.dispatcher}
+    if c.dispatcher:
+        out.update({k: v for k, v in _dispatcher_settings(c).items() if k != "scale_mode"})
+    return out
+
+
 def _rebuild_experts_config(parent: type, values: dict):
     """Unpickling: the converted experts ``Config`` of ``parent`` with ``values`` (see ``__reduce__``)."""
     return experts_config_class(parent)(**values)
@@ -80,7 +97,7 @@ def _build_converted(self, **kwargs):
     (the same fields, torchtitan's own build: param_init, sharding config), converted in place."""
     from torchao.quantization import quantize_
 
-    from ..conversion import MXFP8MoEConfig, is_converted
+    from ..conversion import MXFP8MoEConfig, is_converted, ranks
 
     parent = type(self)._mxfp8_parent
     plain = parent(**{f.name: getattr(self, f.name) for f in dataclasses.fields(parent) if f.init})
@@ -89,6 +106,8 @@ def _build_converted(self, **kwargs):
     if not is_converted(module):  # e.g. experts without 3-D weights: conversion warned, nothing converted
         raise TypeError(f"MXFP8MoEConverter: {type(module).__name__} built from {parent.__qualname__} was not "
                         f"converted (see the warning above)")
+    if self.converter is not None:
+        ranks.attach(module, self.converter)
     return module
 
 
@@ -101,8 +120,10 @@ def _reduce(self):
 @functools.cache  # keyed by the class object: two classes of the same name get their own subclass
 def experts_config_class(parent: type) -> type:
     """The converted experts ``Config`` of an experts ``Config`` class (a ``GroupedExperts.Config``
-    subclass): a dataclass subclass with a ``scale_mode`` field whose ``build()`` makes the converted
-    module. Given a converted one, returns it (conversion never stacks)."""
+    subclass): a dataclass subclass with a ``scale_mode`` field and a ``converter`` field (the
+    :class:`MXFP8MoEConverter` settings in effect besides ``scale_mode``, which the ranks compare when the model
+    is parallelized; None: not made by the converter) whose ``build()`` makes the converted module. Given a
+    converted one, returns it (conversion never stacks)."""
     if not (isinstance(parent, type) and issubclass(parent, GroupedExperts.Config)):
         raise TypeError(f"MXFP8MoEConverter converts GroupedExperts (a GroupedExperts.Config as inner_experts), got "
                         f"{getattr(parent, '__qualname__', parent)!r}")
@@ -111,7 +132,7 @@ def experts_config_class(parent: type) -> type:
     namespace = {
         "__module__": __name__, "__qualname__": f"MXFP8{parent.__qualname__.replace('.', '')}",
         "__doc__": f"{parent.__qualname__} whose build() converts the experts to MXFP8 (moe_quant).",
-        "__annotations__": {"scale_mode": str}, "scale_mode": "rceil",
+        "__annotations__": {"scale_mode": str, "converter": dict | None}, "scale_mode": "rceil", "converter": None,
         "_mxfp8_parent": parent, "build": _build_converted, "__reduce__": _reduce,
     }
     cls = type(namespace["__qualname__"], (parent,), namespace)
@@ -123,7 +144,9 @@ class MXFP8MoEConverter(ModelConfigConverter):
 
     Converting a config this converter (or another of its kind) already converted re-configures it: the
     experts and the dispatcher take this converter's settings (the same settings: nothing changes), as
-    ``quantize_`` re-configures a converted module."""
+    ``quantize_`` re-configures a converted module. The settings in effect travel with the experts ``Config``:
+    ranks whose settings differ all raise the same ``ValueError`` when torchtitan parallelizes the model (see
+    the module doc), ``dispatcher=False`` included."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
@@ -163,6 +186,7 @@ class MXFP8MoEConverter(ModelConfigConverter):
             cls = experts_config_class(type(inner))
             values = {f.name: getattr(inner, f.name) for f in dataclasses.fields(inner) if f.init}
             values["scale_mode"] = c.scale_mode
+            values["converter"] = _converter_settings(c)
             if type(inner) is cls and inner.scale_mode != c.scale_mode:
                 logger.info("re-configured %s: scale_mode %s -> %s", cls.__qualname__, inner.scale_mode, c.scale_mode)
             cfg.inner_experts = cls(**values)
