@@ -5,9 +5,10 @@ blocks, 5 steps of 2 x 32 tokens per rank) runs ``torchrun --nproc_per_node 2 -m
 examples.titan.config_registry --config deepseek_v3_debug_<variant>`` (``examples.titan.launch`` is
 ``torchtitan.train.main()`` after the shims a released torch lacks) with FSDP and expert parallelism over both
 ranks, torchtitan's DCP checkpoints, and checks: a job resumed from the step-2 checkpoint equals the uninterrupted
-one bit for bit; ranks launched with another ``scale_mode`` all exit with the same error.
+one bit for bit; ranks launched with another ``scale_mode`` all exit with the same error (moe_quant's dispatcher,
+and torchtitan's: ``converted``).
 ``tests/test_titan_trainer_faults.py`` reads the fault and cross-loading checks of the same run (one run of every
-check, ``titan_checks.all_checks``: 7 jobs and a mismatch launch, about 140 s). The other tests here cover the
+check, ``titan_checks.all_checks``: 7 jobs and two mismatch launches, about 160 s). The other tests here cover the
 pieces in-process.
 
 Substituted on this CPU machine (each through a torchtitan option or the smallest hook; none on CUDA):
@@ -45,7 +46,7 @@ def checks(tmp_path_factory):
 
 
 def test_every_check_passes(checks):
-    assert_all_passed(checks, [("mismatch", "mxfp8"), ("resume", "mxfp8")])
+    assert_all_passed(checks, [("mismatch", "mxfp8"), ("mismatch", "converted"), ("resume", "mxfp8")])
 
 
 def test_resumed_job_equals_the_uninterrupted_one_bit_for_bit(checks):
@@ -74,11 +75,15 @@ def test_the_trainer_built_moe_quant_behind_fsdp_and_ep(checks):
         assert all(r["moe_quant/fallbacks"] == 0 and math.isfinite(r["loss_metrics/global_avg_loss"]) for r in rows)
 
 
-def test_ranks_with_another_scale_mode_all_raise_the_same_error(checks):
-    c = checks["by"][("mismatch", "mxfp8")]
+@pytest.mark.parametrize("variant", ["mxfp8", "converted"])
+def test_ranks_with_another_scale_mode_all_raise_the_same_error(checks, variant):
+    """moe_quant's settings check when the trainer parallelizes the model, with moe_quant's dispatcher and with
+    torchtitan's (``converted``: nothing else would compare the ranks' settings)."""
+    c = checks["by"][("mismatch", variant)]
     assert all(rc not in (0, None) for rc in c["exit_codes"]), c
     (message,) = {m[0] for m in c["messages"]}
-    assert message.startswith("EP ranks disagree on scale mode (rank(s) [0]: 'rceil'; rank(s) [1]: 'floor')")
+    assert message.startswith("moe_quant: ranks disagree on the converted experts' settings (rank 0: "
+                              "scale_mode='rceil'; rank 1: scale_mode='floor')"), message
     assert max(c["seconds"]) < 240 and not any(c["hang_words"]), c
 
 
@@ -262,6 +267,9 @@ def test_script_arguments_are_checked(capsys):
     for mod, argv, message in ((checks, ["--out", "x", "--save-at", "3", "--kill-at", "3"], "--kill-at"),
                                (checks, ["--out", "x", "--variants", "fp4"], "--variants"),
                                (checks, ["--out", "x", "--mismatch", "top_k=2"], "--mismatch"),
+                               (checks, ["--out", "x", "--mismatch-variants", "bf16"], "--mismatch-variants"),
+                               (checks, ["--out", "x", "--mismatch", "wire=bf16", "--mismatch-variants", "converted"],
+                                "--mismatch-variants"),
                                (bench, ["--out", "x", "--modes", "fast"], "--modes"),
                                (bench, ["--out", "x", "--steps", "5", "--warmup", "3"], "--warmup")):
         with pytest.raises(SystemExit) as exc:

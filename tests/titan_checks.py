@@ -2,7 +2,8 @@
 
 Importing this skips the importing test module where torchtitan is not importable; ``NEEDS_GLOO`` is its mark.
 Both test modules read one run of every check (:func:`all_checks`, once per pytest session): its 7 torchrun jobs
-and one mismatch launch (the mxfp8 reference job serves the resume, crossload and fault checks alike).
+and two mismatch launches, mxfp8 and converted (the mxfp8 reference job serves the resume, crossload and fault
+checks alike).
 
 The jobs compute in fp32 (``--training.mixed_precision_param float32``, torchtitan's own option; its default
 is bf16): on a CPU without AVX512-BF16 a bf16 matmul whose operands are both untransposed (every
@@ -27,8 +28,8 @@ NEEDS_GLOO = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 
 STEPS, SAVE_AT, KILL_AT = 5, 2, 3
 CPU_COMPUTE = ("--training.mixed_precision_param", "float32")  # see the module doc
-ALL_CHECKS = [("crossload", "bf16->mxfp8"), ("crossload", "mxfp8->bf16"), ("fault", "mxfp8"), ("mismatch", "mxfp8"),
-              ("resume", "mxfp8")]
+ALL_CHECKS = [("crossload", "bf16->mxfp8"), ("crossload", "mxfp8->bf16"), ("fault", "mxfp8"), ("mismatch", "converted"),
+              ("mismatch", "mxfp8"), ("resume", "mxfp8")]
 _RUNS: dict = {}
 
 
@@ -45,11 +46,13 @@ def run_checks(out, *args) -> dict:
 
 
 def all_checks(tmp_path_factory) -> dict:
-    """One run of every check (resume, crossload, fault, mismatch with ``scale_mode=floor``; variant mxfp8), made
+    """One run of every check (resume, crossload, fault, mismatch with ``scale_mode=floor``; variant mxfp8, and
+    converted for the mismatch), made
     by the first test module that asks and shared by the other (:func:`run_checks`' result)."""
     if "all" not in _RUNS:
         _RUNS["all"] = run_checks(tmp_path_factory.mktemp("titan_checks"), "--variants", "mxfp8",
                                   "--checks", "resume,crossload,fault,mismatch", "--mismatch", "scale_mode=floor",
+                                  "--mismatch-variants", "mxfp8,converted",
                                   "--fault-variants", "mxfp8")
     return _RUNS["all"]
 

@@ -21,9 +21,12 @@ Every job is launched the way users launch torchtitan (``torchrun -m examples.ti
   ``--max-restarts 1`` restarts every rank (with gloo its restarted ranks failed now and then to connect,
   ``Gloo connectFullMesh failed ... Connection refused``). Pass: the restart happened (the rank logged steps
   N + 1 .. K twice) and the losses of steps 1 .. S equal the reference's bit for bit.
-* ``mismatch`` (each of ``--mismatch``, e.g. ``scale_mode=floor``; variant ``mxfp8``): the ranks started by hand,
-  the last with that moe_quant setting changed. Pass: every rank exits with an error within ``--mismatch-timeout``
-  seconds, every log holds the same ``EP ranks disagree on ...`` message, none a watchdog or timeout.
+* ``mismatch`` (each of ``--mismatch``, e.g. ``scale_mode=floor``, for each of ``--mismatch-variants``: ``mxfp8``,
+  ``converted``): the ranks started by hand, the last with that moe_quant setting changed. Pass: every rank exits
+  with an error within ``--mismatch-timeout`` seconds, every log holds the same ``... disagree on ...`` message
+  (moe_quant's settings check when torchtitan parallelizes the model, or its dispatcher's handshake), none a
+  watchdog or timeout. ``converted`` (torchtitan's dispatcher) takes only ``scale_mode``: the dispatcher settings
+  are unused there, so ranks that differ in them train alike.
 
 ``--deterministic`` (default where CUDA is present) adds torchtitan's ``--debug.deterministic`` to every job: a
 bit-for-bit comparison needs the same kernels to give the same bits run to run (CUDA atomics in index_add and
@@ -47,7 +50,8 @@ import torch
 
 from examples.titan import runs
 
-MISMATCH_MESSAGE = re.compile(r"EP ranks disagree on [^\n]*")
+MISMATCH_MESSAGE = re.compile(r"(?:EP ranks|moe_quant: ranks) disagree on [^\n]*")
+MISMATCH_VARIANTS = ("mxfp8", "converted")
 HANG_WORDS = ("watchdog", "Watchdog", "timed out", "Timeout", "DistBackendError")
 
 
@@ -64,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--crossload-rtol", type=float, default=0.02)
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available())
     p.add_argument("--mismatch-timeout", type=float, default=300.0)
+    p.add_argument("--mismatch-variants", default="mxfp8",
+                   help="variants of the mismatch check: mxfp8 (moe_quant's dispatcher), converted (torchtitan's)")
     p.add_argument("--keep-checkpoints", action="store_true")
     args = p.parse_args(argv)
     args.extra = extra
@@ -74,6 +80,12 @@ def parse_args(argv=None):
     args.mismatch = [tuple(kv.split("=", 1)) for kv in args.mismatch.split(",") if kv]
     if any(len(kv) != 2 or kv[0] not in ("scale_mode", "wire", "capacity_factor") for kv in args.mismatch):
         p.error("--mismatch takes name=value pairs of scale_mode, wire, capacity_factor")
+    args.mismatch_variants = runs.names(p, "--mismatch-variants", args.mismatch_variants, MISMATCH_VARIANTS)
+    # converted (torchtitan's dispatcher): only scale_mode is in effect (see the module doc)
+    args.mismatch_runs = [(v, kv) for v in args.mismatch_variants for kv in args.mismatch
+                          if v == "mxfp8" or kv[0] == "scale_mode"]
+    if "converted" in args.mismatch_variants and not any(v == "converted" for v, _ in args.mismatch_runs):
+        p.error("--mismatch-variants converted needs a scale_mode=... in --mismatch (its only setting in effect)")
     if args.kill_at is None:
         args.kill_at = args.save_at + 1
     if not 1 <= args.save_at < args.kill_at < args.steps:
@@ -233,16 +245,16 @@ class Checks:
                     restart=a.restart, exit_codes=[j.rc for j in jobs], logged_twice=twice, differences=diffs,
                     seconds=sum(j.seconds for j in jobs), log=None if ok else [runs.log_tail(j.log) for j in jobs])
 
-    def mismatch(self, setting: tuple):
+    def mismatch(self, setting: tuple, variant: str = "mxfp8"):
         a = self.args
         name, value = setting
-        tag = f"mismatch_{name}"
+        tag = f"mismatch_{name}" + ("" if variant == "mxfp8" else f"_{variant}")
         shutil.rmtree(self.out / tag, ignore_errors=True)
         rank_args = []
         for r in range(a.nproc):
             dump = self.out / tag / f"rank{r}"
             extra = [f"--moe_quant.{name}", value] if r == a.nproc - 1 else []
-            rank_args.append(runs.trainer_args(a.flavor, "mxfp8", str(dump), self.job_args("eager", a.steps) + extra))
+            rank_args.append(runs.trainer_args(a.flavor, variant, str(dump), self.job_args("eager", a.steps) + extra))
         logs = [str(self.out / f"{tag}_rank{r}.log") for r in range(a.nproc)]
         jobs = runs.run_ranks(rank_args, logs, timeout=a.mismatch_timeout)
         texts = [runs.log_tail(j.log, 200_000) for j in jobs]
@@ -250,7 +262,7 @@ class Checks:
         hangs = [[w for w in HANG_WORDS if w in t] for t in texts]
         ok = (all(j.rc not in (0, None) for j in jobs) and all(len(m) == 1 for m in messages)
               and len({m[0] for m in messages if m}) == 1 and not any(hangs))
-        self.record("mismatch", "mxfp8", "eager", ok,
+        self.record("mismatch", variant, "eager", ok,
                     summary=f"rank {a.nproc - 1} with {name}={value}: exit codes {[j.rc for j in jobs]} after "
                     f"{max(j.seconds for j in jobs):.0f} s; {messages[0][0] if messages[0] else 'no message'}",
                     messages=messages, exit_codes=[j.rc for j in jobs], seconds=[j.seconds for j in jobs],
@@ -276,7 +288,7 @@ def main(argv=None) -> int:
             + ((2 if args.restart == "manual" else 1) * len(args.fault_variants) if "fault" in args.checks else 0))
     print(f"examples.titan.checks: {args.nproc} ranks, {args.flavor} x {args.layers} layers, {args.steps} steps, "
           f"checkpoint every {args.save_at}; about {jobs} torchrun jobs and "
-          f"{len(args.mismatch) if 'mismatch' in args.checks else 0} mismatch launches",
+          f"{len(args.mismatch_runs) if 'mismatch' in args.checks else 0} mismatch launches",
           flush=True)
     t0 = time.monotonic()
     for mode in args.modes:
@@ -293,8 +305,8 @@ def main(argv=None) -> int:
             c.fault(variant)
             c.drop_checkpoints()
     if "mismatch" in args.checks:
-        for setting in args.mismatch:
-            c.mismatch(setting)
+        for variant, setting in args.mismatch_runs:
+            c.mismatch(setting, variant)
     c.drop_checkpoints()
     c.write()
     failed = [r for r in c.results if not r["passed"]]
