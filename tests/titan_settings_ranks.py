@@ -24,6 +24,9 @@ def run(settings: list, ep: int = 2, pipeline: str | None = None) -> dict:
     (EP ``ep``, FSDP over the world); returns the error it raised (type, message, seconds) or None, and how many
     ``all_gather_object`` calls it made. ``pipeline`` ``"ep"`` / ``"no_ep"``: the parallel dims report pipeline
     parallelism, with EP (the EP group compares) or without (nothing to compare over)."""
+    from examples.titan.launch import stub_missing_fsdp_names
+
+    stub_missing_fsdp_names()  # torch < 2.12 (the GPU machines' 2.11): the name torchtitan imports, never used here
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
