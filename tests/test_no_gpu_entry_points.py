@@ -30,7 +30,7 @@ def test_benchmark_without_gpu_exits_2_with_one_line(bench):
     assert f"python -m benchmarks.{bench}" in lines[0]
 
 
-@pytest.mark.parametrize("script", ["ab_1x32.py", "ab_kernels.py"])
+@pytest.mark.parametrize("script", ["ab_1x32.py", "ab_kernels.py", "ab_commits.py"])
 def test_ab_script_runs_from_repo_root_without_pythonpath(script):
     proc = run(f"scripts/{script}", "--help", pythonpath=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -40,7 +40,7 @@ def test_ab_script_runs_from_repo_root_without_pythonpath(script):
 @no_gpu
 @pytest.mark.parametrize("script", ["sanitize_1x32.py", "sanitize_32x1.py", "sanitize_block.py", "sanitize_fingerprint.py",
                                     "cache_timing.py", "ab_kernels.py", "gemm_dequant_probe.py",
-                                    "fixed_cost_fit.py"])
+                                    "fixed_cost_fit.py", "ab_commits.py"])
 def test_gpu_scripts_run_from_repo_root_and_say_they_need_a_gpu(script):
     proc = run(f"scripts/{script}", pythonpath=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
