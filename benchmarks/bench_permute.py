@@ -46,6 +46,29 @@ def permute_bytes(m: int, k: int, experts: int, out: str) -> int:
     return read + m * k + sr * sc
 
 
+def time_outputs(m: int, k: int, ranks: int, experts: int, outs=("dequant", "blocked")) -> list[tuple]:
+    """``(out, µs, TB/s, memcpy TB/s)`` of one permute call per output kind in ``outs`` at ``(m, k)`` (ragged
+    counts, inputs rotated past the L2), and of a bf16 memcpy of an ``(m, k)`` tensor timed with them."""
+    import torch
+
+    from benchmarks.timing import Rotating, bench_us, memcpy_tbps, tbps
+    from moe_quant.kernels.permute import ops as ops_permute
+
+    counts = ragged_counts(m, k, ranks, experts)
+    rot = Rotating(lambda: received_rows(m, k))
+    _, cp_tbps = memcpy_tbps((m, k))
+    res = []
+    for out in outs:
+        def run(out=out):
+            d, s = rot.next()
+            ops_permute.permute_mxfp8(d, s, counts, out, torch.bfloat16)
+
+        run()
+        us = bench_us(run)
+        res.append((out, us, tbps(permute_bytes(m, k, experts, out), us), cp_tbps))
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", default="8192,32768,131072")
@@ -54,25 +77,12 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=8)
     args = p.parse_args(argv)
     require_cuda(argv)
-    import torch
-
-    from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, print_table, tbps
-    from moe_quant.kernels.permute import ops as ops_permute
+    from benchmarks.timing import device_name, print_table
 
     rows = []
     for m in (int(v) for v in args.m.split(",")):
         for k in (int(v) for v in args.k.split(",")):
-            counts = ragged_counts(m, k, args.ranks, args.experts)
-            rot = Rotating(lambda m=m, k=k: received_rows(m, k))
-            _, cp_tbps = memcpy_tbps((m, k))
-            for out in ("dequant", "blocked"):
-                def run(out=out):
-                    d, s = rot.next()
-                    ops_permute.permute_mxfp8(d, s, counts, out, torch.bfloat16)
-
-                run()
-                us = bench_us(run)
-                t = tbps(permute_bytes(m, k, args.experts, out), us)
+            for out, us, t, cp_tbps in time_outputs(m, k, args.ranks, args.experts):
                 rows.append([m, k, out, round(us, 1), round(t, 2), round(100 * t / cp_tbps, 1), round(cp_tbps, 2)])
     print_table(f"permute_received kernel, R={args.ranks} E={args.experts} ragged ({device_name()})",
                 ["M", "K", "out", "us", "TB/s", "%memcpy", "memcpy TB/s"], rows)

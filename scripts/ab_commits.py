@@ -142,24 +142,12 @@ def child(what: list[str], tree: str, out: str) -> None:
 
     rows = []
     if "permute" in what:
-        from benchmarks.bench_permute import permute_bytes, ragged_counts, received_rows
-        from moe_quant.kernels.permute import ops as ops_permute
+        from benchmarks.bench_permute import time_outputs
 
         for m, k in PERMUTE_SHAPES:
-            counts = ragged_counts(m, k, 8, 8)
-            rot = Rotating(lambda m=m, k=k: received_rows(m, k))
-            _, cp = memcpy_tbps((m, k))
-            for kind in ("blocked", "dequant"):
-                def run(kind=kind):
-                    d, s = rot.next()
-                    ops_permute.permute_mxfp8(d, s, counts, kind, torch.bfloat16)
-
-                run()
-                us = bench_us(run)
-                rows.append({"key": f"permute {m}x{k} {kind}", "us": us,
-                             "pct": 100 * tbps(permute_bytes(m, k, 8, kind), us) / cp})
-            del rot
-            torch.cuda.empty_cache()
+            for kind, us, t, cp in time_outputs(m, k, 8, 8, outs=("blocked", "dequant")):
+                rows.append({"key": f"permute {m}x{k} {kind}", "us": us, "pct": 100 * t / cp})
+            torch.cuda.empty_cache()  # the shape's rotating inputs, freed on return
     if "block" in what:
         from benchmarks.bench_block_kernels import N_INPUTS, fused, op_bytes
         from benchmarks.bench_quantize import group_offsets
