@@ -28,9 +28,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if sys.argv[1:2] != ["--child"]:  # a child imports its revision's moe_quant, first on PYTHONPATH
+    sys.path[:0] = [str(ROOT)]
+from moe_quant import cli  # noqa: E402
+
 WHAT = ("permute", "block")
 PERMUTE_SHAPES = [(8192, 2048), (32768, 2048), (32768, 7168), (131072, 7168)]  # (M, K)
-BLOCK_SHAPES = [(98304, 1408, 64), (98304, 2048, 64), (16384, 2048, 8), (16384, 7168, 8)]  # (M, R, G)
+what_list = cli.comma_choices(*WHAT)  # --what
+positive = cli.positive_int  # --rounds
 
 
 # ----------------------------------------------------------------------------- parent
@@ -63,19 +68,6 @@ def check_revision(rev: str) -> str:
     return rev
 
 
-def what_list(text: str) -> list[str]:
-    items = [t for t in text.split(",") if t]
-    if not items or any(t not in WHAT for t in items):
-        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(WHAT)}, got {text!r}")
-    return items
-
-
-def positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def table(rows: list[dict]) -> str:
     by = {}
     for r in rows:
@@ -93,7 +85,6 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    sys.path[:0] = [str(ROOT)]
     from benchmarks.timing import require_cuda
 
     p = argparse.ArgumentParser(prog="ab_commits.py", description=__doc__.splitlines()[0])
@@ -149,10 +140,10 @@ def child(what: list[str], tree: str, out: str) -> None:
                 rows.append({"key": f"permute {m}x{k} {kind}", "us": us, "pct": 100 * t / cp})
             torch.cuda.empty_cache()  # the shape's rotating inputs, freed on return
     if "block" in what:
-        from benchmarks.bench_block_kernels import N_INPUTS, fused, op_bytes
+        from benchmarks.bench_block_kernels import DEFAULT_SHAPES, N_INPUTS, fused, op_bytes
         from benchmarks.bench_quantize import group_offsets
 
-        for m, r, g in BLOCK_SHAPES:
+        for m, r, g in DEFAULT_SHAPES:
             offs = group_offsets(m, g, ragged=True)
             _, cp = memcpy_tbps((m, r))
             rot = Rotating(lambda m=m, r=r: tuple(torch.randn(m, r, device="cuda", dtype=torch.bfloat16)
