@@ -29,11 +29,11 @@ import json
 import math
 import os
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from process_checks import gone, wait_until
 from repo_subprocess import run_python
 from titan_checks import NEEDS_GLOO, SAVE_AT, STEPS, all_checks, assert_all_passed
 
@@ -293,9 +293,4 @@ def test_a_job_past_its_timeout_is_killed_with_its_children(tmp_path):
     assert job.rc is None and job.seconds < 60
     assert int((tmp_path / "job.log").read_text().split()[0]) == os.getsid(0)
     child = int(pid_file.read_text())
-    for _ in range(50):
-        if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the job's child {child} outlived the job's timeout")
+    assert wait_until(lambda: gone(child), timeout=5.0), f"the job's child {child} outlived the job's timeout"
