@@ -26,7 +26,7 @@ LAYERS, SEQ, LOCAL_BATCH, STEPS, DATA_SEED = 2, 32, 2, 2, 7
 SPMD_BACKEND = "partial_dtensor"
 
 
-def _stub_cpu_device() -> None:
+def stub_cpu_device() -> None:
     """torchtitan picks its device type once, at import: ``"cuda"`` wherever no accelerator is present.
     Its meshes (``ParallelDims``) are built with it; on this CPU machine they must be ``"cpu"`` (gloo)."""
     import torchtitan.distributed.parallel_dims as parallel_dims
@@ -76,7 +76,7 @@ def run(ep: int, compiled: bool, state_path: str, convert: bool = True, capacity
     from moe_quant.ep.titan import converter_config, dispatcher_class
 
     warnings.filterwarnings("ignore", message=".*(autocast|DTensor random operators).*", category=UserWarning)
-    _stub_cpu_device()
+    stub_cpu_device()
     world = dist.get_world_size()
     t0 = time.monotonic()
     torch._dynamo.reset()
@@ -169,7 +169,7 @@ def write_state(path: str) -> None:
     """The reference weights (seed 0, torchtitan's own init of the unsharded converted model)."""
     from moe_quant.ep.titan import converter_config
 
-    _stub_cpu_device()
+    stub_cpu_device()
     _, cfg = _model_config(converter_config())
     torch.manual_seed(0)
     model = cfg.build()

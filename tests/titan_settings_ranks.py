@@ -11,14 +11,6 @@ import torch
 import torch.distributed as dist
 
 
-def _stub_cpu_device() -> None:
-    """torchtitan builds its meshes with the device type it picked at import (``"cuda"`` without an
-    accelerator): ``"cpu"`` here (gloo), as ``tests/titan_model_ranks.py`` does."""
-    import torchtitan.distributed.parallel_dims as parallel_dims
-
-    parallel_dims.device_type = "cpu"
-
-
 def run(settings: list, ep: int = 2, pipeline: str | None = None) -> dict:
     """Rank r converts with ``settings[r]`` (``converter_config`` arguments), builds and parallelizes the model
     (EP ``ep``, FSDP over the world); returns the error it raised (type, message, seconds) or None, and how many
@@ -33,8 +25,9 @@ def run(settings: list, ep: int = 2, pipeline: str | None = None) -> dict:
     from torchtitan.models.deepseek_v3 import model_registry
 
     from moe_quant.ep.titan import converter_config
+    from titan_model_ranks import stub_cpu_device
 
-    _stub_cpu_device()
+    stub_cpu_device()  # gloo meshes (titan_model_ranks)
     world, rank = dist.get_world_size(), dist.get_rank()
     parallelism = ParallelismConfig(data_parallel_shard_degree=world, expert_parallel_degree=ep,
                                     spmd_backend="partial_dtensor")
