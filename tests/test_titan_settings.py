@@ -17,16 +17,10 @@ import dataclasses
 
 import pytest
 import torch.distributed as dist
+from ep_ranks import run_session
+from titan_checks import NEEDS_GLOO  # its import: the placeholder torch 2.11 needs, skips without torchtitan
 
-from examples.titan.launch import stub_missing_fsdp_names
-
-stub_missing_fsdp_names()  # torchtitan 0.3.0 imports a name torch 2.11 lacks (a placeholder; see the launcher)
-pytest.importorskip("torchtitan.models.deepseek_v3", reason="torchtitan not importable")
-from ep_ranks import run_session  # noqa: E402
-
-from moe_quant.conversion import ranks  # noqa: E402
-
-NEEDS_GLOO = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+from moe_quant.conversion import ranks
 FLOOR = {"scale_mode": "floor"}
 OFF = {"dispatcher": False}
 JOBS = {  # name: (rank 0's converter_config arguments, rank 1's, extra job arguments)
