@@ -56,6 +56,15 @@ def export(rev: str, dest: Path, root: Path = ROOT) -> None:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
 
 
+def child_env(tree: Path, environ=None) -> dict:
+    """The environment of a process timing ``tree``'s ``moe_quant``: ``tree`` first on ``PYTHONPATH``, then this
+    checkout (the benchmarks' helpers), then the caller's ``PYTHONPATH`` (where the packages may be, e.g. a GPU
+    machine's staged cutlass and torchao)."""
+    environ = os.environ if environ is None else environ
+    rest = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT), *rest]))
+
+
 def _is_tree(rev: str) -> bool:
     return (Path(rev) / "moe_quant" / "__init__.py").is_file()
 
@@ -104,7 +113,7 @@ def main(argv: list[str]) -> int:
         for rnd in range(args.rounds):
             for side in (("old", "new") if rnd % 2 == 0 else ("new", "old")):
                 out = Path(tmp) / f"{side}_{rnd}.json"
-                env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trees[side]), str(ROOT)]))
+                env = child_env(trees[side])
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--child", ",".join(args.what), str(trees[side]),
                        str(out)]
                 proc = subprocess.run(cmd, env=env, cwd=str(ROOT))

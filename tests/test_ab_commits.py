@@ -3,6 +3,7 @@ needs a GPU)."""
 
 import argparse
 import importlib.util
+import os
 import subprocess
 from pathlib import Path
 
@@ -81,3 +82,10 @@ def test_table_medians_spreads_and_ratio(ab):
     text = ab.table(rows).splitlines()
     assert text[1].split() == ["permute", "8x32", "blocked", "80.0", "(70.0-90.0)", "88.0", "(84.0-99.0)", "1.100"]
     assert text[2].split() == ["dual", "8x32", "fp8", "50.0", "(50.0-50.0)", "-", "nan"]
+
+
+def test_child_env_puts_the_tree_first_and_keeps_the_callers_path(ab, tmp_path):
+    env = ab.child_env(tmp_path, {"PYTHONPATH": os.pathsep.join(["/site", "/site/dsl"]), "HOME": "/h"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), str(ab.ROOT), "/site", "/site/dsl"]
+    assert env["HOME"] == "/h"
+    assert ab.child_env(tmp_path, {})["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), str(ab.ROOT)]
