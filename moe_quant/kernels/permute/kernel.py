@@ -9,7 +9,8 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
   starts where the previous one ends); then an expert-major scan giving each block's destination end and
   row shift ``src - dst``; for ``blocked``, the experts' padded starts ``P_e``
   (:func:`cute_utils.m_groups_table_step`, the same definition as ``layouts.group_bounds``). One CTA
-  writes ``offs``.
+  writes ``offs``. The passes hand over within warp 0 (named barrier 1 of its 32 threads: ``bar.warp.sync``
+  there made ptxas spill 16 bytes in the blocked rows variant); the other warps wait at one CTA barrier at the end. The counts are loaded one step of 32 blocks ahead of the scan.
 * Data: the input and the output are flat arrays of 16-byte fp8 chunks (half a 32-element block); a CTA
   owns ``iters * threads`` consecutive chunks, ``iters`` per thread, all loaded before the first store.
   Three orders (``Variant.order``; the default per output in ``config.DEFAULT_ORDER``):
@@ -173,14 +174,20 @@ class PermuteMxfp8Kernel:
         t_send, t_dend, t_shift, g_end, g_shift, g_pend = tables
         lane = tid % 32
         warp = tid // 32
+        # Warp 0 builds the whole table; the other warps wait at the one barrier at the end (the passes hand over
+        # through shared memory within warp 0: named barrier 1 of its 32 threads between them).
         # ---- r-major: sanitized source ends (saturating running total: min(sum, M)); block b starts at b - 1's end
         if warp == 0:
             carry = Int32(0)
+            nxt = Int32(0)  # the counts of the next 32 blocks, loaded one step ahead (no L2 round trip per step)
+            if lane < n_blocks:
+                nxt = Int32(cute.arch.load(counts.iterator + lane, Int32))
             for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
                 b = sub * 32 + lane
-                raw = Int32(0)
-                if b < n_blocks:
-                    raw = Int32(cute.arch.load(counts.iterator + b, Int32))
+                raw = nxt
+                nxt = Int32(0)
+                if b + 32 < n_blocks:
+                    nxt = Int32(cute.arch.load(counts.iterator + (b + 32), Int32))
                 v = cutlass.min(cutlass.max(raw, Int32(0)), m)
                 for d in cutlass.range_constexpr(5):
                     y = cute.arch.shuffle_sync_up(v, offset=1 << d)
@@ -190,9 +197,8 @@ class PermuteMxfp8Kernel:
                 if b < n_blocks:
                     t_send[b] = end
                 carry = cute.arch.shuffle_sync(end, offset=31)
-        cute.arch.sync_threads()
-        # ---- expert-major: destination ends and row shifts (gather: e-major, scatter: r-major); offs
-        if warp == 0:
+            cute.arch.barrier(barrier_id=1, number_of_threads=32)
+            # ---- expert-major: destination ends and row shifts (gather: e-major, scatter: r-major); offs
             carry = Int32(0)
             for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
                 i = sub * 32 + lane
@@ -225,10 +231,9 @@ class PermuteMxfp8Kernel:
                 if n_ranks == 0:
                     for e in cutlass.range(lane, n_experts, 32):
                         cu.st_global_u32(offs.iterator + e, 0)
-        cute.arch.sync_threads()
-        # ---- blocked: experts' ends, padded ends and row shifts P_e - start_e
-        if cutlass.const_expr(self.blocked):
-            if warp == 0:
+            # ---- blocked: experts' ends, padded ends and row shifts P_e - start_e
+            if cutlass.const_expr(self.blocked):
+                cute.arch.barrier(barrier_id=1, number_of_threads=32)
                 carry_end = Int32(0)
                 carry_pend = Int32(0)
                 for sub in cutlass.range(0, (n_experts + 31) // 32, 1, unroll=self.table_unroll):
@@ -243,7 +248,7 @@ class PermuteMxfp8Kernel:
                         g_end[e] = ge
                         g_shift[e] = shift
                         g_pend[e] = pend
-            cute.arch.sync_threads()
+        cute.arch.sync_threads()
 
     @cute.jit
     def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32, tables):
