@@ -429,8 +429,13 @@ def store_blocked_scale(scales, r: Int32, c: Int32, kb: Int32, nc: Int32, s: Int
     """Scale byte ``s`` of buffer row ``r``, column ``c`` into a blocked scale buffer (``nc`` column tiles,
     ``kb`` real columns); the row's last real scale also zeroes its pad columns ``[kb, 4 nc)``, which live
     in the same 4-byte word."""
+    store_blocked_scale_at(scales, blocked_offset(r, c, nc), c, kb, nc, s)
+
+
+@cute.jit
+def store_blocked_scale_at(scales, dest, c: Int32, kb: Int32, nc: Int32, s: Int32):
+    """:func:`store_blocked_scale` of a scale whose byte ``dest`` (``blocked_offset(r, c, nc)``) the caller has."""
     sp = scales.iterator
-    dest = blocked_offset(r, c, nc)
     st_global_u8(sp + dest, s)
     if c == kb - 1:
         for j in cutlass.range_constexpr(1, 4):

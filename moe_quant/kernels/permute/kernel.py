@@ -46,7 +46,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ...layouts import TILE_ROWS
+from ...layouts import TILE_BYTES, TILE_COLS, TILE_ROWS
 from ...numerics import BLOCK_SIZE, E8M0_NAN
 from .. import cute_utils as cu
 from .config import CHUNK, MAX_BLOCKS, Variant, all_variants  # noqa: F401
@@ -403,10 +403,18 @@ class PermuteMxfp8Kernel:
         total, blocks = self.search_rows([row], n_blocks, tables)
         valid, dst, brow = self.destination(row, blocks[0], total, n_experts, tables)
         dst_ch = Int64(dst) * Int64(kc)
+        # blocked: the byte of the lane's first scale, once per row; chunk u's scale (block + 16 u: the same
+        # column of the tile 4 u column tiles on) lies 4 u tiles (2048 u bytes) further
+        sbase = None
+        if cutlass.const_expr(self.blocked):
+            sbase = cu.blocked_offset(brow, cutlass.max(cols[0], Int32(0)) // CHUNKS_PER_BLOCK, nc)
         for u in cutlass.range_constexpr(self.iters):
             if cols[u] >= 0:
+                at = None
+                if cutlass.const_expr(self.blocked):
+                    at = sbase + (u * 32 // CHUNKS_PER_BLOCK // TILE_COLS) * TILE_BYTES
                 self.store_chunk(out, out_scales, kb, nc, dst_ch + Int64(cols[u]), dst, cols[u], brow, valid,
-                                 words[u], sbytes[u])
+                                 words[u], sbytes[u], at)
 
     @cute.jit
     def scatter_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
@@ -452,9 +460,10 @@ class PermuteMxfp8Kernel:
 
     @cute.jit
     def store_chunk(self, out, out_scales, kb: Int32, nc: Int32, ch: Int64, row: Int32, col: Int32, brow: Int32,
-                    ok, words, sbyte):
-        """Output chunk ``ch`` (output row ``row``, chunk column ``col``; blocked scale row ``brow``): the loaded
-        16 bytes and scale byte where ``ok``, else zeros (a row past the total)."""
+                    ok, words, sbyte, scale_at=None):
+        """Output chunk ``ch`` (output row ``row``, chunk column ``col``; blocked scale row ``brow``, the scale's
+        byte ``scale_at`` where the caller has it): the loaded 16 bytes and scale byte where ``ok``, else zeros
+        (a row past the total)."""
         w0, w1, w2, w3 = words
         w0 = Int32(cutlass.select_(ok, w0, Int32(0)))
         w1 = Int32(cutlass.select_(ok, w1, Int32(0)))
@@ -487,7 +496,10 @@ class PermuteMxfp8Kernel:
                     cu.st_global_u8(out_scales.iterator + (Int64(row) * Int64(kb) + Int64(c)), s)
                 else:
                     if ok:
-                        cu.store_blocked_scale(out_scales, brow, c, kb, nc, s)
+                        if cutlass.const_expr(scale_at is None):
+                            cu.store_blocked_scale(out_scales, brow, c, kb, nc, s)
+                        else:
+                            cu.store_blocked_scale_at(out_scales, scale_at, c, kb, nc, s)
 
 
 def make_fake_args(variant: Variant, tvm_ffi: bool):
