@@ -9,8 +9,11 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
   starts where the previous one ends); then an expert-major scan giving each block's destination end and
   row shift ``src - dst``; for ``blocked``, the experts' padded starts ``P_e``
   (:func:`cute_utils.m_groups_table_step`, the same definition as ``layouts.group_bounds``). One CTA
-  writes ``offs``. The passes hand over within warp 0 (named barrier 1 of its 32 threads: ``bar.warp.sync``
-  there made ptxas spill 16 bytes in the blocked rows variant); the other warps wait at one CTA barrier at the end. The counts are loaded one step of 32 blocks ahead of the scan.
+  writes ``offs``. Warp 0 builds it alone: the first pass hands over to the others through ``bar.warp.sync``
+  (the blocked pass sums its experts' ends from the first pass's table, so needs no second handover: two
+  ``bar.warp.sync`` made ptxas spill 8 bytes in the blocked rows variant, and a named barrier of warp 0's 32
+  threads there drew racecheck hazard reports); the other warps wait at one CTA barrier at the end. The
+  counts are loaded one step of 32 blocks ahead of the scan.
 * Data: the input and the output are flat arrays of 16-byte fp8 chunks (half a 32-element block); a CTA
   owns ``iters * threads`` consecutive chunks, ``iters`` per thread, all loaded before the first store.
   Three orders (``Variant.order``; the default per output in ``config.DEFAULT_ORDER``):
@@ -174,8 +177,8 @@ class PermuteMxfp8Kernel:
         t_send, t_dend, t_shift, g_end, g_shift, g_pend = tables
         lane = tid % 32
         warp = tid // 32
-        # Warp 0 builds the whole table; the other warps wait at the one barrier at the end (the passes hand over
-        # through shared memory within warp 0: named barrier 1 of its 32 threads between them).
+        # Warp 0 builds the whole table; the other warps wait at the one barrier at the end (the first pass hands
+        # over to the others through shared memory within warp 0: bar.warp.sync).
         # ---- r-major: sanitized source ends (saturating running total: min(sum, M)); block b starts at b - 1's end
         if warp == 0:
             carry = Int32(0)
@@ -197,7 +200,7 @@ class PermuteMxfp8Kernel:
                 if b < n_blocks:
                     t_send[b] = end
                 carry = cute.arch.shuffle_sync(end, offset=31)
-            cute.arch.barrier(barrier_id=1, number_of_threads=32)
+            cute.arch.sync_warp()
             # ---- expert-major: destination ends and row shifts (gather: e-major, scatter: r-major); offs
             carry = Int32(0)
             for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
@@ -222,8 +225,6 @@ class PermuteMxfp8Kernel:
                         t_dend[i] = dend
                         t_shift[i] = src - (dend - sz)
                     if r == n_ranks - 1:
-                        if cutlass.const_expr(self.blocked):
-                            g_end[e] = dend  # the expert's end, sanitized in the next step
                         if writes_offs:
                             cu.st_global_u32(offs.iterator + e, dend)
                 carry = cute.arch.shuffle_sync(dend, offset=31)
@@ -231,17 +232,20 @@ class PermuteMxfp8Kernel:
                 if n_ranks == 0:
                     for e in cutlass.range(lane, n_experts, 32):
                         cu.st_global_u32(offs.iterator + e, 0)
-            # ---- blocked: experts' ends, padded ends and row shifts P_e - start_e
+            # ---- blocked: experts' ends, padded ends and row shifts P_e - start_e. Expert e's end (the
+            # e-major running total of the block sizes, the previous pass's dend at r = R - 1) summed here from
+            # the source ends: sum over ranks r of t_send[r E + e] - start_r, start_r = t_send[r E - 1] (0 for
+            # r = 0). No handover from the previous pass: a second bar.warp.sync made ptxas spill 8 bytes.
             if cutlass.const_expr(self.blocked):
-                cute.arch.barrier(barrier_id=1, number_of_threads=32)
                 carry_end = Int32(0)
                 carry_pend = Int32(0)
                 for sub in cutlass.range(0, (n_experts + 31) // 32, 1, unroll=self.table_unroll):
                     e = sub * 32 + lane
                     raw = Int32(0)
-                    if e < n_experts:
-                        if n_ranks > 0:
-                            raw = Int32(g_end[e])
+                    if e < n_experts and n_ranks > 0:
+                        raw = Int32(t_send[e])
+                        for r in cutlass.range(1, n_ranks, 1):
+                            raw = raw + (Int32(t_send[r * n_experts + e]) - Int32(t_send[r * n_experts - 1]))
                     ge, shift, pend, carry_end, carry_pend = cu.m_groups_table_step(raw, m, lane, carry_end,
                                                                                      carry_pend)
                     if e < n_experts:
