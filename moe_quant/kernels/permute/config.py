@@ -132,6 +132,10 @@ def all_variants() -> list[Variant]:
 # (lane 0's mbarrier wait spins), the same barrier stall (6.6 against 6.99 cycles per issue): the data path was
 # never what cost, the per-CTA table and the scale bytes are. "rows t256i8" (8 chunks a lane): 58.3 / 71.7 /
 # 84.0 / 88.7, 68 registers, 3 CTAs per SM. Both dropped (commit d3c5a9c).
+# The group table (H200, 2026-11-29, ab_perm, 5 rounds, (8192, 2048) / (32768, 2048) / (32768, 7168) /
+# (131072, 7168)): its passes within warp 0, one CTA barrier (was three), counts prefetched one step ahead, and the
+# blocked rows scale offset once per row: blocked 61.1 / 78.7 / 84.7 / 89.7 -> 68.7 / 81.7 / 86.3 / 90.5, dequant
+# 73.1 / 83.7 / 88.3 / 91.1 -> 71.9 / 85.0 / 90.3 / 92.6 (docs/performance.md has the forms that did not land).
 CANDIDATES = {
     # ptxas, sm_90a: rows 46 registers (blocked), scatter 58 (dequant bf16)
     "default (rows for fp8 outputs, scatter for dequant)": {},
