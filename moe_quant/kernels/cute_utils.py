@@ -86,11 +86,6 @@ def ld_global_u8(ptr) -> Int32:
     return Int32(cute.arch.load(ptr, Uint8))
 
 
-def ld_global_u32(ptr) -> Int32:
-    """One 4-byte word (``ptr`` 4-byte aligned)."""
-    return Int32(cute.arch.load(ptr, Int32))
-
-
 def cp_async_16(smem_ptr, gmem_ptr, src_bytes) -> None:
     """``cp.async.cg.shared.global``: 16 bytes from ``gmem_ptr`` to ``smem_ptr`` (both 16-byte aligned) with no
     register held while in flight; only the first ``src_bytes`` (0..16) are read, the rest of the 16 are

@@ -53,10 +53,6 @@ class Variant:
     iters: int = ITERS
     order: str = ""  # "": the measured default of the output, DEFAULT_ORDER[out]
     staging: str = "registers"  # "smem": scatter only
-    # rows, fp8 outputs, K % 128 == 0: a row segment's scale bytes moved 4 at a time (one 4-byte load and store
-    # by each of the first 4 x iters lanes: 4 consecutive blocks are one word in the source row and in both output
-    # layouts), not one byte per block by every other lane; other K keep the bytes. Ignored by dequant.
-    scale_words: bool = False
 
     family = "perm"
     kernel_module = "permute.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -81,8 +77,6 @@ class Variant:
             raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
         if self.staging != "registers" and self.order != "scatter":
             raise ValueError(f"staging={self.staging!r} is for order='scatter', got order={self.order!r}")
-        if self.scale_words and self.order != "rows":
-            raise ValueError(f"scale_words is for order='rows', got order={self.order!r}")
         if self.order == "rows" and self.iters > 8:
             raise ValueError(f"order='rows' loads iters chunks per lane before storing: iters <= 8, got {self.iters}")
         if self.staging == "smem" and self.threads * self.iters * CHUNK > MAX_STAGE_BYTES:
@@ -94,8 +88,6 @@ class Variant:
         order = "" if self.order == "gather" else f"-{self.order}"  # gather keys as before the field
         if self.staging != "registers":
             order += f"-{self.staging}"
-        if self.scale_words:
-            order += "-sw"
         return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{order}"
 
     def replace(self, **kw) -> "Variant":
@@ -155,8 +147,6 @@ CANDIDATES = {
     "gather t256i4": {"order": "gather"},
     # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks a lane
     "rows t256i4": {"order": "rows"},
-    # rows with the scale bytes moved 4 at a time (K % 128 == 0)
-    "rows t256i4 scale words": {"order": "rows", "scale_words": True},
 }
 
 

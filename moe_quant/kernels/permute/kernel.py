@@ -75,7 +75,6 @@ class PermuteMxfp8Kernel:
         self.rows = variant.order == "rows"
         self.scatter = variant.order in ("scatter", "rows")  # loads before the table, searched by source row
         self.smem_staging = variant.staging == "smem"
-        self.scale_words = variant.scale_words and self.rows and variant.out != "dequant"
         # Scatter builds the table while its loads are in flight: its scans are not unrolled (fewer registers
         # live next to the loaded chunks; their latency hides behind the loads). Gather keeps the compiler's.
         self.table_unroll = 1 if self.scatter else 0
@@ -396,24 +395,8 @@ class PermuteMxfp8Kernel:
             ok = row_ok & (col < kc)
             safe = Int32(cutlass.select_(ok, col, Int32(0)))
             words.append(cu.ld_global_v4(src + safe * CHUNK))
-            if cutlass.const_expr(not self.scale_words):
-                sbytes.append(cu.ld_global_u8(ssrc + safe // CHUNKS_PER_BLOCK))
+            sbytes.append(cu.ld_global_u8(ssrc + safe // CHUNKS_PER_BLOCK))
             cols.append(Int32(cutlass.select_(ok, col, Int32(-1))))
-        if cutlass.const_expr(self.scale_words):
-            # K % 128 == 0: lane l < 4 iters loads the segment's blocks b0 .. b0 + 3 as one word (b0 % 4 == 0, and
-            # the source row starts at a multiple of 4 bytes); else every lane its chunks' bytes, as below
-            sb = cute.make_rmem_tensor(self.iters, Int32)
-            for u in cutlass.range_constexpr(self.iters):
-                sb[u] = Int32(0)
-            sword = Int32(0)
-            if kb % 4 == 0:
-                b0 = seg * (16 * self.iters) + 4 * (tid % 32)
-                wok = row_ok & (tid % 32 < 4 * self.iters) & (b0 < kb)
-                sword = cu.ld_global_u32(ssrc + Int32(cutlass.select_(wok, b0, Int32(0))))
-            else:
-                for u in cutlass.range_constexpr(self.iters):
-                    sb[u] = cu.ld_global_u8(ssrc + cutlass.max(cols[u], Int32(0)) // CHUNKS_PER_BLOCK)
-            sbytes = ([sb[u] for u in range(self.iters)], sword)
         return words, sbytes, row, cols
 
     @cute.jit
@@ -431,24 +414,6 @@ class PermuteMxfp8Kernel:
         sbase = None
         if cutlass.const_expr(self.blocked):
             sbase = cu.blocked_offset(brow, cutlass.max(cols[0], Int32(0)) // CHUNKS_PER_BLOCK, nc)
-        if cutlass.const_expr(self.scale_words):
-            sb, sword = sbytes
-            if kb % 4 == 0:
-                for u in cutlass.range_constexpr(self.iters):
-                    if cols[u] >= 0:
-                        self.store_chunk(out, out_scales, kb, nc, dst_ch + Int64(cols[u]), dst, cols[u], brow,
-                                         valid, words[u], Int32(0), None, False)
-                self.store_scale_word(out_scales, kb, nc, row, dst, brow, valid, cols[0], sword)
-            else:
-                self.store_row_chunks(out, out_scales, kb, nc, dst_ch, dst, brow, valid, cols, words, sb, sbase)
-        else:
-            self.store_row_chunks(out, out_scales, kb, nc, dst_ch, dst, brow, valid, cols, words, sbytes, sbase)
-
-    @cute.jit
-    def store_row_chunks(self, out, out_scales, kb: Int32, nc: Int32, dst_ch: Int64, dst: Int32, brow: Int32,
-                         valid, cols, words, sbytes, sbase):
-        """Rows: this lane's chunks at destination row ``dst`` with their scale bytes (one per block, by the
-        lane holding the block's first chunk); ``sbase``: blocked, the byte of the lane's first scale."""
         for u in cutlass.range_constexpr(self.iters):
             if cols[u] >= 0:
                 at = None
@@ -456,24 +421,6 @@ class PermuteMxfp8Kernel:
                     at = sbase + (u * 32 // CHUNKS_PER_BLOCK // TILE_COLS) * TILE_BYTES
                 self.store_chunk(out, out_scales, kb, nc, dst_ch + Int64(cols[u]), dst, cols[u], brow, valid,
                                  words[u], sbytes[u], at)
-
-    @cute.jit
-    def store_scale_word(self, out_scales, kb: Int32, nc: Int32, row: Int32, dst: Int32, brow: Int32, valid,
-                         col0: Int32, sword):
-        """Rows, ``scale_words``, ``K % 128 == 0``: lane l < 4 iters stores the 4 scales of its segment's blocks
-        b0 .. b0 + 3 loaded as one word (``load_row_chunks``): plain, at ``dst K/32 + b0`` (zeros for a row past
-        the total); blocked, at ``blocked_offset(brow, b0)``, the 4 bytes of row ``brow``'s tile row (no pad
-        columns: ``4 nc == K/32``), for rows within the total only."""
-        lane = cute.arch.lane_idx()
-        seg_b0 = (col0 - lane) // CHUNKS_PER_BLOCK  # the segment's first block (col0 = seg 32 iters + lane)
-        b0 = seg_b0 + 4 * lane
-        if (col0 >= 0) & (lane < 4 * self.iters) & (b0 < kb):
-            if cutlass.const_expr(self.out == "plain"):
-                w = Int32(cutlass.select_(valid, sword, Int32(0)))
-                cu.st_global_u32(out_scales.iterator + (Int64(dst) * Int64(kb) + Int64(b0)), w)
-            else:
-                if valid:
-                    cu.st_global_u32(out_scales.iterator + cu.blocked_offset(brow, b0, nc), sword)
 
     @cute.jit
     def scatter_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
@@ -519,7 +466,7 @@ class PermuteMxfp8Kernel:
 
     @cute.jit
     def store_chunk(self, out, out_scales, kb: Int32, nc: Int32, ch: Int64, row: Int32, col: Int32, brow: Int32,
-                    ok, words, sbyte, scale_at=None, with_scale=True):
+                    ok, words, sbyte, scale_at=None):
         """Output chunk ``ch`` (output row ``row``, chunk column ``col``; blocked scale row ``brow``, the scale's
         byte ``scale_at`` where the caller has it): the loaded 16 bytes and scale byte where ``ok``, else zeros
         (a row past the total)."""
@@ -549,9 +496,7 @@ class PermuteMxfp8Kernel:
             cu.st_global_words(dst + 8, [vals[i] for i in range(n_words // 2, n_words)])
         else:
             cu.st_global_v4(out.iterator + ch * CHUNK, w0, w1, w2, w3)
-            if cutlass.const_expr(not with_scale):
-                pass
-            elif col % CHUNKS_PER_BLOCK == 0:
+            if col % CHUNKS_PER_BLOCK == 0:
                 c = col // CHUNKS_PER_BLOCK
                 if cutlass.const_expr(self.out == "plain"):
                     cu.st_global_u8(out_scales.iterator + (Int64(row) * Int64(kb) + Int64(c)), s)
