@@ -22,17 +22,27 @@ def sort_tokens_by_expert(x_TD: torch.Tensor, top_scores_TK: torch.Tensor, exper
     return x_TD[token_idx], token_idx, top_scores_TK.reshape(-1)[order]
 
 
+_NARROW = (torch.bfloat16, torch.float16, torch.float32)  # widened to fp32 exactly, inside the multiply
+
+
+def _times_fp32(rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """``rows.to(float32) * col`` (``col`` fp32): for a bf16 / fp16 / fp32 ``rows`` PyTorch's type promotion
+    widens each element inside the multiply (exact, the same products), with no fp32 copy of ``rows``."""
+    return rows * col if rows.dtype in _NARROW else rows.to(torch.float32) * col
+
+
 class _ScaleRows(torch.autograd.Function):
     """``rows (N, D) * scores (N,)`` in fp32, rounded to ``rows``' dtype: the values and gradients of
     torchtitan's ``(rows.to(float32) * scores.reshape(-1, 1)).to(rows.dtype)``, which autograd would run
-    with an fp32 copy of ``rows`` saved for the score gradient; here ``rows`` is saved in its own dtype
-    (half the bytes for bf16) and widened again in backward, the same values."""
+    with an fp32 copy of ``rows`` made in forward and saved for the score gradient; here ``rows`` is saved in
+    its own dtype (half the bytes for bf16) and neither pass writes an fp32 copy of it (the multiplies widen
+    its elements as they read them: the same values)."""
 
     generate_vmap_rule = True  # torch.func transforms (vmap, grad) of the reference MoE
 
     @staticmethod
     def forward(rows, scores):
-        return (rows.to(torch.float32) * scores.reshape(-1, 1).to(torch.float32)).to(rows.dtype)
+        return _times_fp32(rows, scores.reshape(-1, 1).to(torch.float32)).to(rows.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -42,11 +52,10 @@ class _ScaleRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, scores = ctx.saved_tensors
-        g = grad.to(torch.float32)
         s = scores.reshape(-1, 1).to(torch.float32)
-        grad_rows = (g * s).to(rows.dtype) if ctx.needs_input_grad[0] else None
+        grad_rows = _times_fp32(grad, s).to(rows.dtype) if ctx.needs_input_grad[0] else None
         # autograd's reduction of a broadcast (N, 1) operand: sum over dim 1, keepdim (then the view back)
-        grad_scores = (g * rows.to(torch.float32)).sum(1, keepdim=True).reshape(scores.shape) \
+        grad_scores = _times_fp32(rows, grad.to(torch.float32)).sum(1, keepdim=True).reshape(scores.shape) \
             if ctx.needs_input_grad[1] else None
         return grad_rows, grad_scores
 

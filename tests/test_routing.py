@@ -131,3 +131,33 @@ def test_combine_saves_the_expert_outputs_in_their_own_dtype():
         (routed.float() * scores_sorted.reshape(-1, 1)).to(routed.dtype)  # torchtitan's formula, for contrast
     rows = [s for s in saved if s.dim() == 2 and tuple(s.shape) == (t * k, d) and s.is_floating_point()]
     assert [s.dtype for s in rows] == [torch.bfloat16, torch.float32], [s.dtype for s in rows]
+
+
+def test_combine_writes_no_fp32_copy_of_the_expert_outputs():
+    """Neither pass of the score product converts the bf16 expert outputs to an fp32 tensor (the multiplies
+    widen each element as they read it): on the GPU such a copy is a (T*K, D) fp32 write and read per MoE
+    layer in forward and again in backward. The expert outputs are read by a multiply in each pass
+    (precondition: the log sees them); the combine's values are pinned by the tests above."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    t, k, d = 16, 2, 32
+    x, scores, ids = _routing(t, k, 8, d, torch.bfloat16, 0)
+    x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x, scores.float().detach().requires_grad_(), ids)
+    routed = x_sorted.clone().requires_grad_()
+    ptr = routed.data_ptr()
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            reads_rows = any(isinstance(a, torch.Tensor) and a.data_ptr() == ptr for a in args)
+            if reads_rows:
+                seen.append((func.__name__, out.dtype if isinstance(out, torch.Tensor) else None))
+            return out
+
+    with Log():
+        out = unsort_tokens(routed, scores_sorted, token_idx, x)
+        out.backward(torch.ones_like(out))
+    copies = [(name, dtype) for name, dtype in seen if name.startswith(("_to_copy", "to", "copy"))]
+    assert copies == [], copies
+    assert len([name for name, _ in seen if name.startswith("mul")]) == 2, seen  # forward's and backward's
