@@ -188,6 +188,11 @@ def _worker(rank, world, store, out_dir, jobs):
     import torch._dynamo as _dynamo  # noqa: F401  (as: a bare "import torch.x" would make torch a local)
 
     import moe_quant.ep  # noqa: F401
+    from examples.titan.launch import provide_is_non_strict_tracing
+
+    # torchtitan 0.3.0's all-to-all dispatcher calls a torch.compiler function torch 2.11 (the GPU machines')
+    # lacks: the launcher's stand-in (nothing here exports), so that these ranks run under 2.11 too
+    provide_is_non_strict_tracing()
 
     results = []
     try:
