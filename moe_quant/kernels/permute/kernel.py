@@ -9,7 +9,7 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
   starts where the previous one ends); then an expert-major scan giving each block's destination end and
   row shift ``src - dst``; for ``blocked``, the experts' padded starts ``P_e``
   (:func:`cute_utils.m_groups_table_step`, the same definition as ``layouts.group_bounds``). One CTA
-  writes ``offs``. Warp 0 builds it alone: the first pass hands over to the others through ``bar.warp.sync``
+  writes ``offs``. Warp 0 builds it alone: the first pass hands over to the second through ``bar.warp.sync``
   (the blocked pass sums its experts' ends from the first pass's table, so needs no second handover: two
   ``bar.warp.sync`` made ptxas spill 8 bytes in the blocked rows variant, and a named barrier of warp 0's 32
   threads there drew racecheck hazard reports); the other warps wait at one CTA barrier at the end. The
@@ -178,7 +178,7 @@ class PermuteMxfp8Kernel:
         lane = tid % 32
         warp = tid // 32
         # Warp 0 builds the whole table; the other warps wait at the one barrier at the end (the first pass hands
-        # over to the others through shared memory within warp 0: bar.warp.sync).
+        # over to the second through shared memory within warp 0: bar.warp.sync).
         # ---- r-major: sanitized source ends (saturating running total: min(sum, M)); block b starts at b - 1's end
         if warp == 0:
             carry = Int32(0)
