@@ -82,26 +82,40 @@ def unfused(op: str, offs, fake: bool):
     return lambda t: [forms(x, MODE, offs, fake) for x in reference.dswiglu(*t)]
 
 
+def time_shape(m: int, r: int, g: int, outs, with_unfused: bool = True) -> list[dict]:
+    """Every op of every output kind in ``outs`` (``"fake"``: bf16 values, else MXFP8) at one shape (G ragged
+    groups, inputs rotated past the L2), with a bf16 memcpy of an (M, R) tensor timed with them: one record per
+    (out, op), ``unfused_us`` None without ``with_unfused``."""
+    offs = group_offsets(m, g, ragged=True)
+    _, cp = memcpy_tbps((m, r))
+    rot = Rotating(lambda: tuple(torch.randn(m, r, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
+    record = []
+    for out in outs:
+        fake = out == "fake"
+        for op in OPS:
+            n = N_INPUTS[op]
+            f = fused(op, offs, fake)
+            u = unfused(op, offs, fake) if with_unfused else None
+            f(rot.next()[:n])
+            if u is not None:
+                u(rot.next()[:n])
+            us = bench_us(lambda: f(rot.next()[:n]))
+            uus = bench_us(lambda: u(rot.next()[:n])) if u is not None else None
+            nb = op_bytes(op, m, r, g, fake)
+            record.append({"op": op, "m": m, "r": r, "g": g, "out": out, "us": us, "tbps": tbps(nb, us),
+                           "pct_memcpy": 100 * tbps(nb, us) / cp, "unfused_us": uus, "memcpy_tbps": cp})
+    del rot
+    torch.cuda.empty_cache()
+    return record
+
+
 def run(shapes, outs) -> dict:
     rows, record = [], []
     for m, r, g in shapes:
-        offs = group_offsets(m, g, ragged=True)
-        _, cp = memcpy_tbps((m, r))
-        rot = Rotating(lambda: tuple(torch.randn(m, r, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
-        for out in outs:
-            fake = out == "fake"
-            for op in OPS:
-                n = N_INPUTS[op]
-                f, u = fused(op, offs, fake), unfused(op, offs, fake)
-                f(rot.next()[:n]), u(rot.next()[:n])
-                us = bench_us(lambda: f(rot.next()[:n]))
-                uus = bench_us(lambda: u(rot.next()[:n]))
-                nb = op_bytes(op, m, r, g, fake)
-                rows.append([op, m, r, g, out, us, tbps(nb, us), 100 * tbps(nb, us) / cp, uus, uus / us, cp])
-                record.append({"op": op, "m": m, "r": r, "g": g, "out": out, "us": us, "tbps": tbps(nb, us),
-                               "pct_memcpy": 100 * tbps(nb, us) / cp, "unfused_us": uus, "memcpy_tbps": cp})
-        del rot
-        torch.cuda.empty_cache()
+        for x in time_shape(m, r, g, outs):
+            rows.append([x["op"], m, r, g, x["out"], x["us"], x["tbps"], x["pct_memcpy"], x["unfused_us"],
+                         x["unfused_us"] / x["us"], x["memcpy_tbps"]])
+            record.append(x)
     print_table(f"SwiGLU block fused passes, {MODE.value} ({device_name()}, torch {torch.__version__})",
                 ["op", "M", "R", "G", "out", "us", "TB/s", "%memcpy", "unfused us", "unfused / fused", "memcpy TB/s"],
                 rows)

@@ -138,7 +138,7 @@ def child(what: list[str], tree: str, out: str) -> None:
 
     if not Path(moe_quant.__file__).resolve().is_relative_to(Path(tree).resolve()):
         raise SystemExit(f"ab_commits.py: imported {moe_quant.__file__}, not the revision's tree {tree}")
-    from benchmarks.timing import Rotating, bench_us, device_name, memcpy_tbps, tbps
+    from benchmarks.timing import device_name
 
     rows = []
     if "permute" in what:
@@ -149,24 +149,12 @@ def child(what: list[str], tree: str, out: str) -> None:
                 rows.append({"key": f"permute {m}x{k} {kind}", "us": us, "pct": 100 * t / cp})
             torch.cuda.empty_cache()  # the shape's rotating inputs, freed on return
     if "block" in what:
-        from benchmarks.bench_block_kernels import DEFAULT_SHAPES, N_INPUTS, fused, op_bytes
-        from benchmarks.bench_quantize import group_offsets
+        from benchmarks.bench_block_kernels import DEFAULT_SHAPES, time_shape
 
         for m, r, g in DEFAULT_SHAPES:
-            offs = group_offsets(m, g, ragged=True)
-            _, cp = memcpy_tbps((m, r))
-            rot = Rotating(lambda m=m, r=r: tuple(torch.randn(m, r, device="cuda", dtype=torch.bfloat16)
-                                                  for _ in range(3)))
-            for fake in (True, False):
-                for op in ("dual", "swiglu", "dswiglu"):
-                    n = N_INPUTS[op]
-                    f = fused(op, offs, fake)
-                    f(rot.next()[:n])
-                    us = bench_us(lambda f=f, n=n: f(rot.next()[:n]))
-                    rows.append({"key": f"{op} {m}x{r} {'bf16' if fake else 'fp8'}", "us": us,
-                                 "pct": 100 * tbps(op_bytes(op, m, r, g, fake), us) / cp})
-            del rot
-            torch.cuda.empty_cache()
+            for x in time_shape(m, r, g, ("fake", "mxfp8"), with_unfused=False):
+                rows.append({"key": f"{x['op']} {m}x{r} {'bf16' if x['out'] == 'fake' else 'fp8'}", "us": x["us"],
+                             "pct": x["pct_memcpy"]})
     for row in rows:
         row["device"] = device_name()
     Path(out).write_text(json.dumps(rows))
