@@ -235,9 +235,9 @@ class PermuteMxfp8Kernel:
             # ---- blocked: experts' ends, padded ends and row shifts P_e - start_e. Expert e's end (the
             # e-major running total of the block sizes, the previous pass's dend at r = R - 1) summed here from
             # the source ends: sum over ranks r of t_send[r E + e] - start_r, start_r = t_send[r E - 1] (0 for
-            # r = 0). No handover from the previous pass: a second bar.warp.sync made ptxas spill 8 bytes. The loop
-            # over ranks not unrolled: unrolled, ptxas gave the blocked rows variant 62 registers (48), one CTA per
-            # SM fewer, and it measured 2-3 points slower at M >= 32768 on the H200.
+            # r = 0), so this pass needs nothing from the previous one (module doc). The loop over ranks not
+            # unrolled: unrolled, ptxas gave the blocked rows variant 62 registers (48), and it measured 2-3
+            # points slower at M >= 32768 on the H200.
             if cutlass.const_expr(self.blocked):
                 carry_end = Int32(0)
                 carry_pend = Int32(0)
