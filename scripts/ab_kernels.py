@@ -1,6 +1,6 @@
 """A/B of the 32x1 and permute kernel candidates (``CANDIDATES`` in ``quantize_32x1.config`` / ``permute.config``), one process.
 
-    python scripts/ab_kernels.py [--family q32x1,perm,perm-dequant] [--rounds 5] [--json PATH]
+    python scripts/ab_kernels.py [--family q32x1,q32x1-3d,perm,perm-dequant] [--rounds 5] [--json PATH]
 
 For each candidate: first byte-exact against the reference (every output byte, padding included: outputs
 are filled with 0xFF before the launch) on ragged, empty and garbage-offset cases; then timed through the
@@ -34,6 +34,7 @@ from moe_quant import cli  # noqa: E402
 TARGET_PCT = 85.0
 Q32_SHAPES = [(8192, 2048), (32768, 2048), (32768, 7168), (131072, 2048)]  # (M, R), G = 8 ragged
 Q32_TARGET = (8192, 2048)
+Q32_3D_SHAPES = [(8, 2048, 7168), (16, 2048, 7168), (8, 8192, 5120)]  # (E, N, K), quantized along N
 PERM_SHAPES = [(8192, 2048), (32768, 2048), (32768, 7168), (131072, 7168)]  # (M, K), 8 ranks x 8 experts
 PERM_TARGETS = [(32768, 2048), (32768, 7168)]
 
@@ -112,6 +113,17 @@ def q32_cases():
                lambda x, offs=offs: ops.quantize_32x1_k_groups(x, "rceil", offs))
 
 
+def q32_3d_cases():
+    """The same candidates on expert weights along N (the ``uniform`` groups): (label, bytes, make, call)."""
+    from benchmarks.bench_quantize_32x1 import w_bytes
+    from moe_quant.kernels import ops
+
+    for e, n, k in Q32_3D_SHAPES:
+        yield ((e, n, k), w_bytes(e, n, k, "n", "mxfp8"),
+               lambda e=e, n=n, k=k: (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16),),
+               lambda w: ops.quantize_3d_along_n(w, "rceil"))
+
+
 # ----------------------------------------------------------------------------- permute
 
 
@@ -159,6 +171,7 @@ def perm_cases(out: str = "blocked"):
 
 FAMILIES = {
     "q32x1": (q32_family, q32_check, q32_cases, "kgroups", [Q32_TARGET]),
+    "q32x1-3d": (q32_family, q32_check, q32_3d_cases, "uniform", []),
     "perm": (perm_family, perm_check, perm_cases, "blocked", PERM_TARGETS),
     # the same candidates writing the dequantized bf16 rows (Hopper's operand)
     "perm-dequant": (functools.partial(perm_family, "dequant"), functools.partial(perm_check, "dequant"),
@@ -238,7 +251,7 @@ def main(argv=None) -> int:
         rows = []
         for shape, pct in res["shapes"].items():
             target = shape in [tuple(t) for t in res["targets"]]
-            rows.append([f"{shape[0]}x{shape[1]}" + (" *" if target else "")]
+            rows.append(["x".join(map(str, shape)) + (" *" if target else "")]
                         + [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
                            + ("" if not target else (" PASS" if statistics.median(v) >= TARGET_PCT else " FAIL"))
                            for v in pct.values()])
@@ -247,7 +260,7 @@ def main(argv=None) -> int:
         best = recommend(res)
         print(f"{fam}: make default -> {best}", flush=True)
         out[fam] = {"exact": res["exact"], "recommend": best,
-                    "shapes": {f"{s[0]}x{s[1]}": v for s, v in res["shapes"].items()},
+                    "shapes": {"x".join(map(str, s)): v for s, v in res["shapes"].items()},
                     "targets": [f"{t[0]}x{t[1]}" for t in res["targets"]], "target_pct": TARGET_PCT}
     write_json(args.json, out)
     return 0

@@ -79,6 +79,7 @@ class Quantize32x1Kernel:
         self.tile_cols = variant.tile_cols
         self.threads = variant.threads
         self.halves = variant.tile_cols // HALF_COLS  # warps per 32-token block
+        self.raster = variant.raster
 
     # ------------------------------------------------------------------ host
 
@@ -105,8 +106,10 @@ class Quantize32x1Kernel:
             row_stride = Int32(out.shape[2])  # N
             nx = n_groups * ((row_stride + (TILE_TOKENS - 1)) // TILE_TOKENS)
             rp = (Int32(r) + (TILE_ROWS - 1)) // TILE_ROWS * TILE_ROWS
+        g = self.raster  # column tiles per raster group: grid x walks them fastest, then the token tiles
         self.kernel(x, out, scales, offs, poffs, Int32(x.shape[0]), Int32(r), n_groups, row_stride, rp, sw, nx,
-                    Int32(ny)).launch(grid=[nx, ny, 1], block=[self.threads, 1, 1], stream=stream)
+                    Int32(ny)).launch(grid=[nx * g, (ny + (g - 1)) // g, 1], block=[self.threads, 1, 1],
+                                      stream=stream)
 
     # ------------------------------------------------------------------ device
 
@@ -114,10 +117,20 @@ class Quantize32x1Kernel:
     def kernel(self, x: cute.Tensor, out: cute.Tensor, scales, offs, poffs, m: Int32, r: Int32, n_groups: Int32,
                row_stride: Int32, rp: Int32, sw: Int32, nx: Int32, ny: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
-        tid = Int32(tid)
-        bx = Int32(bx)
-        by = Int32(by)
+        gx, gy, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.raster == 1):
+            self.tile(x, out, scales, offs, poffs, m, r, n_groups, row_stride, rp, sw, nx, ny, Int32(tid),
+                      Int32(gx), Int32(gy))
+        else:
+            by = Int32(gy) * self.raster + Int32(gx) % self.raster
+            if by < ny:  # the last raster group's missing column tiles
+                self.tile(x, out, scales, offs, poffs, m, r, n_groups, row_stride, rp, sw, nx, ny, Int32(tid),
+                          Int32(gx) // self.raster, by)
+
+    @cute.jit
+    def tile(self, x: cute.Tensor, out: cute.Tensor, scales, offs, poffs, m: Int32, r: Int32, n_groups: Int32,
+             row_stride: Int32, rp: Int32, sw: Int32, nx: Int32, ny: Int32, tid: Int32, bx: Int32, by: Int32):
+        """CTA ``(bx, by)``: token tile ``bx`` (of a group, or a tail tile), column tile ``by``."""
         ty = by * self.tile_cols // TILE_ROWS  # the 128-row scale tile of this CTA's columns
         row0 = by * self.tile_cols - ty * TILE_ROWS  # its first row there (0, or 64 for a 64-column grid)
         lane = tid % 32
