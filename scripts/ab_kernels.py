@@ -61,17 +61,15 @@ def same_bytes(got, want) -> bool:
 
 
 def q32_family():
+    """Per group kind: the candidates' variants (name -> Variant) and the ops' way to put one in place."""
     from moe_quant.kernels.quantize_32x1 import config as config_32x1
+    from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
 
     def variants(groups):
         return {name: config_32x1.Variant("bfloat16", "rceil", groups, **kw)
                 for name, kw in config_32x1.CANDIDATES.items()}
 
-    dev = torch.cuda.current_device()
-    return {
-        "kgroups": (variants("kgroups"), ("q32x1", torch.bfloat16, "rceil", "kgroups", torch.float8_e4m3fn, dev)),
-        "uniform": (variants("uniform"), ("q32x1", torch.bfloat16, "rceil", "uniform", torch.float8_e4m3fn, dev)),
-    }
+    return {groups: (variants(groups), ops_32x1.variant_in_place) for groups in ("kgroups", "uniform")}
 
 
 def q32_check() -> bool:
@@ -130,9 +128,11 @@ def q32_3d_cases():
 def perm_family(out: str = "blocked"):
     from moe_quant.kernels.permute import config as config_permute
 
+    from moe_quant.kernels.permute import ops as ops_permute
+
     dtype = "bfloat16" if out == "dequant" else "float8_e4m3fn"
     variants = {name: config_permute.Variant(out, dtype, **kw) for name, kw in config_permute.CANDIDATES.items()}
-    return {out: (variants, ("perm", out, dtype, torch.cuda.current_device()))}
+    return {out: (variants, ops_permute.variant_in_place)}
 
 
 def perm_check(out: str = "blocked") -> bool:
@@ -183,32 +183,29 @@ FAMILIES = {
 
 
 def run_family(name: str, rounds: int) -> dict:
-    from moe_quant.kernels import compile_cache as cc
-
     make_family, check, cases, timed_kind, targets = FAMILIES[name]
-    arch = cc.arch(torch.device("cuda"))
+    dev = torch.device("cuda", torch.cuda.current_device())
     kinds = make_family()
     names = list(kinds[timed_kind][0])
     exact = {}
     for cand in names:
-        kernels = {kind: (cc.get_kernel(variants[cand], arch), key) for kind, (variants, key) in kinds.items()}
         with contextlib.ExitStack() as stack:
-            for kern, key in kernels.values():
-                stack.enter_context(cc.in_place_of(key, kern))
+            for variants, in_place in kinds.values():
+                stack.enter_context(in_place(variants[cand], dev))
             with poisoned():
                 exact[cand] = check()
         print(f"{name} {cand}: byte-exact vs reference (every byte, padding included): {exact[cand]}", flush=True)
-    variants, key = kinds[timed_kind]
-    kerns = {c: cc.get_kernel(variants[c], arch) for c in names if exact[c]}
+    variants, in_place = kinds[timed_kind]
+    timed = {c: variants[c] for c in names if exact[c]}
     shapes = {}
     for shape, nbytes, make, call in cases():
         rot = Rotating(make)
         copy, copy_bytes = memcpy_call(shape)
-        pct = {c: [] for c in kerns}
+        pct = {c: [] for c in timed}
         for _ in range(rounds):
             copy_tbps = tbps(copy_bytes, bench_us(copy))
-            for c, kern in kerns.items():
-                with cc.in_place_of(key, kern):
+            for c, variant in timed.items():
+                with in_place(variant, dev):
                     call(*rot.next())  # warm
                     us = bench_us(lambda: call(*rot.next()))
                 pct[c].append(100 * tbps(nbytes, us) / copy_tbps)

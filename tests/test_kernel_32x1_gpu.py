@@ -15,6 +15,8 @@ from mx_strategies import DISTRIBUTIONS, group_sizes, make_values, offsets_from_
 
 from moe_quant import layouts, reference
 from moe_quant.kernels import compile_cache, ops
+from moe_quant.kernels.quantize_32x1 import config as config_32x1
+from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
 from moe_quant.numerics import BLOCK_SIZE, ScaleMode
 
 pytestmark = pytest.mark.gpu
@@ -114,6 +116,25 @@ def test_k_groups_fixed(sizes, r, mode):
     m = sum(sizes) + 17
     x = colwise_values(m, r, "wide", 1234, torch.bfloat16)
     check_k_groups(x, offsets_from_sizes(sizes) if sizes else torch.zeros(0, dtype=torch.int32), mode)
+
+
+@pytest.mark.parametrize("cand", [name for name, fields in config_32x1.CANDIDATES.items() if fields])
+def test_candidates_match_reference(cand):
+    """Each A/B candidate (``config.CANDIDATES``), put in place of the bf16 rceil variants of both group kinds and
+    all three outputs, byte for byte: ragged groups with R % 128 == 64 (a half scale tile) and more column tiles
+    than a raster group, 3D weights with N % 128 != 0."""
+    import contextlib
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with contextlib.ExitStack() as stack:
+        for v in config_32x1.all_variants():
+            if v.in_dtype == "bfloat16" and v.mode == "rceil":
+                stack.enter_context(ops_32x1.variant_in_place(v.replace(**config_32x1.CANDIDATES[cand]), dev))
+        for sizes, r in (([0, 1, 31, 33, 127, 129, 0, 300], 2144), ([4000, 0, 5, 4191], 7168), ([3] * 100, 64)):
+            x = colwise_values(sum(sizes) + 17, r, "wide", 99, torch.bfloat16)
+            check_k_groups(x, offsets_from_sizes(sizes), ScaleMode.RCEIL)
+        for shape in ((3, 160, 96), (2, 2048, 7168), (5, 96, 2080)):
+            check_3d(make_values(shape, "normal", 5, torch.bfloat16), ScaleMode.RCEIL)
 
 
 @given(e=st.integers(1, 5), n=st.integers(1, 10).map(lambda v: 32 * v), k=st.integers(1, 10).map(lambda v: 32 * v),

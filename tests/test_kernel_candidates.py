@@ -44,6 +44,7 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
 
 @pytest.mark.parametrize("make", [
     lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=32),
+    lambda: config_32x1.Variant("bfloat16", "rceil", "uniform", raster=3),
     lambda: config_permute.Variant("blocked", threads=100),
     lambda: config_permute.Variant("blocked", iters=0),
     lambda: config_permute.Variant("blocked", order="sorted"),
@@ -61,3 +62,65 @@ def test_bad_tiles_raise(make):
 def test_32x1_threads_follow_tile_cols():
     assert config_32x1.Variant("bfloat16", "rceil", "kgroups").threads == 256
     assert config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=64).threads == 128
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The ops run on CPU tensors with compiling and launching stubbed: each launch records the variant whose
+    kernel the op took (``get_kernel`` returns the variant itself)."""
+    import torch
+
+    from moe_quant.kernels import compile_cache as cc
+
+    log = []
+    monkeypatch.setattr(cc, "_FAST", {})
+    monkeypatch.setattr(cc, "arch", lambda device: "sm_90a")
+    monkeypatch.setattr(cc, "get_kernel", lambda variant, arch: variant)
+    monkeypatch.setattr(cc, "launch", lambda kernel, *args: log.append(kernel))
+    return log, torch.device("cpu")
+
+
+def test_32x1_variant_in_place_reaches_every_op(launches):
+    """``variant_in_place`` (how ab_kernels.py and the GPU tests run a candidate) swaps the kernel the op itself
+    looks up, for every default variant: ab_kernels.py once built that key by hand, and from the day a field
+    (``as_bf16``) joined the ops' key it timed the default under every candidate's name."""
+    import torch
+
+    from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
+
+    log, cpu = launches
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+    variants = config_32x1.all_variants()
+    assert any(v.as_bf16 for v in variants) and {v.groups for v in variants} == set(config_32x1.GROUPS)
+    for v in variants:
+        cand = v.replace(raster=8)
+        assert cand != v
+        x = torch.zeros(64, 64, dtype=dtypes[v.in_dtype])
+        offs = torch.tensor([40, 64], dtype=torch.int32)
+        with ops_32x1.variant_in_place(cand, cpu):
+            if v.groups == "kgroups":
+                ops_32x1._quantize_32x1_k_groups_impl(x, v.mode, offs, dtypes[v.out_dtype])
+            else:
+                ops_32x1._quantize_32x1_3d_impl(x.view(2, 32, 64), v.mode, dtypes[v.out_dtype], v.as_bf16)
+        assert log[-1] == cand, f"{v}: the op launched {log[-1]}"
+        # and outside the block the op's own default again
+        if v.groups == "uniform":
+            ops_32x1._quantize_32x1_3d_impl(x.view(2, 32, 64), v.mode, dtypes[v.out_dtype], v.as_bf16)
+            assert log[-1] == v
+
+
+def test_permute_variant_in_place_reaches_every_op(launches):
+    import torch
+
+    from moe_quant.kernels.permute import ops as ops_permute
+
+    log, cpu = launches
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+    data = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(64, 2, dtype=torch.float8_e8m0fnu)
+    counts = torch.tensor([[30, 34]], dtype=torch.int32)
+    for v in config_permute.all_variants():
+        cand = v.replace(order="gather" if v.order != "gather" else "scatter")
+        with ops_permute.variant_in_place(cand, cpu):
+            ops_permute._permute_impl(data, scales, counts, v.out, dtypes[v.out_dtype])
+        assert log[-1] == cand, f"{v}: the op launched {log[-1]}"

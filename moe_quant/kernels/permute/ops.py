@@ -37,15 +37,20 @@ def _kernel(out: str, out_dtype: torch.dtype, device: torch.device) -> cc.Compil
     return cc.kernel_for(("perm", out, name), lambda: Variant(out, name), device)
 
 
+def variant_in_place(variant: Variant, device: torch.device):
+    """Context manager: within it, the op writing ``variant``'s output kind and dtype on ``device`` launches
+    ``variant`` (an A/B candidate, ``config.CANDIDATES``) instead of its default variant."""
+    key = ("perm", variant.out, variant.out_dtype, device.index)  # _kernel's key
+    return cc.in_place_of(key, cc.get_kernel(variant, cc.arch(device)))
+
+
 @contextlib.contextmanager
 def variants_in_place(device: torch.device, **fields):
     """Within the block, every op on ``device`` launches ``Variant(out, out_dtype, **fields)`` (an A/B
     candidate's fields, ``config.CANDIDATES``) instead of its default variant (GPU tests, sanitizer)."""
-    arch = cc.arch(device)
     with contextlib.ExitStack() as stack:
         for out, name in OPS:
-            kernel = cc.get_kernel(Variant(out, name, **fields), arch)
-            stack.enter_context(cc.in_place_of(("perm", out, name, device.index), kernel))
+            stack.enter_context(variant_in_place(Variant(out, name, **fields), device))
         yield
 
 
