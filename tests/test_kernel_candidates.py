@@ -11,6 +11,9 @@ def test_default_keys_unchanged():
     """Defaults keep their keys (the on-disk cache and the measured kernels stay what they were) until a change
     of default records its new key here."""
     assert config_32x1.Variant("bfloat16", "rceil", "kgroups").key == "bfloat16-rceil-kgroups-float8_e4m3fn"
+    # 3D along N: 16 column tiles side by side since 2026-11-29 (the A/B on the H200)
+    assert config_32x1.Variant("bfloat16", "rceil", "uniform").key == "bfloat16-rceil-uniform-float8_e4m3fn-g16"
+    assert config_32x1.Variant("bfloat16", "rceil", "uniform", raster=1).key == "bfloat16-rceil-uniform-float8_e4m3fn"
     # permute: the fp8 outputs rows since 2026-11-28 (the A/B on the H200), dequant scatter with register staging
     # since 2026-11-26 (the A/B on the H100); scatter and gather keep their keys
     assert config_permute.Variant("blocked").key == "blocked-float8_e4m3fn-t256i4b1024-rows"
@@ -29,8 +32,11 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     from moe_quant.kernels import compile_check
 
     cands = config.candidate_variants()
-    if config is config_32x1:
-        assert len(cands) == sum(1 for kw in config.CANDIDATES.values() if kw) * len(config_32x1.GROUPS)
+    if config is config_32x1:  # a candidate naming a group kind's own default is not listed again
+        defaults = [config.Variant("bfloat16", "rceil", g) for g in config.GROUPS]
+        assert len(cands) == sum(1 for kw in config.CANDIDATES.values() if kw for g in config.GROUPS
+                                 if config.Variant("bfloat16", "rceil", g, **kw) not in defaults)
+        assert cands and not set(defaults) & set(cands)
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")
         assert len(cands) == sum(1 for kw in config.CANDIDATES.values() if kw and config.Variant("blocked", **kw)

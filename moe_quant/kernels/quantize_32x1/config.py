@@ -29,7 +29,12 @@ COLS_PER_THREAD = 8  # one 16-byte bf16 load per token row
 TOKENS_PER_THREAD = 8  # consecutive tokens of one column: one 8/16/32-byte transposed store
 HALF_COLS = 64  # columns of one warp: 8 lanes x 8 columns (each block of 32 tokens is 4 lanes deep)
 TILE_COLS_CHOICES = (64, 128)
-RASTER_CHOICES = (1, 4, 8, 16)  # column tiles per raster group (1: every token tile of column tile 0 first)
+# CTA order, column tiles per raster group: 1, every token tile of column tile 0, then of column tile 1, ...;
+# g > 1, g column tiles side by side, then the next token tile; 0, every column tile of token tile 0 first.
+RASTER_CHOICES = (0, 1, 4, 8, 16, 32)
+# The default per group kind, measured (H200, 2026-11-29, scripts/ab_kernels.py --family q32x1,q32x1-3d, NOTES.md):
+# 3D weights along N gain 2-4 points with 16 column tiles side by side; K-groups lose up to 3.4 points with it.
+DEFAULT_RASTER = {"kgroups": 1, "uniform": 16}
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,9 @@ class Variant:
     # fp32 input quantized as its bf16 rounding (``x.to(torch.bfloat16)``, never written): fp32 master
     # weights without a cast kernel
     as_bf16: bool = False
-    # CTA order: ``raster`` column tiles side by side, then the next token tile (1: every token tile of one
-    # column tile before the next column tile). Changes which bytes the CTAs resident at once read and write
-    # together (DRAM page locality), not the work of any CTA. An A/B candidate.
-    raster: int = 1
+    # CTA order (RASTER_CHOICES; -1: the measured default of the group kind, DEFAULT_RASTER). Changes which bytes
+    # the CTAs resident at once read and write together, not the work of any CTA.
+    raster: int = -1
 
     family = "q32x1"
     kernel_module = "quantize_32x1.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -61,6 +65,8 @@ class Variant:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.tile_cols not in TILE_COLS_CHOICES:
             raise ValueError(f"tile_cols must be one of {TILE_COLS_CHOICES}, got {self.tile_cols!r}")
+        if self.raster == -1 and self.groups in DEFAULT_RASTER:
+            object.__setattr__(self, "raster", DEFAULT_RASTER[self.groups])
         if self.raster not in RASTER_CHOICES:
             raise ValueError(f"raster must be one of {RASTER_CHOICES}, got {self.raster!r}")
         if self.as_bf16 and self.in_dtype != "float32":
@@ -78,7 +84,7 @@ class Variant:
     @property
     def key(self) -> str:
         tile = "" if self.tile_cols == TILE_COLS else f"-c{self.tile_cols}"  # the default's key is unchanged
-        tile += "" if self.raster == 1 else f"-g{self.raster}"
+        tile += "" if self.raster == 1 else f"-g{self.raster}"  # K-groups' default keeps its key
         src = "float32asbf16" if self.as_bf16 else self.in_dtype
         return f"{src}-{self.mode}-{self.groups}-{self.out_dtype}{tile}"
 
@@ -96,9 +102,12 @@ def all_variants() -> list[Variant]:
 # every arch (compile_check) on the operand the targets measure: bf16 in, rceil, both group kinds, e4m3 out.
 # Measured and dropped (H100, 2026-11-26, NOTES.md): registers capped with ``min_blocks_per_mp`` for 5, 6 and
 # 8 CTAs per SM (48 / 40 / 32 registers, with spills): % of memcpy within 0.5 points of the default everywhere.
-CANDIDATES = {"c128 (default)": {}, "c64": {"tile_cols": 64}, "g4": {"raster": 4}, "g8": {"raster": 8},
-              "g16": {"raster": 16}}
+CANDIDATES = {"default": {}, "c64": {"tile_cols": 64}, "g1": {"raster": 1}, "g4": {"raster": 4},
+              "g16": {"raster": 16}, "g32": {"raster": 32}, "g-all": {"raster": 0}}
 
 
 def candidate_variants() -> list[Variant]:
-    return [Variant("bfloat16", "rceil", g, **kw) for kw in CANDIDATES.values() if kw for g in GROUPS]
+    """The candidates' variants other than the defaults (a candidate may name a group kind's own default)."""
+    defaults = [Variant("bfloat16", "rceil", g) for g in GROUPS]
+    return [v for kw in CANDIDATES.values() if kw for g in GROUPS
+            if (v := Variant("bfloat16", "rceil", g, **kw)) not in defaults]
