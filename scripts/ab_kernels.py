@@ -1,6 +1,6 @@
 """A/B of the 32x1 and permute kernel candidates (``CANDIDATES`` in ``quantize_32x1.config`` / ``permute.config``), one process.
 
-    python scripts/ab_kernels.py [--family q32x1,q32x1-3d,perm,perm-dequant] [--rounds 5] [--json PATH]
+    python scripts/ab_kernels.py [--family q32x1,q32x1-3d,q32x1-bf16,q32x1-3d-bf16,perm,perm-dequant] [--rounds 5] [--json PATH]
 
 For each candidate: first byte-exact against the reference (every output byte, padding included: outputs
 are filled with 0xFF before the launch) on ragged, empty and garbage-offset cases; then timed through the
@@ -60,66 +60,80 @@ def same_bytes(got, want) -> bool:
 # ----------------------------------------------------------------------------- 32x1
 
 
-def q32_family():
-    """Per group kind: the candidates' variants (name -> Variant) and the ops' way to put one in place."""
+def q32_family(out: str = "float8_e4m3fn"):
+    """Per group kind: the candidates' variants (name -> Variant) writing ``out`` and the ops' way to put one in
+    place."""
     from moe_quant.kernels.quantize_32x1 import config as config_32x1
     from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
 
     def variants(groups):
-        return {name: config_32x1.Variant("bfloat16", "rceil", groups, **kw)
+        return {name: config_32x1.Variant("bfloat16", "rceil", groups, out, **kw)
                 for name, kw in config_32x1.CANDIDATES.items()}
 
     return {groups: (variants(groups), ops_32x1.variant_in_place) for groups in ("kgroups", "uniform")}
 
 
-def q32_check() -> bool:
+def q32_check(out: str = "float8_e4m3fn") -> bool:
     """kgroups: ragged, empty groups, rows past the last group, many groups, garbage offsets, R % 128 = 64;
-    uniform (3D along N): N % 128 != 0, K % 128 = 64."""
+    uniform (3D along N): N % 128 != 0, K % 128 = 64. ``out``: MXFP8, or the dequantized bf16 values."""
     from mx_strategies import make_values
 
     from moe_quant import reference
     from moe_quant.kernels import ops
     from moe_quant.numerics import ScaleMode
 
+    rc, fake = ScaleMode.RCEIL, out != "float8_e4m3fn"
     ok = True
     for m, r, offs in [(1000, 224, [0, 1, 32, 65, 192, 321, 621, 821]), (700, 192, list(range(2, 602, 2))),
                        (333, 96, [150, 150, 333]), (8192, 320, [1000, 1001, 4000, 8100]),
                        (500, 64, [-5, 2**31 - 1, 40, 7]), (64, 128, [])]:
         x = make_values((r, m), "wide", m + r, torch.bfloat16).t().contiguous()
         o = torch.tensor(offs, dtype=torch.int32)
-        got = ops.quantize_32x1_k_groups(x.cuda(), ScaleMode.RCEIL, o.cuda())
-        want = reference.quantize_colwise_k_groups(x, o, ScaleMode.RCEIL)
+        if fake:
+            got = ops.fake_quantize_32x1_k_groups(x.cuda(), rc, o.cuda(), torch.bfloat16)
+            want = reference.fake_quantize_colwise_k_groups(x, o, rc, torch.bfloat16)
+        else:
+            got = ops.quantize_32x1_k_groups(x.cuda(), rc, o.cuda())
+            want = reference.quantize_colwise_k_groups(x, o, rc)
         ok &= all(same_bytes(g, w) for g, w in zip(got, want))
     for e, n, k in [(3, 96, 192), (2, 160, 64), (4, 256, 320), (1, 32, 32)]:
         w = make_values((e, n, k), "normal", e * n + k, torch.bfloat16)
-        got = ops.quantize_3d_along_n(w.cuda(), ScaleMode.RCEIL)
-        want = reference.quantize_3d(w, ScaleMode.RCEIL, "n")
+        if fake:
+            got = (ops.fake_quantize_3d_along_n(w.cuda(), rc, torch.bfloat16),)
+            want = (reference.fake_quantize_3d(w.transpose(-2, -1), rc, -1, torch.bfloat16),)
+        else:
+            got = ops.quantize_3d_along_n(w.cuda(), rc)
+            want = reference.quantize_3d(w, rc, "n")
         ok &= all(same_bytes(g, w_) for g, w_ in zip(got, want))
     return ok
 
 
-def q32_cases():
+def q32_cases(out: str = "float8_e4m3fn"):
     """(label, bytes, make inputs, call) per timed shape."""
     from benchmarks.bench_quantize import group_offsets
     from benchmarks.bench_quantize_32x1 import k_groups_bytes
     from moe_quant.kernels import ops
 
+    fake = out != "float8_e4m3fn"
     for m, r in Q32_SHAPES:
         offs = group_offsets(m, 8, ragged=True)
-        yield ((m, r), k_groups_bytes(m, r, 8, "mxfp8"),
+        yield ((m, r), k_groups_bytes(m, r, 8, "fake" if fake else "mxfp8"),
                lambda m=m, r=r: (torch.randn(m, r, device="cuda", dtype=torch.bfloat16),),
-               lambda x, offs=offs: ops.quantize_32x1_k_groups(x, "rceil", offs))
+               (lambda x, offs=offs: ops.fake_quantize_32x1_k_groups(x, "rceil", offs, torch.bfloat16)) if fake
+               else (lambda x, offs=offs: ops.quantize_32x1_k_groups(x, "rceil", offs)))
 
 
-def q32_3d_cases():
+def q32_3d_cases(out: str = "float8_e4m3fn"):
     """The same candidates on expert weights along N (the ``uniform`` groups): (label, bytes, make, call)."""
     from benchmarks.bench_quantize_32x1 import w_bytes
     from moe_quant.kernels import ops
 
+    fake = out != "float8_e4m3fn"
     for e, n, k in Q32_3D_SHAPES:
-        yield ((e, n, k), w_bytes(e, n, k, "n", "mxfp8"),
+        yield ((e, n, k), w_bytes(e, n, k, "n", "fake" if fake else "mxfp8"),
                lambda e=e, n=n, k=k: (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16),),
-               lambda w: ops.quantize_3d_along_n(w, "rceil"))
+               (lambda w: ops.fake_quantize_3d_along_n(w, "rceil", torch.bfloat16)) if fake
+               else (lambda w: ops.quantize_3d_along_n(w, "rceil")))
 
 
 # ----------------------------------------------------------------------------- permute
@@ -172,6 +186,11 @@ def perm_cases(out: str = "blocked"):
 FAMILIES = {
     "q32x1": (q32_family, q32_check, q32_cases, "kgroups", [Q32_TARGET]),
     "q32x1-3d": (q32_family, q32_check, q32_3d_cases, "uniform", []),
+    # the same candidates writing the dequantized bf16 values (Hopper's emulated GEMM operand)
+    "q32x1-bf16": (functools.partial(q32_family, "bfloat16"), functools.partial(q32_check, "bfloat16"),
+                   functools.partial(q32_cases, "bfloat16"), "kgroups", []),
+    "q32x1-3d-bf16": (functools.partial(q32_family, "bfloat16"), functools.partial(q32_check, "bfloat16"),
+                      functools.partial(q32_3d_cases, "bfloat16"), "uniform", []),
     "perm": (perm_family, perm_check, perm_cases, "blocked", PERM_TARGETS),
     # the same candidates writing the dequantized bf16 rows (Hopper's operand)
     "perm-dequant": (functools.partial(perm_family, "dequant"), functools.partial(perm_check, "dequant"),
