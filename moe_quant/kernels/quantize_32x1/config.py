@@ -33,7 +33,7 @@ TILE_COLS_CHOICES = (64, 128)
 # g > 1, g column tiles side by side, then the next token tile; 0, every column tile of token tile 0 first.
 RASTER_CHOICES = (0, 1, 4, 8, 16, 32)
 # The default per group kind, measured (H200, 2026-11-29, scripts/ab_kernels.py --family q32x1,q32x1-3d, NOTES.md):
-# 3D weights along N gain 2-4 points with 16 column tiles side by side; K-groups lose up to 3.4 points with it.
+# 3D weights along N gain 2-4 points with 16 column tiles side by side; K-groups lose 2-5 points with it.
 DEFAULT_RASTER = {"kgroups": 1, "uniform": 16}
 
 
@@ -100,8 +100,10 @@ def all_variants() -> list[Variant]:
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
 # every arch (compile_check) on the operand the targets measure: bf16 in, rceil, both group kinds, e4m3 out.
-# Measured and dropped (H100, 2026-11-26, NOTES.md): registers capped with ``min_blocks_per_mp`` for 5, 6 and
-# 8 CTAs per SM (48 / 40 / 32 registers, with spills): % of memcpy within 0.5 points of the default everywhere.
+# The register caps of 2026-11-26 (H100, ``min_blocks_per_mp`` for 5, 6 and 8 CTAs per SM) were never really
+# measured: ab_kernels.py's swap missed the op then (NOTES.md, 2026-11-29). Measured on the H200 (2026-11-29): c64
+# slower from M = 32768; raster 16 for 3D along N (the default since), 1 for K-groups; g32 and g0 faster at N = 2048
+# and slower at 8x8192x5120.
 CANDIDATES = {"default": {}, "c64": {"tile_cols": 64}, "g1": {"raster": 1}, "g4": {"raster": 4},
               "g16": {"raster": 16}, "g32": {"raster": 32}, "g-all": {"raster": 0}}
 
