@@ -71,6 +71,14 @@ def train_steps(moe, forward, xs):
     return losses, grads
 
 
+def plain_block_compiles_bitwise() -> bool:
+    """Inductor's forward of the unconverted block equals eager's bit for bit (torch 2.13 on CPU; not 2.11)."""
+    moe, x = make_moe(convert=False), batches(1)[0]
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        out = torch.compile(moe, backend="inductor", fullgraph=True)(x)
+    return torch.equal(out, moe(x))
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_moe_block_trains_without_recompiles(backend):
     reset_fallback_counts()
@@ -94,14 +102,20 @@ def test_compiled_moe_block_trains_without_recompiles(backend):
     # the last batch really left expert 0 empty: its weight gradients are exactly zero
     for w in ("experts.w1", "experts.w2", "experts.w3"):
         assert grads_c[-1][w][0].abs().sum() == 0 and grads_c[-1][w][1:].abs().sum() > 0
+    # Inductor on torch 2.11 does not reproduce eager's bf16 numerics even for the unconverted block (its
+    # forward ~47 dB from eager on this CPU; bitwise on 2.13): the MXFP8 quantizers then see slightly different
+    # inputs and round some elements to the other neighbouring fp8 value, which compounds over the steps
+    # (weight gradients 26-30 dB, losses 0.15% apart on 2.11). Then only MXFP8-noise-level bounds hold.
+    exact = backend == "aot_eager" or plain_block_compiles_bitwise()
+    bound, loss_rtol = (40, 1e-3) if exact else (20, 1e-2)
     for step, (gc, ge) in enumerate(zip(grads_c, grads_e)):
         for name in ge:
             if backend == "aot_eager":  # the same kernels: bitwise
                 assert torch.equal(gc[name], ge[name]), (step, name)
             else:  # different CPU kernels (fusions, reductions): close, not bitwise
-                assert sqnr(ge[name], gc[name]) > 40, (step, name, sqnr(ge[name], gc[name]))
+                assert sqnr(ge[name], gc[name]) > bound, (step, name, sqnr(ge[name], gc[name]))
     for lc, le in zip(losses_c, losses_e):
-        assert abs(lc - le) <= 1e-3 * abs(le)
+        assert abs(lc - le) <= loss_rtol * abs(le)
 
 
 def test_compiled_fallback_is_counted():

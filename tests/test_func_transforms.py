@@ -51,6 +51,18 @@ def test_grad_of_input_runs_mxfp8():
     assert not torch.equal(gx, torch.func.grad(lambda t: _loss(plain(t)))(x))
 
 
+def _vmap_views_dtype() -> bool:
+    """torch's vmap batches ``Tensor.view(dtype)`` (torch 2.13 does; 2.11 has no batching rule for
+    ``aten::view.dtype``, which the MXFP8 scale math uses)."""
+    try:
+        torch.vmap(lambda t: t.view(torch.int32))(torch.zeros(2, 2))
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.xfail(not _vmap_views_dtype(), strict=True,
+                   reason="this torch's vmap has no batching rule for aten::view.dtype (docs/limitations.md)")
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch._grouped_mm has no batch rule
 def test_vmap_and_vmap_of_grad_equal_a_loop():
     model, _, x = _models()
