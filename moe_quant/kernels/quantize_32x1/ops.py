@@ -36,7 +36,6 @@ def variant_in_place(variant: Variant, device: torch.device):
     return cc.in_place_of(key + (device.index,), cc.get_kernel(variant, cc.arch(device)))
 
 
-
 def _k_groups_shapes(m: int, r: int, g: int):
     mp = layouts.k_groups_padded_len(m, g)
     return (r, mp), layouts.k_groups_blocked_shape(r, m, g)
