@@ -141,7 +141,6 @@ def q32_3d_cases(out: str = "float8_e4m3fn"):
 
 def perm_family(out: str = "blocked"):
     from moe_quant.kernels.permute import config as config_permute
-
     from moe_quant.kernels.permute import ops as ops_permute
 
     dtype = "bfloat16" if out == "dequant" else "float8_e4m3fn"

@@ -97,23 +97,22 @@ def test_32x1_variant_in_place_reaches_every_op(launches):
     from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
 
     log, cpu = launches
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
     variants = config_32x1.all_variants()
     assert any(v.as_bf16 for v in variants) and {v.groups for v in variants} == set(config_32x1.GROUPS)
     for v in variants:
         cand = v.replace(raster=4)
         assert cand != v
-        x = torch.zeros(64, 64, dtype=dtypes[v.in_dtype])
+        x = torch.zeros(64, 64, dtype=getattr(torch, v.in_dtype))
         offs = torch.tensor([40, 64], dtype=torch.int32)
         with ops_32x1.variant_in_place(cand, cpu):
             if v.groups == "kgroups":
-                ops_32x1._quantize_32x1_k_groups_impl(x, v.mode, offs, dtypes[v.out_dtype])
+                ops_32x1._quantize_32x1_k_groups_impl(x, v.mode, offs, getattr(torch, v.out_dtype))
             else:
-                ops_32x1._quantize_32x1_3d_impl(x.view(2, 32, 64), v.mode, dtypes[v.out_dtype], v.as_bf16)
+                ops_32x1._quantize_32x1_3d_impl(x.view(2, 32, 64), v.mode, getattr(torch, v.out_dtype), v.as_bf16)
         assert log[-1] == cand, f"{v}: the op launched {log[-1]}"
         # and outside the block the op's own default again
         if v.groups == "uniform":
-            ops_32x1._quantize_32x1_3d_impl(x.view(2, 32, 64), v.mode, dtypes[v.out_dtype], v.as_bf16)
+            ops_32x1._quantize_32x1_3d_impl(x.view(2, 32, 64), v.mode, getattr(torch, v.out_dtype), v.as_bf16)
             assert log[-1] == v
 
 
@@ -123,12 +122,11 @@ def test_permute_variant_in_place_reaches_every_op(launches):
     from moe_quant.kernels.permute import ops as ops_permute
 
     log, cpu = launches
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
     data = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
     scales = torch.zeros(64, 2, dtype=torch.float8_e8m0fnu)
     counts = torch.tensor([[30, 34]], dtype=torch.int32)
     for v in config_permute.all_variants():
         cand = v.replace(order="gather" if v.order != "gather" else "scatter")
         with ops_permute.variant_in_place(cand, cpu):
-            ops_permute._permute_impl(data, scales, counts, v.out, dtypes[v.out_dtype])
+            ops_permute._permute_impl(data, scales, counts, v.out, getattr(torch, v.out_dtype))
         assert log[-1] == cand, f"{v}: the op launched {log[-1]}"

@@ -32,15 +32,20 @@ def _shapes(m: int, k: int, n_experts: int, out: str):
 OPS = [("dequant", name) for name in _DEQUANT_DTYPES.values()] + [(out, "float8_e4m3fn") for out in ("blocked", "plain")]
 
 
+def _key(out: str, out_dtype_name: str) -> tuple:
+    """The op's kernel key (``compile_cache.kernel_for``) of the default variant writing ``out``."""
+    return ("perm", out, out_dtype_name)
+
+
 def _kernel(out: str, out_dtype: torch.dtype, device: torch.device) -> cc.Compiled:
     name = _DEQUANT_DTYPES[out_dtype] if out == "dequant" else "float8_e4m3fn"
-    return cc.kernel_for(("perm", out, name), lambda: Variant(out, name), device)
+    return cc.kernel_for(_key(out, name), lambda: Variant(out, name), device)
 
 
 def variant_in_place(variant: Variant, device: torch.device):
     """Context manager: within it, the op writing ``variant``'s output kind and dtype on ``device`` launches
     ``variant`` (an A/B candidate, ``config.CANDIDATES``) instead of its default variant."""
-    key = ("perm", variant.out, variant.out_dtype, device.index)  # _kernel's key
+    key = _key(variant.out, variant.out_dtype) + (device.index,)
     return cc.in_place_of(key, cc.get_kernel(variant, cc.arch(device)))
 
 

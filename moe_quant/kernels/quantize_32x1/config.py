@@ -65,7 +65,7 @@ class Variant:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.tile_cols not in TILE_COLS_CHOICES:
             raise ValueError(f"tile_cols must be one of {TILE_COLS_CHOICES}, got {self.tile_cols!r}")
-        if self.raster == -1 and self.groups in DEFAULT_RASTER:
+        if self.raster == -1:  # groups is valid (checked above): DEFAULT_RASTER has it
             object.__setattr__(self, "raster", DEFAULT_RASTER[self.groups])
         if self.raster not in RASTER_CHOICES:
             raise ValueError(f"raster must be one of {RASTER_CHOICES}, got {self.raster!r}")

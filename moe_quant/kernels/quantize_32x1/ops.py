@@ -12,7 +12,6 @@ from .config import Variant
 from ..quantize_1x32.ops import IN_DTYPES, _check_device, _check_offs, _check_out_dtype, _check_w, _check_x
 
 _OUT_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_DTYPES = {name: dtype for table in (IN_DTYPES, _OUT_NAMES) for dtype, name in table.items()}
 
 
 def _key(in_dtype: torch.dtype, mode: str, groups: str, out_dtype: torch.dtype, as_bf16: bool) -> tuple:
@@ -32,7 +31,8 @@ def _kernel_32x1(x: torch.Tensor, mode: str, groups: str, out_dtype: torch.dtype
 def variant_in_place(variant: Variant, device: torch.device):
     """Context manager: within it, the op that launches the default variant with ``variant``'s dtypes, mode,
     groups and ``as_bf16`` on ``device`` launches ``variant`` (an A/B candidate, ``config.CANDIDATES``) instead."""
-    key = _key(_DTYPES[variant.in_dtype], variant.mode, variant.groups, _DTYPES[variant.out_dtype], variant.as_bf16)
+    key = _key(getattr(torch, variant.in_dtype), variant.mode, variant.groups, getattr(torch, variant.out_dtype),
+               variant.as_bf16)
     return cc.in_place_of(key + (device.index,), cc.get_kernel(variant, cc.arch(device)))
 
 
