@@ -39,6 +39,9 @@ class Variant:
     mode: str  # "rceil" | "floor"
     out_dtype: str = "float8_e4m3fn"  # or "bfloat16": dequantized values, no scales
     stacked: bool = False  # dswiglu, bf16 only: both rowwise outputs in one (M, 2R) buffer (row pitch 2R)
+    # swiglu / dswiglu only (A/B candidates, CANDIDATES below):
+    staged: bool = False  # inputs copied to shared memory by cp.async (no registers held in flight), read per row
+    fast_div: bool = False  # silu's division and sigmoid's reciprocal without ptxas' per-element slow-path branch
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -52,6 +55,9 @@ class Variant:
         if self.stacked and (self.op != "dswiglu" or self.out_dtype != "bfloat16"):
             raise ValueError(f"stacked rowwise outputs exist for op 'dswiglu' with bfloat16 outputs only, got "
                              f"{self.op!r} with {self.out_dtype!r}")
+        if (self.staged or self.fast_div) and self.op == "dual":
+            raise ValueError("staged and fast_div change the SwiGLU ops' input and math code: op must be 'swiglu' or "
+                             f"'dswiglu', got {self.op!r}")
 
     @property
     def fake(self) -> bool:
@@ -59,7 +65,8 @@ class Variant:
 
     @property
     def key(self) -> str:
-        return f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}" + ("-stacked" if self.stacked else "")
+        return (f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}" + ("-stacked" if self.stacked else "")
+                + ("-staged" if self.staged else "") + ("-fastdiv" if self.fast_div else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -68,3 +75,17 @@ class Variant:
 def all_variants() -> list[Variant]:
     return ([Variant(op, i, m, o) for op in OPS for i in IN_DTYPES for m in MODES for o in OUT_DTYPES]
             + [Variant("dswiglu", i, m, "bfloat16", stacked=True) for i in IN_DTYPES for m in MODES])
+
+
+# A/B candidates of the SwiGLU ops (scripts/ab_kernels.py, families block-*): name -> fields that differ from the
+# default. Compile-checked for every arch (compile_check) for both ops and both output kinds (rceil). fast_div
+# without staged is not one: ptxas spills 16 bytes in swiglu's fp8 variant, and its loads in flight then fall
+# (2026-11-28, NOTES.md: "Division without ptxas' per-element branch").
+CANDIDATES = {"default": {}, "staged": {"staged": True}, "staged-fast-div": {"staged": True, "fast_div": True}}
+SWIGLU_OPS = ("swiglu", "dswiglu")
+
+
+def candidate_variants() -> list[Variant]:
+    """The candidates' variants other than the defaults."""
+    return [Variant(op, "bfloat16", "rceil", o, **kw) for kw in CANDIDATES.values() if kw for op in SWIGLU_OPS
+            for o in OUT_DTYPES]
