@@ -413,16 +413,14 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     cu._asm(1, [w], "prmt.b32 $0, $1, 0, 0x3244;", "=r,r")]
         return out
 
-    @cute.jit
-    def stage_words(self, x, stage, j: int, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32,
-                    tid: Int32):
-        """Input ``j``'s 8 tokens x 8 columns copied to ``stage`` by ``cp.async`` (zeros where the token or column
-        is not real: nothing read there)."""
-        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-            ok = col_ok & (t0 + i < n_real)
-            src = x.iterator + cutlass.select_(ok, (src0 + Int64(t0 + i)) * Int64(r) + Int64(col0), Int64(0))
-            cu.cp_async_16(stage + ((j * TOKENS_PER_THREAD + i) * THREADS + tid) * 4, src,
-                           cutlass.select_(ok, Int32(16), Int32(0)))
+    def stage_row(self, x, stage, j: int, i: int, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok,
+                  t0: Int32, tid: Int32):
+        """Row ``i`` (8 columns) of input ``j``'s tile copied to ``stage`` by ``cp.async`` (zeros where the token
+        or column is not real: nothing read there)."""
+        ok = col_ok & (t0 + i < n_real)
+        src = x.iterator + cutlass.select_(ok, (src0 + Int64(t0 + i)) * Int64(r) + Int64(col0), Int64(0))
+        cu.cp_async_16(stage + ((j * TOKENS_PER_THREAD + i) * THREADS + tid) * 4, src,
+                       cutlass.select_(ok, Int32(16), Int32(0)))
 
     def staged_row(self, stage, j: int, i: int, tid: Int32) -> list:
         """Row ``i`` of input ``j``'s staged tile: 4 bf16x2 words."""
@@ -441,28 +439,31 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         xs = [x0, x1, x2][:2 if self.op == "swiglu" or o == 1 else 3]
         loaded = None
         if cutlass.const_expr(self.staged):
-            for j in cutlass.range_constexpr(len(xs)):
-                self.stage_words(xs[j], stage, j, *tile, tid)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
+            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):  # one commit group per row: row i waits for its own
+                for j in cutlass.range_constexpr(len(xs)):
+                    self.stage_row(xs[j], stage, j, i, *tile, tid)
+                cute.arch.cp_async_commit_group()
         else:
             loaded = [self.load_words(x, *tile) for x in xs]
-        out, ok = self.math(o, loaded, stage, tid, self.fast_div)
+        out, ok = self.math(o, loaded, stage, tid, self.fast_div, True)
         if cutlass.const_expr(self.fast_div):
             if ok == 0:  # an a below -80, Inf or NaN in the tile: div.rn / rcp.rn (inputs read again)
                 if cutlass.const_expr(not self.staged):
                     loaded = [self.load_words(x, *tile) for x in xs]
-                out, _ = self.math(o, loaded, stage, tid, False)
+                out, _ = self.math(o, loaded, stage, tid, False, False)
         return out
 
-    def math(self, o: int, loaded, stage, tid: Int32, fast: bool):
+    def math(self, o: int, loaded, stage, tid: Int32, fast: bool, first: bool):
         """The op's 8 x 8 output words from the inputs (``loaded``: per input the 8 rows of words; ``None``: read
-        from ``stage``), and with ``fast`` whether every ``a`` is in the fast path's range (Int32 1 / 0)."""
+        from ``stage``, on the ``first`` pass each row after its own copies), and with ``fast`` whether every
+        ``a`` is in the fast path's range (Int32 1 / 0)."""
         a_in = 0 if self.op == "swiglu" else 1  # which input is a
         lo = hi = None
         out = []
         for i in range(TOKENS_PER_THREAD):
             n_in = 2 if self.op == "swiglu" or o == 1 else 3
+            if loaded is None and first:
+                cute.arch.cp_async_wait_group(TOKENS_PER_THREAD - 1 - i)
             v = [self.staged_row(stage, j, i, tid) if loaded is None else loaded[j][i] for j in range(n_in)]
             row = []
             for k in range(4):
