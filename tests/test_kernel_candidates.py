@@ -23,9 +23,14 @@ def test_default_keys_unchanged():
     assert config_permute.Variant("blocked", order="scatter").key == "blocked-float8_e4m3fn-t256i4b1024-scatter"
     assert config_permute.Variant("blocked", order="gather", staging="registers").key == \
         "blocked-float8_e4m3fn-t256i4b1024"
-    assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16").key == "swiglu-bfloat16-rceil-bfloat16"
+    # block: the SwiGLU ops staged with the fast division since 2026-11-29 (the A/B on the H200); dual unchanged
+    assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16").key == \
+        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv"
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True).key == \
-        "dswiglu-bfloat16-rceil-bfloat16-stacked"
+        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv"
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", staged=False, fast_div=False).key == \
+        "dswiglu-bfloat16-rceil-float8_e4m3fn"
+    assert config_block.Variant("dual", "bfloat16", "rceil").key == "dual-bfloat16-rceil-float8_e4m3fn"
     for config in (config_32x1, config_permute, config_block):  # the first candidate is the default
         assert not config.CANDIDATES[next(iter(config.CANDIDATES))]
 
@@ -152,7 +157,8 @@ def test_block_variant_in_place_reaches_every_op(launches):
     variants = [v for v in config_block.all_variants() if v.op in config_block.SWIGLU_OPS]  # dual has no candidates
     assert {v.op for v in variants} == set(config_block.SWIGLU_OPS) and any(v.stacked for v in variants)
     for v in variants:
-        cand = v.replace(staged=True)
+        cand = v.replace(staged=False, fast_div=False)
+        assert cand != v
         with ops_block.variant_in_place(cand, cpu):
             ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)
         assert log[-1] == cand, f"{v}: the op launched {log[-1]}"
