@@ -1,6 +1,8 @@
-"""A/B of the 32x1 and permute kernel candidates (``CANDIDATES`` in ``quantize_32x1.config`` / ``permute.config``), one process.
+"""A/B of the 32x1, permute and block kernel candidates (``CANDIDATES`` in ``quantize_32x1.config`` /
+``permute.config`` / ``block.config``), one process.
 
-    python scripts/ab_kernels.py [--family q32x1,q32x1-3d,q32x1-bf16,q32x1-3d-bf16,perm,perm-dequant] [--rounds 5] [--json PATH]
+    python scripts/ab_kernels.py [--family q32x1,q32x1-3d,q32x1-bf16,q32x1-3d-bf16,perm,perm-dequant,block-swiglu,
+        block-dswiglu,block-swiglu-fp8,block-dswiglu-fp8] [--rounds 5] [--json PATH]
 
 For each candidate: first byte-exact against the reference (every output byte, padding included: outputs
 are filled with 0xFF before the launch) on ragged, empty and garbage-offset cases; then timed through the
@@ -182,6 +184,61 @@ def perm_cases(out: str = "blocked"):
                lambda d, s, counts=counts: ops_permute.permute_mxfp8(d, s, counts, out))
 
 
+# ----------------------------------------------------------------------------- block (swiglu, dswiglu)
+
+
+def block_family(out: str = "bfloat16"):
+    """Per (op, output) of the SwiGLU ops: the candidates' variants (rceil) and the ops' way to put one in place."""
+    from moe_quant.kernels.block import config as config_block
+    from moe_quant.kernels.block import ops as ops_block
+
+    return {(op, o): ({name: config_block.Variant(op, "bfloat16", "rceil", o, **kw)
+                       for name, kw in config_block.CANDIDATES.items()}, ops_block.variant_in_place)
+            for op in config_block.SWIGLU_OPS for o in config_block.OUT_DTYPES}
+
+
+def block_check() -> bool:
+    """swiglu and dswiglu, both outputs, every byte against the reference (PyTorch's SwiGLU, the CPU quantizers):
+    ragged groups with a tail, ``a`` inside the fast-division range (normal), across it (wide) and NaN / Inf."""
+    from mx_strategies import make_values, offsets_from_sizes
+
+    from moe_quant import block_quantize as bq
+    from moe_quant import layouts, reference
+    from moe_quant.kernels.block import ops as ops_block
+    from moe_quant.numerics import ScaleMode
+
+    rc = ScaleMode.RCEIL
+    ok = True
+    sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
+    offs = offsets_from_sizes(sizes)
+    m = sum(sizes) + tail
+    clean = layouts.sanitize_offsets(offs, m).to(torch.int32)
+    for dist in ("normal", "wide", "nan_inf"):
+        g, a, b = (make_values((m, r), dist, 11 + i).cuda() for i in range(3))
+        for fake in (False, True):
+            want = [bq._separate_forms(reference.swiglu(a, b).cpu(), rc, clean, fake)]
+            got = [bq._kernel_forms(ops_block.block_swiglu(a, b, "rceil", offs.cuda(), fake), fake)[0]]
+            want += [bq._separate_forms(t.cpu(), rc, clean, fake) for t in reference.dswiglu(g, a, b)]
+            got += list(bq._kernel_forms(ops_block.block_dswiglu(g, a, b, "rceil", offs.cuda(), fake), fake))
+            for gf, wf in zip(got, want):
+                for g_part, w_part in zip(gf, wf):
+                    ok &= all(same_bytes(x, y) for x, y in zip(g_part, w_part))
+    return ok
+
+
+def block_cases(op: str, out: str = "bfloat16"):
+    """``benchmarks.bench_block_kernels``' shapes, labelled (M, R) (G = 64 at M = 98304, 8 at 16384)."""
+    from benchmarks.bench_block_kernels import DEFAULT_SHAPES, N_INPUTS, fused, op_bytes
+    from benchmarks.bench_quantize import group_offsets
+
+    fake = out != "float8_e4m3fn"
+    for m, r, g in DEFAULT_SHAPES:
+        n = N_INPUTS[op]
+        yield ((m, r), op_bytes(op, m, r, g, fake),
+               lambda m=m, r=r, n=n: tuple(torch.randn(m, r, device="cuda", dtype=torch.bfloat16) for _ in range(n)),
+               lambda *t, f=fused(op, group_offsets(m, g, ragged=True), fake): f(t))
+
+
 FAMILIES = {
     "q32x1": (q32_family, q32_check, q32_cases, "kgroups", [Q32_TARGET]),
     "q32x1-3d": (q32_family, q32_check, q32_3d_cases, "uniform", []),
@@ -194,6 +251,15 @@ FAMILIES = {
     # the same candidates writing the dequantized bf16 rows (Hopper's operand)
     "perm-dequant": (functools.partial(perm_family, "dequant"), functools.partial(perm_check, "dequant"),
                      functools.partial(perm_cases, "dequant"), "dequant", PERM_TARGETS),
+    # the SwiGLU block's ops: bf16 outputs (Hopper's emulated GEMM operands), fp8 + scales (Blackwell's)
+    "block-swiglu": (block_family, block_check, functools.partial(block_cases, "swiglu"),
+                     ("swiglu", "bfloat16"), []),
+    "block-dswiglu": (block_family, block_check, functools.partial(block_cases, "dswiglu"),
+                      ("dswiglu", "bfloat16"), []),
+    "block-swiglu-fp8": (block_family, block_check, functools.partial(block_cases, "swiglu", "float8_e4m3fn"),
+                         ("swiglu", "float8_e4m3fn"), []),
+    "block-dswiglu-fp8": (block_family, block_check, functools.partial(block_cases, "dswiglu", "float8_e4m3fn"),
+                          ("dswiglu", "float8_e4m3fn"), []),
 }
 
 

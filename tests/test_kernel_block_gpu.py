@@ -21,6 +21,7 @@ from mx_strategies import DISTRIBUTIONS, group_sizes, make_values, offsets_from_
 from moe_quant import block_quantize as bq
 from moe_quant import layouts, mxfp8_swiglu_experts, reference, swiglu_experts_unfused
 from moe_quant.kernels import compile_cache
+from moe_quant.kernels.block import config as config_block
 from moe_quant.kernels.block import ops as ops_block
 from moe_quant.numerics import ScaleMode
 
@@ -186,6 +187,40 @@ def test_degenerate_shapes(op, m, r, sizes):
             check_forms(got, want, f"{op} M={m} G={len(sizes)}")
 
 
+@pytest.mark.parametrize("cand", [name for name, fields in config_block.CANDIDATES.items() if fields])
+def test_candidates_match_reference(cand):
+    """Each A/B candidate (``block.config.CANDIDATES``), put in place of the swiglu and dswiglu variants (both
+    modes, both outputs), byte for byte: ragged groups with a tail and more columns than one tile, on values
+    whose ``a`` stays in the fast path's range (normal), crosses it (wide: magnitudes to 2^127), holds NaN and
+    Inf, bf16 subnormals, and a tile of the range's ends (-80, -80.5, -0, bf16 max)."""
+    import contextlib
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with contextlib.ExitStack() as stack:
+        for v in config_block.all_variants():
+            if v.op in config_block.SWIGLU_OPS and not v.stacked:
+                stack.enter_context(ops_block.variant_in_place(v.replace(**config_block.CANDIDATES[cand]), dev))
+        sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
+        offs = offsets_from_sizes(sizes)
+        m = sum(sizes) + tail
+        ends = torch.tensor([-80.0, -80.5, -0.0, torch.finfo(torch.bfloat16).max, -79.5, -87.5, 1.0, -1.0])
+        for dist in ("normal", "wide", "nan_inf", "subnormal", "ends"):
+            if dist == "ends":
+                g, a, b = inputs(3, m, r, "normal", 7)
+                a = ends.repeat(m * r // ends.numel() + 1)[:m * r].view(m, r).bfloat16().cuda()
+            else:
+                g, a, b = inputs(3, m, r, dist, 11)
+            for mode in ScaleMode:
+                for fake in (False, True):
+                    what = f"{cand} {dist} {mode.value} {'bf16' if fake else 'fp8'}"
+                    got = kernel_forms(ops_block.block_swiglu(a, b, mode, offs.cuda(), fake), fake)[0]
+                    check_forms(got, reference_forms(reference.swiglu(a, b), offs, mode, fake), f"swiglu {what}")
+                    got_a, got_b = kernel_forms(ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), fake), fake)
+                    grad_a, grad_b = reference.dswiglu(g, a, b)
+                    check_forms(got_a, reference_forms(grad_a, offs, mode, fake), f"dswiglu grad_a {what}")
+                    check_forms(got_b, reference_forms(grad_b, offs, mode, fake), f"dswiglu grad_b {what}")
+
+
 # ----------------------------------------------------------------------------- the SwiGLU math, every bf16 value
 
 
@@ -213,10 +248,35 @@ def test_swiglu_math_matches_pytorch_silu_for_every_bf16():
                           "silu_backward(1, a)")
 
 
-def test_swiglu_backward_matches_pytorch_for_every_pair_of_bf16():
+def test_fast_div_math_matches_pytorch_for_every_bf16():
+    """The ``fast_div`` variants' math (the division's and reciprocal's fast path where a word's two ``a`` lie in
+    [-80, bf16 max], div.rn / rcp.rn elsewhere) for every bf16 ``a``, each value in both halves of its word so
+    that every in-range value takes the fast path: equal to PyTorch everywhere. The fast path alone is exact on
+    that range (-0 and the subnormals included) and wrong outside it (Inf, NaN, a below about -87), which is why
+    the kernel checks the range."""
+    from moe_quant.kernels.block.kernel import run_swiglu_math
+
+    a = all_bf16().repeat_interleave(2)
+    one = torch.ones_like(a)
+    af = a.float()
+    fast = (af >= -80) & (af <= torch.finfo(torch.bfloat16).max)
+    assert int(fast.sum()) // 2 == 32640 + 17057  # precondition: +0 .. bf16 max and -0 .. -80 take the fast path
+    want = {"swiglu": F.silu(a) * one, "grad_b": one * F.silu(a), "grad_a": torch.ops.aten.silu_backward(one, a)}
+    for op, w in want.items():
+        same_bits_or_both_nan(run_swiglu_math(op, one, a, one, "fast"), w, f"{op}, fast_div math")
+        alone = run_swiglu_math(op, one, a, one, "fast_only")
+        same_bits_or_both_nan(alone[fast], w[fast], f"{op}, the fast path alone in its range")
+        wrong = ((alone.view(torch.int16) != w.view(torch.int16)) & ~(alone.isnan() & w.isnan()))[~fast]
+        assert wrong.any(), f"{op}: the fast path alone was right outside its range too (the range check is moot)"
+
+
+@pytest.mark.parametrize("path", ["plain", "fast"])
+def test_swiglu_backward_matches_pytorch_for_every_pair_of_bf16(path):
     """grad_a = silu_backward(g * b, a) and grad_b = g * silu(a) for every bf16 g (b = 1, so g * b = g) and every
     bf16 a: 2^32 pairs, 256 values of g at a time. Every bit of the sigmoid reaches grad_a (fp32 products before
-    one bf16 rounding), so this checks grad_a for every input it can get, where the test above sees only g = 1."""
+    one bf16 rounding), so this checks grad_a for every input it can get, where the test above sees only g = 1.
+    ``fast``: the ``fast_div`` variants' math (a value's fast path is taken where its word's other ``a`` is in
+    range too: the neighbours in bit order, so all but the range's two ends)."""
     from moe_quant.kernels.block.kernel import run_swiglu_math
 
     a_all = all_bf16()
@@ -225,9 +285,9 @@ def test_swiglu_backward_matches_pytorch_for_every_pair_of_bf16():
     b = torch.ones_like(a)
     for first in range(0, n, 256):
         g = a_all[first:first + 256].repeat_interleave(n)
-        same_bits_or_both_nan(run_swiglu_math("grad_a", g, a, b), torch.ops.aten.silu_backward(g, a),
+        same_bits_or_both_nan(run_swiglu_math("grad_a", g, a, b, path), torch.ops.aten.silu_backward(g, a),
                               f"silu_backward(g, a), g = bf16 values {first}..{first + 255} in bit order")
-        same_bits_or_both_nan(run_swiglu_math("grad_b", g, a, b), g * F.silu(a), f"g * silu(a), g {first}..")
+        same_bits_or_both_nan(run_swiglu_math("grad_b", g, a, b, path), g * F.silu(a), f"g * silu(a), g {first}..")
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -1,8 +1,9 @@
-"""A/B kernel candidates (quantize_32x1.config / permute.config CANDIDATES): distinct cache keys, compile-checked, the
-defaults' keys as recorded here; no cutlass import (config modules)."""
+"""A/B kernel candidates (quantize_32x1.config / permute.config / block.config CANDIDATES): distinct cache keys,
+compile-checked, the defaults' keys as recorded here; no cutlass import (config modules)."""
 
 import pytest
 
+from moe_quant.kernels.block import config as config_block
 from moe_quant.kernels.quantize_32x1 import config as config_32x1
 from moe_quant.kernels.permute import config as config_permute
 
@@ -22,11 +23,19 @@ def test_default_keys_unchanged():
     assert config_permute.Variant("blocked", order="scatter").key == "blocked-float8_e4m3fn-t256i4b1024-scatter"
     assert config_permute.Variant("blocked", order="gather", staging="registers").key == \
         "blocked-float8_e4m3fn-t256i4b1024"
-    assert not config_32x1.CANDIDATES[next(iter(config_32x1.CANDIDATES))]  # the first candidate is the default
-    assert not config_permute.CANDIDATES[next(iter(config_permute.CANDIDATES))]
+    # block: the SwiGLU ops staged with the fast division since 2026-11-29 (the A/B on the H200); dual unchanged
+    assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16").key == \
+        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv"
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True).key == \
+        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv"
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", staged=False, fast_div=False).key == \
+        "dswiglu-bfloat16-rceil-float8_e4m3fn"
+    assert config_block.Variant("dual", "bfloat16", "rceil").key == "dual-bfloat16-rceil-float8_e4m3fn"
+    for config in (config_32x1, config_permute, config_block):  # the first candidate is the default
+        assert not config.CANDIDATES[next(iter(config.CANDIDATES))]
 
 
-@pytest.mark.parametrize("config", [config_32x1, config_permute])
+@pytest.mark.parametrize("config", [config_32x1, config_permute, config_block])
 def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     pytest.importorskip("cutlass")
     from moe_quant.kernels import compile_check
@@ -39,6 +48,9 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert cands and not set(defaults) & set(cands)
         # every CTA order a variant may name is compiled (and so compile-checked) by some default or candidate
         assert {v.raster for v in cands + config.all_variants()} == set(config.RASTER_CHOICES)
+    elif config is config_block:  # every candidate of both SwiGLU ops and both outputs
+        assert len(cands) == (len(config.CANDIDATES) - 1) * len(config.SWIGLU_OPS) * len(config.OUT_DTYPES)
+        assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")
         assert len(cands) == sum(1 for kw in config.CANDIDATES.values() if kw and config.Variant("blocked", **kw)
@@ -61,6 +73,8 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_permute.Variant("blocked", order="gather", staging="smem"),  # gather has no smem staging
     lambda: config_permute.Variant("blocked", staging="tmem"),
     lambda: config_permute.Variant("blocked", staging="smem", iters=8),  # past the 24 KB stage
+    lambda: config_block.Variant("dual", "bfloat16", "rceil", staged=True),  # dual has no SwiGLU inputs or math
+    lambda: config_block.Variant("dual", "bfloat16", "rceil", fast_div=True),
 ])
 def test_bad_tiles_raise(make):
     with pytest.raises(ValueError):
@@ -130,3 +144,23 @@ def test_permute_variant_in_place_reaches_every_op(launches):
         with ops_permute.variant_in_place(cand, cpu):
             ops_permute._permute_impl(data, scales, counts, v.out, getattr(torch, v.out_dtype))
         assert log[-1] == cand, f"{v}: the op launched {log[-1]}"
+
+
+def test_block_variant_in_place_reaches_every_op(launches):
+    import torch
+
+    from moe_quant.kernels.block import ops as ops_block
+
+    log, cpu = launches
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([40, 64], dtype=torch.int32)
+    variants = [v for v in config_block.all_variants() if v.op in config_block.SWIGLU_OPS]  # dual has no candidates
+    assert {v.op for v in variants} == set(config_block.SWIGLU_OPS) and any(v.stacked for v in variants)
+    for v in variants:
+        cand = v.replace(staged=False, fast_div=False)
+        assert cand != v
+        with ops_block.variant_in_place(cand, cpu):
+            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)
+        assert log[-1] == cand, f"{v}: the op launched {log[-1]}"
+        ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)
+        assert log[-1] == v

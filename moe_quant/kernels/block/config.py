@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 OPS = ("dual", "swiglu", "dswiglu")
+SWIGLU_OPS = ("swiglu", "dswiglu")  # the ops with SwiGLU inputs and math (staged, fast_div)
 # bf16 only: the SwiGLU inputs are GEMM outputs; fp32 activations (fp32 models) take the 1x32 and 32x1
 # kernels instead (a fp32 8 x 8 tile live across both forms needs more than 128 registers)
 IN_DTYPES = ("bfloat16",)
@@ -39,6 +40,9 @@ class Variant:
     mode: str  # "rceil" | "floor"
     out_dtype: str = "float8_e4m3fn"  # or "bfloat16": dequantized values, no scales
     stacked: bool = False  # dswiglu, bf16 only: both rowwise outputs in one (M, 2R) buffer (row pitch 2R)
+    # swiglu / dswiglu only; None: the op's default (both on for the SwiGLU ops since 2026-11-29, H200 A/B below)
+    staged: bool | None = None  # inputs copied to shared memory by cp.async (one commit group per row), read per row
+    fast_div: bool | None = None  # silu's division and sigmoid's reciprocal without ptxas' per-element branch
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -52,6 +56,12 @@ class Variant:
         if self.stacked and (self.op != "dswiglu" or self.out_dtype != "bfloat16"):
             raise ValueError(f"stacked rowwise outputs exist for op 'dswiglu' with bfloat16 outputs only, got "
                              f"{self.op!r} with {self.out_dtype!r}")
+        for name in ("staged", "fast_div"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.op in SWIGLU_OPS)
+        if (self.staged or self.fast_div) and self.op == "dual":
+            raise ValueError("staged and fast_div change the SwiGLU ops' input and math code: op must be 'swiglu' or "
+                             f"'dswiglu', got {self.op!r}")
 
     @property
     def fake(self) -> bool:
@@ -59,7 +69,8 @@ class Variant:
 
     @property
     def key(self) -> str:
-        return f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}" + ("-stacked" if self.stacked else "")
+        return (f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}" + ("-stacked" if self.stacked else "")
+                + ("-staged" if self.staged else "") + ("-fastdiv" if self.fast_div else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -68,3 +79,16 @@ class Variant:
 def all_variants() -> list[Variant]:
     return ([Variant(op, i, m, o) for op in OPS for i in IN_DTYPES for m in MODES for o in OUT_DTYPES]
             + [Variant("dswiglu", i, m, "bfloat16", stacked=True) for i in IN_DTYPES for m in MODES])
+
+
+# A/B candidates of the SwiGLU ops (scripts/ab_kernels.py, families block-*): name -> fields that differ from the
+# default. Compile-checked for every arch (compile_check) for both ops and both output kinds (rceil). Measured on
+# one H200 (2026-11-29, 3 interleaved rounds, NOTES.md): staged + fast_div (the default since) against the
+# registers form (the default before) +1.1..+3.4 points of memcpy with bf16 outputs, +0.4..+2.5 with fp8; staged
+# alone -4..-5 points. fast_div without staged is not a candidate: ptxas spills 16 bytes in swiglu's fp8 variant,
+# and its loads in flight fall (2026-11-28, NOTES.md: "Division without ptxas' per-element branch").
+CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False}, "staged-plain-div": {"fast_div": False}}
+def candidate_variants() -> list[Variant]:
+    """The candidates' variants other than the defaults."""
+    return [Variant(op, "bfloat16", "rceil", o, **kw) for kw in CANDIDATES.values() if kw for op in SWIGLU_OPS
+            for o in OUT_DTYPES]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
+from cutlass.memory import SmemAllocator
 
 from ...layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
 from ...numerics import BLOCK_SIZE
@@ -93,10 +94,39 @@ mul.rn.f32 y, g, s;
 """  # grad_b = g * bf16(silu(a))
 
 
+# ``fast_div`` (variant field): ``div.rn`` and ``rcp.rn`` as the fast path ptxas compiles them to (MUFU.RCP, one
+# Newton step, for the division the residual correction), without its per-element check and branch to a slow
+# path, which cut the unrolled tile into one basic block per element (nothing interleaves across them). The
+# fast path is exact where a in [-80, bf16 max] (d = 1 + exp(-a) in [1, 2^116), the quotient normal), which
+# the kernel checks per tile (:func:`in_fast_range`), redoing a tile outside it with div.rn / rcp.rn; and the
+# quotient takes x's sign, which the residual step loses for x = -0 (-0 / d is -0).
+_FAST_DIV = """rcp.approx.ftz.f32 rq, d;
+neg.f32 nd, d;
+fma.rn.f32 eq, nd, rq, 0f3F800000;
+fma.rn.f32 rq, rq, eq, rq;
+mul.rn.f32 q0, x, rq;
+fma.rn.f32 eq, nd, q0, x;
+fma.rn.f32 y, rq, eq, q0;
+and.b32 sb, x, 0x80000000;
+or.b32 y, y, sb;
+"""
+_FAST_RCP = """rcp.approx.ftz.f32 rq, d;
+neg.f32 nd, d;
+fma.rn.f32 eq, nd, rq, 0f3F800000;
+fma.rn.f32 sg, rq, eq, rq;
+"""
+FAST_MIN, FAST_MAX = "0fC2A00000", "0f7F7F0000"  # -80 and bf16's largest finite value, as fp32
+
+
+def _fast(element: str) -> str:
+    return element.replace("div.rn.f32 y, x, d;\n", _FAST_DIV).replace("rcp.rn.f32 sg, d;\n", _FAST_RCP)
+
+
 def _packed(element: str, inputs: tuple) -> str:
     """PTX of ``element`` on both bf16 halves of the packed input words ``$1..`` (named ``inputs``: any of
     g, x (= a), b), the two results rounded to bf16 and packed into ``$0``."""
-    regs = ".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo;\n.reg .b32 jb, hb;\n"
+    regs = (".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo, rq, nd, eq, q0;\n"
+            ".reg .b32 jb, hb, sb;\n")
     body = "{\n" + regs + "mov.f32 z, 0f00000000;\n"
     for half, unpack in (("lo", "shl.b32 hb, {w}, 16;"), ("hi", "and.b32 hb, {w}, 0xFFFF0000;")):
         for k, name in enumerate(inputs):
@@ -107,24 +137,58 @@ def _packed(element: str, inputs: tuple) -> str:
     return body + "cvt.rn.bf16x2.f32 $0, y, ylo;\n}"
 
 
-_SWIGLU_PTX = _packed(_SILU_TIMES_B, ("x", "b"))
-_GRAD_A_PTX = _packed(_GRAD_A, ("g", "x", "b"))
-_GRAD_B_PTX = _packed(_GRAD_B, ("g", "x"))
+_PTX = {(op, fast): _packed(_fast(el) if fast else el, ins) for op, el, ins in (
+    ("swiglu", _SILU_TIMES_B, ("x", "b")), ("grad_a", _GRAD_A, ("g", "x", "b")), ("grad_b", _GRAD_B, ("g", "x")))
+    for fast in (False, True)}
+assert all("div.rn" not in _PTX[op, True] and "rcp.rn" not in _PTX[op, True] for op in ("swiglu", "grad_a", "grad_b"))
 
 
-def swiglu_bf16x2(a, b) -> Int32:
-    """``h = bf16(bf16(silu(a)) * b)`` of two packed bf16x2 words (PyTorch's ``F.silu(a) * b``)."""
-    return cu._asm(1, [a, b], _SWIGLU_PTX, "=r,r,r")
+def swiglu_bf16x2(a, b, fast: bool = False) -> Int32:
+    """``h = bf16(bf16(silu(a)) * b)`` of two packed bf16x2 words (PyTorch's ``F.silu(a) * b``); ``fast``: the
+    division's fast path only (exact for ``a`` in :func:`in_fast_range`)."""
+    return cu._asm(1, [a, b], _PTX["swiglu", fast], "=r,r,r")
 
 
-def grad_a_bf16x2(g, a, b) -> Int32:
+def grad_a_bf16x2(g, a, b, fast: bool = False) -> Int32:
     """``grad_a`` of ``h = F.silu(a) * b`` for ``grad_h = g`` (bf16x2 words): ``silu_backward(g * b, a)``."""
-    return cu._asm(1, [g, a, b], _GRAD_A_PTX, "=r,r,r,r")
+    return cu._asm(1, [g, a, b], _PTX["grad_a", fast], "=r,r,r,r")
 
 
-def grad_b_bf16x2(g, a) -> Int32:
+def grad_b_bf16x2(g, a, fast: bool = False) -> Int32:
     """``grad_b = g * F.silu(a)`` (bf16x2 words)."""
-    return cu._asm(1, [g, a], _GRAD_B_PTX, "=r,r,r")
+    return cu._asm(1, [g, a], _PTX["grad_b", fast], "=r,r,r")
+
+
+def bf16x2_min_max(lo, hi, w):
+    """Running elementwise ``min`` / ``max`` of packed bf16x2 words, a NaN propagated (``.NaN``)."""
+    return (cu._asm(1, [lo, w], "min.NaN.bf16x2 $0, $1, $2;", "=r,r,r"),
+            cu._asm(1, [hi, w], "max.NaN.bf16x2 $0, $1, $2;", "=r,r,r"))
+
+
+_IN_FAST_RANGE = """{
+.reg .f32 a, b, c, d;
+.reg .b32 t;
+.reg .pred p;
+shl.b32 t, $1, 16;
+mov.b32 a, t;
+and.b32 t, $1, 0xFFFF0000;
+mov.b32 b, t;
+shl.b32 t, $2, 16;
+mov.b32 c, t;
+and.b32 t, $2, 0xFFFF0000;
+mov.b32 d, t;
+setp.ge.f32 p, a, """ + FAST_MIN + """;
+setp.ge.and.f32 p, b, """ + FAST_MIN + """, p;
+setp.le.and.f32 p, c, """ + FAST_MAX + """, p;
+setp.le.and.f32 p, d, """ + FAST_MAX + """, p;
+selp.b32 $0, 1, 0, p;
+}"""
+
+
+def in_fast_range(lo, hi) -> Int32:
+    """1 if both halves of the running min ``lo`` and max ``hi`` (:func:`bf16x2_min_max`) lie in [-80, bf16
+    max] (no NaN, no Inf): where the ``fast_div`` math is exact; else 0."""
+    return cu._asm(1, [lo, hi], _IN_FAST_RANGE, "=r,r,r")
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -155,6 +219,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # scale bytes gathered in shared memory and written as 16-byte rows: dual with fp8 outputs only (H200,
         # 2026-11-29: dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8, NOTES.md)
         self.scale_tile = not variant.fake and variant.op == "dual"
+        self.staged, self.fast_div = variant.staged, variant.fast_div  # A/B candidates (config.CANDIDATES)
         self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
 
     # ------------------------------------------------------------------ host
@@ -178,8 +243,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.kernel(x0, x1, x2, rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1, offs, poffs, Int32(x0.shape[0]),
                     Int32(r), n_groups, row_stride, rp, sw, buf_rows, nx, Int32(ny)).launch(
             grid=[nx * self.n_out, ny, 1], block=[THREADS, 1, 1], stream=stream,
-            # two CTAs per SM: ptxas keeps to 128 registers (the 8 x 8 tile is live across both forms)
-            min_blocks_per_mp=MIN_CTAS_PER_SM, preferred_smem_carveout=0)
+            # two CTAs per SM: ptxas keeps to 128 registers (the 8 x 8 tile is live across both forms); staged
+            # inputs take 64 or 96 KB of shared memory per CTA
+            min_blocks_per_mp=MIN_CTAS_PER_SM, preferred_smem_carveout=100 if self.staged else 0)
 
     # ------------------------------------------------------------------ device
 
@@ -238,14 +304,19 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # below are one copy of code for both dswiglu outputs, which write through pointers picked at run
         # time (two copies, 8880 SASS instructions, overflowed the instruction cache: ncu's top stall
         # was "no instruction"; NOTES.md).
+        stage = None  # staged: each input's 8 x 8 tile of every thread, row i of thread t at word (8 j + i) T + t
+        if cutlass.const_expr(self.staged):
+            # dynamic shared memory (a static array is limited to 48 KB)
+            stage = SmemAllocator().allocate_array(Int32, N_INPUTS[self.op] * TOKENS_PER_THREAD * THREADS * 4,
+                                                   byte_alignment=16)
         if cutlass.const_expr(self.n_out == 1):
-            words = self.compute(0, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
+            words = self.compute(0, x0, x1, x2, src0, n_real, r, col0, col_ok, t0, stage, tid)
         else:
             words = [[Int32(0)] * 4 for _ in range(TOKENS_PER_THREAD)]
             if o_cta == 0:
-                words = self.compute(0, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
+                words = self.compute(0, x0, x1, x2, src0, n_real, r, col0, col_ok, t0, stage, tid)
             else:
-                words = self.compute(1, x0, x1, x2, src0, n_real, r, col0, col_ok, t0)
+                words = self.compute(1, x0, x1, x2, src0, n_real, r, col0, col_ok, t0, stage, tid)
         row_out = self.pick(o_cta, rd0, None if self.stacked else rd1)  # stacked: both halves of one buffer
         row_sc, col_out, col_sc = self.pick(o_cta, rs0, rs1), self.pick(o_cta, cd0, cd1), self.pick(o_cta, cs0, cs1)
         # dual: both scale tiles gathered in shared memory, written as 16-byte rows after a barrier (as the 32x1
@@ -342,29 +413,73 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     cu._asm(1, [w], "prmt.b32 $0, $1, 0, 0x3244;", "=r,r")]
         return out
 
+    def stage_row(self, x, stage, j: int, i: int, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok,
+                  t0: Int32, tid: Int32):
+        """Row ``i`` (8 columns) of input ``j``'s tile copied to ``stage`` by ``cp.async`` (zeros where the token
+        or column is not real: nothing read there)."""
+        ok = col_ok & (t0 + i < n_real)
+        src = x.iterator + cutlass.select_(ok, (src0 + Int64(t0 + i)) * Int64(r) + Int64(col0), Int64(0))
+        cu.cp_async_16(stage + ((j * TOKENS_PER_THREAD + i) * THREADS + tid) * 4, src,
+                       cutlass.select_(ok, Int32(16), Int32(0)))
+
+    def staged_row(self, stage, j: int, i: int, tid: Int32) -> list:
+        """Row ``i`` of input ``j``'s staged tile: 4 bf16x2 words."""
+        return list(cu.ld_global_v4(stage + ((j * TOKENS_PER_THREAD + i) * THREADS + tid) * 4))
+
     @cute.jit
     def compute(self, o: cutlass.Constexpr, x0, x1, x2, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok,
-                t0: Int32):
-        """Output tensor ``o``'s 8 x 8 tile of this thread, packed as loaded (bf16x2 words); zeros past the tile's real tokens and columns (every op maps zeros to zeros)."""
-        v0 = self.load_words(x0, src0, n_real, r, col0, col_ok, t0)
-        out = v0
-        if cutlass.const_expr(self.op != "dual"):
-            v1 = self.load_words(x1, src0, n_real, r, col0, col_ok, t0)
-            v2 = v1
-            if cutlass.const_expr(self.op == "dswiglu" and o == 0):
-                v2 = self.load_words(x2, src0, n_real, r, col0, col_ok, t0)
-            out = []
-            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-                row = []
-                for k in cutlass.range_constexpr(len(v0[i])):
-                    if cutlass.const_expr(self.op == "swiglu"):
-                        row.append(swiglu_bf16x2(v0[i][k], v1[i][k]))
-                    elif cutlass.const_expr(o == 0):
-                        row.append(grad_a_bf16x2(v0[i][k], v1[i][k], v2[i][k]))
-                    else:
-                        row.append(grad_b_bf16x2(v0[i][k], v1[i][k]))
-                out.append(row)
+                t0: Int32, stage, tid: Int32):
+        """Output tensor ``o``'s 8 x 8 tile of this thread, packed as loaded (bf16x2 words); zeros past the tile's
+        real tokens and columns (every op maps zeros to zeros). ``staged``: the inputs go to shared memory first
+        and are read a row at a time; ``fast_div``: the math without its division's slow path, the tile redone
+        with it where an ``a`` lies outside the fast path's range."""
+        tile = (src0, n_real, r, col0, col_ok, t0)
+        if cutlass.const_expr(self.op == "dual"):
+            return self.load_words(x0, *tile)
+        xs = [x0, x1, x2][:2 if self.op == "swiglu" or o == 1 else 3]
+        loaded = None
+        if cutlass.const_expr(self.staged):
+            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):  # one commit group per row: row i waits for its own
+                for j in cutlass.range_constexpr(len(xs)):
+                    self.stage_row(xs[j], stage, j, i, *tile, tid)
+                cute.arch.cp_async_commit_group()
+        else:
+            loaded = [self.load_words(x, *tile) for x in xs]
+        out, ok = self.math(o, loaded, stage, tid, self.fast_div, True)
+        if cutlass.const_expr(self.fast_div):
+            if ok == 0:  # an a below -80, Inf or NaN in the tile: div.rn / rcp.rn (inputs read again)
+                if cutlass.const_expr(not self.staged):
+                    loaded = [self.load_words(x, *tile) for x in xs]
+                out, _ = self.math(o, loaded, stage, tid, False, False)
         return out
+
+    def math(self, o: int, loaded, stage, tid: Int32, fast: bool, first: bool):
+        """The op's 8 x 8 output words from the inputs (``loaded``: per input the 8 rows of words; ``None``: read
+        from ``stage``, on the ``first`` pass each row after its own copies), and with ``fast`` whether every
+        ``a`` is in the fast path's range (Int32 1 / 0)."""
+        a_in = 0 if self.op == "swiglu" else 1  # which input is a
+        lo = hi = None
+        out = []
+        for i in range(TOKENS_PER_THREAD):
+            n_in = 2 if self.op == "swiglu" or o == 1 else 3
+            if loaded is None and first:
+                cute.arch.cp_async_wait_group(TOKENS_PER_THREAD - 1 - i)
+            v = [self.staged_row(stage, j, i, tid) if loaded is None else loaded[j][i] for j in range(n_in)]
+            row = []
+            for k in range(4):
+                if fast:
+                    if lo is None:
+                        lo = hi = v[a_in][k]
+                    else:
+                        lo, hi = bf16x2_min_max(lo, hi, v[a_in][k])
+                if self.op == "swiglu":
+                    row.append(swiglu_bf16x2(v[0][k], v[1][k], fast))
+                elif o == 0:
+                    row.append(grad_a_bf16x2(v[0][k], v[1][k], v[2][k], fast))
+                else:
+                    row.append(grad_b_bf16x2(v[0][k], v[1][k], fast))
+            out.append(row)
+        return out, (in_fast_range(lo, hi) if fast else Int32(1))
 
     @cute.jit
     def zero_tails(self, o, rd, rs, cs, offs, m: Int32, r: Int32, n_groups: Int32,
@@ -461,12 +576,16 @@ class SwiGLUMathKernel:
     """The block kernel's SwiGLU math alone, elementwise over packed bf16x2 words (``int32`` tensors): ``out =
     swiglu(a, b)``, ``grad_a(g, a, b)`` or ``grad_b(g, a)``. The quantized outputs of the block kernel cannot
     show every bit of ``h``; this kernel runs the same PTX, so tests compare it with PyTorch's CUDA silu for
-    every bf16 value (tests/test_kernel_block_gpu.py)."""
+    every bf16 value (tests/test_kernel_block_gpu.py). ``path``: ``"plain"`` (div.rn / rcp.rn), ``"fast"`` (the
+    ``fast_div`` variants' math: the fast path where both ``a`` of a word are in :func:`in_fast_range`, else
+    plain) or ``"fast_only"`` (the fast path everywhere, to show where it would be wrong)."""
 
     THREADS = 256
+    PATHS = ("plain", "fast", "fast_only")
 
-    def __init__(self, op: str):
+    def __init__(self, op: str, path: str = "plain"):
         self.op = op
+        self.path = path
 
     @cute.jit
     def __call__(self, g: cute.Tensor, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor, stream):
@@ -474,35 +593,47 @@ class SwiGLUMathKernel:
         self.kernel(g, a, b, out, n).launch(grid=[(n + (self.THREADS - 1)) // self.THREADS, 1, 1],
                                              block=[self.THREADS, 1, 1], stream=stream)
 
+    def element(self, g, a, b, fast: bool):
+        if cutlass.const_expr(self.op == "swiglu"):
+            return swiglu_bf16x2(a, b, fast)
+        if cutlass.const_expr(self.op == "grad_a"):
+            return grad_a_bf16x2(g, a, b, fast)
+        return grad_b_bf16x2(g, a, fast)
+
     @cute.kernel
     def kernel(self, g: cute.Tensor, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor, n: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         i = Int32(bid) * self.THREADS + Int32(tid)
         if i < n:
-            if cutlass.const_expr(self.op == "swiglu"):
-                out[i] = swiglu_bf16x2(Int32(a[i]), Int32(b[i]))
-            elif cutlass.const_expr(self.op == "grad_a"):
-                out[i] = grad_a_bf16x2(Int32(g[i]), Int32(a[i]), Int32(b[i]))
+            gw, aw, bw = Int32(g[i]), Int32(a[i]), Int32(b[i])
+            if cutlass.const_expr(self.path == "plain"):
+                out[i] = self.element(gw, aw, bw, False)
+            elif cutlass.const_expr(self.path == "fast_only"):
+                out[i] = self.element(gw, aw, bw, True)
             else:
-                out[i] = grad_b_bf16x2(Int32(g[i]), Int32(a[i]))
+                out[i] = cutlass.select_(in_fast_range(aw, aw) != 0, self.element(gw, aw, bw, True),
+                                         self.element(gw, aw, bw, False))
 
 
 _MATH_COMPILED: dict = {}
 
 
-def run_swiglu_math(op: str, g, a, b):
+def run_swiglu_math(op: str, g, a, b, path: str = "plain"):
     """``op`` (``"swiglu"``, ``"grad_a"``, ``"grad_b"``) of bf16 CUDA tensors with an even number of elements,
-    through :class:`SwiGLUMathKernel` on the local GPU (compiled once per op and process: tests only)."""
+    through :class:`SwiGLUMathKernel` (``path``) on the local GPU (compiled once per op, path and process: tests
+    only)."""
     import torch
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import from_dlpack
 
+    if path not in SwiGLUMathKernel.PATHS:
+        raise ValueError(f"path must be one of {SwiGLUMathKernel.PATHS}, got {path!r}")
     words = [t.contiguous().view(torch.int32) for t in (g, a, b)]
     out = torch.empty_like(words[1])
     args = [from_dlpack(t, assumed_align=4).mark_layout_dynamic() for t in (*words, out)]
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    if op not in _MATH_COMPILED:
-        _MATH_COMPILED[op] = cute.compile(SwiGLUMathKernel(op), *args, stream)
-    _MATH_COMPILED[op](*args, stream)
+    if (op, path) not in _MATH_COMPILED:
+        _MATH_COMPILED[op, path] = cute.compile(SwiGLUMathKernel(op, path), *args, stream)
+    _MATH_COMPILED[op, path](*args, stream)
     return out.view(torch.bfloat16).view(a.shape)

@@ -26,10 +26,22 @@ from .config import N_OUTPUTS, Variant
 _FP8 = torch.float8_e4m3fn
 
 
+def _key(op: str, mode: str, out: str, stacked: bool) -> tuple:
+    """The ops' kernel key (``compile_cache.kernel_for``) of the default variant with these fields."""
+    return ("block", op, mode, out, stacked)
+
+
 def _kernel(op: str, mode: str, fake: bool, device: torch.device, stacked: bool = False) -> cc.Compiled:
     out = "bfloat16" if fake else "float8_e4m3fn"
-    return cc.kernel_for(("block", op, mode, out, stacked), lambda: Variant(op, "bfloat16", mode, out, stacked=stacked),
+    return cc.kernel_for(_key(op, mode, out, stacked), lambda: Variant(op, "bfloat16", mode, out, stacked=stacked),
                          device)
+
+
+def variant_in_place(variant: Variant, device: torch.device):
+    """Context manager: within it, the op that launches the default variant with ``variant``'s op, mode, output
+    and ``stacked`` on ``device`` launches ``variant`` (an A/B candidate, ``config.CANDIDATES``) instead."""
+    key = _key(variant.op, variant.mode, variant.out_dtype, variant.stacked)
+    return cc.in_place_of(key + (device.index,), cc.get_kernel(variant, cc.arch(device)))
 
 
 def _shapes(m: int, r: int, g: int):
