@@ -28,6 +28,13 @@ The SwiGLU math reproduces PyTorch's CUDA ``silu`` / ``silu_backward`` and bf16 
 instruction (kernels/block/NOTES.md): ``expf`` as libdevice's sequence (``ex2.approx.ftz`` with the
 same range reduction and scaling, the ``1 + exp(-x)`` contracted into one fma), ``div.rn`` /
 ``rcp.rn``, a bf16 rounding (``cvt.rn``) after each PyTorch op.
+
+``swiglu`` and ``dswiglu`` (variant fields ``staged`` and ``fast_div``, both on by default): the inputs go to
+shared memory by ``cp.async`` (one commit group per token row, so row ``i`` waits for its own copies only;
+no registers held while they travel), and the division and reciprocal take ptxas' own fast path without its
+per-element check and branch, so the unrolled tile is one basic block whose elements the compiler interleaves.
+That fast path is exact for ``a`` in [-80, bf16 max] (every bf16 value checked against PyTorch on the GPU); a
+tile holding any other ``a`` (NaN, Inf, below -80) is computed again with ``div.rn`` / ``rcp.rn``.
 """
 
 from __future__ import annotations
