@@ -227,6 +227,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # 2026-11-29: dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8, NOTES.md)
         self.scale_tile = not variant.fake and variant.op == "dual"
         self.staged, self.fast_div = variant.staged, variant.fast_div  # A/B candidates (config.CANDIDATES)
+        # both forms' amax on the packed words (max.u16x2) for the SwiGLU ops only (H200, 2026-11-29: swiglu and
+        # dswiglu +1.3-2.5%, dual -4..-11%; NOTES.md)
+        self.packed_amax = variant.op != "dual"
         self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
 
     # ------------------------------------------------------------------ host
@@ -332,10 +335,18 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if cutlass.const_expr(self.scale_tile):
             ctile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
             mtile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
-        # colwise: per column, 8 tokens of one 32-token block
+        # colwise: per column, 8 tokens of one 32-token block; the magnitudes' max of a column pair on the packed
+        # words (one max.u16x2 per token for two columns)
+        col_max = None
+        if cutlass.const_expr(self.packed_amax):
+            col_max = [cu.absmax_bf16x2([words[i][k] for i in range(TOKENS_PER_THREAD)])
+                       for k in range(COLS_PER_THREAD // 2)]
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
-            q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil)
+            amax = None  # column c's half of its pair's packed max, widened (or quantize_block8's own)
+            if cutlass.const_expr(self.packed_amax):
+                amax = self.col_value([col_max[c // 2]], c % 2)
+            q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, amax=amax)
             if write:
                 self.store_tokens(col_out + (out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)),
                                   q0, q1, s, is_nan)
@@ -350,7 +361,11 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                             cu.st_global_u8(col_sc + (scale_base + Int64(byte)), s)
         # rowwise: per token, 8 columns of one 32-column block
         for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-            q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES)
+            amax = None
+            if cutlass.const_expr(self.packed_amax):
+                row_max = cu.absmax_bf16x2(words[i])
+                amax = cutlass.max(row_max << 16, row_max & Int32(-65536))
+            q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES, amax=amax)
             if col_ok & (t0 + i < n_real):
                 dst = self.row_element(o_cta, src0 + Int64(t0 + i), r, col0)
                 if cutlass.const_expr(self.fake):
