@@ -226,7 +226,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # scale bytes gathered in shared memory and written as 16-byte rows: dual with fp8 outputs only (H200,
         # 2026-11-29: dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8, NOTES.md)
         self.scale_tile = not variant.fake and variant.op == "dual"
-        self.staged, self.fast_div = variant.staged, variant.fast_div  # A/B candidates (config.CANDIDATES)
+        self.staged, self.fast_div = variant.staged, variant.fast_div  # on for swiglu / dswiglu (config)
         # both forms' amax on the packed words (max.u16x2) for the SwiGLU ops only (H200, 2026-11-29: swiglu and
         # dswiglu +1.3-2.5%, dual -4..-11%; NOTES.md)
         self.packed_amax = variant.op != "dual"
