@@ -54,8 +54,8 @@ from ..quantize_32x1.kernel import COLS_PER_THREAD, TILE_TOKENS, TOKENS_PER_THRE
 THREADS = 4 * 32 * (TILE_COLS // HALF_COLS)  # the 32x1 kernel's default tile: 128 columns, 256 threads
 
 _INFO = 8  # shared words: the 32x1 group record (0..6) and, in tail CTAs, the last group's end (7)
-ROW_LANES = (4, 8)
-MIN_CTAS_PER_SM = 2  # butterfly offsets joining the 4 lanes of one token's 32-column block
+ROW_LANES = (4, 8)  # butterfly offsets joining the 4 lanes of one token's 32-column block
+MIN_CTAS_PER_SM = 2  # the launch's register cap: ptxas keeps to 128 registers for 2 CTAs of 256 threads per SM
 
 # ----------------------------------------------------------------------------- SwiGLU math (PyTorch's CUDA)
 
