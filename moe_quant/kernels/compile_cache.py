@@ -260,10 +260,14 @@ def sm_count(device: torch.device) -> int:
 _FAST: dict = {}  # (family key..., device index) -> Compiled: one dict lookup per call
 
 
+def _fast_key(key: tuple, device: torch.device) -> tuple:
+    return key + (device.index,)
+
+
 def kernel_for(key: tuple, make_variant, device: torch.device) -> Compiled:
     """The compiled kernel for ``key`` (a hashable tuple unique to the variant, without the device) on
     ``device``; ``make_variant()`` builds the variant on the first call only."""
-    fast = key + (device.index,)
+    fast = _fast_key(key, device)
     k = _FAST.get(fast)
     if k is None:
         k = _FAST[fast] = get_kernel(make_variant(), arch(device))
@@ -271,10 +275,12 @@ def kernel_for(key: tuple, make_variant, device: torch.device) -> Compiled:
 
 
 @contextlib.contextmanager
-def in_place_of(fast_key: tuple, kernel: Compiled):
-    """Within the block, the op whose fast key is ``fast_key`` (``kernel_for``'s key plus the device index)
-    launches ``kernel`` (another variant of the same kernel: same arguments) instead of its own: how the A/B
-    script and the GPU tests run the candidates (``CANDIDATES`` of a config module) through the ops."""
+def in_place_of(key: tuple, variant, device: torch.device):
+    """Within the block, the op whose ``kernel_for`` key on ``device`` is ``key`` launches ``variant`` (another
+    variant of the same kernel: same arguments) instead of its own: how the A/B script and the GPU tests run
+    the candidates (``CANDIDATES`` of a config module) through the ops."""
+    fast_key = _fast_key(key, device)
+    kernel = get_kernel(variant, arch(device))
     old = _FAST.get(fast_key)
     _FAST[fast_key] = kernel
     try:

@@ -40,8 +40,7 @@ def _kernel(op: str, mode: str, fake: bool, device: torch.device, stacked: bool 
 def variant_in_place(variant: Variant, device: torch.device):
     """Context manager: within it, the op that launches the default variant with ``variant``'s op, mode, output
     and ``stacked`` on ``device`` launches ``variant`` (an A/B candidate, ``config.CANDIDATES``) instead."""
-    key = _key(variant.op, variant.mode, variant.out_dtype, variant.stacked)
-    return cc.in_place_of(key + (device.index,), cc.get_kernel(variant, cc.arch(device)))
+    return cc.in_place_of(_key(variant.op, variant.mode, variant.out_dtype, variant.stacked), variant, device)
 
 
 def _shapes(m: int, r: int, g: int):

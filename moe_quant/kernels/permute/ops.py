@@ -45,8 +45,7 @@ def _kernel(out: str, out_dtype: torch.dtype, device: torch.device) -> cc.Compil
 def variant_in_place(variant: Variant, device: torch.device):
     """Context manager: within it, the op writing ``variant``'s output kind and dtype on ``device`` launches
     ``variant`` (an A/B candidate, ``config.CANDIDATES``) instead of its default variant."""
-    key = _key(variant.out, variant.out_dtype) + (device.index,)
-    return cc.in_place_of(key, cc.get_kernel(variant, cc.arch(device)))
+    return cc.in_place_of(_key(variant.out, variant.out_dtype), variant, device)
 
 
 @contextlib.contextmanager

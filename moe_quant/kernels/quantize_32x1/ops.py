@@ -33,7 +33,7 @@ def variant_in_place(variant: Variant, device: torch.device):
     groups and ``as_bf16`` on ``device`` launches ``variant`` (an A/B candidate, ``config.CANDIDATES``) instead."""
     key = _key(getattr(torch, variant.in_dtype), variant.mode, variant.groups, getattr(torch, variant.out_dtype),
                variant.as_bf16)
-    return cc.in_place_of(key + (device.index,), cc.get_kernel(variant, cc.arch(device)))
+    return cc.in_place_of(key, variant, device)
 
 
 def _k_groups_shapes(m: int, r: int, g: int):
