@@ -88,6 +88,8 @@ def all_variants() -> list[Variant]:
 # alone -4..-5 points. fast_div without staged is not a candidate: ptxas spills 16 bytes in swiglu's fp8 variant,
 # and its loads in flight fall (2026-11-28, NOTES.md: "Division without ptxas' per-element branch").
 CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False}, "staged-plain-div": {"fast_div": False}}
+
+
 def candidate_variants() -> list[Variant]:
     """The candidates' variants other than the defaults."""
     return [Variant(op, "bfloat16", "rceil", o, **kw) for kw in CANDIDATES.values() if kw for op in SWIGLU_OPS

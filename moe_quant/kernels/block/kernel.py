@@ -458,7 +458,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         tile = (src0, n_real, r, col0, col_ok, t0)
         if cutlass.const_expr(self.op == "dual"):
             return self.load_words(x0, *tile)
-        xs = [x0, x1, x2][:2 if self.op == "swiglu" or o == 1 else 3]
+        xs = [x0, x1, x2][:self.inputs_of(o)]
         loaded = None
         if cutlass.const_expr(self.staged):
             for i in cutlass.range_constexpr(TOKENS_PER_THREAD):  # one commit group per row: row i waits for its own
@@ -475,15 +475,19 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 out, _ = self.math(o, loaded, stage, tid, False, False)
         return out
 
+    def inputs_of(self, o: int) -> int:
+        """How many of the op's inputs output ``o`` reads: swiglu a, b; dswiglu's grad_a g, a, b, its grad_b g, a."""
+        return 2 if self.op == "swiglu" or o == 1 else 3
+
     def math(self, o: int, loaded, stage, tid: Int32, fast: bool, first: bool):
         """The op's 8 x 8 output words from the inputs (``loaded``: per input the 8 rows of words; ``None``: read
         from ``stage``, on the ``first`` pass each row after its own copies), and with ``fast`` whether every
         ``a`` is in the fast path's range (Int32 1 / 0)."""
         a_in = 0 if self.op == "swiglu" else 1  # which input is a
+        n_in = self.inputs_of(o)
         lo = hi = None
         out = []
         for i in range(TOKENS_PER_THREAD):
-            n_in = 2 if self.op == "swiglu" or o == 1 else 3
             if loaded is None and first:
                 cute.arch.cp_async_wait_group(TOKENS_PER_THREAD - 1 - i)
             v = [self.staged_row(stage, j, i, tid) if loaded is None else loaded[j][i] for j in range(n_in)]
