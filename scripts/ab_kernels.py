@@ -187,7 +187,7 @@ def perm_cases(out: str = "blocked"):
 # ----------------------------------------------------------------------------- block (swiglu, dswiglu)
 
 
-def block_family(out: str = "bfloat16"):
+def block_family():
     """Per (op, output) of the SwiGLU ops: the candidates' variants (rceil) and the ops' way to put one in place."""
     from moe_quant.kernels.block import config as config_block
     from moe_quant.kernels.block import ops as ops_block
