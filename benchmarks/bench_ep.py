@@ -112,7 +112,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
 STEP_RANGE = "bench_ep.step"  # no "::": on the CPU, not one of the ops itself
 PROFILED_STEPS = 2  # the breakdown takes the last (the first warms the profiler up)
 TOP_KERNELS = 12
-TOP_ROWS = ("bf16", "titan", "p2p")  # the rows whose top kernels the printout lists
+TOP_ROWS = ("bf16", "titan", "conv_mxfp8", "p2p")  # the rows whose top kernels the printout lists
 
 
 def parse_args(argv=None):
@@ -125,6 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=cli.positive_int, default=5)
     p.add_argument("--steps", type=cli.positive_int, default=4, help="timed steps of each row per round")
     p.add_argument("--json", type=cli.writable_file, default=None)
+    p.add_argument("--timeline", action="store_true",
+                   help="keep the profiled step's kernels of every row in the JSON (rank 0): name, start, time, "
+                        "stream and the ops and ranges that launched it, to compare rows kernel by kernel")
     return p.parse_args(argv)
 
 
@@ -305,6 +308,16 @@ def _union_us(spans) -> float:
     return total
 
 
+def _timeline(ops: list[dict]) -> list[dict]:
+    """The profiled step's kernels (CPU: ops) in start order: short name, kind, start (us from the first), time
+    (us), stream, and the innermost scopes that launched it (op, ranges)."""
+    ops = sorted(ops, key=lambda o: o["start_us"])
+    t0 = ops[0]["start_us"] if ops else 0.0
+    return [{"name": short_kernel_name(o["name"]), "kind": kernel_kind(o["name"]),
+             "start_us": round(o["start_us"] - t0, 1),
+             "us": round(o["us"], 1), "stream": o.get("stream"), "scopes": list(o["scopes"])[:4]} for o in ops]
+
+
 def _profile_steps(step, device) -> dict:
     """``PROFILED_STEPS`` steps under the profiler (:func:`benchmarks.timing.profile_trace`), each inside a
     ``STEP_RANGE`` range and followed by a device sync (as the timed steps end), so no kernel of one step runs
@@ -433,6 +446,7 @@ def run(args) -> dict:
         rec["peak_mib"] = None if (p := peak_memory_bytes(rec["step"], device)) is None else p / 2**20
         rec["breakdown"], step_ops = _breakdown(_profile_steps(rec["step"], device), cuda)
         rec["legs_ms"] = _legs_from_profile(step_ops, 1) if cuda else {}
+        rec["timeline"] = _timeline(step_ops) if args.timeline else None
         disp = getattr(rec["module"], "dispatcher", None)
         rec["dropped"] = None
         if getattr(disp, "capacity_factor", None) is not None:  # sync-free rows: copies past capacity, if any
@@ -449,7 +463,7 @@ def run(args) -> dict:
         records.append({"row": row, "label": LABELS[row], "ms": statistics.median(rec["ms"]), "samples": rec["ms"],
                         "round_min": min(rec["round_medians"]), "round_max": max(rec["round_medians"]),
                         "peak_mib": rec["peak_mib"], "wire": rec["wire"], "legs_ms": rec["legs_ms"],
-                        "dropped": rec["dropped"], "breakdown": rec["breakdown"],
+                        "dropped": rec["dropped"], "breakdown": rec["breakdown"], "timeline": rec["timeline"],
                         "settings": ROWS[row] if isinstance(ROWS[row], dict) else {"dispatcher": "torchtitan"}})
     # every rank's medians: a step ends when the slowest rank's does
     per_rank = [None] * world
