@@ -92,13 +92,13 @@ def _bad_dispatch(kind: str, bad_rank: int):
 
 
 def _host_read_order(wire: str):
-    """What one synced dispatch does in order, from after the one-time handshake: "exchange" (each
-    all-to-all), "quantize" (the wire's rowwise quantization), "sort" (the tokens' sort) and "read" (the
-    host read of the counts)."""
+    """What one synced dispatch and its combine do in order, from after the one-time handshake: "exchange"
+    (each all-to-all), "quantize" (the wire's rowwise quantization), "sort" (the tokens' sort), "read" (the
+    host read of the counts) and "route" (the route's row map, ``Route.src``, made)."""
     import torch.distributed as dist_
 
     from moe_quant import quantize as q
-    from moe_quant.ep import MXFP8TokenDispatcher, wire as ep_wire
+    from moe_quant.ep import MXFP8TokenDispatcher, legs, wire as ep_wire
 
     world = dist.get_world_size()
     disp = MXFP8TokenDispatcher(2 * world, 2, wire=wire)
@@ -116,11 +116,21 @@ def _host_read_order(wire: str):
             return _original(*a, **k)
 
         setattr(owner, name, spy)
+    src = legs.Route.src
+
+    def made(route):
+        if route._src is None:
+            seen.append("route")
+        return src.fget(route)
+
+    legs.Route.src = property(made)
     try:
-        disp.dispatch(x, torch.rand(16, 2), ids, counts)
+        routed, _, metadata = disp.dispatch(x, torch.rand(16, 2), ids, counts)
+        disp.combine(routed, metadata, x)
     finally:
         for (owner, name, _), original in zip(patched, originals):
             setattr(owner, name, original)
+        legs.Route.src = src
     assert ep_wire.dist is dist_  # the legs call dist.all_to_all_single through this module
     return seen
 

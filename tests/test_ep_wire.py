@@ -8,6 +8,8 @@ docs/ep_performance.md). One rank over gloo: the same code as any world size."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,3 +75,20 @@ def test_mxfp8_leg_sends_data_and_scales_without_a_packed_copy(gloo_group, monke
     # and the rows are what they were: the bf16 wire's rows, quantized and dequantized (MXFP8 rounds them)
     assert got.shape == want.shape and int(tokens.sum()) == T * TOP_K
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -3, atol=2 ** -6)
+
+
+@given(n_experts=st.integers(1, 6), ids=st.lists(st.integers(-3, 8), min_size=0, max_size=24),
+       bump=st.integers(-1, 1), dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_mismatch_flags_ids_outside_the_experts_and_counts_off_the_histogram(n_experts, ids, bump, dtype):
+    """The code every rank sends with its counts: ``_mismatch`` is True exactly when an id lies outside
+    [0, num_experts) or the counts are not the in-range ids' histogram (a loop oracle; ``bump`` moves one
+    count off it). The ids out of range are counted nowhere in the histogram, so counts that match the
+    in-range ids still flag them."""
+    disp = MXFP8TokenDispatcher(n_experts, 1)
+    hist = [sum(i == e for i in ids) for e in range(n_experts)]
+    counts = list(hist)
+    counts[0] += bump
+    want = any(not 0 <= i < n_experts for i in ids) or counts != hist
+    got = disp._mismatch(torch.tensor(ids, dtype=dtype).view(-1, 1), torch.tensor(counts, dtype=torch.int32))
+    assert got.dtype == torch.bool and got.shape == ()
+    assert bool(got) == want

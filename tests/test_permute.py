@@ -137,3 +137,30 @@ def test_reference_is_what_the_entry_point_runs_on_cpu():
         a = permute_received(data, scales.view(torch.uint8), counts, out=out)
         b = reference_permute_received(data, scales, counts, out=out)
         assert all(torch.equal(to_bytes(x), to_bytes(y)) for x, y in zip(a, b))
+
+
+@given(n_ranks=st.integers(1, 4), n_experts=st.integers(1, 5),
+       counts=st.lists(st.integers(0, 9), min_size=20, max_size=20))
+def test_route_from_counts_row_map_and_expert_totals(n_ranks, n_experts, counts):
+    """The synced mode's route (``legs.route_from_counts``) makes its row map on first use: it must be the
+    received-order index of each expert-major row, a loop oracle's, and the experts' totals the counts' column
+    sums (read on the host, so non-negative and summing to the rows received)."""
+    from moe_quant.ep import legs
+
+    table = [counts[r * n_experts:(r + 1) * n_experts] for r in range(n_ranks)]
+    recv = torch.tensor(table, dtype=torch.int64)
+    recv = torch.cat([recv, torch.zeros(n_ranks, legs.agree.SIZE, dtype=torch.int64)], dim=1)  # + the header
+    sums = [sum(row) for row in table]
+    route = legs.route_from_counts(recv, legs.Counts(sums, sums, table, table), None, wire=legs.Wire.BF16,
+                                   mode="rceil")
+    assert route._src is None  # not made before its first use
+    starts, t = {}, 0
+    for r in range(n_ranks):
+        for e in range(n_experts):
+            starts[r, e], t = t, t + table[r][e]
+    oracle = [starts[r, e] + i for e in range(n_experts) for r in range(n_ranks) for i in range(table[r][e])]
+    assert route.src.tolist() == oracle
+    assert route.src is route.src  # made once
+    assert route.num_tokens_per_local_expert.dtype == torch.int32
+    assert route.num_tokens_per_local_expert.tolist() == [sum(table[r][e] for r in range(n_ranks))
+                                                         for e in range(n_experts)]

@@ -22,6 +22,7 @@ from ..routing import sort_tokens_by_expert, unsort_tokens
 from . import agree, blocks, capacity, pipeline
 from .legs import (HostRead, Route, Wire, combine_rows, dispatch_rows, exchange_counts, read_counts, received_counts,
                    route_from_counts)
+from .legs import constant as legs_constant
 from .wire import all_to_all_rows
 
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
@@ -356,11 +357,14 @@ class MXFP8TokenDispatcher:
         return unsort_tokens(y, scores_sorted, token_idx, x_TD, scatter_add=self._scatter_add)
 
     def _mismatch(self, topk_expert_ids_TK, counts):
+        """0-d bool device tensor: an id outside [0, num_experts) or counts that are not the ids' histogram.
+        Slot 0 counts the ids below 0, slot E + 1 those above E - 1 (both expected 0): eight small ops, on
+        the path of every synced dispatch before its counts exchange, where the device waits for the host."""
         ids = topk_expert_ids_TK.reshape(-1)
-        in_range = (ids >= 0) & (ids < self.num_experts)
-        actual = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device).scatter_add(
-            0, torch.where(in_range, ids, 0).to(torch.int64), in_range.to(torch.int64))
-        return (~in_range).any() | (actual != counts.to(torch.int64)).any()
+        slots = (ids.clamp(-1, self.num_experts) + 1).to(torch.int64)
+        seen = torch.zeros(self.num_experts + 2, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, slots, legs_constant((1,), ids.device).expand(ids.numel()))
+        return (seen != torch.nn.functional.pad(counts.to(torch.int64), (1, 1))).any()
 
     def _dispatch_sync_free(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts):
         """Fixed capacity (:mod:`moe_quant.ep.capacity`): static sizes, nothing read on the host."""

@@ -54,17 +54,28 @@ class Route:
     output_splits: list  # rows received from each rank
     recv_counts: torch.Tensor  # (R, E_local) int32: rows from rank r for local expert e
     num_tokens_per_local_expert: torch.Tensor  # (E_local,) int32
-    src: torch.Tensor  # (M_recv,) int64: expert-major row j is received row src[j]
+    _src: torch.Tensor | None = None  # src, once made
 
     @property
     def rows_received(self) -> int:
         return sum(self.output_splits)
 
+    @property
+    def src(self) -> torch.Tensor:
+        """``(M_recv,)`` int64: expert-major row j is received row ``src[j]``; made on first use. About 30 small
+        index ops whose cost is the host's: made before the dispatch exchange, they kept the device idle
+        between the counts and the tokens (a profiled step on 2 H200s, 2026-11-29). Made here, the bf16
+        dispatch makes them after queueing its exchange, and the MXFP8 dispatch, whose permute kernel reads
+        the counts, only in the combine, behind the experts' GEMMs."""
+        if self._src is None:
+            object.__setattr__(self, "_src", permute._source_rows(self.recv_counts, self.rows_received)[0])
+        return self._src
+
 
 _CONSTANTS: dict = {}
 
 
-def _constant(values: tuple, device) -> torch.Tensor:
+def constant(values: tuple, device) -> torch.Tensor:
     """An int64 device tensor of ``values``, made once (no host-to-device copy in later steps: CUDA graphs);
     traced, a constant of the graph."""
     return backends.cached_unless_tracing(_CONSTANTS, (values, str(device)), True,
@@ -83,12 +94,13 @@ def exchange_counts(num_local_tokens_per_expert_E: torch.Tensor, rows: int, grou
     """
     world = dist.get_world_size(group)
     send = num_local_tokens_per_expert_E.to(torch.int64).view(world, -1)
-    code = (send < 0).any().to(torch.int64) * agree.NEGATIVE + (send.sum() != rows).to(torch.int64) * agree.BAD_SUM
-    if mismatch is not None:
-        code = code + mismatch.to(torch.int64) * agree.MISMATCH
     if bad_args:
-        code = torch.full_like(code, agree.BAD_ARGS)
-    head = torch.cat([code.view(1), _constant(tuple(settings[1:]), send.device)])
+        code = constant((agree.BAD_ARGS,), send.device)
+    else:  # the problem bits as one dot product (few ops: the device waits for the host here)
+        flags = [(send < 0).any(), send.sum() != rows] + ([mismatch] if mismatch is not None else [])
+        bits = constant((agree.NEGATIVE, agree.BAD_SUM, agree.MISMATCH)[:len(flags)], send.device)
+        code = (torch.stack(flags).to(torch.int64) * bits).sum().view(1)
+    head = torch.cat([code, constant(tuple(settings[1:]), send.device)])
     if extra is not None:
         head = torch.cat([head, extra.to(torch.int64).view(-1)])
     if payload is not None:
@@ -181,11 +193,16 @@ def received_counts(recv: torch.Tensor) -> torch.Tensor:
 
 
 def route_from_counts(recv: torch.Tensor, counts: Counts, group, *, wire: Wire, mode: ScaleMode) -> Route:
+    """The :class:`Route` of the counts read on the host (checked there: no negative count, each rank's sum its
+    rows, so the received counts sum to ``sum(output_splits)`` and each expert's total is their column sum).
+    ``src`` waits for its first use, except while tracing (made here, inside the graph)."""
     recv_counts = received_counts(recv)
-    src, _, offs = permute._source_rows(recv_counts, sum(counts.output_splits))
+    rows = sum(counts.output_splits)
+    traced = torch.compiler.is_compiling()  # no attribute set on a traced object: made here, in the graph
     return Route(group=group, wire=wire, mode=mode, input_splits=counts.input_splits,
                  output_splits=counts.output_splits, recv_counts=recv_counts,
-                 num_tokens_per_local_expert=torch.diff(offs, prepend=offs.new_zeros(1)), src=src)
+                 num_tokens_per_local_expert=recv_counts.sum(0, dtype=torch.int32),
+                 _src=permute._source_rows(recv_counts, rows)[0] if traced else None)
 
 
 def plan_route(num_local_tokens_per_expert_E: torch.Tensor, rows: int, group, *, wire: Wire, mode: ScaleMode,
