@@ -5,6 +5,7 @@
     python -m benchmarks.bench_ep --device cpu                            # smoke run (gloo, world 1, tiny sizes)
     options: --dim 7168 --hidden 2048 --experts-per-rank 8 --top-k 2 --tokens 16384
              --rows bf16,titan,conv_bf16,conv_mxfp8,p2p,p2p_c2,p2p_c4,sync_free,sync_free_c2 --rounds 5 --steps 4
+             --timeline
 
 Rows (``ROWS``; ``--rows`` picks some), each the EP block of the same weights, inputs and balanced routing:
 
@@ -37,8 +38,10 @@ intervals on every stream) and idle time (window - busy: host-bound, or waiting 
 kernels' summed time by kind (:func:`kernel_kind`: gemm, moe_quant, nccl, copy, index, other; concurrent
 kernels each count, the excess over busy is the overlap), the kernel count, the host's
 ``cudaStream/Event/DeviceSynchronize`` calls and device-to-host copies, and the top kernels by total time
-(printed for rows bf16, titan and p2p). ``legs_ms`` come from the same step. On the CPU: the aten ops'
-self time by the same kinds, busy = the union of the ops' spans.
+(printed for rows bf16, titan, conv_mxfp8 and p2p). ``legs_ms`` come from the same step. ``--timeline``: every
+kernel of that step in the JSON (``timeline``: name, kind, start, time, stream, and the scopes that launched it
+where the profiler links them), to compare rows kernel by kernel. On the CPU: the aten ops' self time by the
+same kinds, busy = the union of the ops' spans.
 
 ``--json``: everything above, with the environment (world size, device, ``NCCL_P2P_DISABLE``,
 ``NCCL_SHM_DISABLE``). Without a GPU (and without ``--device cpu``) it prints one line, exit 2.
