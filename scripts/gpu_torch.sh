@@ -7,8 +7,9 @@
 #   GPU machine:     bash scripts/gpu_torch.sh keep .gpu/tNN  # one call per part (carry [".gpu/tNN"]): kept in $STASH
 #   GPU machine:     source scripts/gpu_torch.sh install      # joins, checks, installs into $TORCH_SITE, sets PYTHONPATH
 #
-# Besides torch and triton only NCCL travels; torch's other NVIDIA libraries are the machine's own (those of its
-# torch 2.11 wheel), linked into $TORCH_SITE/nvidia, where torch's RPATH `$ORIGIN/../../nvidia/...` looks.
+# Besides torch and triton only NCCL (and torchdata, pure Python) travels; torch's other NVIDIA libraries are the
+# machine's own (those of its torch 2.11 wheel), linked into $TORCH_SITE/nvidia, where torch's RPATH
+# `$ORIGIN/../../nvidia/...` looks.
 # torch 2.12.1 asks for NCCL 2.29.7, cuDNN 9.20 and cuBLAS 13.1; the machine has NCCL 2.28.9, cuDNN 9.19 and cuBLAS
 # 13.1.0.3. Its libtorch_cuda.so needs the same cuDNN, cuBLAS and CUDA runtime functions as 2.11's, but eight NCCL
 # functions more (ncclCommMemStats, ncclCommSuspend, ncclCommResume, ncclPutSignal, ncclSignal, ncclWaitSignal,
@@ -19,6 +20,7 @@
 TORCH_VERSION=${TORCH_VERSION:-2.12.1}
 TRITON_VERSION=${TRITON_VERSION:-3.7.1}
 NCCL_VERSION=${NCCL_VERSION:-2.32.3}
+TORCHDATA_VERSION=${TORCHDATA_VERSION:-0.11.0}
 STASH=${STASH:-/root/gpu-stash/torch}
 TORCH_SITE=${TORCH_SITE:-/tmp/torch-site}
 PART_BYTES=${PART_BYTES:-62000000}
@@ -32,8 +34,9 @@ _gpu_torch_stage() {
   work=$(mktemp -d)
   plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
   # shellcheck disable=SC2086
+  # torchdata: torchtitan's trainer imports it; the 2-GPU machine of 2026-11-29 lacked it (earlier ones had it)
   python3 -m pip download -q --no-deps $plat -d "$work" "torch==$TORCH_VERSION" "triton==$TRITON_VERSION" \
-    "nvidia-nccl-cu13==$NCCL_VERSION"
+    "nvidia-nccl-cu13==$NCCL_VERSION" "torchdata==$TORCHDATA_VERSION"
   rm -rf .gpu/t[0-9]*
   (cd "$work" && ls -- *.whl > wheels.txt && sha256sum -- *.whl > wheels.sha256 && cat -- *.whl > bundle \
      && split -d -a 2 -b "$PART_BYTES" bundle part-)
@@ -50,7 +53,7 @@ _gpu_torch_stage() {
   echo "$n" > "$dir/parts"
   rm -rf "$work"
   du -sh .gpu/t[0-9]* | tr '\n' ' '; echo
-  echo "staged torch $TORCH_VERSION + triton $TRITON_VERSION + NCCL $NCCL_VERSION in $n parts: on the GPU machine one call per part," \
+  echo "staged torch $TORCH_VERSION + triton $TRITON_VERSION + NCCL $NCCL_VERSION + torchdata $TORCHDATA_VERSION in $n parts: on the GPU machine one call per part," \
        "carry [\".gpu/tNN\"], 'bash scripts/gpu_torch.sh keep .gpu/tNN'; then 'source scripts/gpu_torch.sh install'"
 }
 
