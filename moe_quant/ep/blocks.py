@@ -45,12 +45,13 @@ from .. import quantize as q
 from ..numerics import ScaleMode
 from .legs import Wire
 from .permute import dequantize_rows
+from .pipeline import PostsAhead
 from .wire import WireLog, leg_range, row_bytes_view
 
 _LEGS = ("dispatch", "combine", "combine backward", "dispatch backward")
 
 
-class BlockExchange:
+class BlockExchange(PostsAhead):
     """The blocks of one dispatch and the state of its four legs (see the module doc).
 
     ``sent[r][e]``: rows this rank sends to rank r for r's local expert e (its rows sorted by global
@@ -88,6 +89,7 @@ class BlockExchange:
         self.num_tokens_per_local_expert = num_tokens_per_local_expert
         self._posted: dict = {}  # (leg, range) -> pending works and the tensors they use
         self._issued: set = set()  # (leg, range) posted back from the experts
+        self._queued: dict = {}  # leg -> its ranges not yet posted towards the experts (PostsAhead)
         self._buffers: dict = {}  # leg -> its receive buffers while the exchange holds them
 
     # ------------------------------------------------------------------ rows of a range
@@ -142,36 +144,45 @@ class BlockExchange:
     # ------------------------------------------------------------------ the legs
 
     def to_experts(self, leg: str, rows: torch.Tensor, order, quantized: tuple | None = None) -> None:
-        """Post ``rows (N, D)`` (this rank's sorted rows) towards the experts, ranges in ``order``:
-        MXFP8 data and scales on that wire (quantized once for every range; ``quantized``: that
-        quantization, made earlier), else the rows' own bytes."""
+        """Post ``rows (N, D)`` (this rank's sorted rows) towards the experts, ranges in ``order`` (one ahead of
+        the waits: :class:`~moe_quant.ep.pipeline.PostsAhead`): MXFP8 data and scales on that wire (quantized
+        once for every range; ``quantized``: that quantization, made earlier), else the rows' own bytes. Each
+        range receives into buffers of its own, made when it is posted (a range's rows handed to the experts
+        are never written again by a later range's receive)."""
         dev, d = rows.device, rows.shape[1]
         rows = rows.contiguous()
         if self.wire is Wire.MXFP8:
             data, scales = quantized if quantized is not None else q.quantize_rowwise(rows, self.mode)
             src = [data.view(torch.uint8), scales.view(torch.uint8)]
-            dst = [torch.empty(self.rows_received, d, dtype=torch.uint8, device=dev),
-                   torch.empty(self.rows_received, d // 32, dtype=torch.uint8, device=dev)]
+            widths = [(d, torch.uint8), (d // 32, torch.uint8)]
         else:
             src = [row_bytes_view(rows)]
-            dst = [row_bytes_view(torch.empty(self.rows_received, d, dtype=rows.dtype, device=dev))]
-        self._buffers[leg] = (dst, rows.dtype, d, set())
-        for c in order:
-            self._post(leg, c, src, dst, to_experts=True)
+            widths = [(d, rows.dtype)]
+        parts: dict = {}  # range -> its receive buffers
+        self._buffers[leg] = (parts, rows.dtype, d, set())
+
+        def post(c: int) -> None:
+            start, end = self.rows_of(c)
+            parts[c] = [row_bytes_view(torch.empty(end - start, w, dtype=t, device=dev)) for w, t in widths]
+            self._post(leg, c, src, parts[c], to_experts=True, expert_base=start)
+
+        self._queue(leg, order, post)
 
     def arrived(self, leg: str, c: int) -> torch.Tensor:
         """Range c of ``leg`` (towards the experts) once arrived: expert-major rows ``(M_c, D)``; MXFP8 rows
         dequantized and registered with their fp8 data and scales (the GEMMs reuse them)."""
+        self._post_ahead(leg, c)
         self._wait(leg, c)
-        dst, dtype, d, seen = self._buffers[leg]
+        parts, dtype, d, seen = self._buffers[leg]
+        dst = parts.pop(c)
         seen.add(c)
         if len(seen) == len(self.ranges):
             del self._buffers[leg]  # the last range: the exchange no longer holds the buffers
         start, end = self.rows_of(c)
         if self.wire is not Wire.MXFP8:
-            return dst[0][start:end].view(dtype).reshape(end - start, d)
-        data = dst[0][start:end].view(torch.float8_e4m3fn)
-        scales = dst[1][start:end]
+            return dst[0].view(dtype).reshape(end - start, d)
+        data = dst[0].view(torch.float8_e4m3fn)
+        scales = dst[1]
         values = dequantize_rows(data, scales, dtype)
         if backends.supports_scaled_grouped_mm(values.device):  # the scaled GEMM reads the fp8 data and scales
             pq.remember(values, self.mode, data, scales)
@@ -192,6 +203,7 @@ class BlockExchange:
         """Every range of ``leg`` (back from the experts) once arrived: this rank's sorted rows ``(N, D)``,
         ``like``'s dtype. A range never posted (no gradient reached its rows) is posted now with zeros, so
         peers never wait for it."""
+        self._post_queued()
         for c in range(len(self.ranges)):
             if (leg, c) not in self._issued:
                 start, end = self.rows_of(c)

@@ -43,6 +43,7 @@ from .. import quantize as q
 from ..numerics import ScaleMode
 from .legs import Wire
 from .permute import dequantize_rows
+from .pipeline import PostsAhead
 from .wire import WireLog, all_to_all_mxfp8, all_to_all_rows, leg_range, row_bytes_view
 
 OVERFLOW = ("error", "drop")
@@ -202,7 +203,7 @@ class _Combine(torch.autograd.Function):
         return _forward_leg(grad.contiguous(), ctx.route, "combine backward"), None
 
 
-class SlotExchange:
+class SlotExchange(PostsAhead):
     """The sync-free mode in ranges of local experts, for :mod:`moe_quant.ep.pipeline` (``chunks`` > 1,
     eager): range c has its own ``S_c`` slots per peer (``plans[c]``, ``receives[c]``: the sender's and the
     receiver's plans of :func:`plan_send` / :func:`plan_receive` for that range), and each leg of each
@@ -216,6 +217,7 @@ class SlotExchange:
         self.ranges, self.plans, self.receives, self.rows = ranges, plans, receives, rows
         self._posted: dict = {}  # (leg, range) -> [(work, sent buffer, receive buffer)] (MXFP8: data, scales)
         self._issued: set = set()
+        self._queued: dict = {}  # leg -> its ranges not yet posted towards the experts (PostsAhead)
         self._dtypes: dict = {}  # leg -> (dtype, D) of its rows
 
     def counts_of(self, c: int) -> torch.Tensor:
@@ -249,11 +251,10 @@ class SlotExchange:
         if self.wire is Wire.MXFP8:
             data, scales = quantized if quantized is not None else q.quantize_rowwise(rows, self.mode)
             parts = [data, scales.view(torch.uint8)]
-        for c in order:
-            send_idx, send_valid = self.plans[c][:2]
-            self._post(leg, c, *(_gather(p, send_idx, send_valid) for p in parts))
+        self._queue(leg, order, lambda c: self._post(leg, c, *(_gather(p, *self.plans[c][:2]) for p in parts)))
 
     def arrived(self, leg: str, c: int) -> torch.Tensor:
+        self._post_ahead(leg, c)
         outs = self._wait(leg, c)
         dtype, d = self._dtypes[leg]
         src, valid, _ = self.receives[c]
@@ -275,6 +276,7 @@ class SlotExchange:
         self._post(leg, c, _scatter(rows.contiguous(), src, valid, self._slots(c)))
 
     def returned(self, leg: str, like: torch.Tensor) -> torch.Tensor:
+        self._post_queued()
         for c in range(len(self.ranges)):
             if (leg, c) not in self._issued:  # never posted: zeros, so that peers never wait for it
                 self.from_experts(leg, c, like.new_zeros(self._slots(c), like.shape[1]))

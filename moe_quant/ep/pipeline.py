@@ -14,10 +14,11 @@ An *exchange* is one dispatch's four legs over some transport, with the methods 
   peers never wait for it).
 
 The four legs are autograd functions linked by empty "token" tensors, so that autograd runs the posts and
-waits where they overlap the experts: the forward posts every range's dispatch at once, waits for range
-c just before its experts and posts its combine right after them; the backward posts every range's
-combine backward at once, latest range first (autograd runs later nodes first), and each range's
-dispatch backward as soon as that range's experts' backward is done.
+waits where they overlap the experts: the forward posts range 0's dispatch, then, just before waiting for
+range c and queueing its experts, range c + 1's (:class:`PostsAhead`), and posts range c's combine right
+after its experts; the backward does the same with the combine backward, latest range first (autograd runs
+later nodes first), and posts each range's dispatch backward as soon as that range's experts' backward is
+done.
 """
 
 from __future__ import annotations
@@ -31,6 +32,40 @@ def expert_ranges(num_local_experts: int, chunks: int) -> list[tuple[int, int]]:
     n = max(1, min(chunks, num_local_experts))
     bounds = [num_local_experts * i // n for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+class PostsAhead:
+    """How an exchange posts the legs towards the experts: ``_queue`` posts the first range of ``order`` and keeps
+    the others; ``_post_ahead(leg, c)``, called by ``arrived`` before its wait, posts the queued ranges through c
+    and one more; ``_post_queued`` (called by ``returned``) posts what is left. So the host issues range c + 1's
+    exchange just before queueing range c's experts, instead of every range's exchange before the first
+    experts: on 2 H200s (2026-11-29, p2p in 4 ranges) the device waited 3.4 ms per step for the host to post
+    the four ranges of the dispatch. Every range is posted exactly once, in the order given, on every rank
+    alike (the peers' posts match in order)."""
+
+    def _queue(self, leg: str, order, post) -> None:
+        queue = list(order)
+        if queue:
+            post(queue.pop(0))
+        if queue:
+            self._queued[leg] = (queue, post)
+
+    def _post_ahead(self, leg: str, c: int) -> None:
+        if leg not in self._queued:
+            return
+        queue, post = self._queued[leg]
+        n = queue.index(c) + 2 if c in queue else 1  # through c, then one more
+        todo, queue[:] = queue[:n], queue[n:]
+        if not queue:
+            del self._queued[leg]
+        for r in todo:
+            post(r)
+
+    def _post_queued(self) -> None:
+        for leg in list(self._queued):
+            queue, post = self._queued.pop(leg)
+            for r in queue:
+                post(r)
 
 
 def _token(like: torch.Tensor) -> torch.Tensor:
@@ -127,4 +162,4 @@ def run_ranges(ex, x_sorted: torch.Tensor, runners: list, quantized: tuple | Non
     return gather(ex, back, x_sorted)
 
 
-__all__ = ["expert_ranges", "send", "received", "send_back", "gather", "run_ranges"]
+__all__ = ["PostsAhead", "expert_ranges", "send", "received", "send_back", "gather", "run_ranges"]
