@@ -20,12 +20,12 @@ Rows to this rank itself are copied locally. Every rank posts the same legs in t
 of a pair agree on their sizes: what rank a sends to rank b for expert e is what b receives from a for e).
 
 Chunks. With ``chunks = C`` the local experts are split into C contiguous ranges; each leg posts one batch
-per range, all at once (their transfers queue on the communication stream), and the caller runs the experts
-of range c as soon as range c has arrived (:meth:`BlockExchange.arrived` waits on the stream, not the
-host), while the later ranges travel; each range's combine is posted when its experts are done, so it
-travels while the next range computes. In backward the combine-backward batches are posted together
-(latest range first, the order autograd runs the ranges in), and each range's dispatch backward is posted
-when its experts' backward is done. Every expert sees exactly the rows it sees unchunked, in the same order
+per range, one range ahead of the experts (:class:`moe_quant.ep.pipeline.PostsAhead`; their transfers queue
+on the communication stream), and the caller runs the experts of range c as soon as range c has arrived
+(:meth:`BlockExchange.arrived` waits on the stream, not the host), while the later ranges travel; each
+range's combine is posted when its experts are done, so it travels while the next range computes. In
+backward the combine-backward batches are posted the same way (latest range first, the order autograd runs
+the ranges in), and each range's dispatch backward is posted when its experts' backward is done. Every expert sees exactly the rows it sees unchunked, in the same order
 (a range's rows are a contiguous slice of the expert-major buffer), and the combine writes every row to the
 same place, so outputs and every gradient (weights included) are bit-identical for any C.
 
