@@ -87,6 +87,25 @@ def test_ranks_with_another_scale_mode_all_raise_the_same_error(checks, variant)
     assert max(c["seconds"]) < 240 and not any(c["hang_words"]), c
 
 
+def test_resume_under_torchtitans_compile_equals_the_uninterrupted_job(tmp_path):
+    """The resume check with torchtitan's compile option (``--compile.enable``: its per-block ``torch.compile``,
+    here with the ``aot_eager`` backend, which needs no C++ compiler): the steps after resuming from the
+    checkpoint equal the uninterrupted compiled job's bit for bit, on both ranks."""
+    from titan_checks import run_checks
+
+    c = run_checks(tmp_path, "--variants", "mxfp8", "--checks", "resume", "--modes", "compiled",
+                   job_args=("--compile.backend", "aot_eager"))
+    (check,) = c["report"]["checks"]
+    assert (check["check"], check["variant"], check["mode"]) == ("resume", "mxfp8", "compiled"), check
+    assert check["passed"] and c["proc"].returncode == 0, json.dumps(check, indent=1)[-6000:]
+    for rank in (0, 1):  # the precondition: the blocks were compiled, with moe_quant's experts and dispatcher
+        setup = json.loads((tmp_path / "ref_mxfp8_compiled" / "setup" / f"rank{rank}.json").read_text())
+        assert setup["compiled_blocks"] >= 2 and setup["compile_backend"] == "aot_eager", setup
+        assert setup["experts_converted"] == [True] and setup["dispatchers"] == ["TitanMXFP8TokenDispatcher"]
+    got = {int(s): v for s, v in check["resumed"]["0"].items()}
+    assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
+
+
 # -- the pieces, in-process ------------------------------------------------------------------------------------
 
 

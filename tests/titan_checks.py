@@ -33,12 +33,13 @@ ALL_CHECKS = [("crossload", "bf16->mxfp8"), ("crossload", "mxfp8->bf16"), ("faul
 _RUNS: dict = {}
 
 
-def run_checks(out, *args) -> dict:
+def run_checks(out, *args, job_args: tuple = ()) -> dict:
     """Runs the checks (DeepSeek-V3 debugmodel x 2 blocks, ``STEPS`` steps, a checkpoint every ``SAVE_AT``) into
-    ``out``; returns the process, its report and the checks by ``(check, variant)``."""
+    ``out``; ``job_args``: more of torchtitan's options for every job. Returns the process, its report and the
+    checks by ``(check, variant)``."""
     proc = run_python("-m", "examples.titan.checks", "--out", str(out), "--nproc", "2", "--flavor", "debugmodel",
                       "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--kill-at", str(KILL_AT), "--no-deterministic",
-                      *args, "--", *CPU_COMPUTE, timeout=1200)
+                      *args, "--", *CPU_COMPUTE, *job_args, timeout=1200)
     path = out / "checks.json"
     assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(path.read_text())
