@@ -14,6 +14,7 @@ import torch.distributed as dist
 from repo_subprocess import ROOT, run_python
 
 sys.path.insert(0, str(ROOT / "scripts"))
+import ep_timeline  # noqa: E402
 import ep_wire_fit  # noqa: E402
 from benchmarks import bench_ep  # noqa: E402
 
@@ -336,3 +337,35 @@ def test_script_rejects_mixed_world_sizes_and_bad_arguments(tmp_path):
     res = run_python("-m", "benchmarks.bench_ep", "--device", "cpu", "--rows", "bf16,fp4", warm=True)
     assert res.returncode == 2 and "argument --rows" in res.stderr and "fp4" in res.stderr, res.stderr
     assert Path(ROOT / "scripts" / "ep_wire_runs.sh").exists()
+
+
+def test_timeline_summary_and_listing(tmp_path):
+    """``scripts/ep_timeline.py``: short and long gaps between kernels (overlapping kernels leave none), the
+    experts' first GEMM (the first GEMM after the first communication kernel, not the router's before it), the
+    communication kernels; a JSON without timelines is refused with one line."""
+    tl = ep_timeline
+
+    def k(kind, start, us, name="k"):
+        return {"name": name, "kind": kind, "start_us": start, "us": us, "stream": 7, "scopes": []}
+
+    timeline = [k("gemm", 0, 60, "router"), k("other", 90, 10),  # gap 30 (short)
+                k("nccl", 300, 50), k("index", 320, 5),  # gap 200 (long), then inside the collective: no gap
+                k("gemm", 400, 1000, "expert"), k("nccl", 1400, 100), k("copy", 1550, 10)]  # gaps 50, 0, 50
+    s = tl.summary(timeline, short_us=100)
+    assert s["kernels"] == 7 and s["span_ms"] == pytest.approx(1.56)
+    assert s["short_gaps"] == 3 and s["short_gaps_ms"] == pytest.approx(0.13)
+    assert s["long_gaps_ms"] == pytest.approx(0.2) and s["first_expert_gemm_ms"] == pytest.approx(0.4)
+    assert s["comm"] == [(pytest.approx(0.3), pytest.approx(0.05)), (pytest.approx(1.4), pytest.approx(0.1))]
+    lines = tl.listing(timeline)
+    assert len(lines) == 7 and "gap     30.0" in lines[1] and "expert" in lines[4]
+    rec = {"device": "cpu", "world": 2, "torch": "x", "rows": [{"row": "bf16", "timeline": timeline},
+                                                                 {"row": "titan", "timeline": None}]}
+    (tmp_path / "t.json").write_text(json.dumps(rec))
+    res = run_python("scripts/ep_timeline.py", str(tmp_path / "t.json"), "--list", "bf16", warm=True)
+    assert res.returncode == 0 and "experts start" in res.stdout and "expert" in res.stdout.splitlines()[-3], res.stderr
+    res = run_python("scripts/ep_timeline.py", str(tmp_path / "t.json"), "--rows", "titan", warm=True)
+    assert res.returncode == 2 and "no timeline for row(s) ['titan']" in res.stderr
+    rec["rows"] = [{"row": "bf16", "timeline": None}]
+    (tmp_path / "t.json").write_text(json.dumps(rec))
+    res = run_python("scripts/ep_timeline.py", str(tmp_path / "t.json"), warm=True)
+    assert res.returncode == 2 and "run benchmarks.bench_ep with --timeline" in res.stderr
