@@ -92,3 +92,34 @@ def test_mismatch_flags_ids_outside_the_experts_and_counts_off_the_histogram(n_e
     got = disp._mismatch(torch.tensor(ids, dtype=dtype).view(-1, 1), torch.tensor(counts, dtype=torch.int32))
     assert got.dtype == torch.bool and got.shape == ()
     assert bool(got) == want
+
+
+@given(world=st.integers(1, 3), n_local=st.integers(1, 3), slots=st.integers(0, 6), seed=st.integers(0, 2**16),
+       counts=st.lists(st.integers(0, 5), min_size=9, max_size=9), extra=st.integers(0, 2))
+def test_sync_free_slot_placement_equals_the_gather(world, n_local, slots, seed, counts, extra):
+    """The sync-free legs place rows with a zero fill and one copy through the inverse maps (``slot_of_row`` on
+    the sender, ``_slot_rows`` of the receiver's plan, ``send_idx`` coming back) instead of a gather and a mask:
+    every byte equal to the gather's, padding and overflowing rows zero, fp8 and bf16 rows alike (NaN payloads
+    included)."""
+    from moe_quant.ep import capacity
+
+    c = torch.tensor(counts[:world * n_local])
+    rows = int(c.sum()) + extra  # extra: rows past the counts (never sent)
+    send_idx, send_valid, slot_of_row, kept, _, _ = capacity.plan_send(c, rows, world, slots)
+    total = world * slots
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 2**16, (rows, 8), generator=g, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)  # any 16-bit pattern, NaNs included
+    for t in (x, bits[:, :4].view(torch.uint8)[:, :6].contiguous().view(torch.float8_e4m3fn)):
+        want = capacity._gather(t, send_idx, send_valid)
+        got = capacity._scatter(t, slot_of_row, None, total)
+        assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    src, valid, _ = capacity.plan_receive(kept, slots)  # what this rank's own send looks like on arrival
+    recv = torch.randint(0, 2**16, (total, 8), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    want = capacity._gather(recv, src, valid)
+    got = capacity._scatter(recv, capacity._slot_rows(src, valid), None, total)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    inside = slot_of_row < total
+    want = capacity._gather(recv, torch.where(inside, slot_of_row, 0), inside)
+    got = capacity._scatter(recv, torch.where(send_valid, send_idx, rows), None, rows)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

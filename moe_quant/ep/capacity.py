@@ -147,29 +147,43 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> torch.Ten
     return torch.where(keep.unsqueeze(1), rows, 0).view(x.dtype)
 
 
-def _scatter(x: torch.Tensor, dest: torch.Tensor, keep: torch.Tensor, size: int) -> torch.Tensor:
-    """``out (size, D)``, zero but for ``out[dest[i]] = x[i]`` where ``keep[i]``."""
-    out = x.new_zeros(size + 1, *x.shape[1:])
-    return out.index_copy_(0, torch.where(keep, dest, size), x)[:size]
+def _scatter(x: torch.Tensor, dest: torch.Tensor, keep: torch.Tensor | None, size: int) -> torch.Tensor:
+    """``out (size, D)``, zero but for ``out[dest[i]] = x[i]`` where ``keep[i]`` (``keep=None``: ``dest`` already
+    holds ``size`` for the rows to leave out). A zero fill and one copy: where the inverse map is at hand this
+    replaces :func:`_gather`'s gather and mask, whose mask, broadcast along D, runs in PyTorch's non-vectorized
+    elementwise kernel (12 such passes took 5.2 ms of a 36.7 ms sync-free step on 2 H200s, 2026-11-29)."""
+    raw = x.view(torch.uint8) if x.dtype.itemsize == 1 else x
+    out = raw.new_zeros(size + 1, *x.shape[1:])
+    index = dest if keep is None else torch.where(keep, dest, size)
+    return out.index_copy_(0, index, raw)[:size].view(x.dtype)
+
+
+def _slot_rows(src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The inverse of a receiver's ``src`` over ``valid``: for each received slot, the expert-major row it
+    becomes, ``len(src)`` where none."""
+    total = src.numel()
+    slots = torch.full((total + 1,), total, dtype=torch.int64, device=src.device)
+    return slots.index_copy_(0, torch.where(valid, src, total), torch.arange(total, device=src.device))[:total]
 
 
 def _forward_leg(x_sorted: torch.Tensor, route: CapacityRoute, leg: str) -> torch.Tensor:
     """Sorted rows -> slots -> all-to-all -> expert-major rows (MXFP8 on that wire)."""
-    s = [route.slots] * route.world
+    s, total = [route.slots] * route.world, route.slots * route.world
+    rows = _slot_rows(route.src, route.valid)  # slot -> expert-major row
     if route.wire is Wire.MXFP8:
         data, scales = q.quantize_rowwise(x_sorted, route.mode)
-        data_s = _gather(data, route.send_idx, route.send_valid)
-        scales_s = _gather(scales.view(torch.uint8), route.send_idx, route.send_valid)
+        data_s = _scatter(data, route.slot_of_row, None, total)
+        scales_s = _scatter(scales.view(torch.uint8), route.slot_of_row, None, total)
         data_r, scales_r = all_to_all_mxfp8(data_s, scales_s, s, s, route.group, leg)
-        data_p, scales_p = _gather(data_r, route.src, route.valid), _gather(scales_r, route.src, route.valid)
+        data_p, scales_p = _scatter(data_r, rows, None, total), _scatter(scales_r, rows, None, total)
         values = dequantize_rows(data_p, scales_p, x_sorted.dtype)
         if backends.supports_scaled_grouped_mm(x_sorted.device):
             pq.remember(values, route.mode, data_p, scales_p.view(torch.float8_e8m0fnu))
         else:
             pq.remember(values, route.mode)
         return values
-    recv = all_to_all_rows(_gather(x_sorted, route.send_idx, route.send_valid), s, s, route.group, leg)
-    return _gather(recv, route.src, route.valid)
+    recv = all_to_all_rows(_scatter(x_sorted, route.slot_of_row, None, total), s, s, route.group, leg)
+    return _scatter(recv, rows, None, total)
 
 
 def _backward_leg(y: torch.Tensor, route: CapacityRoute, leg: str) -> torch.Tensor:
@@ -177,8 +191,8 @@ def _backward_leg(y: torch.Tensor, route: CapacityRoute, leg: str) -> torch.Tens
     s = [route.slots] * route.world
     back = all_to_all_rows(_scatter(y.contiguous(), route.src, route.valid, route.rows_received), s, s,
                            route.group, leg)
-    inside = route.slot_of_row < route.rows_received
-    return _gather(back, torch.where(inside, route.slot_of_row, 0), inside)
+    n = route.slot_of_row.numel()
+    return _scatter(back, torch.where(route.send_valid, route.send_idx, n), None, n)
 
 
 class _Dispatch(torch.autograd.Function):
