@@ -98,7 +98,7 @@ def test_mismatch_flags_ids_outside_the_experts_and_counts_off_the_histogram(n_e
        counts=st.lists(st.integers(0, 5), min_size=9, max_size=9), extra=st.integers(0, 2))
 def test_sync_free_slot_placement_equals_the_gather(world, n_local, slots, seed, counts, extra):
     """The sync-free legs place rows with a zero fill and one copy through the inverse maps (``slot_of_row`` on
-    the sender, ``_slot_rows`` of the receiver's plan, ``send_idx`` coming back) instead of a gather and a mask:
+    the sender, ``slot_rows`` of the receiver's plan, ``send_idx`` coming back) instead of a gather and a mask:
     every byte equal to the gather's, padding and overflowing rows zero, fp8 and bf16 rows alike (NaN payloads
     included)."""
     from moe_quant.ep import capacity
@@ -117,7 +117,7 @@ def test_sync_free_slot_placement_equals_the_gather(world, n_local, slots, seed,
     src, valid, _ = capacity.plan_receive(kept, slots)  # what this rank's own send looks like on arrival
     recv = torch.randint(0, 2**16, (total, 8), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     want = capacity._gather(recv, src, valid)
-    got = capacity._scatter(recv, capacity._slot_rows(src, valid), None, total)
+    got = capacity._scatter(recv, capacity.slot_rows(src, valid), None, total)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     inside = slot_of_row < total
     want = capacity._gather(recv, torch.where(inside, slot_of_row, 0), inside)

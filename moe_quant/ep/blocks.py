@@ -25,9 +25,10 @@ on the communication stream), and the caller runs the experts of range c as soon
 (:meth:`BlockExchange.arrived` waits on the stream, not the host), while the later ranges travel; each
 range's combine is posted when its experts are done, so it travels while the next range computes. In
 backward the combine-backward batches are posted the same way (latest range first, the order autograd runs
-the ranges in), and each range's dispatch backward is posted when its experts' backward is done. Every expert sees exactly the rows it sees unchunked, in the same order
-(a range's rows are a contiguous slice of the expert-major buffer), and the combine writes every row to the
-same place, so outputs and every gradient (weights included) are bit-identical for any C.
+the ranges in), and each range's dispatch backward is posted when its experts' backward is done. Every expert
+sees exactly the rows it sees unchunked, in the same order (a range's rows are a contiguous slice of the
+expert-major buffer), and the combine writes every row to the same place, so outputs and every gradient
+(weights included) are bit-identical for any C.
 
 One :class:`BlockExchange` per dispatch holds the buffers and the pending work of its four legs; the
 autograd functions of :mod:`moe_quant.ep.pipeline` drive it, so that autograd orders the waits and posts

@@ -77,6 +77,8 @@ class CapacityRoute:
     slot_of_row: torch.Tensor  # (N,) send slot of each sorted row, R*S where it overflows
     src: torch.Tensor  # (R*S,) received slot of each expert-major row (0 where none)
     valid: torch.Tensor  # (R*S,) bool: expert-major row t holds a received row
+    slot_rows: torch.Tensor  # (R*S,) expert-major row of each received slot, R*S where none (slot_rows(src, valid))
+    sent_rows: torch.Tensor  # (R*S,) sorted row of each send slot, N where none (send_idx where send_valid)
     num_tokens_per_local_expert: torch.Tensor  # (E_local,) int32
     dropped: torch.Tensor  # 0-d int64: token copies of the whole group past capacity (or invalid)
 
@@ -158,7 +160,7 @@ def _scatter(x: torch.Tensor, dest: torch.Tensor, keep: torch.Tensor | None, siz
     return out.index_copy_(0, index, raw)[:size].view(x.dtype)
 
 
-def _slot_rows(src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def slot_rows(src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """The inverse of a receiver's ``src`` over ``valid``: for each received slot, the expert-major row it
     becomes, ``len(src)`` where none."""
     total = src.numel()
@@ -168,8 +170,7 @@ def _slot_rows(src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def _forward_leg(x_sorted: torch.Tensor, route: CapacityRoute, leg: str) -> torch.Tensor:
     """Sorted rows -> slots -> all-to-all -> expert-major rows (MXFP8 on that wire)."""
-    s, total = [route.slots] * route.world, route.slots * route.world
-    rows = _slot_rows(route.src, route.valid)  # slot -> expert-major row
+    s, total, rows = [route.slots] * route.world, route.rows_received, route.slot_rows
     if route.wire is Wire.MXFP8:
         data, scales = q.quantize_rowwise(x_sorted, route.mode)
         data_s = _scatter(data, route.slot_of_row, None, total)
@@ -191,8 +192,7 @@ def _backward_leg(y: torch.Tensor, route: CapacityRoute, leg: str) -> torch.Tens
     s = [route.slots] * route.world
     back = all_to_all_rows(_scatter(y.contiguous(), route.src, route.valid, route.rows_received), s, s,
                            route.group, leg)
-    n = route.slot_of_row.numel()
-    return _scatter(back, torch.where(route.send_valid, route.send_idx, n), None, n)
+    return _scatter(back, route.sent_rows, None, route.slot_of_row.numel())
 
 
 class _Dispatch(torch.autograd.Function):

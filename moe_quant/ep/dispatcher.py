@@ -20,9 +20,8 @@ from ..choices import Choice
 from ..numerics import ScaleMode
 from ..routing import sort_tokens_by_expert, unsort_tokens
 from . import agree, blocks, capacity, pipeline
-from .legs import (HostRead, Route, Wire, combine_rows, dispatch_rows, exchange_counts, read_counts, received_counts,
-                   route_from_counts)
-from .legs import constant as legs_constant
+from .legs import (HostRead, Route, Wire, combine_rows, constant as legs_constant, dispatch_rows, exchange_counts,
+                   read_counts, received_counts, route_from_counts)
 from .wire import all_to_all_rows
 
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
@@ -374,6 +373,8 @@ class MXFP8TokenDispatcher:
         route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode, slots=slots,
                                        world=self.ep_size, send_idx=send_idx, send_valid=send_valid,
                                        slot_of_row=slot_of_row, src=src, valid=valid,
+                                       slot_rows=capacity.slot_rows(src, valid),
+                                       sent_rows=torch.where(send_valid, send_idx, slot_of_row.numel()),
                                        num_tokens_per_local_expert=num_tokens_per_local_expert, dropped=total_dropped)
         metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
                                       topk_scores_experts_sorted_N=scores_sorted, route=route)
