@@ -1,8 +1,8 @@
 """A/B of the 32x1, permute and block kernel candidates (``CANDIDATES`` in ``quantize_32x1.config`` /
 ``permute.config`` / ``block.config``), one process.
 
-    python scripts/ab_kernels.py [--family q32x1,q32x1-3d,q32x1-bf16,q32x1-3d-bf16,perm,perm-dequant,block-swiglu,
-        block-dswiglu,block-swiglu-fp8,block-dswiglu-fp8] [--rounds 5] [--json PATH]
+    python scripts/ab_kernels.py [--family q32x1,q32x1-3d,q32x1-bf16,q32x1-3d-bf16,perm,perm-dequant,block-dual,
+        block-swiglu,block-dswiglu,block-swiglu-fp8,block-dswiglu-fp8] [--rounds 5] [--json PATH]
 
 For each candidate: first byte-exact against the reference (every output byte, padding included: outputs
 are filled with 0xFF before the launch) on ragged, empty and garbage-offset cases; then timed through the
@@ -187,19 +187,21 @@ def perm_cases(out: str = "blocked"):
 # ----------------------------------------------------------------------------- block (swiglu, dswiglu)
 
 
-def block_family():
-    """Per (op, output) of the SwiGLU ops: the candidates' variants (rceil) and the ops' way to put one in place."""
+def block_family(ops=("swiglu", "dswiglu"), outs=("float8_e4m3fn", "bfloat16")):
+    """Per (op, output): the candidates' variants (rceil, ``config.candidates``) and the ops' way to put one in
+    place."""
     from moe_quant.kernels.block import config as config_block
     from moe_quant.kernels.block import ops as ops_block
 
     return {(op, o): ({name: config_block.Variant(op, "bfloat16", "rceil", o, **kw)
-                       for name, kw in config_block.CANDIDATES.items()}, ops_block.variant_in_place)
-            for op in config_block.SWIGLU_OPS for o in config_block.OUT_DTYPES}
+                       for name, kw in config_block.candidates(op, o).items()}, ops_block.variant_in_place)
+            for op in ops for o in outs}
 
 
 def block_check() -> bool:
-    """swiglu and dswiglu, both outputs, every byte against the reference (PyTorch's SwiGLU, the CPU quantizers):
-    ragged groups with a tail, ``a`` inside the fast-division range (normal), across it (wide) and NaN / Inf."""
+    """dual, swiglu and dswiglu, both outputs, every byte against the reference (PyTorch's SwiGLU, the CPU
+    quantizers): ragged groups with a tail, ``a`` inside the fast-division range (normal), across it (wide) and
+    NaN / Inf."""
     from mx_strategies import make_values, offsets_from_sizes
 
     from moe_quant import block_quantize as bq
@@ -216,8 +218,10 @@ def block_check() -> bool:
     for dist in ("normal", "wide", "nan_inf"):
         g, a, b = (make_values((m, r), dist, 11 + i).cuda() for i in range(3))
         for fake in (False, True):
-            want = [bq._separate_forms(reference.swiglu(a, b).cpu(), rc, clean, fake)]
-            got = [bq._kernel_forms(ops_block.block_swiglu(a, b, "rceil", offs.cuda(), fake), fake)[0]]
+            want = [bq._separate_forms(g.cpu(), rc, clean, fake)]
+            got = [bq._kernel_forms(ops_block.block_dual(g, "rceil", offs.cuda(), fake), fake)[0]]
+            want += [bq._separate_forms(reference.swiglu(a, b).cpu(), rc, clean, fake)]
+            got += [bq._kernel_forms(ops_block.block_swiglu(a, b, "rceil", offs.cuda(), fake), fake)[0]]
             want += [bq._separate_forms(t.cpu(), rc, clean, fake) for t in reference.dswiglu(g, a, b)]
             got += list(bq._kernel_forms(ops_block.block_dswiglu(g, a, b, "rceil", offs.cuda(), fake), fake))
             for gf, wf in zip(got, want):
@@ -252,6 +256,8 @@ FAMILIES = {
     "perm-dequant": (functools.partial(perm_family, "dequant"), functools.partial(perm_check, "dequant"),
                      functools.partial(perm_cases, "dequant"), "dequant", PERM_TARGETS),
     # the SwiGLU block's ops: bf16 outputs (Hopper's emulated GEMM operands), fp8 + scales (Blackwell's)
+    "block-dual": (functools.partial(block_family, ("dual",), ("bfloat16",)), block_check,
+                   functools.partial(block_cases, "dual"), ("dual", "bfloat16"), []),
     "block-swiglu": (block_family, block_check, functools.partial(block_cases, "swiglu"),
                      ("swiglu", "bfloat16"), []),
     "block-dswiglu": (block_family, block_check, functools.partial(block_cases, "dswiglu"),

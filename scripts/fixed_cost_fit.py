@@ -42,7 +42,7 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def q32_cases(m: int, r: int):
     """(name, bytes, call) of the memcpy and the 32x1 forms at ``(m, r)``."""
-    from benchmarks.bench_quantize import group_offsets
+    from benchmarks.bench_quantize import group_offsets, nbytes
     from benchmarks.bench_quantize_32x1 import k_groups_bytes, w_bytes
     from moe_quant.kernels import ops
 
@@ -55,6 +55,9 @@ def q32_cases(m: int, r: int):
                lambda offs=offs: ops.quantize_32x1_k_groups(rot.next()[0], "rceil", offs))
     yield (f"32x1 uniform E={E}", w_bytes(E, m // E, r, "n", "mxfp8"),
            lambda: ops.quantize_3d_along_n(rot.next()[0].view(E, m // E, r), "rceil"))
+    offs8 = group_offsets(m, 8, ragged=True)
+    yield ("1x32 mgroups G=8", nbytes(m, r, 8, "mxfp8"),
+           lambda: ops.quantize_1x32(rot.next()[0], "rceil", offs8))
 
 
 def perm_cases(m: int, k: int):

@@ -221,6 +221,29 @@ def test_candidates_match_reference(cand):
                     check_forms(got_b, reference_forms(grad_b, offs, mode, fake), f"dswiglu grad_b {what}")
 
 
+@pytest.mark.parametrize("cand", [name for name, fields in config_block.DUAL_CANDIDATES.items() if fields])
+def test_dual_candidates_match_reference(cand):
+    """Each A/B candidate of ``dual`` (``block.config.DUAL_CANDIDATES``, bf16 outputs), put in place of the dual
+    variant of both modes, byte for byte: ragged groups with a tail and more columns than one tile, on normal,
+    wide (magnitudes to 2^127), NaN / Inf and subnormal values."""
+    import contextlib
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    fields = config_block.DUAL_CANDIDATES[cand]
+    with contextlib.ExitStack() as stack:
+        for mode in ScaleMode:
+            v = config_block.Variant("dual", "bfloat16", mode.value, "bfloat16")
+            stack.enter_context(ops_block.variant_in_place(v.replace(**fields), dev))
+        sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
+        offs = offsets_from_sizes(sizes)
+        m = sum(sizes) + tail
+        for dist in ("normal", "wide", "nan_inf", "subnormal"):
+            (x,) = inputs(1, m, r, dist, 5)
+            for mode in ScaleMode:
+                got = kernel_forms(ops_block.block_dual(x, mode, offs.cuda(), True), True)[0]
+                check_forms(got, reference_forms(x, offs, mode, True), f"dual {cand} {dist} {mode.value}")
+
+
 # ----------------------------------------------------------------------------- the SwiGLU math, every bf16 value
 
 

@@ -31,6 +31,12 @@ def test_default_keys_unchanged():
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", staged=False, fast_div=False).key == \
         "dswiglu-bfloat16-rceil-float8_e4m3fn"
     assert config_block.Variant("dual", "bfloat16", "rceil").key == "dual-bfloat16-rceil-float8_e4m3fn"
+    # dual's candidate: the packed amax (the SwiGLU ops' default) under a 3-CTA register cap
+    assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16", packed_amax=True, ctas_per_sm=3).key == \
+        "dual-bfloat16-rceil-bfloat16-pamax-c3"
+    assert config_block.Variant("swiglu", "bfloat16", "rceil", packed_amax=False).key.endswith("-nopamax")
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        config_block.Variant("dual", "bfloat16", "rceil", ctas_per_sm=5)
     for config in (config_32x1, config_permute, config_block):  # the first candidate is the default
         assert not config.CANDIDATES[next(iter(config.CANDIDATES))]
 
@@ -48,8 +54,10 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert cands and not set(defaults) & set(cands)
         # every CTA order a variant may name is compiled (and so compile-checked) by some default or candidate
         assert {v.raster for v in cands + config.all_variants()} == set(config.RASTER_CHOICES)
-    elif config is config_block:  # every candidate of both SwiGLU ops and both outputs
-        assert len(cands) == (len(config.CANDIDATES) - 1) * len(config.SWIGLU_OPS) * len(config.OUT_DTYPES)
+    elif config is config_block:  # every candidate of both SwiGLU ops and both outputs, and dual's (bf16 out)
+        assert len(cands) == ((len(config.CANDIDATES) - 1) * len(config.SWIGLU_OPS) * len(config.OUT_DTYPES)
+                              + len(config.DUAL_CANDIDATES) - 1)
+        assert {v.op for v in cands} == set(config.OPS)
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")

@@ -29,6 +29,7 @@ OUT_DTYPES = ("float8_e4m3fn", "bfloat16")
 MODES = ("rceil", "floor")
 N_INPUTS = {"dual": 1, "swiglu": 2, "dswiglu": 3}
 N_OUTPUTS = {"dual": 1, "swiglu": 1, "dswiglu": 2}  # tensors written in both forms
+CTAS_PER_SM = (2, 3)  # min_blocks_per_mp choices (the defaults and the dual candidates, compile-checked in CI)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class Variant:
     # swiglu / dswiglu only; None: the op's default (both on for the SwiGLU ops since 2026-11-29, H200 A/B below)
     staged: bool | None = None  # inputs copied to shared memory by cp.async (one commit group per row), read per row
     fast_div: bool | None = None  # silu's division and sigmoid's reciprocal without ptxas' per-element branch
+    # None: the op's default. Both forms' amax on the packed bf16x2 words (max.u16x2); on for the SwiGLU ops
+    packed_amax: bool | None = None
+    ctas_per_sm: int = 2  # the launch's register cap: 2 -> 128 registers a thread (256 threads a CTA), 3 -> 80
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -56,7 +60,9 @@ class Variant:
         if self.stacked and (self.op != "dswiglu" or self.out_dtype != "bfloat16"):
             raise ValueError(f"stacked rowwise outputs exist for op 'dswiglu' with bfloat16 outputs only, got "
                              f"{self.op!r} with {self.out_dtype!r}")
-        for name in ("staged", "fast_div"):
+        if self.ctas_per_sm not in CTAS_PER_SM:
+            raise ValueError(f"ctas_per_sm must be one of {CTAS_PER_SM}, got {self.ctas_per_sm!r}")
+        for name in ("staged", "fast_div", "packed_amax"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.op in SWIGLU_OPS)
         if (self.staged or self.fast_div) and self.op == "dual":
@@ -70,7 +76,8 @@ class Variant:
     @property
     def key(self) -> str:
         return (f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}" + ("-stacked" if self.stacked else "")
-                + ("-staged" if self.staged else "") + ("-fastdiv" if self.fast_div else ""))
+                + ("-staged" if self.staged else "") + ("-fastdiv" if self.fast_div else "")
+                + ("" if self.packed_amax == (self.op in SWIGLU_OPS) else "-pamax" if self.packed_amax else "-nopamax") + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -90,7 +97,21 @@ def all_variants() -> list[Variant]:
 CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False}, "staged-plain-div": {"fast_div": False}}
 
 
+# A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
+# made dual 4-11% slower on one H200 (2026-11-29, NOTES.md): ptxas gave it 108-110 registers, two CTAs per SM
+# instead of the default's three (80 registers); "packed-c3" caps it at three. With fp8 outputs that cap spills
+# 8 bytes (ptxas, sm_90a), so those have no candidate.
+DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3}}
+
+
+def candidates(op: str, out_dtype: str) -> dict:
+    """The A/B candidates of ``op`` writing ``out_dtype``: name -> fields that differ from its default."""
+    if op == "dual":
+        return DUAL_CANDIDATES if out_dtype == "bfloat16" else {"default": {}}
+    return CANDIDATES
+
+
 def candidate_variants() -> list[Variant]:
     """The candidates' variants other than the defaults."""
-    return [Variant(op, "bfloat16", "rceil", o, **kw) for kw in CANDIDATES.values() if kw for op in SWIGLU_OPS
-            for o in OUT_DTYPES]
+    return [Variant(op, "bfloat16", "rceil", o, **kw) for op in OPS for o in OUT_DTYPES
+            for kw in candidates(op, o).values() if kw]

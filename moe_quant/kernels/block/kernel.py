@@ -55,7 +55,6 @@ THREADS = 4 * 32 * (TILE_COLS // HALF_COLS)  # the 32x1 kernel's default tile: 1
 
 _INFO = 8  # shared words: the 32x1 group record (0..6) and, in tail CTAs, the last group's end (7)
 ROW_LANES = (4, 8)  # butterfly offsets joining the 4 lanes of one token's 32-column block
-MIN_CTAS_PER_SM = 2  # the launch's register cap: ptxas keeps to 128 registers for 2 CTAs of 256 threads per SM
 
 # ----------------------------------------------------------------------------- SwiGLU math (PyTorch's CUDA)
 
@@ -227,9 +226,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # 2026-11-29: dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8, NOTES.md)
         self.scale_tile = not variant.fake and variant.op == "dual"
         self.staged, self.fast_div = variant.staged, variant.fast_div  # on for swiglu / dswiglu (config)
-        # both forms' amax on the packed words (max.u16x2) for the SwiGLU ops only (H200, 2026-11-29: swiglu and
-        # dswiglu +1.3-2.5%, dual -4..-11%; NOTES.md)
-        self.packed_amax = variant.op != "dual"
+        # both forms' amax on the packed words (max.u16x2): on for the SwiGLU ops (H200, 2026-11-29: swiglu and
+        # dswiglu +1.3-2.5%; dual at two CTAs per SM -4..-11%; NOTES.md)
+        self.packed_amax = variant.packed_amax
         self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
 
     # ------------------------------------------------------------------ host
@@ -253,9 +252,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.kernel(x0, x1, x2, rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1, offs, poffs, Int32(x0.shape[0]),
                     Int32(r), n_groups, row_stride, rp, sw, buf_rows, nx, Int32(ny)).launch(
             grid=[nx * self.n_out, ny, 1], block=[THREADS, 1, 1], stream=stream,
-            # two CTAs per SM: ptxas keeps to 128 registers (the 8 x 8 tile is live across both forms); staged
-            # inputs take 64 or 96 KB of shared memory per CTA
-            min_blocks_per_mp=MIN_CTAS_PER_SM, preferred_smem_carveout=100 if self.staged else 0)
+            # two CTAs per SM (the default): ptxas keeps to 128 registers (the 8 x 8 tile is live across both
+            # forms); staged inputs take 64 or 96 KB of shared memory per CTA
+            min_blocks_per_mp=self.v.ctas_per_sm, preferred_smem_carveout=100 if self.staged else 0)
 
     # ------------------------------------------------------------------ device
 
