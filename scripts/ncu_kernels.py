@@ -1,0 +1,53 @@
+"""One warm call of each short-input kernel inside an NVTX range, for Nsight Compute.
+
+    ncu --nvtx --nvtx-include 'q32_kgroups/' --nvtx-include 'q32_uniform/' --nvtx-include 'copy/' \\
+        --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy \\
+        python scripts/ncu_kernels.py [--m 8192] [--r 2048]
+
+Ranges: ``copy`` (a bf16 memcpy of ``(M, R)``), ``q1x32`` (the 1x32 kernel, M-groups scales, G = 8 ragged),
+``q32_kgroups`` (the 32x1 kernel's K-groups form, G = 8 ragged), ``q32_uniform`` (its 3D form along N, E = 8).
+Each kernel runs once outside its range first (compile, load), then once inside it. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.timing import require_cuda  # noqa: E402
+from moe_quant import cli  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/ncu_kernels.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", type=cli.positive_int, default=8192)
+    p.add_argument("--r", type=cli.positive_int, default=2048)
+    args = p.parse_args(argv)
+    require_cuda(argv)
+    from benchmarks.bench_quantize import group_offsets
+    from moe_quant.kernels import ops
+
+    m, r = args.m, args.r
+    x = torch.randn(m, r, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    offs = group_offsets(m, 8, ragged=True)
+    calls = {"copy": lambda: y.copy_(x), "q1x32": lambda: ops.quantize_1x32(x, "rceil", offs),
+             "q32_kgroups": lambda: ops.quantize_32x1_k_groups(x, "rceil", offs),
+             "q32_uniform": lambda: ops.quantize_3d_along_n(x.view(8, m // 8, r), "rceil")}
+    for name, call in calls.items():
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(name)
+        call()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
