@@ -2,7 +2,8 @@
 ``permute.config`` / ``block.config``), one process.
 
     python scripts/ab_kernels.py [--family q32x1,q32x1-3d,q32x1-bf16,q32x1-3d-bf16,perm,perm-dequant,block-dual,
-        block-swiglu,block-dswiglu,block-swiglu-fp8,block-dswiglu-fp8] [--rounds 5] [--json PATH]
+        block-swiglu,block-dswiglu,block-swiglu-fp8,block-dswiglu-fp8] [--rounds 5] [--candidates NAME,...]
+        [--json PATH]
 
 For each candidate: first byte-exact against the reference (every output byte, padding included: outputs
 are filled with 0xFF before the launch) on ragged, empty and garbage-offset cases; then timed through the
@@ -272,11 +273,11 @@ FAMILIES = {
 # ----------------------------------------------------------------------------- driver
 
 
-def run_family(name: str, rounds: int) -> dict:
+def run_family(name: str, rounds: int, only: list[str] | None = None) -> dict:
     make_family, check, cases, timed_kind, targets = FAMILIES[name]
     dev = torch.device("cuda", torch.cuda.current_device())
     kinds = make_family()
-    names = list(kinds[timed_kind][0])
+    names = [c for c in kinds[timed_kind][0] if not only or c == "default" or c in only]
     exact = {}
     for cand in names:
         with contextlib.ExitStack() as stack:
@@ -329,11 +330,13 @@ def main(argv=None) -> int:
     p.add_argument("--family", type=cli.comma_choices(*FAMILIES), default=list(FAMILIES))
     p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved timing rounds")
     p.add_argument("--json", type=cli.writable_file, default=None)
+    p.add_argument("--candidates", type=lambda t: [c for c in t.split(",") if c], default=None,
+                   help="comma list: only these candidates (and the default) are checked and timed")
     args = p.parse_args(argv)
     require_cuda(argv)
     out = {"device": device_name(), "torch": torch.__version__}
     for fam in args.family:
-        res = run_family(fam, args.rounds)
+        res = run_family(fam, args.rounds, args.candidates)
         names = list(next(iter(res["shapes"].values()))) if res["shapes"] else []
         rows = []
         for shape, pct in res["shapes"].items():
