@@ -123,3 +123,39 @@ def test_sync_free_slot_placement_equals_the_gather(world, n_local, slots, seed,
     want = capacity._gather(recv, torch.where(inside, slot_of_row, 0), inside)
     got = capacity._scatter(recv, torch.where(send_valid, send_idx, rows), None, rows)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+_ROW_DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.uint8, torch.float32, torch.int64]
+
+
+@given(dtype=st.sampled_from(_ROW_DTYPES), n=st.integers(0, 9), d=st.integers(1, 40), skip=st.integers(0, 3),
+       col0=st.integers(0, 5), seed=st.integers(0, 2**31 - 1))
+def test_row_words_index_copy_equals_the_elements(dtype, n, d, skip, col0, seed):
+    """A row copy by whole words (``wire.row_words``, the legs' placement) moves the same bytes as one by elements,
+    on rows of any width, offset (leading rows skipped) and column slice (a row stride wider than the row); it
+    widens exactly where the row's bytes, strides and offset allow, and the widened view shares the storage."""
+    from moe_quant.ep.wire import row_words
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 256, (n + skip, (d + col0) * torch.empty((), dtype=dtype).element_size()),
+                         dtype=torch.uint8, generator=g).view(dtype)
+    t = base[skip:, col0:col0 + d] if col0 else base[skip:]
+    w = row_words(t)
+    item = t.element_size()
+    legal = [s for s in (8, 4, 2) if s > item and t.stride(-1) == 1
+             and all((v * item) % s == 0 for v in (t.shape[-1], t.storage_offset(), t.stride(0)))]
+    assert w.element_size() == (legal[0] if legal else item) and not w.is_floating_point()
+    assert w.data_ptr() == t.data_ptr() and w.view(t.dtype).shape == t.shape
+    perm = torch.randperm(t.shape[0], generator=g)
+    want = t.contiguous().view(torch.uint8)[perm.argsort()]  # out[perm[i]] = t[i]
+    got = torch.empty_like(w).index_copy_(0, perm, w).view(t.dtype)
+    assert torch.equal(got.contiguous().view(torch.uint8), want)
+
+
+def test_row_words_widens_the_legs_rows():
+    """The precondition of the speed-up: DeepSeek-V3's fp8, bf16 and scale rows become 8-byte words."""
+    from moe_quant.ep.wire import row_words
+
+    for t in (torch.zeros(4, 7168, dtype=torch.float8_e4m3fn), torch.zeros(4, 7168, dtype=torch.bfloat16),
+              torch.zeros(4, 224, dtype=torch.uint8)):
+        assert row_words(t).dtype == torch.int64

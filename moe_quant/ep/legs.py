@@ -34,7 +34,7 @@ from .. import prequantized as pq
 from .. import quantize as q
 from ..numerics import ScaleMode
 from . import agree, permute
-from .wire import all_to_all_mxfp8, all_to_all_rows
+from .wire import all_to_all_mxfp8, all_to_all_rows, row_words
 
 
 class Wire(Choice):
@@ -229,8 +229,10 @@ def _expert_major(rows_received: torch.Tensor, route: Route) -> torch.Tensor:
 
 
 def _received_order(rows_expert_major: torch.Tensor, route: Route) -> torch.Tensor:
-    # the counts were checked in plan_route, so src is a permutation of the received rows
-    return torch.empty_like(rows_expert_major).index_copy_(0, route.src, rows_expert_major)
+    # the counts were checked in plan_route, so src is a permutation of the received rows; copied by whole words
+    # (wire.row_words)
+    w = row_words(rows_expert_major)
+    return torch.empty_like(w).index_copy_(0, route.src, w).view(rows_expert_major.dtype)
 
 
 def _send_mxfp8(x: torch.Tensor, route: Route, leg: str, quantized: tuple | None = None) -> torch.Tensor:
