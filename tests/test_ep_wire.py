@@ -159,3 +159,20 @@ def test_row_words_widens_the_legs_rows():
     for t in (torch.zeros(4, 7168, dtype=torch.float8_e4m3fn), torch.zeros(4, 7168, dtype=torch.bfloat16),
               torch.zeros(4, 224, dtype=torch.uint8)):
         assert row_words(t).dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_row_words_traces_under_compile(dtype):
+    """The legs' row placement traces with ``fullgraph=True`` (torch 2.11's dynamo cannot trace
+    ``storage_offset()``: there the same-size integer view is taken) and moves the same bytes as in eager."""
+    from moe_quant.ep.wire import row_words
+
+    def place(t, perm):
+        w = row_words(t)
+        return torch.empty_like(w).index_copy_(0, perm, w).view(t.dtype)
+
+    t = torch.randint(0, 120, (6, 64), dtype=torch.uint8).view(dtype) if dtype.itemsize == 1 else \
+        torch.randn(6, 64, dtype=dtype)
+    perm = torch.randperm(6)
+    got = torch.compile(place, fullgraph=True, backend="aot_eager")(t, perm)
+    assert torch.equal(got.view(torch.uint8), place(t, perm).view(torch.uint8))

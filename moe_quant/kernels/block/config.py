@@ -99,7 +99,8 @@ CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False}, 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
 # made dual 4-11% slower on one H200 (2026-11-29, NOTES.md): ptxas gave it 108-110 registers, two CTAs per SM
-# instead of the default's three (80 registers); "packed-c3" caps it at three. With fp8 outputs that cap spills
+# instead of the default's three (80 registers); "packed-c3" caps it at three: level with the default within the
+# spread (+0.0..+0.4 points of memcpy, one H200, 2026-11-29 evening, NOTES.md). With fp8 outputs that cap spills
 # 8 bytes (ptxas, sm_90a), so those have no candidate.
 DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3}}
 

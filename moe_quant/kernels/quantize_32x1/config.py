@@ -101,7 +101,8 @@ def all_variants() -> list[Variant]:
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
 # every arch (compile_check) on the operand the targets measure: bf16 in, rceil, both group kinds, e4m3 out.
 # The register caps of 2026-11-26 (H100, ``min_blocks_per_mp`` for 5, 6 and 8 CTAs per SM) were never really
-# measured: ab_kernels.py's swap missed the op then (NOTES.md, 2026-11-29). Measured on the H200 (2026-11-29): c64
+# measured: ab_kernels.py's swap missed the op then (NOTES.md, 2026-11-29). 5 CTAs, measured on an H200 the evening
+# of 2026-11-29 (a local candidate, 12 bytes of spills in the K-groups fp8 variant): 1-3 points slower; not kept. Measured on the H200 (2026-11-29): c64
 # slower from M = 32768; raster 16 for 3D along N (the default since), 1 for K-groups; g32 and g0 faster at N = 2048
 # and slower at 8x8192x5120.
 CANDIDATES = {"default": {}, "c64": {"tile_cols": 64}, "g1": {"raster": 1}, "g4": {"raster": 4},
