@@ -145,8 +145,9 @@ def plan_receive(kept: torch.Tensor, slots: int):
 def _gather(x: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 0:  # a rank without tokens still fills its slots (with zeros)
         return x.new_zeros(idx.shape[0], *x.shape[1:])
-    rows = x.view(torch.uint8)[idx] if x.dtype.itemsize == 1 else x[idx]
-    return torch.where(keep.unsqueeze(1), rows, 0).view(x.dtype)
+    # as whole words (wire.row_words): the mask, broadcast along the row, runs in PyTorch's non-vectorized
+    # elementwise kernel, a thread per element
+    return torch.where(keep.unsqueeze(1), row_words(x)[idx], 0).view(x.dtype)
 
 
 def _scatter(x: torch.Tensor, dest: torch.Tensor, keep: torch.Tensor | None, size: int) -> torch.Tensor:
@@ -295,13 +296,14 @@ class SlotExchange(PostsAhead):
             if (leg, c) not in self._issued:  # never posted: zeros, so that peers never wait for it
                 self.from_experts(leg, c, like.new_zeros(self._slots(c), like.shape[1]))
         dtype, d = self._dtypes[leg]
-        out = torch.zeros(self.rows, d, dtype=dtype, device=like.device)
+        out = row_words(torch.zeros(self.rows, d, dtype=dtype, device=like.device))  # selected by whole words
         for c in range(len(self.ranges)):
             back = self._wait(leg, c)[0].view(dtype).reshape(-1, d)
             slot_of_row, in_range = self.plans[c][2], self.plans[c][4]
             inside = slot_of_row < self._slots(c)
-            out = torch.where(in_range.unsqueeze(1), _gather(back, torch.where(inside, slot_of_row, 0), inside), out)
-        return out
+            rows = _gather(back, torch.where(inside, slot_of_row, 0), inside).view(out.dtype)
+            out = torch.where(in_range.unsqueeze(1), rows, out)
+        return out.view(dtype)
 
 
 def dispatch_rows(x_sorted: torch.Tensor, route: CapacityRoute) -> torch.Tensor:
