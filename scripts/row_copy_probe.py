@@ -45,7 +45,8 @@ def main(argv=None) -> int:
             us = bench_us(f)
             rows.append([name, str(tuple(t.shape)), str(w.dtype).replace("torch.", ""), c, f"{us:.1f}",
                          f"{nbytes / us / 1e6:.2f}", same])
-    print_table(f"row placement, {device_name()}", ["rows", "shape", "word", "op", "us", "TB/s", "words == plain"], rows)
+    print_table(f"row placement, {device_name()}", ["rows", "shape", "word", "op", "us", "TB/s", "words == plain"],
+                rows)
     return 0
 
 

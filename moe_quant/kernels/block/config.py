@@ -77,7 +77,8 @@ class Variant:
     def key(self) -> str:
         return (f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}" + ("-stacked" if self.stacked else "")
                 + ("-staged" if self.staged else "") + ("-fastdiv" if self.fast_div else "")
-                + ("" if self.packed_amax == (self.op in SWIGLU_OPS) else "-pamax" if self.packed_amax else "-nopamax") + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else ""))
+                + ("" if self.packed_amax == (self.op in SWIGLU_OPS) else "-pamax" if self.packed_amax else "-nopamax")
+                + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
