@@ -129,17 +129,17 @@ _ROW_DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.uint8, torch.float32, 
 
 
 @given(dtype=st.sampled_from(_ROW_DTYPES), n=st.integers(0, 9), d=st.integers(1, 40), skip=st.integers(0, 3),
-       col0=st.integers(0, 5), seed=st.integers(0, 2**31 - 1))
-def test_row_words_index_copy_equals_the_elements(dtype, n, d, skip, col0, seed):
+       col0=st.integers(0, 5), step=st.sampled_from([1, 1, 2]), seed=st.integers(0, 2**31 - 1))
+def test_row_words_index_copy_equals_the_elements(dtype, n, d, skip, col0, step, seed):
     """A row copy by whole words (``wire.row_words``, the legs' placement) moves the same bytes as one by elements,
     on rows of any width, offset (leading rows skipped) and column slice (a row stride wider than the row); it
     widens exactly where the row's bytes, strides and offset allow, and the widened view shares the storage."""
     from moe_quant.ep.wire import row_words
 
     g = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, 256, (n + skip, (d + col0) * torch.empty((), dtype=dtype).element_size()),
-                         dtype=torch.uint8, generator=g).view(dtype)
-    t = base[skip:, col0:col0 + d] if col0 else base[skip:]
+    base = torch.randint(0, 256, (n + skip, (step * d + col0) * dtype.itemsize), dtype=torch.uint8,
+                         generator=g).view(dtype)
+    t = base[skip:, col0:col0 + step * d:step]  # step 2: a strided last dimension
     w = row_words(t)
     item = t.element_size()
     legal = [s for s in (8, 4, 2) if s > item and t.stride(-1) == 1

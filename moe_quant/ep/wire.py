@@ -96,8 +96,8 @@ _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 def row_words(t: torch.Tensor) -> torch.Tensor:
     """``t`` (rows along dim 0, 2-D or more) viewed as integers: the widest type whose size divides its rows'
     bytes, its row strides and its offset (so the view is legal), at least its own element size (a 1-byte
-    float becomes uint8, which every copy kernel takes; while compiling, the integer type of its own size); the
-    bits are unchanged (``.view(t.dtype)`` undoes it).
+    float becomes uint8, which every copy kernel takes; while compiling or where the last dimension is strided,
+    the integer type of its own size); the bits are unchanged (``.view(t.dtype)`` undoes it).
 
     For the legs' row copies: PyTorch's ``index_copy_`` along dim 0 runs a thread per element, so an fp8 row of
     D bytes is D element copies; as 8-byte words it is D / 8, moved 4.6x faster (bf16 rows 2.6x) on an H200
@@ -105,13 +105,11 @@ def row_words(t: torch.Tensor) -> torch.Tensor:
     if t.dim() < 2:
         return t
     item = t.dtype.itemsize
-    if torch.compiler.is_compiling():
-        # traced (dynamo cannot trace storage_offset() in torch 2.11): the same-size integer view, legal for any
-        # layout; Inductor writes its own copy kernel
-        same = next(d for d in _WORDS if d.itemsize == item)
+    same = next(d for d in _WORDS if d.itemsize == item)  # legal for any layout
+    # traced (dynamo cannot trace storage_offset(), torch 2.11 and 2.13 under fullgraph; Inductor writes its own
+    # copy kernel), or rows that are not contiguous: the integer type of the element's own size
+    if torch.compiler.is_compiling() or t.stride(-1) != 1:
         return t.view(same) if t.dtype != same else t
-    if t.stride(-1) != 1:
-        return t
     for dtype in _WORDS:
         size = dtype.itemsize
         if size == item or (size > item and all(
