@@ -172,3 +172,28 @@ def test_block_variant_in_place_reaches_every_op(launches):
         assert log[-1] == cand, f"{v}: the op launched {log[-1]}"
         ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)
         assert log[-1] == v
+
+
+def test_ab_kernels_families_offer_the_same_candidates_in_every_kind():
+    """``scripts/ab_kernels.py`` puts one candidate in place in every kind of a family at once (by name), so each
+    kind of a family must name the same candidates; the block-dual family times ``dual`` with bf16 outputs only
+    (with fp8 outputs its candidate spills), so its fp8 kind must not be in it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("ab_kernels_under_test", root / "scripts" / "ab_kernels.py")
+    ab = importlib.util.module_from_spec(spec)
+    sys.path[:0] = [str(root), str(root / "tests")]
+    try:
+        spec.loader.exec_module(ab)
+    finally:
+        del sys.path[:2]
+    for name, (make, _check, _cases, timed, _targets) in ab.FAMILIES.items():
+        kinds = make()
+        assert timed in kinds, name
+        names = {k: list(v[0]) for k, v in kinds.items()}
+        assert len({tuple(n) for n in names.values()}) == 1, (name, names)
+        assert names[timed][0].startswith("default") and len(names[timed]) > 1, (name, names)
+    assert set(ab.FAMILIES["block-dual"][0]()) == {("dual", "bfloat16")}
