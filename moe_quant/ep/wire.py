@@ -105,17 +105,16 @@ def row_words(t: torch.Tensor) -> torch.Tensor:
     if t.dim() < 2:
         return t
     item = t.dtype.itemsize
-    same = next(d for d in _WORDS if d.itemsize == item)  # legal for any layout
     # traced (dynamo cannot trace storage_offset(), torch 2.11 and 2.13 under fullgraph; Inductor writes its own
-    # copy kernel), or rows that are not contiguous: the integer type of the element's own size
-    if torch.compiler.is_compiling() or t.stride(-1) != 1:
-        return t.view(same) if t.dtype != same else t
-    for dtype in _WORDS:
-        size = dtype.itemsize
-        if size == item or (size > item and all(
-                (s * item) % size == 0 for s in (t.shape[-1], t.storage_offset(), *t.stride()[:-1]))):
-            return t.view(dtype) if t.dtype != dtype else t
-    return t
+    # copy kernel), or rows that are not contiguous: no wider word, the integer type of the element's own size
+    if not torch.compiler.is_compiling() and t.stride(-1) == 1:
+        for dtype in _WORDS:  # widest first
+            if dtype.itemsize <= item:
+                break
+            if all((s * item) % dtype.itemsize == 0 for s in (t.shape[-1], t.storage_offset(), *t.stride()[:-1])):
+                return t.view(dtype)
+    same = next(d for d in _WORDS if d.itemsize == item)  # legal for any layout
+    return t.view(same) if t.dtype != same else t
 
 
 def _exchange(parts: list, output_splits: list[int], input_splits: list[int], group, leg: str) -> list:
