@@ -81,9 +81,12 @@ ROWS = {
     "p2p": dict(convert=True, wire="mxfp8", transport="p2p"),
     "p2p_c2": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2),
     "p2p_c4": dict(convert=True, wire="mxfp8", transport="p2p", chunks=4),
+    **{f"p2p_c4_sm{n}": dict(convert=True, wire="mxfp8", transport="p2p", chunks=4, sm_carveout=n) for n in (4, 8, 16, 32)},
+    "p2p_c2_sm8": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2, sm_carveout=8),
     "conv_bf16_p2p_c2": dict(convert=True, wire="bf16", transport="p2p", chunks=2),
     "sync_free": dict(convert=True, wire="mxfp8", capacity_factor=1.25),
     "sync_free_c2": dict(convert=True, wire="mxfp8", capacity_factor=1.25, chunks=2),
+    "sync_free_c2_sm8": dict(convert=True, wire="mxfp8", capacity_factor=1.25, chunks=2, sm_carveout=8),
 }
 LABELS = {
     "bf16": "(i) bf16 model, bf16 comms",
@@ -93,9 +96,12 @@ LABELS = {
     "p2p": "(v) converted, MXFP8 comms, p2p",
     "p2p_c2": "(v) converted, MXFP8 comms, p2p, 2 chunks",
     "p2p_c4": "(v) converted, MXFP8 comms, p2p, 4 chunks",
+    **{f"p2p_c4_sm{n}": f"(v) p2p, 4 chunks, GEMMs leave {n} SMs" for n in (4, 8, 16, 32)},
+    "p2p_c2_sm8": "(v) p2p, 2 chunks, GEMMs leave 8 SMs",
     "conv_bf16_p2p_c2": "converted, bf16 comms, p2p, 2 chunks",
     "sync_free": "converted, MXFP8 comms, sync-free (capacity 1.25)",
     "sync_free_c2": "converted, MXFP8 comms, sync-free (capacity 1.25), 2 chunks",
+    "sync_free_c2_sm8": "sync-free (capacity 1.25), 2 chunks, GEMMs leave 8 SMs",
 }
 DEFAULT_ROWS = "bf16,titan,conv_bf16,conv_mxfp8,p2p,p2p_c2,p2p_c4,sync_free,sync_free_c2"
 LEG_FRACTIONS = (0.25, 0.5, 1.0)  # the leg-alone sizes, fractions of one dispatch's rows

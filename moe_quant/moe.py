@@ -116,19 +116,21 @@ class EPMoE(_RoutedBlock):
     the forward output and the input gradient equal the single-process converted :class:`MoE` bit for bit
     for the same routing, global token order rank-major (``tests/test_ep.py``). ``transport="p2p"`` with
     ``chunks`` > 1 runs the local experts in that many ranges, each overlapping the exchange of the others
-    (:mod:`moe_quant.ep.blocks`; the same bits, weight gradients included).
+    (:mod:`moe_quant.ep.blocks`; the same bits, weight gradients included); ``sm_carveout`` leaves that many
+    SMs to the exchange while each range's experts run (:class:`moe_quant.ep.MXFP8TokenDispatcher`).
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, group=None,
                  route_norm: bool = False, wire: str = "mxfp8", scale_mode: str = "rceil",
                  capacity_factor: float | None = None, overflow: str = "error", max_tokens: int | None = None,
-                 transport: str = "all_to_all", chunks: int = 1):
+                 transport: str = "all_to_all", chunks: int = 1, sm_carveout: int | None = None):
         super().__init__()
         from .ep import MXFP8TokenDispatcher
 
         self.dispatcher = MXFP8TokenDispatcher(num_experts, top_k, group=group, wire=wire, scale_mode=scale_mode,
                                                capacity_factor=capacity_factor, overflow=overflow,
-                                               max_tokens=max_tokens, transport=transport, chunks=chunks)
+                                               max_tokens=max_tokens, transport=transport, chunks=chunks,
+                                               sm_carveout=sm_carveout)
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, route_norm)
         self.experts = GroupedExperts(dim, hidden_dim, self.dispatcher.num_local_experts)
         self.top_k = top_k
@@ -136,17 +138,18 @@ class EPMoE(_RoutedBlock):
     @classmethod
     def from_moe(cls, moe: MoE, *, group=None, wire: str = "mxfp8", scale_mode: str = "rceil",
                  capacity_factor: float | None = None, overflow: str = "error",
-                 max_tokens: int | None = None, transport: str = "all_to_all", chunks: int = 1) -> "EPMoE":
+                 max_tokens: int | None = None, transport: str = "all_to_all", chunks: int = 1,
+                 sm_carveout: int | None = None) -> "EPMoE":
         """This rank's shard of an (unconverted) :class:`MoE`: its router and its slice of the experts
         (``capacity_factor``, ``overflow``, ``max_tokens``: the sync-free mode of
-        :class:`moe_quant.ep.MXFP8TokenDispatcher`; ``transport``, ``chunks``: its transport)."""
+        :class:`moe_quant.ep.MXFP8TokenDispatcher`; ``transport``, ``chunks``, ``sm_carveout``: its transport)."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a moe_quant.moe.MoE, got {type(moe).__name__}")
         w1 = moe.experts.w1
         ep = cls(w1.shape[2], w1.shape[1], moe.experts.num_experts, moe.top_k, group=group,
                  route_norm=moe.router.route_norm, wire=wire, scale_mode=scale_mode,
                  capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens, transport=transport,
-                 chunks=chunks).to(w1.device, w1.dtype)
+                 chunks=chunks, sm_carveout=sm_carveout).to(w1.device, w1.dtype)
         n, rank = ep.experts.num_experts, torch.distributed.get_rank(group)
         with torch.no_grad():
             ep.router.gate.weight.copy_(moe.router.gate.weight)

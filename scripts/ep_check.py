@@ -40,6 +40,7 @@ def parse_args():
     p.add_argument("--routing", default="router", choices=["router", "one_rank"])
     p.add_argument("--transport", default="all_to_all", choices=["all_to_all", "p2p"])
     p.add_argument("--chunks", type=int, default=1, help="ranges of local experts (p2p transport)")
+    p.add_argument("--sm-carveout", type=int, default=None, help="SMs the experts' GEMMs leave to the exchange")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -60,7 +61,8 @@ def main() -> int:
         if getattr(args, name) is not None:
             sizes[name] = getattr(args, name)
     case = CheckCase(**{**sizes, "tokens": (sizes["tokens"],)}, wire=args.wire, scale_mode=args.scale_mode,
-                     routing=args.routing, seed=args.seed, transport=args.transport, chunks=args.chunks)
+                     routing=args.routing, seed=args.seed, transport=args.transport, chunks=args.chunks,
+                     sm_carveout=args.sm_carveout)
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     try:
         result = run_check(case, device=device)

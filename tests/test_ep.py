@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 D = 64
 # dispatcher settings compared with the all-to-all transport, bit for bit (tests/test_ep.py::test_transports...)
 P2P_VARIANTS = [{"transport": "p2p", "chunks": 1}, {"transport": "p2p", "chunks": 2},
-                {"transport": "p2p", "chunks": 4}]
+                {"transport": "p2p", "chunks": 4}, {"transport": "p2p", "chunks": 2, "sm_carveout": 4}]
 ROUTER = dict(dim=D, hidden_dim=96, experts_per_rank=2, top_k=2, tokens=(40,))
 CASES_2 = {
     "mxfp8": ("check", ROUTER),
@@ -100,7 +100,7 @@ CASES_4 = {
     "disagree_transport": ("bad", {"kind": "disagree_transport", "bad_rank": 2}),
     "sync_free_chunks": ("sync_free", {"case": {**ROUTER, "experts_per_rank": 4, "tokens": (40, 17, 0, 33),
                                                 "seed": 16},
-                                       "capacity_factor": 8.0, "chunks": 4}),
+                                       "capacity_factor": 8.0, "chunks": 4, "sm_carveout": 4}),
 }
 
 

@@ -93,3 +93,89 @@ def test_ranges_never_waited_for_are_posted_before_returned():
     ex.returned("combine", torch.zeros(0, 4))
     assert [e for e in log if e[0] == "post"] == [("post", "dispatch", c) for c in range(3)]
     assert log[-1] == ("returned", "combine")
+
+
+class _Sees(torch.autograd.Function):
+    """Identity that logs the SM carveout in force when its forward and its backward run (a GEMM's view)."""
+
+    @staticmethod
+    def forward(ctx, x, log, c):
+        ctx.log, ctx.c = log, c
+        log.append(("forward", c, torch._C._get_sm_carveout_experimental()))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(("backward", ctx.c, torch._C._get_sm_carveout_experimental()))
+        return grad * 2, None, None
+
+
+class _RecordingCarveout(_Recording):
+    """Logs the carveout in force when a range is posted back (combine, dispatch backward)."""
+
+    def from_experts(self, leg, c, rows):
+        self.log.append(("back", leg, c, torch._C._get_sm_carveout_experimental()))
+
+
+def _carveout_run(n: int, carve, x_grad: bool, log: list, before=None):
+    ex = _RecordingCarveout(n, log)
+    torch._C._set_sm_carveout_experimental(before)
+    w = torch.randn(1, 8, requires_grad=True)  # the experts' weight: backward runs even if x needs no gradient
+    x = torch.randn(n, 8, requires_grad=x_grad)
+    y = pipeline.run_ranges(ex, x, [lambda rows, counts, c=c: _Sees.apply(rows * w, log, c) for c in range(n)],
+                            sm_carveout=carve)
+    log.append(("after forward", None, torch._C._get_sm_carveout_experimental()))
+    y.sum().backward()
+    log.append(("after backward", None, torch._C._get_sm_carveout_experimental()))
+    return w
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("before", [None, 3])
+def test_sm_carveout_holds_exactly_while_the_experts_run(n, x_grad, before):
+    """``sm_carveout``: every range's experts, forward and backward, see it (with more than one range); nothing
+    else does, and the setting in force before comes back after the forward and after the backward, also when
+    the rows need no gradient (the window then closes when autograd's backward pass ends)."""
+    log = []
+    try:
+        w = _carveout_run(n, 8, x_grad, log, before)
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+    assert w.grad is not None and bool(w.grad.abs().sum() > 0)  # the experts' backward ran
+    want = 8 if n > 1 else before
+    posts = [e for e in log if e[0] == "back"]
+    assert len(posts) == n * (2 if x_grad else 1)
+    assert all(e[3] == before for e in posts), log  # the exchange's own work runs outside the windows
+    experts = [e for e in log if e[0] in ("forward", "backward")]
+    assert sorted((e[0], e[1]) for e in experts) == sorted((k, c) for k in ("forward", "backward") for c in range(n))
+    assert all(e[2] == want for e in experts), log
+    assert [e for e in log if e[0] == "after forward"] == [("after forward", None, before)]
+    assert log[-1] == ("after backward", None, before), log
+    assert pipeline.SmWindow._depth == 0
+
+
+def test_sm_carveout_none_changes_nothing():
+    log = []
+    try:
+        _carveout_run(3, None, True, log, 5)
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+    assert {e[-1] for e in log if e[0] != "post" and e[0] != "wait" and e[0] != "returned"} == {5}
+
+
+def test_sm_windows_nest_and_restore_the_outer_setting():
+    try:
+        torch._C._set_sm_carveout_experimental(2)
+        a, b = pipeline.SmWindow(8), pipeline.SmWindow(16)
+        a.open()
+        assert torch._C._get_sm_carveout_experimental() == 8
+        b.open()  # the first window's setting stays (one setting while any window is open)
+        a.close()
+        assert torch._C._get_sm_carveout_experimental() == 8
+        a.close()  # twice: no effect
+        b.close()
+        assert torch._C._get_sm_carveout_experimental() == 2
+        assert pipeline.SmWindow._depth == 0
+    finally:
+        torch._C._set_sm_carveout_experimental(None)

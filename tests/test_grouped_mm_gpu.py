@@ -220,3 +220,32 @@ def test_fp32_master_weights_quantized_without_a_bf16_copy():
     assert not any(w.shape in log.casts or w.transpose(-2, -1).shape in log.casts for w in ws32), log.casts
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b.float() if i >= 2 else b), i
+
+
+@pytest.mark.parametrize("carveout", [8, 32])
+def test_sm_carveout_changes_no_bit(carveout):
+    """The EP pipeline's ``sm_carveout`` (moe_quant.ep.pipeline.SmWindow) makes torch's GEMMs target fewer SMs:
+    the MXFP8 grouped GEMM's forward and both gradients keep every bit, large enough that the GEMMs' grid
+    depends on the SM count (more tiles than SMs)."""
+    sizes = [1024, 0, 3000, 2048, 77]
+    A, W, go, offs = problem(sizes, 2048, 1024, "cuda", seed=7)
+    ref = [t.clone() for t in fwd_bwd(A, W, go, offs)]
+    assert torch._C._get_sm_carveout_experimental() is None
+    try:
+        torch._C._set_sm_carveout_experimental(carveout)
+        got = fwd_bwd(A, W, go, offs)
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+    for r, g in zip(ref, got):
+        assert torch.equal(r.view(torch.int16), g.view(torch.int16))
+
+
+def test_sm_carveout_leaving_no_sm_is_refused():
+    from moe_quant.ep import MXFP8TokenDispatcher
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    d = MXFP8TokenDispatcher(4, 2, transport="p2p", chunks=2, sm_carveout=sms)
+    with pytest.raises(ValueError, match="sm_carveout"):
+        d._carveout(torch.zeros(1, device="cuda"))
+    assert MXFP8TokenDispatcher(4, 2, transport="p2p", chunks=2, sm_carveout=sms - 1)._carveout(
+        torch.zeros(1, device="cuda")) == sms - 1

@@ -247,6 +247,10 @@ CASES = [
     ("dispatcher chunks 0", lambda: _dispatcher(transport="p2p", chunks=0), ValueError, "chunks"),
     ("dispatcher chunks float", lambda: _dispatcher(transport="p2p", chunks=2.0), TypeError, "chunks"),
     ("dispatcher chunks all_to_all", lambda: _dispatcher(chunks=2), ValueError, "chunks"),
+    ("dispatcher sm_carveout negative", lambda: _dispatcher(transport="p2p", chunks=2, sm_carveout=-1), ValueError,
+     "sm_carveout"),
+    ("dispatcher sm_carveout float", lambda: _dispatcher(transport="p2p", chunks=2, sm_carveout=8.0), TypeError,
+     "sm_carveout"),
     ("EPMoE max_tokens negative", lambda: EPMoE(64, 96, 4, 2, capacity_factor=1.0, max_tokens=-1), ValueError,
      "max_tokens"),
 ]

@@ -42,6 +42,7 @@ class CheckCase:
     seed: int = 0
     transport: str = "all_to_all"  # the dispatcher's transport ("all_to_all" | "p2p")
     chunks: int = 1  # ranges of local experts ("p2p")
+    sm_carveout: int | None = None  # SMs the experts' GEMMs leave to the exchange (chunks > 1)
 
     def tokens_of(self, rank: int) -> int:
         return self.tokens[rank] if len(self.tokens) > 1 else self.tokens[0]
@@ -132,7 +133,7 @@ def run_check(case: CheckCase, group=None, device="cpu", dtype=torch.bfloat16) -
     torch.manual_seed(case.seed)
     base = MoE(case.dim, case.hidden_dim, n_experts, case.top_k).to(device, dtype)
     ep = EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode, transport=case.transport,
-                        chunks=case.chunks)
+                        chunks=case.chunks, sm_carveout=case.sm_carveout)
     ref = copy.deepcopy(base)
     bf16 = copy.deepcopy(base)
     if case.convert:
@@ -253,7 +254,7 @@ def run_transport_check(case: CheckCase, variants: list, group=None) -> dict:
     base = MoE(case.dim, case.hidden_dim, n_experts, case.top_k).to(torch.bfloat16)
     xs, gouts = _inputs(case, world, "cpu", torch.bfloat16)
     results = []
-    for settings in [{"transport": case.transport, "chunks": case.chunks}] + list(variants):
+    for settings in [{"transport": case.transport, "chunks": case.chunks, "sm_carveout": case.sm_carveout}] + list(variants):
         model = EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode, **settings)
         if case.convert:
             _convert(model, case)
@@ -305,15 +306,16 @@ def _ep_models(case: CheckCase, world: int, group, **sync_free) -> dict:
 
 
 def run_sync_free_check(case: CheckCase, capacity_factor: float, overflow: str = "error", group=None,
-                        steps: int = 2, max_tokens: int | None = None, chunks: int = 1) -> dict:
+                        steps: int = 2, max_tokens: int | None = None, chunks: int = 1,
+                        sm_carveout: int | None = None) -> dict:
     """The EP block in the synced mode and in the sync-free mode (``capacity_factor``, ``overflow``,
-    ``max_tokens``, ``chunks``), same weights and inputs (``case.tokens``: T per rank, may differ): are outputs and
+    ``max_tokens``, ``chunks``, ``sm_carveout``), same weights and inputs (``case.tokens``: T per rank, may differ): are outputs and
     gradients bit-identical, how many host reads did the sync-free steps after the first make, how many
     rows did each rank hand to the dispatch all-to-all, how many overflowed, what did ``check_overflow`` say."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n_experts = case.experts_per_rank * world
     models = _ep_models(case, world, group, capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens,
-                        chunks=chunks)
+                        chunks=chunks, sm_carveout=sm_carveout)
     xs, gouts = _inputs(case, world, "cpu", torch.bfloat16)
     res, host_reads = {}, {"synced": [], "sync_free": []}
     dispatch_rows = []

@@ -90,6 +90,10 @@ class MXFP8TokenDispatcher:
             :func:`moe_quant.ep.capacity.slots_per_rank`), so overflow is per range; nothing
             overflowing, the same bits as one range. :meth:`dispatch` / :meth:`combine` alone, and
             compiled calls, run one range.
+        sm_carveout: with ``chunks`` > 1, the number of SMs torch's GEMMs leave free while each range's experts
+            run (forward and backward), so that they are not slowed by the NCCL kernels that overlap them
+            (:class:`moe_quant.ep.pipeline.SmWindow`); default None (every SM). A setting of this rank alone:
+            the ranks need not agree, and the bits do not change.
 
     Ranks that disagree (on num_experts, top_k, wire, scale mode, capacity_factor, overflow, max_tokens,
     transport, chunks: checked by a one-time handshake per group before the first dispatch; on the hidden size and the
@@ -109,7 +113,8 @@ class MXFP8TokenDispatcher:
     def __init__(self, num_experts: int, top_k: int, *, group=None, wire: Wire | str = Wire.MXFP8,
                  scale_mode: ScaleMode | str = ScaleMode.RCEIL, capacity_factor: float | None = None,
                  overflow: str = "error", max_tokens: int | None = None,
-                 transport: Transport | str = Transport.ALL_TO_ALL, chunks: int = 1):
+                 transport: Transport | str = Transport.ALL_TO_ALL, chunks: int = 1,
+                 sm_carveout: int | None = None):
         self.num_experts = v.check_size("num_experts", num_experts)
         self.top_k = v.check_size("top_k", top_k)
         if self.num_experts < 1:
@@ -138,6 +143,9 @@ class MXFP8TokenDispatcher:
                              f"or of the sync-free mode: pass transport='p2p' or a capacity_factor (got transport="
                              f"{self.transport.value!r}, capacity_factor=None)")
         self.chunks = chunks
+        if sm_carveout is not None and v.check_size("sm_carveout", sm_carveout) < 0:
+            raise ValueError(f"sm_carveout must be None or a number of SMs >= 0, got {sm_carveout}")
+        self.sm_carveout = sm_carveout
         self.capacity_factor = capacity_factor
         self.overflow = overflow
         self.max_tokens = max_tokens
@@ -342,18 +350,30 @@ class MXFP8TokenDispatcher:
                              f"function of the ranges [(lo, hi), ...] that returns one experts callable per range")
         ranges = pipeline.expert_ranges(self.num_local_experts, self.chunks)
         runners = [experts] if len(ranges) == 1 else list(split_experts(ranges))
+        carve = self._carveout(x_TD) if len(ranges) > 1 else None
         if chunked_sync_free:
             self._sync_free_checks(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
             x_sorted, token_idx, scores_sorted, plans, receives, total_dropped = self._sync_free_plan(
                 x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E, ranges)
             ex = capacity.SlotExchange(self.group, wire=self.wire, mode=self.scale_mode, world=self.ep_size,
                                        ranges=ranges, plans=plans, receives=receives, rows=token_idx.shape[0])
-            y = self._poisoned_if_dropped(pipeline.run_ranges(ex, x_sorted, runners), total_dropped)
+            y = self._poisoned_if_dropped(pipeline.run_ranges(ex, x_sorted, runners, sm_carveout=carve),
+                                          total_dropped)
         else:
             x_sorted, token_idx, scores_sorted, quantized, counts, recv = self._synced_exchange(
                 x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
-            y = pipeline.run_ranges(self._block_exchange(counts, recv, self.chunks), x_sorted, runners, quantized)
+            y = pipeline.run_ranges(self._block_exchange(counts, recv, self.chunks), x_sorted, runners, quantized,
+                                    sm_carveout=carve)
         return unsort_tokens(y, scores_sorted, token_idx, x_TD, scatter_add=self._scatter_add)
+
+    def _carveout(self, x_TD) -> int | None:
+        """``sm_carveout``, checked against the SMs of ``x_TD``'s device (what is left must run a GEMM)."""
+        n = self.sm_carveout
+        if n is not None and x_TD.is_cuda:
+            sms = torch.cuda.get_device_properties(x_TD.device).multi_processor_count
+            if n >= sms:
+                raise ValueError(f"sm_carveout={n} leaves no SM of the {sms} of {x_TD.device} to the GEMMs")
+        return n
 
     def _mismatch(self, topk_expert_ids_TK, counts):
         """0-d bool device tensor: an id outside [0, num_experts) or counts that are not the ids' histogram.

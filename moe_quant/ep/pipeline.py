@@ -19,6 +19,13 @@ range c and queueing its experts, range c + 1's (:class:`PostsAhead`), and posts
 after its experts; the backward does the same with the combine backward, latest range first (autograd runs
 later nodes first), and posts each range's dispatch backward as soon as that range's experts' backward is
 done.
+
+SMs for the communication kernels (``sm_carveout``). A GEMM launched while an NCCL kernel holds some SMs runs
+its persistent grid (one CTA per SM) in two waves: the CTAs that found no free SM start when others finish, and
+the GEMM takes up to twice as long. On 2 H200s (2026-11-29, NVLink at 55 GB/s, p2p in 4 ranges) the grouped GEMMs
+that overlapped a transfer ran 1.45-1.9x their time alone. With ``sm_carveout=n`` each range's experts, forward
+and backward, run while torch's GEMMs target ``n`` fewer SMs (``torch._C._set_sm_carveout_experimental``: torch's
+grouped GEMM and cuBLAS read it), so they fit beside the transfers (:class:`SmWindow`).
 """
 
 from __future__ import annotations
@@ -68,6 +75,55 @@ class PostsAhead:
                 post(r)
 
 
+class SmWindow:
+    """One range's experts, during which torch's GEMMs target ``n`` fewer SMs (see the module doc).
+
+    Windows nest process-wide (a depth count): the first one opened saves the setting in force and sets ``n``,
+    the last one closed restores it. Forward: the experts' call (``with window:``). ``n=None``: no window.
+    Backward: opened by :class:`_Return` (the range's output gradient has arrived, its experts' backward comes
+    next), closed by :class:`_Received` (their input gradient is made) or, where that never runs (rows that
+    need no gradient), when autograd's backward pass ends."""
+
+    _depth = 0
+    _saved = None
+
+    def __init__(self, n: int | None):
+        self.n, self._open = n, False
+
+    def open(self) -> None:
+        if self.n is None or self._open:
+            return
+        cls = SmWindow
+        if cls._depth == 0:
+            cls._saved = torch._C._get_sm_carveout_experimental()
+            torch._C._set_sm_carveout_experimental(self.n)
+        cls._depth += 1
+        self._open = True
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        cls = SmWindow
+        cls._depth -= 1
+        if cls._depth == 0:
+            torch._C._set_sm_carveout_experimental(cls._saved)
+
+    def __enter__(self):
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open_for_backward(self) -> None:
+        """Open until :meth:`close` or the end of the running backward pass, whichever comes first."""
+        if self.n is None:
+            return
+        self.open()
+        torch.autograd.Variable._execution_engine.queue_callback(self.close)
+
+
 def _token(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
@@ -87,31 +143,38 @@ class _Send(torch.autograd.Function):
 
 
 class _Received(torch.autograd.Function):
-    """Range c once arrived (expert-major rows); backward posts their gradient back (dispatch backward)."""
+    """Range c once arrived (expert-major rows); backward closes the range's :class:`SmWindow` (its experts'
+    backward is done) and posts their gradient back (dispatch backward)."""
 
     @staticmethod
-    def forward(ctx, token, ex, c: int):
-        ctx.ex, ctx.c = ex, c
+    def forward(ctx, token, ex, c: int, window):
+        ctx.ex, ctx.c, ctx.window = ex, c, window
         return ex.arrived("dispatch", c)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.window is not None:
+            ctx.window.close()
         ctx.ex.from_experts("dispatch backward", ctx.c, grad)
-        return grad.new_empty(0), None, None
+        return grad.new_empty(0), None, None, None
 
 
 class _Return(torch.autograd.Function):
-    """Range c's expert outputs posted back (combine); backward waits for their gradient (combine backward)."""
+    """Range c's expert outputs posted back (combine); backward waits for their gradient (combine backward) and
+    opens the range's :class:`SmWindow` (its experts' backward comes next)."""
 
     @staticmethod
-    def forward(ctx, y, ex, c: int):
-        ctx.ex, ctx.c = ex, c
+    def forward(ctx, y, ex, c: int, window):
+        ctx.ex, ctx.c, ctx.window = ex, c, window
         ex.from_experts("combine", c, y)
         return _token(y)
 
     @staticmethod
     def backward(ctx, _token_grad):
-        return ctx.ex.arrived("combine backward", ctx.c), None, None
+        grad = ctx.ex.arrived("combine backward", ctx.c)
+        if ctx.window is not None:
+            ctx.window.open_for_backward()
+        return grad, None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -136,14 +199,15 @@ def send(x_sorted: torch.Tensor, ex, quantized: tuple | None = None) -> tuple:
     return _Send.apply(x_sorted, ex, quantized)
 
 
-def received(token: torch.Tensor, ex, c: int) -> torch.Tensor:
-    """Range c's rows for this rank's experts ``[lo, hi)``, expert-major, once arrived (differentiable)."""
-    return _Received.apply(token, ex, c)
+def received(token: torch.Tensor, ex, c: int, window: SmWindow | None = None) -> torch.Tensor:
+    """Range c's rows for this rank's experts ``[lo, hi)``, expert-major, once arrived (differentiable;
+    ``window``: the range's :class:`SmWindow`, closed in backward)."""
+    return _Received.apply(token, ex, c, window)
 
 
-def send_back(y: torch.Tensor, ex, c: int) -> torch.Tensor:
-    """Post range c's expert outputs back; the token :func:`gather` takes."""
-    return _Return.apply(y, ex, c)
+def send_back(y: torch.Tensor, ex, c: int, window: SmWindow | None = None) -> torch.Tensor:
+    """Post range c's expert outputs back; the token :func:`gather` takes (``window``: opened in backward)."""
+    return _Return.apply(y, ex, c, window)
 
 
 def gather(ex, tokens, like: torch.Tensor) -> torch.Tensor:
@@ -151,15 +215,27 @@ def gather(ex, tokens, like: torch.Tensor) -> torch.Tensor:
     return _Gather.apply(ex, like.new_empty(0, like.shape[1]), *tokens)
 
 
-def run_ranges(ex, x_sorted: torch.Tensor, runners: list, quantized: tuple | None = None) -> torch.Tensor:
+def run_ranges(ex, x_sorted: torch.Tensor, runners: list, quantized: tuple | None = None,
+               sm_carveout: int | None = None) -> torch.Tensor:
     """This rank's sorted rows ``x_sorted`` through the experts of every range of ``ex`` (``runners[c]``:
-    range c's experts, ``(rows, counts) -> outputs``) and back: ``(N, D)`` in ``x_sorted``'s order."""
+    range c's experts, ``(rows, counts) -> outputs``) and back: ``(N, D)`` in ``x_sorted``'s order.
+    ``sm_carveout``: with more than one range, the experts' GEMMs leave that many SMs to the transfers
+    (:class:`SmWindow`)."""
     if len(runners) != len(ex.ranges):
         raise ValueError(f"split_experts returned {len(runners)} callables for {len(ex.ranges)} ranges")
+    carve = sm_carveout if len(ex.ranges) > 1 else None  # one range: nothing travels while the experts run
     tokens = send(x_sorted, ex, quantized)
-    back = [send_back(run(received(token, ex, c), ex.counts_of(c)), ex, c)
-            for c, (run, token) in enumerate(zip(runners, tokens))]
+    back = []
+    for c, (run, token) in enumerate(zip(runners, tokens)):
+        window = None if carve is None else SmWindow(carve)
+        rows = received(token, ex, c, window)
+        if window is None:
+            y = run(rows, ex.counts_of(c))
+        else:
+            with window:
+                y = run(rows, ex.counts_of(c))
+        back.append(send_back(y, ex, c, window))
     return gather(ex, back, x_sorted)
 
 
-__all__ = ["PostsAhead", "expert_ranges", "send", "received", "send_back", "gather", "run_ranges"]
+__all__ = ["PostsAhead", "SmWindow", "expert_ranges", "send", "received", "send_back", "gather", "run_ranges"]
