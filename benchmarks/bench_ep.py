@@ -4,7 +4,8 @@
     torchrun --nproc_per_node N -m benchmarks.bench_ep --json ep.json     # the record scripts/ep_wire_fit.py reads
     python -m benchmarks.bench_ep --device cpu                            # smoke run (gloo, world 1, tiny sizes)
     options: --dim 7168 --hidden 2048 --experts-per-rank 8 --top-k 2 --tokens 16384
-             --rows bf16,titan,conv_bf16,conv_mxfp8,p2p,p2p_c2,p2p_c4,sync_free,sync_free_c2 --rounds 5 --steps 4
+             --rows bf16,titan,conv_bf16,conv_mxfp8,p2p,p2p_c2,p2p_c4,p2p_c4_sm4,sync_free,sync_free_c2 --rounds 5
+             --steps 4
              --timeline
 
 Rows (``ROWS``; ``--rows`` picks some), each the EP block of the same weights, inputs and balanced routing:
@@ -16,6 +17,8 @@ Rows (``ROWS``; ``--rows`` picks some), each the EP block of the same weights, i
 ``conv_mxfp8``        (iv) EPMoE converted, MXFP8 comms (all-to-all transport)
 ``p2p``, ``p2p_cC``   (v) EPMoE converted, MXFP8 comms, point-to-point transport in C ranges of local experts
                       (``moe_quant.ep.blocks``: no pack/permute copies; C > 1 overlaps experts and exchange)
+``p2p_cC_smN``        the same, the experts' GEMMs leaving N SMs to the exchange (``sm_carveout``; rows
+                      p2p_c4_sm4/8/16/32, p2p_c2_sm8, sync_free_c2_sm8)
 ``conv_bf16_p2p_cC``  EPMoE converted, bf16 comms, point-to-point transport, C ranges
 ``sync_free[_c2]``    EPMoE converted, MXFP8 comms, sync-free mode (capacity factor 1.25, ``max_tokens`` the
                       tokens per rank), in 1 or 2 ranges
@@ -103,7 +106,7 @@ LABELS = {
     "sync_free_c2": "converted, MXFP8 comms, sync-free (capacity 1.25), 2 chunks",
     "sync_free_c2_sm8": "sync-free (capacity 1.25), 2 chunks, GEMMs leave 8 SMs",
 }
-DEFAULT_ROWS = "bf16,titan,conv_bf16,conv_mxfp8,p2p,p2p_c2,p2p_c4,sync_free,sync_free_c2"
+DEFAULT_ROWS = "bf16,titan,conv_bf16,conv_mxfp8,p2p,p2p_c2,p2p_c4,p2p_c4_sm4,sync_free,sync_free_c2"
 LEG_FRACTIONS = (0.25, 0.5, 1.0)  # the leg-alone sizes, fractions of one dispatch's rows
 # the step breakdown (``_breakdown``): the kinds of device time, in the order of the table
 KINDS = ("gemm", "moe_quant", "nccl", "copy", "index", "other")

@@ -32,7 +32,7 @@ def test_bench_ep_runs_every_row_on_two_gloo_ranks(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     record = json.loads(out.read_text())
     rows = {r["row"]: r for r in record["rows"]}
-    want = {"bf16", "conv_bf16", "conv_mxfp8", "p2p", "p2p_c2", "p2p_c4", "sync_free", "sync_free_c2"}
+    want = {"bf16", "conv_bf16", "conv_mxfp8", "p2p", "p2p_c2", "p2p_c4", "p2p_c4_sm4", "sync_free", "sync_free_c2"}
     assert want <= set(rows) and (set(rows) - want <= {"titan"}), set(rows)
     assert "titan" in rows or "titan" in record["notes"]  # run, or said why not
     assert record["world"] == 2 and record["rounds"] == 2
