@@ -179,3 +179,35 @@ def test_sm_windows_nest_and_restore_the_outer_setting():
         assert pipeline.SmWindow._depth == 0
     finally:
         torch._C._set_sm_carveout_experimental(None)
+
+
+class _Fails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the experts' backward failed")
+
+
+def test_sm_window_left_open_by_a_failed_backward_is_closed_by_the_next_dispatch():
+    """A backward that raises inside a range's experts never runs its end-of-pass callback: the carveout stays
+    set until the next chunked dispatch closes the stale window (and a dispatch without a carveout too)."""
+    try:
+        torch._C._set_sm_carveout_experimental(None)
+        ex = _Recording(2, [])
+        x = torch.randn(2, 8, requires_grad=True)
+        y = pipeline.run_ranges(ex, x, [lambda rows, counts: _Fails.apply(rows)] * 2, sm_carveout=8)
+        with pytest.raises(RuntimeError, match="experts' backward failed"):
+            y.sum().backward()
+        assert torch._C._get_sm_carveout_experimental() == 8  # precondition: the failed pass left it set
+        log = []
+        y = pipeline.run_ranges(_Recording(2, []), torch.randn(2, 8, requires_grad=True),
+                                [lambda rows, counts, c=c: _Sees.apply(rows, log, c) for c in range(2)])
+        y.sum().backward()
+        assert [e[2] for e in log] == [None] * 4, log  # both ranges, forward and backward
+        assert torch._C._get_sm_carveout_experimental() is None and pipeline.SmWindow._depth == 0
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+        pipeline.SmWindow._depth = 0

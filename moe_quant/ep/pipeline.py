@@ -118,6 +118,16 @@ class SmWindow:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @staticmethod
+    def close_stale() -> None:
+        """Close the windows left open by a backward pass that raised (its end-of-pass callbacks never ran):
+        outside a backward pass no window can be open but a forward one, and none is between two dispatches.
+        Called before each chunked dispatch."""
+        cls = SmWindow
+        if cls._depth and torch._C._current_graph_task_id() == -1:
+            cls._depth = 0
+            torch._C._set_sm_carveout_experimental(cls._saved)
+
     def open_for_backward(self) -> None:
         """Open until :meth:`close` or the end of the running backward pass, whichever comes first."""
         if self.n is None:
@@ -226,6 +236,7 @@ def run_ranges(ex, x_sorted: torch.Tensor, runners: list, quantized: tuple | Non
     if len(runners) != len(ex.ranges):
         raise ValueError(f"split_experts returned {len(runners)} callables for {len(ex.ranges)} ranges")
     carve = sm_carveout if len(ex.ranges) > 1 else None  # one range: nothing travels while the experts run
+    SmWindow.close_stale()
     tokens = send(x_sorted, ex, quantized)
     back = []
     for c, (run, token) in enumerate(zip(runners, tokens)):
