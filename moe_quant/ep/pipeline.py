@@ -81,10 +81,10 @@ class SmWindow:
     """One range's experts, during which torch's GEMMs target ``n`` fewer SMs (see the module doc).
 
     Windows nest process-wide (a depth count): the first one opened saves the setting in force and sets ``n``,
-    the last one closed restores it. Forward: the experts' call (``with window:``). ``n=None``: no window.
-    Backward: opened by :class:`_Return` (the range's output gradient has arrived, its experts' backward comes
-    next), closed by :class:`_Received` (their input gradient is made) or, where that never runs (rows that
-    need no gradient), when autograd's backward pass ends."""
+    the last one closed restores it. Forward: the experts' call (``with window:``). Backward: opened by
+    :class:`_Return` (the range's output gradient has arrived, its experts' backward comes next), closed by
+    :class:`_Received` (their input gradient is made) or, where that never runs (rows that need no gradient),
+    when autograd's backward pass ends. ``n=None``: a window that changes nothing."""
 
     _depth = 0
     _saved = None
@@ -165,8 +165,7 @@ class _Received(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.window is not None:
-            ctx.window.close()
+        ctx.window.close()
         ctx.ex.from_experts("dispatch backward", ctx.c, grad)
         return grad.new_empty(0), None, None, None
 
@@ -184,8 +183,7 @@ class _Return(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _token_grad):
         grad = ctx.ex.arrived("combine backward", ctx.c)
-        if ctx.window is not None:
-            ctx.window.open_for_backward()
+        ctx.window.open_for_backward()
         return grad, None, None, None
 
 
@@ -214,12 +212,12 @@ def send(x_sorted: torch.Tensor, ex, quantized: tuple | None = None) -> tuple:
 def received(token: torch.Tensor, ex, c: int, window: SmWindow | None = None) -> torch.Tensor:
     """Range c's rows for this rank's experts ``[lo, hi)``, expert-major, once arrived (differentiable;
     ``window``: the range's :class:`SmWindow`, closed in backward)."""
-    return _Received.apply(token, ex, c, window)
+    return _Received.apply(token, ex, c, window or SmWindow(None))
 
 
 def send_back(y: torch.Tensor, ex, c: int, window: SmWindow | None = None) -> torch.Tensor:
     """Post range c's expert outputs back; the token :func:`gather` takes (``window``: opened in backward)."""
-    return _Return.apply(y, ex, c, window)
+    return _Return.apply(y, ex, c, window or SmWindow(None))
 
 
 def gather(ex, tokens, like: torch.Tensor) -> torch.Tensor:
@@ -240,13 +238,10 @@ def run_ranges(ex, x_sorted: torch.Tensor, runners: list, quantized: tuple | Non
     tokens = send(x_sorted, ex, quantized)
     back = []
     for c, (run, token) in enumerate(zip(runners, tokens)):
-        window = None if carve is None else SmWindow(carve)
+        window = SmWindow(carve)
         rows = received(token, ex, c, window)
-        if window is None:
+        with window:
             y = run(rows, ex.counts_of(c))
-        else:
-            with window:
-                y = run(rows, ex.counts_of(c))
         back.append(send_back(y, ex, c, window))
     return gather(ex, back, x_sorted)
 
