@@ -43,7 +43,8 @@ kernels each count, the excess over busy is the overlap), the kernel count, the 
 ``cudaStream/Event/DeviceSynchronize`` calls and device-to-host copies, and the top kernels by total time
 (printed for rows bf16, titan, conv_mxfp8 and p2p). ``legs_ms`` come from the same step. ``--timeline``: every
 kernel of that step in the JSON (``timeline``: name, kind, start, time, stream, and the scopes that launched it
-where the profiler links them), to compare rows kernel by kernel. On the CPU: the aten ops' self time by the
+where the profiler links them), to compare rows kernel by kernel; ``timelines``: every rank's, each with its
+wall-clock start (``scripts/ep_timeline.py --peers``: how long each rank's collectives waited for the others). On the CPU: the aten ops' self time by the
 same kinds, busy = the union of the ops' spans.
 
 ``--json``: everything above, with the environment (world size, device, ``NCCL_P2P_DISABLE``,
@@ -320,6 +321,13 @@ def _union_us(spans) -> float:
     return total
 
 
+def _timeline_start_us(ops: list[dict], trace_start_us: float | None) -> float | None:
+    """Wall-clock time (us since the epoch) of the first of ``ops``, the origin of :func:`_timeline`'s starts."""
+    if trace_start_us is None or not ops:
+        return None
+    return trace_start_us + min(o["start_us"] for o in ops)
+
+
 def _timeline(ops: list[dict]) -> list[dict]:
     """The profiled step's kernels (CPU: ops) in start order: short name, kind, start (us from the first), time
     (us), stream, and the innermost scopes that launched it (op, ranges)."""
@@ -456,9 +464,11 @@ def run(args) -> dict:
             rec["step"]()
         rec["wire"] = {leg: dict(zip(("rows", "bytes"), log.by_leg(leg))) for leg in LEGS}
         rec["peak_mib"] = None if (p := peak_memory_bytes(rec["step"], device)) is None else p / 2**20
-        rec["breakdown"], step_ops = _breakdown(_profile_steps(rec["step"], device), cuda)
+        trace = _profile_steps(rec["step"], device)
+        rec["breakdown"], step_ops = _breakdown(trace, cuda)
         rec["legs_ms"] = _legs_from_profile(step_ops, 1) if cuda else {}
         rec["timeline"] = _timeline(step_ops) if args.timeline else None
+        rec["timeline_start_us"] = _timeline_start_us(step_ops, trace.get("trace_start_us"))
         disp = getattr(rec["module"], "dispatcher", None)
         rec["dropped"] = None
         if getattr(disp, "capacity_factor", None) is not None:  # sync-free rows: copies past capacity, if any
@@ -480,6 +490,12 @@ def run(args) -> dict:
     # every rank's medians: a step ends when the slowest rank's does
     per_rank = [None] * world
     dist.all_gather_object(per_rank, {r["row"]: r["ms"] for r in records})
+    if args.timeline:  # every rank's profiled step, on the host's wall clock (scripts/ep_timeline.py --peers)
+        timelines = [None] * world
+        dist.all_gather_object(timelines, {row: {"start_us": rec["timeline_start_us"], "kernels": rec["timeline"]}
+                                           for row, rec in rows.items()})
+        for r in records:
+            r["timelines"] = [t[r["row"]] for t in timelines]
     ref = {k: next((r["ms"] for r in records if r["row"] == k), None) for k in ("bf16", "titan")}
     for r in records:
         r["ms_per_rank"] = [m[r["row"]] for m in per_rank]

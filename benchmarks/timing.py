@@ -152,7 +152,9 @@ def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:
 
 
 def profile_trace(fn, device="cuda", iters: int = 3) -> dict:
-    """:func:`profile_device_ops` with the host side of the same run: ``{"ops": [...], "host": [...]}``.
+    """:func:`profile_device_ops` with the host side of the same run: ``{"ops": [...], "host": [...],
+    "trace_start_us": t}`` (``t``: the wall-clock time, in us since the epoch, that the ``start_us`` of ``ops``
+    and ``host`` count from: the same clock in every process of one host, so ranks' traces line up).
 
     ``host``: one ``{"name", "start_us", "end_us"}`` per host event of the run (CPU ops,
     ``record_function`` ranges and, on CUDA, the runtime API calls: ``cudaLaunchKernel``,
@@ -220,7 +222,8 @@ def profile_trace(fn, device="cuda", iters: int = 3) -> dict:
             )
     host = [{"name": e.name, "start_us": span(e)[0], "end_us": span(e)[1]}
             for e in events if e.device_type == DeviceType.CPU]
-    return {"ops": out, "host": host}
+    start = getattr(getattr(prof.profiler, "kineto_results", None), "trace_start_ns", None)
+    return {"ops": out, "host": host, "trace_start_us": start() / 1e3 if start is not None else None}
 
 
 def host_us(fn, n: int = 100, reps: int = 20) -> float:

@@ -369,3 +369,47 @@ def test_timeline_summary_and_listing(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps(rec))
     res = run_python("scripts/ep_timeline.py", str(tmp_path / "t.json"), warm=True)
     assert res.returncode == 2 and "run benchmarks.bench_ep with --timeline" in res.stderr
+
+
+def test_peers_lines_up_every_ranks_communication_kernels():
+    """``ep_timeline.peers``: the ranks' kernels on one clock (each rank's first kernel at its own wall-clock
+    start), each rank's wait for the last rank's start, and the time with every rank in the collective."""
+
+    def k(kind, start, us):
+        return {"name": "k", "kind": kind, "start_us": start, "us": us, "stream": 7, "scopes": []}
+
+    r0 = {"start_us": 1_000_000.0, "kernels": [k("gemm", 0, 50), k("nccl", 100, 500), k("nccl", 1000, 200)]}
+    # rank 1 starts its step 300 us later: its first collective starts 400 us after rank 0's
+    r1 = {"start_us": 1_000_300.0, "kernels": [k("nccl", 100, 200), k("gemm", 400, 10), k("nccl", 500, 300),
+                                               k("nccl", 2000, 10)]}
+    pr = ep_timeline.peers([r0, r1])
+    assert pr["kernels"] == 2 and pr["counts"] == [2, 3]
+    first, second = pr["rows"]
+    assert first["start_ms"] == [pytest.approx(0.1), pytest.approx(0.4)]
+    assert first["wait_ms"] == [pytest.approx(0.3), 0] and first["after_ms"] == pytest.approx(0.2)
+    assert second["start_ms"] == [pytest.approx(1.0), pytest.approx(0.8)]
+    assert second["wait_ms"] == [0, pytest.approx(0.2)] and second["after_ms"] == pytest.approx(0.2)
+    assert pr["kernel_ms"] == [pytest.approx(0.7), pytest.approx(0.5)]
+    assert pr["wait_ms"] == [pytest.approx(0.3), pytest.approx(0.2)] and pr["after_ms"] == pytest.approx(0.4)
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+def test_bench_ep_timelines_of_every_rank_and_their_peers_view(tmp_path):
+    """``bench_ep --timeline`` records every rank's profiled step with its wall-clock start (the same clock on
+    one host: the ranks' starts lie within the step), and ``ep_timeline.py --peers`` reads them."""
+    out = tmp_path / "ep.json"
+    res = run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                     "benchmarks.bench_ep", "--device", "cpu", "--rows", "bf16,p2p_c2", "--rounds", "1", "--steps",
+                     "1", "--timeline", "--json", str(out), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    record = json.loads(out.read_text())
+    for r in record["rows"]:
+        tls = r["timelines"]
+        assert len(tls) == 2 and tls[0]["kernels"] == r["timeline"], r["row"]  # rank 0's is the row's timeline
+        assert all(t["start_us"] > 1e15 and t["kernels"] for t in tls)  # us since the epoch (2001 on)
+        span_us = max(k["start_us"] + k["us"] for k in tls[0]["kernels"])
+        assert abs(tls[0]["start_us"] - tls[1]["start_us"]) < span_us + 1e6, r["row"]
+        counts = [sum(k["kind"] == "nccl" for k in t["kernels"]) for t in tls]
+        assert counts[0] == counts[1] > 0, (r["row"], counts)
+    res = run_python("scripts/ep_timeline.py", str(out), "--peers", "p2p_c2", warm=True)
+    assert res.returncode == 0 and "waiting" in res.stdout and "rank 1: start" in res.stdout, res.stderr
