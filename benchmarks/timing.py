@@ -222,7 +222,7 @@ def profile_trace(fn, device="cuda", iters: int = 3) -> dict:
             )
     host = [{"name": e.name, "start_us": span(e)[0], "end_us": span(e)[1]}
             for e in events if e.device_type == DeviceType.CPU]
-    start = getattr(getattr(prof.profiler, "kineto_results", None), "trace_start_ns", None)
+    start = getattr(getattr(getattr(prof, "profiler", None), "kineto_results", None), "trace_start_ns", None)
     return {"ops": out, "host": host, "trace_start_us": start() / 1e3 if start is not None else None}
 
 
