@@ -44,8 +44,8 @@ kernels each count, the excess over busy is the overlap), the kernel count, the 
 (printed for rows bf16, titan, conv_mxfp8 and p2p). ``legs_ms`` come from the same step. ``--timeline``: every
 kernel of that step in the JSON (``timeline``: name, kind, start, time, stream, and the scopes that launched it
 where the profiler links them), to compare rows kernel by kernel; ``timelines``: every rank's, each with its
-wall-clock start (``scripts/ep_timeline.py --peers``: how long each rank's collectives waited for the others). On the CPU: the aten ops' self time by the
-same kinds, busy = the union of the ops' spans.
+wall-clock start (``scripts/ep_timeline.py --peers``: how long each rank's collectives waited for the others).
+On the CPU: the aten ops' self time by the same kinds, busy = the union of the ops' spans.
 
 ``--json``: everything above, with the environment (world size, device, ``NCCL_P2P_DISABLE``,
 ``NCCL_SHM_DISABLE``). Without a GPU (and without ``--device cpu``) it prints one line, exit 2.
@@ -76,6 +76,7 @@ from moe_quant.moe import EPMoE, MoE
 GPU = dict(dim=7168, hidden=2048, experts_per_rank=8, top_k=2, tokens=16384)
 CPU = dict(dim=64, hidden=96, experts_per_rank=4, top_k=2, tokens=64)
 LEGS = ("counts", "dispatch", "combine", "combine backward", "dispatch backward")
+CARVEOUTS = (4, 8, 16, 32)  # the p2p_c4_smN rows: SMs the experts' GEMMs leave to the exchange
 # row -> EPMoE settings (convert, wire, transport, chunks), or "torchtitan"
 ROWS = {
     "bf16": dict(convert=False, wire="bf16"),
@@ -85,7 +86,7 @@ ROWS = {
     "p2p": dict(convert=True, wire="mxfp8", transport="p2p"),
     "p2p_c2": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2),
     "p2p_c4": dict(convert=True, wire="mxfp8", transport="p2p", chunks=4),
-    **{f"p2p_c4_sm{n}": dict(convert=True, wire="mxfp8", transport="p2p", chunks=4, sm_carveout=n) for n in (4, 8, 16, 32)},
+    **{f"p2p_c4_sm{n}": dict(convert=True, wire="mxfp8", transport="p2p", chunks=4, sm_carveout=n) for n in CARVEOUTS},
     "p2p_c2_sm8": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2, sm_carveout=8),
     "conv_bf16_p2p_c2": dict(convert=True, wire="bf16", transport="p2p", chunks=2),
     "sync_free": dict(convert=True, wire="mxfp8", capacity_factor=1.25),
@@ -100,7 +101,7 @@ LABELS = {
     "p2p": "(v) converted, MXFP8 comms, p2p",
     "p2p_c2": "(v) converted, MXFP8 comms, p2p, 2 chunks",
     "p2p_c4": "(v) converted, MXFP8 comms, p2p, 4 chunks",
-    **{f"p2p_c4_sm{n}": f"(v) p2p, 4 chunks, GEMMs leave {n} SMs" for n in (4, 8, 16, 32)},
+    **{f"p2p_c4_sm{n}": f"(v) p2p, 4 chunks, GEMMs leave {n} SMs" for n in CARVEOUTS},
     "p2p_c2_sm8": "(v) p2p, 2 chunks, GEMMs leave 8 SMs",
     "conv_bf16_p2p_c2": "converted, bf16 comms, p2p, 2 chunks",
     "sync_free": "converted, MXFP8 comms, sync-free (capacity 1.25)",
@@ -468,7 +469,7 @@ def run(args) -> dict:
         rec["breakdown"], step_ops = _breakdown(trace, cuda)
         rec["legs_ms"] = _legs_from_profile(step_ops, 1) if cuda else {}
         rec["timeline"] = _timeline(step_ops) if args.timeline else None
-        rec["timeline_start_us"] = _timeline_start_us(step_ops, trace.get("trace_start_us"))
+        rec["timeline_start_us"] = _timeline_start_us(step_ops, trace.get("trace_start_us")) if args.timeline else None
         disp = getattr(rec["module"], "dispatcher", None)
         rec["dropped"] = None
         if getattr(disp, "capacity_factor", None) is not None:  # sync-free rows: copies past capacity, if any

@@ -254,7 +254,8 @@ def run_transport_check(case: CheckCase, variants: list, group=None) -> dict:
     base = MoE(case.dim, case.hidden_dim, n_experts, case.top_k).to(torch.bfloat16)
     xs, gouts = _inputs(case, world, "cpu", torch.bfloat16)
     results = []
-    for settings in [{"transport": case.transport, "chunks": case.chunks, "sm_carveout": case.sm_carveout}] + list(variants):
+    own = {"transport": case.transport, "chunks": case.chunks, "sm_carveout": case.sm_carveout}
+    for settings in [own] + list(variants):
         model = EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode, **settings)
         if case.convert:
             _convert(model, case)
@@ -309,9 +310,10 @@ def run_sync_free_check(case: CheckCase, capacity_factor: float, overflow: str =
                         steps: int = 2, max_tokens: int | None = None, chunks: int = 1,
                         sm_carveout: int | None = None) -> dict:
     """The EP block in the synced mode and in the sync-free mode (``capacity_factor``, ``overflow``,
-    ``max_tokens``, ``chunks``, ``sm_carveout``), same weights and inputs (``case.tokens``: T per rank, may differ): are outputs and
-    gradients bit-identical, how many host reads did the sync-free steps after the first make, how many
-    rows did each rank hand to the dispatch all-to-all, how many overflowed, what did ``check_overflow`` say."""
+    ``max_tokens``, ``chunks``, ``sm_carveout``), same weights and inputs (``case.tokens``: T per rank, may
+    differ): are outputs and gradients bit-identical, how many host reads did the sync-free steps after the first
+    make, how many rows did each rank hand to the dispatch all-to-all, how many overflowed, what did
+    ``check_overflow`` say."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n_experts = case.experts_per_rank * world
     models = _ep_models(case, world, group, capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens,
