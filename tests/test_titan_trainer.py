@@ -32,6 +32,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 import torch.distributed as dist
 from process_checks import gone, wait_until
 from repo_subprocess import run_python
@@ -185,6 +187,68 @@ def test_config_functions_and_the_moe_quant_section(monkeypatch, capsys):
     assert "moe_quant.layers must be in [1, 27] for 16B, got 28" in err
 
 
+def test_memory_cap_option(monkeypatch, capsys):
+    """``--moe_quant.memory_gib``: the allocator fraction it stands for, refused with the option's name where it
+    cannot hold (no CUDA here; a cap above the GPU's memory; not a positive number), and applied to the rank's own
+    device (``LOCAL_RANK``) where CUDA is."""
+    from torchtitan.config import ConfigManager
+
+    from examples.titan import config_registry as reg
+
+    assert reg.memory_fraction(76, 152 * 2**30) == 0.5 and reg.memory_fraction(1.5, 3 * 2**30) == 0.5
+    for bad in (0, -1.0, 153, True, "76"):
+        with pytest.raises(ValueError, match=r"moe_quant.memory_gib must be a number of GiB in \(0, 152.0\]"):
+            reg.memory_fraction(bad, 152 * 2**30)
+    assert reg.cap_allocator(None) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="moe_quant.memory_gib caps the CUDA allocator, but this machine has no CUDA"):
+        reg.cap_allocator(76.0)
+    with pytest.raises(SystemExit):  # through the command line: tyro reports the ValueError
+        ConfigManager().parse_args(["--module", "examples.titan.config_registry", "--config", "deepseek_v3_16b_mxfp8",
+                                    "--moe_quant.memory_gib", "76"])
+    assert "moe_quant.memory_gib caps the CUDA allocator" in " ".join(capsys.readouterr().err.replace("│", " ").split())
+    # with CUDA (a stand-in): the fraction goes to LOCAL_RANK's device, made current first
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 160 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("device", d)))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append(("fraction", f, d)))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert reg.cap_allocator(80) == 0.5 and calls == [("device", 3), ("fraction", 0.5, 3)]
+
+
+def test_bench_peak_device_memory_adds_what_the_allocator_does_not_hold(tmp_path):
+    """The bench's peak device memory: the largest ``max_reserved`` + ``outside_allocator`` of a step over steps
+    and ranks (the two peak at different steps here: the sum of the maxima would be wrong), absent where the
+    metrics lack the outside figure (the CPU, older runs)."""
+    from types import SimpleNamespace
+
+    from examples.titan import bench
+
+    out = bench.OUTSIDE
+    rows = {0: [(10.0, 2.0), (12.0, 0.5), (11.0, 1.0)], 1: [(9.0, 3.5), (11.5, 1.0)]}
+    (tmp_path / "metrics").mkdir()
+    for r, steps in rows.items():
+        lines = [{"step": i + 1, "throughput(tps)": 1.0, "time_metrics/end_to_end(s)": 1.0, "loss_metrics/global_avg_loss":
+                  5.0, "memory/max_reserved(GiB)": res, "memory/max_active(GiB)": res, out: o}
+                 for i, (res, o) in enumerate(steps)]
+        (tmp_path / "metrics" / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = SimpleNamespace(warmup=0, steps=3, profile=False, tail=1, layers=2)
+    res = bench.summarize(args, "bf16", "eager", str(tmp_path), SimpleNamespace(rc=0, seconds=1.0, log="x"))
+    assert res["peak_reserved_gib"] == {0: 12.0, 1: 11.5} and res["peak_device_gib"] == {0: 12.5, 1: 12.5}
+    record = {"torch": "2.99", "nproc": 2, "flavor": "16B", "layers": 2, "steps": 3, "warmup": 0, "tail": 1,
+              "device": "Some GPU", "results": [res | {"variant": "bf16"}]}
+    assert "| 12.0, 11.5 | 12.5 | 5.0000 |" in bench.table(record)
+    for r in rows:  # no outside figure: no device peak
+        path = tmp_path / "metrics" / f"rank{r}.jsonl"
+        path.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if k != out}) + "\n"
+                                for x in path.read_text().splitlines()))
+    res = bench.summarize(args, "bf16", "eager", str(tmp_path), SimpleNamespace(rc=0, seconds=1.0, log="x"))
+    assert res["peak_device_gib"] == {0: None, 1: None}
+    assert "| 12.0, 11.5 | n/a | 5.0000 |" in bench.table(record | {"results": [res]})
+
+
 def test_launcher_shims_only_where_torch_lacks_them(monkeypatch):
     import torch.distributed.distributed_c10d as c10d
 
@@ -313,3 +377,42 @@ def test_a_job_past_its_timeout_is_killed_with_its_children(tmp_path):
     assert int((tmp_path / "job.log").read_text().split()[0]) == os.getsid(0)
     child = int(pid_file.read_text())
     assert wait_until(lambda: gone(child), timeout=5.0), f"the job's child {child} outlived the job's timeout"
+
+
+@given(limits=st.lists(st.integers(0, 30), min_size=1, max_size=4), start=st.integers(1, 27),
+       low=st.integers(1, 27), high=st.integers(1, 27), modes=st.sampled_from([["eager"], ["eager", "compiled"]]))
+def test_fit_layers_search_finds_the_most_layers_every_variant_fits(limits, start, low, high, modes):
+    """``fit_layers.search`` against the plain answer: with variant v fitting up to ``limits[v]`` layers, the most
+    layers every variant fits, at most ``--max``; None where that is below ``--min``. Each probe runs once, the
+    other variants only where the first fits."""
+    from types import SimpleNamespace
+
+    from examples.titan import fit_layers, runs
+
+    assume(low <= start <= high)
+    variants = list(runs.VARIANTS[:len(limits)])
+    limit = dict(zip(variants, limits))
+    calls = []
+
+    def fits(variant, mode, layers):
+        calls.append((variant, mode, layers))
+        return layers <= limit[variant]
+
+    args = SimpleNamespace(variants=variants, modes=modes, start=start, min=low, max=high)
+    best = min(min(limits), high)
+    assert fit_layers.search(args, fits) == (best if best >= low else None)
+    assert len(calls) == len(set(calls))
+    assert all(limit[variants[0]] >= n for v, _, n in calls if v != variants[0])
+
+
+def test_fit_layers_stops_on_a_failure_that_is_not_memory(tmp_path):
+    """A probe that fails without CUDA's out-of-memory error ends the search (exit status 2, the reason in
+    ``fit.json``), never read as "does not fit": here the cap itself is refused, as no CUDA device is present."""
+    from examples.titan import fit_layers
+
+    assert fit_layers.main(["--out", str(tmp_path), "--flavor", "debugmodel", "--nproc", "1", "--memory-gib", "1",
+                            "--start", "2", "--variants", "bf16", "--timeout", "120"]) == 2
+    record = json.loads((tmp_path / "fit.json").read_text())
+    assert record["layers"] is None and "without an out-of-memory error" in record["error"]
+    log = " ".join((tmp_path / "bf16_eager_2.log").read_text().replace("│", " ").split())  # tyro's box, wrapped
+    assert "moe_quant.memory_gib caps the CUDA allocator" in log

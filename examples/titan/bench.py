@@ -10,7 +10,10 @@ the job's per-rank metrics (:mod:`examples.titan.metrics`, torchtitan's own numb
 
 * tokens/s per GPU: torchtitan's ``throughput(tps)`` of each rank, the median over the steps after ``--warmup``
   (the profiled last two steps left out) and over the ranks, with the spread (min, max over those steps and ranks);
-* peak memory per GPU: the largest ``memory/max_reserved(GiB)`` (and ``max_active``) of each rank;
+* peak memory per GPU: the largest ``memory/max_reserved(GiB)`` (and ``max_active``) of each rank; on CUDA also
+  the peak device memory, the largest over ranks and steps of ``max_reserved`` plus what the allocator does not
+  hold (``moe_quant/outside_allocator(GiB)``: CUDA context, NCCL's buffers), what a GPU must have for the job
+  (``-- --moe_quant.memory_gib G`` caps the allocator, so a job that needs more than a smaller GPU fails);
 * the loss curve (the global average loss of every step), and the final loss: the mean of the last ``--tail``
   steps' losses (every variant sees the same batches, so the curves are paired step by step);
 * the all-to-all time per leg, from torchtitan's profiler (``--profiler.enable_profiling``, the last step): the
@@ -47,6 +50,7 @@ import torch
 
 from examples.titan import runs
 
+OUTSIDE = "moe_quant/outside_allocator(GiB)"  # examples.titan.metrics: device memory the allocator does not hold
 A2A_KERNEL = re.compile(r"SendRecv|AllToAll|alltoall", re.IGNORECASE)
 LEGS_FORWARD = ("counts", "dispatch", "combine")
 LEGS_BACKWARD = ("combine backward", "dispatch backward")
@@ -162,7 +166,7 @@ def _a2a_summary(res: dict, moe_layers: int) -> None:
 def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
     steps_timed = range(args.warmup + 1, args.steps - (1 if args.profile else -1))
     m = runs.metrics(dump)
-    tps, step_s, peak, active = [], [], {}, {}
+    tps, step_s, peak, active, device = [], [], {}, {}, {}
     for r, rows in m.items():
         for row in rows:
             if row["step"] in steps_timed:
@@ -170,13 +174,15 @@ def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
                 step_s.append(row["time_metrics/end_to_end(s)"])
         peak[r] = _gib(max((row["memory/max_reserved(GiB)"] for row in rows), default=None))
         active[r] = _gib(max((row["memory/max_active(GiB)"] for row in rows), default=None))
+        device[r] = max((row["memory/max_reserved(GiB)"] + row[OUTSIDE] for row in rows
+                         if OUTSIDE in row and row["memory/max_reserved(GiB)"] >= 0), default=None)
     losses = runs.losses(dump).get(0, {})
     curve = [losses[s] for s in sorted(losses)]
     final = statistics.fmean(curve[-args.tail:]) if len(curve) >= args.tail else None
     res = {
         "variant": variant, "mode": mode, "rc": job.rc, "wall_s": job.seconds, "steps_logged": len(curve),
         "tokens_per_s_per_gpu": _spread(tps), "step_s": _spread(step_s), "peak_reserved_gib": peak,
-        "peak_active_gib": active, "losses": curve, "final_loss": final,
+        "peak_active_gib": active, "peak_device_gib": device, "losses": curve, "final_loss": final,
         "fallbacks": max((rows[-1].get("moe_quant/fallbacks", 0) for rows in m.values() if rows), default=None),
         "dropped_rows": max((rows[-1].get("moe_quant/dropped_rows", 0) for rows in m.values() if rows), default=None),
         "setup": runs.setup(dump).get(0), "log": job.log,
@@ -200,8 +206,9 @@ def table(record: dict) -> str:
     lines = [f"torchtitan trainer, DeepSeek-V3 {record['flavor']} x {record['layers']} layers, {record['nproc']} x "
              f"{record['device']}, torch {record['torch']}, {record['steps']} steps; tokens/s per GPU: median over "
              f"steps {record['warmup'] + 1}.. and ranks (min-max); final loss: mean of the last {record['tail']} steps",
-             "", "| variant | mode | tokens/s/GPU (min-max) | vs bf16 | peak reserved GiB/GPU | final loss | vs bf16 "
-             "| a2a ms: dispatch / combine / combine bwd / dispatch bwd (counts) | job s |", "|" + "---|" * 9]
+             "", "| variant | mode | tokens/s/GPU (min-max) | vs bf16 | peak reserved GiB/GPU | peak device GiB (max) "
+             "| final loss | vs bf16 | a2a ms: dispatch / combine / combine bwd / dispatch bwd (counts) | job s |",
+             "|" + "---|" * 10]
     for r in rows:
         t, b = r["tokens_per_s_per_gpu"], base.get(r["mode"])
         speed = (t["median"] / b["tokens_per_s_per_gpu"]["median"]
@@ -212,8 +219,10 @@ def table(record: dict) -> str:
                                                  ("dispatch", "combine", "combine backward", "dispatch backward"))
                 + f" ({_fmt(a2a.get('counts'), '.2f')})")
         peak = ", ".join(_fmt(v, ".1f") for _, v in sorted(r["peak_reserved_gib"].items()))
+        device = [v for v in (r.get("peak_device_gib") or {}).values() if v is not None]
         lines.append(f"| {r['variant']} | {r['mode']} | {_fmt(t['median'])} ({_fmt(t['min'])}-{_fmt(t['max'])}) | "
-                     f"{_fmt(speed, '.3f')} | {peak} | {_fmt(r['final_loss'], '.4f')} | "
+                     f"{_fmt(speed, '.3f')} | {peak} | {_fmt(max(device) if device else None, '.1f')} | "
+                     f"{_fmt(r['final_loss'], '.4f')} | "
                      f"{'n/a' if dloss is None else f'{100 * dloss:+.2f}%'} | {legs} | {_fmt(r['wall_s'])} |"
                      + ("" if r["rc"] == 0 else f" failed (rc {r['rc']})"))
     return "\n".join(lines) + "\n"

@@ -31,7 +31,8 @@ activation checkpointing; seed 0; the synthetic stream of :mod:`examples.titan.d
 ``<dump_folder>/metrics/rank<r>.jsonl`` (:mod:`examples.titan.metrics`); DCP checkpoints when
 ``--checkpoint.enable`` (every ``--checkpoint.interval`` steps, full state, the last one too).
 
-``--moe_quant.*`` (``layers``, ``variant``, ``scale_mode``, ``wire``, ``capacity_factor``, ``attention``) rebuild
+``--moe_quant.*`` (``layers``, ``variant``, ``scale_mode``, ``wire``, ``capacity_factor``, ``attention``,
+``memory_gib``: a cap on the allocator, to test that a run fits a smaller GPU) rebuild
 the model spec after the command line is read (:class:`MoEQuantTrainerConfig`). ``--moe_quant.attention
 sdpa`` swaps torchtitan's flex attention for causal SDPA, the same attention for these one-document sequences;
 ``auto`` (default) picks sdpa where flex cannot run (no CUDA: its backward; torch 2.11: torchtitan calls
@@ -75,6 +76,34 @@ class MoEQuantOptions:
     capacity_factor: float | None = None
     """Sync-free variant: the receive capacity factor; None: the EP degree (never overflows)."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
+    memory_gib: float | None = None
+    """Cap torch's CUDA caching allocator at this many GiB per rank (``torch.cuda.set_per_process_memory_fraction``),
+    so a larger GPU runs out of memory where a smaller one would: 76 stands for an 80 GB GPU, leaving about
+    3.5 GiB for what the allocator does not hold (CUDA context, NCCL's buffers: the metrics'
+    ``moe_quant/outside_allocator(GiB)``). None: no cap."""
+
+
+def memory_fraction(gib: float, total_bytes: int) -> float:
+    """The allocator fraction of a device of ``total_bytes`` that ``gib`` GiB is (``moe_quant.memory_gib``)."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib * 2**30 <= total_bytes:
+        raise ValueError(f"moe_quant.memory_gib must be a number of GiB in (0, {total_bytes / 2**30:.1f}] (this "
+                         f"GPU's memory), got {gib!r}")
+    return gib * 2**30 / total_bytes
+
+
+def cap_allocator(gib: float | None) -> float | None:
+    """Cap this rank's CUDA caching allocator at ``gib`` GiB (its device: ``LOCAL_RANK``, made current, as
+    torchtitan makes it); returns the fraction set, None where ``gib`` is None."""
+    if gib is None:
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError(f"moe_quant.memory_gib caps the CUDA allocator, but this machine has no CUDA device "
+                         f"(got {gib!r}; leave it unset)")
+    device = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(device)  # first: no CUDA context on another rank's device
+    fraction = memory_fraction(gib, torch.cuda.get_device_properties(device).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
 
 
 def flex_usable() -> bool:
@@ -125,6 +154,7 @@ class MoEQuantTrainerConfig(Trainer.Config):
     moe_quant: MoEQuantOptions = field(default_factory=MoEQuantOptions)
 
     def __post_init__(self):
+        cap_allocator(self.moe_quant.memory_gib)
         tokens = self.training.local_batch_size * self.training.seq_len
         self.model_spec = model_spec(self.moe_quant, ep_degree=self.parallelism.expert_parallel_degree,
                                      tokens_per_rank=tokens)

@@ -5,10 +5,12 @@ One JSON object per logged step, on every rank: ``step`` and the dict torchtitan
 average loss as the exact float, grad norm, this rank's tokens/s ``throughput(tps)``, the step's wall time
 ``time_metrics/end_to_end(s)``, this rank's peak memory since the last log ``memory/max_active(GiB)`` /
 ``memory/max_reserved(GiB)``, ...). Each line is flushed as it is written: a killed job keeps the steps it
-finished. torchtitan's own loggers (console, TensorBoard, W&B) work as before. Two more metrics per step:
+finished. torchtitan's own loggers (console, TensorBoard, W&B) work as before. Metrics added per step:
 ``moe_quant/fallbacks`` (expert GEMMs MXFP8 could not serve so far, :func:`moe_quant.fallback_counts`) and
 ``moe_quant/dropped_rows`` (sync-free dispatchers: token copies past capacity so far, read at the log's host
-sync; with ``overflow="error"`` those steps' losses are NaN and torchtitan stops).
+sync; with ``overflow="error"`` those steps' losses are NaN and torchtitan stops); on CUDA a third,
+``moe_quant/outside_allocator(GiB)``: the device memory in use that torch's allocator does not hold (its
+``max_reserved`` plus this is what the rank needs of the GPU).
 
 Fault injection (:mod:`examples.titan.checks`): with ``MOE_QUANT_TITAN_KILL="<rank>:<step>"`` in the environment,
 that rank kills itself (``SIGKILL``: no clean-up, as a crashed host) right after logging that step, in the
@@ -23,6 +25,7 @@ import os
 import signal
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.models.common.moe import RoutedExperts
@@ -80,8 +83,21 @@ def _maybe_kill(step: int) -> None:
 def moe_quant_metrics(model_parts) -> dict:
     dropped = [d.dropped_rows for m in model_parts for r in m.modules() if isinstance(r, RoutedExperts)
                for d in (r.token_dispatcher,) if getattr(d, "dropped_rows", None) is not None]
-    return {"moe_quant/fallbacks": sum(fallback_counts().values()),
-            "moe_quant/dropped_rows": int(sum(int(t) for t in dropped))}
+    out = {"moe_quant/fallbacks": sum(fallback_counts().values()),
+           "moe_quant/dropped_rows": int(sum(int(t) for t in dropped))}
+    outside = outside_allocator_gib()
+    if outside is not None:
+        out["moe_quant/outside_allocator(GiB)"] = outside
+    return out
 
 
-__all__ = ["JsonlLogger", "JsonlMetricsProcessor", "moe_quant_metrics"]
+def outside_allocator_gib() -> float | None:
+    """GiB in use on this rank's device that torch's caching allocator does not hold (the CUDA context, NCCL's
+    buffers, other processes): the device's used memory less the allocator's reserved bytes. None without CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**30
+
+
+__all__ = ["JsonlLogger", "JsonlMetricsProcessor", "moe_quant_metrics", "outside_allocator_gib"]

@@ -20,7 +20,8 @@
 
 :func:`for_this_torch` picks; every variant of a run gets the same. Whatever it picks, it then writes what was
 built to ``<dump_folder>/setup/rank<r>.json`` (:func:`describe`): the torch version, the function, the launcher's
-shims, the attention, experts and token dispatcher classes, the EP sizes, FSDP modules, compiled blocks.
+shims, the attention, experts and token dispatcher classes, the EP sizes, FSDP modules, compiled blocks, the
+allocator's cap.
 """
 
 from __future__ import annotations
@@ -137,7 +138,16 @@ def describe(model, fn, *, force_sum: int, compile_config) -> dict:
         "force_sum_modules": force_sum,
         "compiled_blocks": sum(getattr(b, "_compiled_call_impl", None) is not None for b in model.layers.values()),
         "compile_backend": compile_config.backend if compile_config.enable else None,
+        "allocator_cap_gib": allocator_cap_gib(),
     }
+
+
+def allocator_cap_gib() -> float | None:
+    """The CUDA caching allocator's cap on this device in GiB (``moe_quant.memory_gib``); None: no cap, or no CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    fraction = torch.cuda.get_per_process_memory_fraction()
+    return None if fraction >= 1 else fraction * torch.cuda.get_device_properties().total_memory / 2**30
 
 
 def for_this_torch(torchtitan_fn):
