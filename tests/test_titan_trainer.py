@@ -221,7 +221,8 @@ def test_memory_cap_option(monkeypatch, capsys):
 def test_bench_peak_device_memory_adds_what_the_allocator_does_not_hold(tmp_path):
     """The bench's peak device memory: the largest ``max_reserved`` + ``outside_allocator`` of a step over steps
     and ranks (the two peak at different steps here: the sum of the maxima would be wrong), absent where the
-    metrics lack the outside figure (the CPU, older runs)."""
+    metrics lack the outside figure (the CPU, older runs); the allocator's retries: torchtitan's cumulative count
+    of the last step, the most of the ranks."""
     from types import SimpleNamespace
 
     from examples.titan import bench
@@ -231,7 +232,8 @@ def test_bench_peak_device_memory_adds_what_the_allocator_does_not_hold(tmp_path
     (tmp_path / "metrics").mkdir()
     for r, steps in rows.items():
         lines = [{"step": i + 1, "throughput(tps)": 1.0, "time_metrics/end_to_end(s)": 1.0, "loss_metrics/global_avg_loss":
-                  5.0, "memory/max_reserved(GiB)": res, "memory/max_active(GiB)": res, out: o}
+                  5.0, "memory/max_reserved(GiB)": res, "memory/max_active(GiB)": res, out: o,
+                  bench.RETRIES: 3 * i + r}
                  for i, (res, o) in enumerate(steps)]
         (tmp_path / "metrics" / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     args = SimpleNamespace(warmup=0, steps=3, profile=False, tail=1, layers=2)
@@ -239,14 +241,16 @@ def test_bench_peak_device_memory_adds_what_the_allocator_does_not_hold(tmp_path
     assert res["peak_reserved_gib"] == {0: 12.0, 1: 11.5} and res["peak_device_gib"] == {0: 12.5, 1: 12.5}
     record = {"torch": "2.99", "nproc": 2, "flavor": "16B", "layers": 2, "steps": 3, "warmup": 0, "tail": 1,
               "device": "Some GPU", "results": [res | {"variant": "bf16"}]}
-    assert "| 12.0, 11.5 | 12.5 | 5.0000 |" in bench.table(record)
+    assert res["alloc_retries"] == 6  # cumulative: the last step's, the most of the ranks
+    assert "| 12.0, 11.5 | 12.5 | 6 | 5.0000 |" in bench.table(record)
     for r in rows:  # no outside figure: no device peak
         path = tmp_path / "metrics" / f"rank{r}.jsonl"
         path.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if k != out}) + "\n"
                                 for x in path.read_text().splitlines()))
     res = bench.summarize(args, "bf16", "eager", str(tmp_path), SimpleNamespace(rc=0, seconds=1.0, log="x"))
     assert res["peak_device_gib"] == {0: None, 1: None}
-    assert "| 12.0, 11.5 | n/a | 5.0000 |" in bench.table(record | {"results": [res]})
+    assert "| 12.0, 11.5 | n/a | 6 | 5.0000 |" in bench.table(record | {"results": [res]})
+    assert "| 12.0, 11.5 | n/a | n/a | 5.0000 |" in bench.table(record | {"results": [res | {"alloc_retries": None}]})
 
 
 def test_launcher_shims_only_where_torch_lacks_them(monkeypatch):

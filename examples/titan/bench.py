@@ -13,7 +13,9 @@ the job's per-rank metrics (:mod:`examples.titan.metrics`, torchtitan's own numb
 * peak memory per GPU: the largest ``memory/max_reserved(GiB)`` (and ``max_active``) of each rank; on CUDA also
   the peak device memory, the largest over ranks and steps of ``max_reserved`` plus what the allocator does not
   hold (``moe_quant/outside_allocator(GiB)``: CUDA context, NCCL's buffers), what a GPU must have for the job
-  (``-- --moe_quant.memory_gib G`` caps the allocator, so a job that needs more than a smaller GPU fails);
+  (``-- --moe_quant.memory_gib G`` caps the allocator, so a job that needs more than a smaller GPU fails), and
+  torchtitan's count of allocation retries (the allocator found no free memory, freed its cache and tried again:
+  a job that fits only just pays for each);
 * the loss curve (the global average loss of every step), and the final loss: the mean of the last ``--tail``
   steps' losses (every variant sees the same batches, so the curves are paired step by step);
 * the all-to-all time per leg, from torchtitan's profiler (``--profiler.enable_profiling``, the last step): the
@@ -50,6 +52,7 @@ import torch
 
 from examples.titan import runs
 
+RETRIES = "memory/num_alloc_retries"  # torchtitan's: the allocator freed its cache and retried (cumulative)
 OUTSIDE = "moe_quant/outside_allocator(GiB)"  # examples.titan.metrics: device memory the allocator does not hold
 A2A_KERNEL = re.compile(r"SendRecv|AllToAll|alltoall", re.IGNORECASE)
 LEGS_FORWARD = ("counts", "dispatch", "combine")
@@ -103,8 +106,8 @@ def job_args(args, mode: str) -> list[str]:
     return a + args.extra
 
 
-def _gib(x):
-    """torchtitan logs -1 bytes where the device has no memory statistics (the CPU)."""
+def _known(x):
+    """None for torchtitan's -1: a memory statistic the device lacks (the CPU)."""
     return None if x is None or x < 0 else x
 
 
@@ -172,8 +175,8 @@ def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
             if row["step"] in steps_timed:
                 tps.append(row["throughput(tps)"])
                 step_s.append(row["time_metrics/end_to_end(s)"])
-        peak[r] = _gib(max((row["memory/max_reserved(GiB)"] for row in rows), default=None))
-        active[r] = _gib(max((row["memory/max_active(GiB)"] for row in rows), default=None))
+        peak[r] = _known(max((row["memory/max_reserved(GiB)"] for row in rows), default=None))
+        active[r] = _known(max((row["memory/max_active(GiB)"] for row in rows), default=None))
         device[r] = max((row["memory/max_reserved(GiB)"] + row[OUTSIDE] for row in rows
                          if OUTSIDE in row and row["memory/max_reserved(GiB)"] >= 0), default=None)
     losses = runs.losses(dump).get(0, {})
@@ -185,6 +188,7 @@ def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
         "peak_active_gib": active, "peak_device_gib": device, "losses": curve, "final_loss": final,
         "fallbacks": max((rows[-1].get("moe_quant/fallbacks", 0) for rows in m.values() if rows), default=None),
         "dropped_rows": max((rows[-1].get("moe_quant/dropped_rows", 0) for rows in m.values() if rows), default=None),
+        "alloc_retries": max((rows[-1].get(RETRIES, -1) for rows in m.values() if rows), default=None),
         "setup": runs.setup(dump).get(0), "log": job.log,
     }
     if job.rc != 0:
@@ -207,8 +211,8 @@ def table(record: dict) -> str:
              f"{record['device']}, torch {record['torch']}, {record['steps']} steps; tokens/s per GPU: median over "
              f"steps {record['warmup'] + 1}.. and ranks (min-max); final loss: mean of the last {record['tail']} steps",
              "", "| variant | mode | tokens/s/GPU (min-max) | vs bf16 | peak reserved GiB/GPU | peak device GiB (max) "
-             "| final loss | vs bf16 | a2a ms: dispatch / combine / combine bwd / dispatch bwd (counts) | job s |",
-             "|" + "---|" * 10]
+             "| allocator retries | final loss | vs bf16 | a2a ms: dispatch / combine / combine bwd / dispatch bwd "
+             "(counts) | job s |", "|" + "---|" * 11]
     for r in rows:
         t, b = r["tokens_per_s_per_gpu"], base.get(r["mode"])
         speed = (t["median"] / b["tokens_per_s_per_gpu"]["median"]
@@ -222,6 +226,7 @@ def table(record: dict) -> str:
         device = [v for v in (r.get("peak_device_gib") or {}).values() if v is not None]
         lines.append(f"| {r['variant']} | {r['mode']} | {_fmt(t['median'])} ({_fmt(t['min'])}-{_fmt(t['max'])}) | "
                      f"{_fmt(speed, '.3f')} | {peak} | {_fmt(max(device) if device else None, '.1f')} | "
+                     f"{_fmt(_known(r.get('alloc_retries')), 'd')} | "
                      f"{_fmt(r['final_loss'], '.4f')} | "
                      f"{'n/a' if dloss is None else f'{100 * dloss:+.2f}%'} | {legs} | {_fmt(r['wall_s'])} |"
                      + ("" if r["rc"] == 0 else f" failed (rc {r['rc']})"))
