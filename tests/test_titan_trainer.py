@@ -32,7 +32,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 import torch.distributed as dist
 from process_checks import gone, wait_until
@@ -349,9 +349,13 @@ def test_a2a_legs_of_the_mxfp8_wire_and_report_only(tmp_path, capsys):
 
 
 def test_script_arguments_are_checked(capsys):
-    from examples.titan import bench, checks
+    from examples.titan import bench, checks, fit_layers
 
-    for mod, argv, message in ((checks, ["--out", "x", "--save-at", "3", "--kill-at", "3"], "--kill-at"),
+    fit = ["--out", "x", "--memory-gib", "76"]
+    for mod, argv, message in ((fit_layers, fit + ["--start", "30"], "--min <= --start <= --max"),
+                               (fit_layers, fit + ["--start", "9", "--steps", "1"], "--steps must be at least 2"),
+                               (fit_layers, ["--out", "x", "--start", "9"], "--memory-gib"),
+                               (checks, ["--out", "x", "--save-at", "3", "--kill-at", "3"], "--kill-at"),
                                (checks, ["--out", "x", "--variants", "fp4"], "--variants"),
                                (checks, ["--out", "x", "--mismatch", "top_k=2"], "--mismatch"),
                                (checks, ["--out", "x", "--mismatch-variants", "bf16"], "--mismatch-variants"),
@@ -383,9 +387,10 @@ def test_a_job_past_its_timeout_is_killed_with_its_children(tmp_path):
     assert wait_until(lambda: gone(child), timeout=5.0), f"the job's child {child} outlived the job's timeout"
 
 
-@given(limits=st.lists(st.integers(0, 30), min_size=1, max_size=4), start=st.integers(1, 27),
-       low=st.integers(1, 27), high=st.integers(1, 27), modes=st.sampled_from([["eager"], ["eager", "compiled"]]))
-def test_fit_layers_search_finds_the_most_layers_every_variant_fits(limits, start, low, high, modes):
+@given(limits=st.lists(st.integers(0, 30), min_size=1, max_size=4),
+       bounds=st.lists(st.integers(1, 27), min_size=3, max_size=3).map(sorted),
+       modes=st.sampled_from([["eager"], ["eager", "compiled"]]))
+def test_fit_layers_search_finds_the_most_layers_every_variant_fits(limits, bounds, modes):
     """``fit_layers.search`` against the plain answer: with variant v fitting up to ``limits[v]`` layers, the most
     layers every variant fits, at most ``--max``; None where that is below ``--min``. Each probe runs once, the
     other variants only where the first fits."""
@@ -393,7 +398,7 @@ def test_fit_layers_search_finds_the_most_layers_every_variant_fits(limits, star
 
     from examples.titan import fit_layers, runs
 
-    assume(low <= start <= high)
+    low, start, high = bounds
     variants = list(runs.VARIANTS[:len(limits)])
     limit = dict(zip(variants, limits))
     calls = []
@@ -420,3 +425,32 @@ def test_fit_layers_stops_on_a_failure_that_is_not_memory(tmp_path):
     assert record["layers"] is None and "without an out-of-memory error" in record["error"]
     log = " ".join((tmp_path / "bf16_eager_2.log").read_text().replace("│", " ").split())  # tyro's box, wrapped
     assert "moe_quant.memory_gib caps the CUDA allocator" in log
+
+
+def test_report_only_takes_the_final_loss_again_over_another_tail(tmp_path, capsys):
+    """``--report-only --tail N`` takes every final loss again from its stored curve (and the check with it);
+    without ``--tail`` the record's own final losses and tail stay. Here the last 10 steps differ by 0.6% and the
+    last 20 by 0.3%: the check fails over 10 and passes over 20."""
+    from examples.titan import bench
+
+    base = [5.0] * 30
+    other = [5.0] * 20 + [5.0 * 1.006] * 10  # last 10: +0.6%, last 20: +0.3%
+
+    def result(variant, curve):
+        return {"variant": variant, "mode": "eager", "rc": 0, "wall_s": 1.0, "losses": curve,
+                "final_loss": bench.final_loss(curve, 10), "tokens_per_s_per_gpu": {"median": 1.0, "min": 1.0,
+                                                                                      "max": 1.0},
+                "peak_reserved_gib": {"0": 1.0}}
+
+    record = {"torch": "2.99", "nproc": 4, "flavor": "16B", "layers": 3, "steps": 30, "warmup": 0, "tail": 10,
+              "extra": [], "device": "Some GPU", "results": [result("bf16", base), result("mxfp8", other)]}
+    (tmp_path / "bench.json").write_text(json.dumps(record))
+    assert bench.main(["--out", str(tmp_path), "--report-only"]) == 1
+    assert "FAIL final loss mxfp8 eager" in capsys.readouterr().out
+    kept = json.loads((tmp_path / "bench.json").read_text())
+    assert kept["tail"] == 10 and kept["results"][1]["final_loss"] == pytest.approx(5.0 * 1.006)
+    assert bench.main(["--out", str(tmp_path), "--report-only", "--tail", "20"]) == 0
+    assert "PASS final loss mxfp8 eager: 5.0150 vs bf16 5.0000 (0.30%" in capsys.readouterr().out
+    again = json.loads((tmp_path / "bench.json").read_text())
+    assert again["tail"] == 20 and again["results"][1]["final_loss"] == pytest.approx(5.0 * 1.003)
+    assert "final loss: mean of the last 20 steps" in (tmp_path / "bench.md").read_text()

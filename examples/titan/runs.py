@@ -28,9 +28,10 @@ MODULE = "examples.titan.config_registry"
 VARIANTS = ("bf16", "converted", "mxfp8", "mxfp8_sync_free")
 
 
-def parser(doc: str, argv=None, *, layers: int, steps: int, modes: str, timeout: float):
-    """The arguments :mod:`examples.titan.bench` and :mod:`examples.titan.checks` share: ``(parser, argv, extra)``,
-    ``extra`` being what follows ``--`` (for every job's torchtitan command line)."""
+def parser(doc: str, argv=None, *, layers: int | None, steps: int, modes: str, timeout: float):
+    """The arguments :mod:`examples.titan.bench`, :mod:`examples.titan.checks` and :mod:`examples.titan.fit_layers`
+    share: ``(parser, argv, extra)``, ``extra`` being what follows ``--`` (for every job's torchtitan command line);
+    ``layers`` None: no ``--layers`` (a script that picks the count itself)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = []
     if "--" in argv:
@@ -41,7 +42,9 @@ def parser(doc: str, argv=None, *, layers: int, steps: int, modes: str, timeout:
     p.add_argument("--out", required=True, help="output folder (the jobs' dump folders and logs, the report)")
     p.add_argument("--nproc", type=int, default=torch.cuda.device_count() if cuda else 2, help="ranks per job")
     p.add_argument("--flavor", default="16B" if cuda else "debugmodel", choices=["16B", "debugmodel"])
-    p.add_argument("--layers", type=int, default=layers, help="transformer blocks kept (block 0 dense, the others MoE)")
+    if layers is not None:
+        p.add_argument("--layers", type=int, default=layers,
+                       help="transformer blocks kept (block 0 dense, the others MoE)")
     p.add_argument("--steps", type=int, default=steps, help="steps of every job")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--modes", default=modes, help="eager and/or compiled (torchtitan's --compile.enable)")
