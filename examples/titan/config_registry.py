@@ -78,9 +78,9 @@ class MoEQuantOptions:
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     memory_gib: float | None = None
     """Cap torch's CUDA caching allocator at this many GiB per rank (``torch.cuda.set_per_process_memory_fraction``),
-    so a larger GPU runs out of memory where a smaller one would: 76 stands for an 80 GB GPU, leaving about
-    3.5 GiB for what the allocator does not hold (CUDA context, NCCL's buffers: the metrics'
-    ``moe_quant/outside_allocator(GiB)``). None: no cap."""
+    so a larger GPU runs out of memory where a smaller one would: 76 stands for an 80 GB GPU, leaving room for what
+    the allocator does not hold (CUDA context, NCCL's buffers: the metrics' ``moe_quant/outside_allocator(GiB)``,
+    2.7 GiB per GPU in the 4-GPU DeepSeek-V3 jobs of docs/torchtitan_trainer.md). None: no cap."""
 
 
 def memory_fraction(gib: float, total_bytes: int) -> float:
