@@ -18,7 +18,8 @@ Rows (``ROWS``; ``--rows`` picks some), each the EP block of the same weights, i
 ``p2p``, ``p2p_cC``   (v) EPMoE converted, MXFP8 comms, point-to-point transport in C ranges of local experts
                       (``moe_quant.ep.blocks``: no pack/permute copies; C > 1 overlaps experts and exchange)
 ``p2p_cC_smN``        the same, the experts' GEMMs leaving N SMs to the exchange (``sm_carveout``; rows
-                      p2p_c4_sm4/8/16/32, p2p_c2_sm8, sync_free_c2_sm8)
+                      p2p_c4_sm4/8/16/32, p2p_c2_sm4/8, p2p_c8_sm4,
+                      sync_free_c2_sm8)
 ``conv_bf16_p2p_cC``  EPMoE converted, bf16 comms, point-to-point transport, C ranges
 ``sync_free[_c2]``    EPMoE converted, MXFP8 comms, sync-free mode (capacity factor 1.25, ``max_tokens`` the
                       tokens per rank), in 1 or 2 ranges
@@ -88,6 +89,8 @@ ROWS = {
     "p2p_c4": dict(convert=True, wire="mxfp8", transport="p2p", chunks=4),
     **{f"p2p_c4_sm{n}": dict(convert=True, wire="mxfp8", transport="p2p", chunks=4, sm_carveout=n) for n in CARVEOUTS},
     "p2p_c2_sm8": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2, sm_carveout=8),
+    "p2p_c2_sm4": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2, sm_carveout=4),
+    "p2p_c8_sm4": dict(convert=True, wire="mxfp8", transport="p2p", chunks=8, sm_carveout=4),
     "conv_bf16_p2p_c2": dict(convert=True, wire="bf16", transport="p2p", chunks=2),
     "sync_free": dict(convert=True, wire="mxfp8", capacity_factor=1.25),
     "sync_free_c2": dict(convert=True, wire="mxfp8", capacity_factor=1.25, chunks=2),
@@ -103,6 +106,8 @@ LABELS = {
     "p2p_c4": "(v) converted, MXFP8 comms, p2p, 4 chunks",
     **{f"p2p_c4_sm{n}": f"(v) p2p, 4 chunks, GEMMs leave {n} SMs" for n in CARVEOUTS},
     "p2p_c2_sm8": "(v) p2p, 2 chunks, GEMMs leave 8 SMs",
+    "p2p_c2_sm4": "(v) p2p, 2 chunks, GEMMs leave 4 SMs",
+    "p2p_c8_sm4": "(v) p2p, 8 chunks, GEMMs leave 4 SMs",
     "conv_bf16_p2p_c2": "converted, bf16 comms, p2p, 2 chunks",
     "sync_free": "converted, MXFP8 comms, sync-free (capacity 1.25)",
     "sync_free_c2": "converted, MXFP8 comms, sync-free (capacity 1.25), 2 chunks",
@@ -139,10 +144,19 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=cli.positive_int, default=5)
     p.add_argument("--steps", type=cli.positive_int, default=4, help="timed steps of each row per round")
     p.add_argument("--json", type=cli.writable_file, default=None)
+    p.add_argument("--wire-gbps", type=cli.positive_float, default=None,
+                   help="hold every exchange to at least its bytes over this many GB/s per GPU (benchmarks.slow_wire: "
+                        "a slower wire on NVLink, the same for every row; CUDA, not the torchtitan row)")
     p.add_argument("--timeline", action="store_true",
                    help="keep the profiled step's kernels of every row in the JSON (rank 0): name, start, time, "
                         "stream and the ops and ranges that launched it, to compare rows kernel by kernel")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.wire_gbps is not None and args.device != "cuda":
+        p.error("--wire-gbps needs --device cuda (it holds NCCL's exchanges on the GPU)")
+    if args.wire_gbps is not None and "titan" in args.rows:
+        p.error("--wire-gbps does not slow torchtitan's exchanges (functional collectives): leave the titan row out "
+                "of --rows")
+    return args
 
 
 def _init(cuda: bool):
@@ -263,11 +277,11 @@ def _step_fn(module, forward, x, grad):
 
 
 def _legs_from_profile(ops: list[dict], steps: int) -> dict:
-    """ms per step of the communication kernels of each leg (``nccl`` in the kernel name), by the
+    """ms per step of the communication kernels of each leg (kind ``nccl``: :func:`kernel_kind`), by the
     ``moe_quant.ep::<leg>`` range that launched them; ``unattributed`` for the rest."""
     out = {}
     for op in ops:
-        if "nccl" not in op["name"].lower():
+        if kernel_kind(op["name"]) != "nccl":
             continue
         leg = next((s[len(PROFILE_PREFIX):] for s in op["scopes"] if s.startswith(PROFILE_PREFIX)), "unattributed")
         out[leg] = out.get(leg, 0.0) + op["us"] / 1e3 / steps
@@ -275,14 +289,14 @@ def _legs_from_profile(ops: list[dict], steps: int) -> dict:
 
 
 def kernel_kind(name: str) -> str:
-    """The kind of device time of a kernel (or, on the CPU, an op) by its name: ``nccl`` (NCCL kernels; the
-    ``c10d`` / ``gloo`` ops on the CPU), ``moe_quant`` (our CuTe-DSL kernels: their names carry moe_quant's module
+    """The kind of device time of a kernel (or, on the CPU, an op) by its name: ``nccl`` (NCCL kernels, and
+    :mod:`benchmarks.slow_wire`'s, which stand for a slower wire's transfer; the ``c10d`` / ``gloo`` ops on the CPU), ``moe_quant`` (our CuTe-DSL kernels: their names carry moe_quant's module
     path and class; the ``moe_quant::`` ops on the CPU), ``gemm`` (cuBLAS / CUTLASS / grouped and scaled mm),
     ``index`` (index, scatter, gather, sort, scan / cumsum, histc, bincount), ``copy`` (memcpy, memset, fill,
     cat, copy kernels), else ``other`` (elementwise, reductions, the rest). First match in that order."""
     low = name.lower()
     words = set(re.split(r"[^a-z0-9]+", low))  # aten::_scaled_grouped_mm -> {aten, scaled, grouped, mm}
-    if "nccl" in low or "c10d" in low or "gloo" in low:
+    if "nccl" in low or "c10d" in low or "gloo" in low or "slow_wire" in low:  # slow_wire: the emulated wire's time
         return "nccl"
     if "moe_quant::" in low or "moe_quantkernels" in low or any(k in name for k in MOE_QUANT_KERNELS):
         return "moe_quant"
@@ -432,6 +446,15 @@ def _legs_alone(device, world: int, s: dict, iters: int) -> list[dict]:
 def run(args) -> dict:
     cuda = args.device == "cuda"
     device = _init(cuda)
+    if args.wire_gbps is None:
+        return _run(args, cuda, device)
+    from benchmarks.slow_wire import SlowWire
+
+    with SlowWire(args.wire_gbps):
+        return _run(args, cuda, device)
+
+
+def _run(args, cuda: bool, device) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     s = dict(GPU if cuda else CPU)
     for k in s:
@@ -504,7 +527,8 @@ def run(args) -> dict:
         r["vs_titan"] = r["ms"] / ref["titan"] if ref["titan"] else None
     result = {"sizes": s, "world": world, "device": device_name() if cuda else "cpu", "torch": torch.__version__,
               "env": {k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_ALGO",
-                                                       "NCCL_PROTO")},
+                                                       "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")},
+              "wire_gbps": args.wire_gbps,
               "rounds": args.rounds, "steps": args.steps, "rows": records, "notes": notes, "legs_alone": legs_alone}
     if rank == 0:
         _print(result)
@@ -521,6 +545,8 @@ def _fmt(v, spec=".3f"):
 def _print(result: dict) -> None:
     s, world = result["sizes"], result["world"]
     env = ", ".join(f"{k}={v}" for k, v in result["env"].items() if v is not None) or "NCCL defaults"
+    if result.get("wire_gbps"):
+        env += f", every exchange held to {result['wire_gbps']:g} GB/s (benchmarks.slow_wire)"
     print(f"bench_ep: {result['device']} x {world}, torch {result['torch']}, {env}, sizes {s}, "
           f"{result['rounds']} rounds x {result['steps']} steps (interleaved)")
     rows = []

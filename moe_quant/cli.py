@@ -39,6 +39,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """``type=`` for a finite number greater than 0 (a bandwidth, a size in GiB)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number greater than 0, got {text!r}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:

@@ -16,6 +16,7 @@ from repo_subprocess import ROOT, run_python
 sys.path.insert(0, str(ROOT / "scripts"))
 import ep_timeline  # noqa: E402
 import ep_wire_fit  # noqa: E402
+from p2p_probe import FORMS  # noqa: E402
 from benchmarks import bench_ep  # noqa: E402
 
 D = 7168
@@ -120,12 +121,67 @@ KIND_CASES = [
     ("aten::mul", "other"),
     ("aten::empty", "other"),
     ("aten::commit", "other"),  # "mm" inside a word is no matmul
+    ("slow_wire_spin_kernel", "nccl"),  # benchmarks.slow_wire: the emulated wire's time is communication time
 ]
 
 
 @pytest.mark.parametrize("name, kind", KIND_CASES)
 def test_kernel_kind(name, kind):
     assert bench_ep.kernel_kind(name) == kind
+
+
+def test_slow_wire_counts_the_bytes_each_rank_puts_on_the_wire():
+    """benchmarks.slow_wire holds an exchange for the bytes this rank sends to others: not its own block of an
+    all-to-all, not what it receives, not a send to itself."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.slow_wire import a2a_bytes_to_others, p2p_bytes_to_others
+
+    x = torch.zeros(10, 4, dtype=torch.bfloat16)  # 8 bytes a row
+    assert a2a_bytes_to_others(x, [3, 5, 2], rank=1, world=3) == 5 * 8
+    assert a2a_bytes_to_others(x, [3, 5, 2], rank=2, world=3) == 8 * 8
+    assert a2a_bytes_to_others(x, None, rank=0, world=2) == 40  # even split
+    assert a2a_bytes_to_others(x[:0], [0, 0], rank=0, world=2) == 0
+
+    def op(kind, tensor, peer):
+        return SimpleNamespace(op=kind, tensor=tensor, peer=peer, group=None, group_peer=None)
+
+    ops = [op(dist.isend, torch.zeros(6, dtype=torch.uint8), 1), op(dist.irecv, torch.zeros(7, dtype=torch.uint8), 1),
+           op(dist.isend, torch.zeros(2, 3), 2), op(dist.isend, torch.zeros(5, dtype=torch.uint8), 0)]
+    assert p2p_bytes_to_others(ops, rank=0) == 6 + 24
+    assert p2p_bytes_to_others(ops, rank=1) == 24 + 5
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+def test_p2p_probe_times_every_form_on_two_gloo_ranks(tmp_path):
+    """scripts/p2p_probe.py (on GPUs: which forms of exchange NCCL moves how fast) on two gloo ranks: a row per
+    form, a record per form and size; without torchrun, one line and exit status 2."""
+    out = tmp_path / "probe.json"
+    res = run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "scripts/p2p_probe.py",
+                     "--mb", "1,2", "--iters", "1", "--rounds", "1", "--json", str(out), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["form"], r["bytes_per_peer"]) for r in rows} == {(f, m << 20) for f in FORMS for m in (1, 2)}
+    assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
+    table = [line.split()[0] for line in res.stdout.splitlines()[2:]]
+    assert table == list(FORMS), res.stdout
+    bare = run_python("scripts/p2p_probe.py", pythonpath=False)
+    assert bare.returncode == 2 and "run it under torchrun" in bare.stderr, bare.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu", "--wire-gbps", "50"], "--wire-gbps needs --device cuda"),
+    (["--wire-gbps", "50", "--rows", "bf16,titan"], "leave the titan row out"),
+    (["--wire-gbps", "0"], "greater than 0"),
+    (["--wire-gbps", "inf"], "greater than 0"),
+    (["--wire-gbps", "fast"], "expected a number"),
+])
+def test_bench_ep_wire_gbps_is_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_ep.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_every_moe_quant_kernel_class_is_told_by_its_name():
