@@ -4,6 +4,8 @@ experts (no process group: an exchange that records what it is asked to do)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 from moe_quant.ep import pipeline
@@ -211,3 +213,16 @@ def test_sm_window_left_open_by_a_failed_backward_is_closed_by_the_next_dispatch
     finally:
         torch._C._set_sm_carveout_experimental(None)
         pipeline.SmWindow._depth = 0
+
+
+
+@given(n=st.integers(1, 256), chunks=st.integers(1, 300))
+def test_expert_ranges_partition_the_experts_evenly(n, chunks):
+    """Contiguous, non-empty, min(chunks, n) of them, covering every expert once, sizes within one of each other.
+    (Tapered ends -- 2, 4, 2 for 8 experts in 3 ranges -- were measured on 2 H200s at an emulated 50 GB/s wire,
+    2026-11-29: 33.55 ms against 33.74 for 2 even ranges and 34.09 for 1, 3, 3, 1, inside the spread; not kept.)"""
+    ranges = pipeline.expert_ranges(n, chunks)
+    sizes = [hi - lo for lo, hi in ranges]
+    assert len(ranges) == min(chunks, n) and ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and min(sizes) >= 1
+    assert max(sizes) - min(sizes) <= 1, sizes
