@@ -20,6 +20,8 @@ Rows (``ROWS``; ``--rows`` picks some), each the EP block of the same weights, i
 ``p2p_cC_smN``        the same, the experts' GEMMs leaving N SMs to the exchange (``sm_carveout``; rows
                       p2p_c4_sm4/8/16/32, p2p_c2_sm4/8, p2p_c8_sm4,
                       sync_free_c2_sm8)
+``*_merged``          the same rows posting one message per (peer, tensor) per range (``moe_quant.ep.blocks``:
+                      the merged posting form, a candidate), rows p2p_merged, p2p_c2_sm4_merged, p2p_c4_sm4_merged
 ``conv_bf16_p2p_cC``  EPMoE converted, bf16 comms, point-to-point transport, C ranges
 ``sync_free[_c2]``    EPMoE converted, MXFP8 comms, sync-free mode (capacity factor 1.25, ``max_tokens`` the
                       tokens per rank), in 1 or 2 ranges
@@ -91,6 +93,10 @@ ROWS = {
     "p2p_c2_sm8": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2, sm_carveout=8),
     "p2p_c2_sm4": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2, sm_carveout=4),
     "p2p_c8_sm4": dict(convert=True, wire="mxfp8", transport="p2p", chunks=8, sm_carveout=4),
+    # the merged posting form (moe_quant.ep.blocks.POSTINGS): one message per peer and tensor per range
+    "p2p_merged": dict(convert=True, wire="mxfp8", transport="p2p", posting="merged"),
+    "p2p_c2_sm4_merged": dict(convert=True, wire="mxfp8", transport="p2p", chunks=2, sm_carveout=4, posting="merged"),
+    "p2p_c4_sm4_merged": dict(convert=True, wire="mxfp8", transport="p2p", chunks=4, sm_carveout=4, posting="merged"),
     "conv_bf16_p2p_c2": dict(convert=True, wire="bf16", transport="p2p", chunks=2),
     "sync_free": dict(convert=True, wire="mxfp8", capacity_factor=1.25),
     "sync_free_c2": dict(convert=True, wire="mxfp8", capacity_factor=1.25, chunks=2),
@@ -108,6 +114,9 @@ LABELS = {
     "p2p_c2_sm8": "(v) p2p, 2 chunks, GEMMs leave 8 SMs",
     "p2p_c2_sm4": "(v) p2p, 2 chunks, GEMMs leave 4 SMs",
     "p2p_c8_sm4": "(v) p2p, 8 chunks, GEMMs leave 4 SMs",
+    "p2p_merged": "(v) p2p, one message per peer",
+    "p2p_c2_sm4_merged": "(v) p2p, 2 chunks, GEMMs leave 4 SMs, one message per peer and range",
+    "p2p_c4_sm4_merged": "(v) p2p, 4 chunks, GEMMs leave 4 SMs, one message per peer and range",
     "conv_bf16_p2p_c2": "converted, bf16 comms, p2p, 2 chunks",
     "sync_free": "converted, MXFP8 comms, sync-free (capacity 1.25)",
     "sync_free_c2": "converted, MXFP8 comms, sync-free (capacity 1.25), 2 chunks",
@@ -258,6 +267,7 @@ def _build(row: str, base: MoE, device, world: int, rank: int, tokens: int):
         return _titan_block(base, device, world, rank)
     spec = dict(spec)
     convert = spec.pop("convert")
+    spec.pop("posting", None)  # applied around each step (_step_fn)
     if "capacity_factor" in spec:
         spec["max_tokens"] = tokens
     model = EPMoE.from_moe(base, **spec)
@@ -266,10 +276,14 @@ def _build(row: str, base: MoE, device, world: int, rank: int, tokens: int):
     return model, model
 
 
-def _step_fn(module, forward, x, grad):
+def _step_fn(module, forward, x, grad, posting: str | None = None):
+    """One fwd + bwd of the row; ``posting``: the p2p transport's posting form for it (``moe_quant.ep.blocks``)."""
+    from moe_quant.ep import blocks
+
     def step():
         xi = x.detach().requires_grad_()
-        forward(xi).backward(grad)
+        with blocks.posting(posting or blocks.POSTINGS[0]):
+            forward(xi).backward(grad)
         for p in module.parameters():
             p.grad = None
 
@@ -473,7 +487,8 @@ def _run(args, cuda: bool, device) -> dict:
         except ImportError as e:  # torchtitan missing: the row is left out, said so
             notes[row] = f"not run: {e}"
             continue
-        rows[row] = {"step": _step_fn(module, forward, x, grad), "module": module, "ms": [], "round_medians": []}
+        posting = ROWS[row].get("posting") if isinstance(ROWS[row], dict) else None
+        rows[row] = {"step": _step_fn(module, forward, x, grad, posting), "module": module, "ms": [], "round_medians": []}
     for rec in rows.values():  # warm-up (kernel compiles, the dispatchers' handshakes)
         for _ in range(2):
             rec["step"]()

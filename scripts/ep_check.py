@@ -1,5 +1,5 @@
 """Expert-parallel MoE block against the single-process converted block: ``torchrun --nproc_per_node N
-scripts/ep_check.py [--device cuda|cpu] [--transport all_to_all|p2p --chunks C]``.
+scripts/ep_check.py [--device cuda|cpu] [--transport all_to_all|p2p --chunks C --posting per_block|merged]``.
 
 CUDA (nccl): DeepSeek-V3 expert sizes by default (hidden 7168, expert hidden 2048, 8 experts per rank,
 top-2, 16384 tokens per rank). CPU (gloo): tiny defaults. Every rank runs its shard of
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_quant.ep import blocks  # noqa: E402
 from moe_quant.ep.check import CheckCase, run_check  # noqa: E402
 
 GPU_DEFAULTS = dict(dim=7168, hidden_dim=2048, experts_per_rank=8, top_k=2, tokens=16384)
@@ -41,6 +42,8 @@ def parse_args():
     p.add_argument("--transport", default="all_to_all", choices=["all_to_all", "p2p"])
     p.add_argument("--chunks", type=int, default=1, help="ranges of local experts (p2p transport)")
     p.add_argument("--sm-carveout", type=int, default=None, help="SMs the experts' GEMMs leave to the exchange")
+    p.add_argument("--posting", default="per_block", choices=["per_block", "merged"],
+                   help="how the p2p transport posts a range (moe_quant.ep.blocks.POSTINGS)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -65,7 +68,8 @@ def main() -> int:
                      sm_carveout=args.sm_carveout)
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     try:
-        result = run_check(case, device=device)
+        with blocks.posting(args.posting):
+            result = run_check(case, device=device)
     except Exception as e:  # reported by rank 0 like any other failure
         result = {"rank": dist.get_rank(), "error": f"{type(e).__name__}: {e}"}
     results = [None] * dist.get_world_size()

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 D = 64
 # dispatcher settings compared with the all-to-all transport, bit for bit (tests/test_ep.py::test_transports...)
 P2P_VARIANTS = [{"transport": "p2p", "chunks": 1}, {"transport": "p2p", "chunks": 2},
-                {"transport": "p2p", "chunks": 4}, {"transport": "p2p", "chunks": 2, "sm_carveout": 4}]
+                {"transport": "p2p", "chunks": 4}, {"transport": "p2p", "chunks": 2, "sm_carveout": 4},
+                {"transport": "p2p", "chunks": 1, "posting": "merged"}, {"transport": "p2p", "chunks": 2, "posting": "merged"},
+                {"transport": "p2p", "chunks": 4, "posting": "merged"}]
 ROUTER = dict(dim=D, hidden_dim=96, experts_per_rank=2, top_k=2, tokens=(40,))
 CASES_2 = {
     "mxfp8": ("check", ROUTER),
@@ -339,7 +341,8 @@ def test_sync_free_more_tokens_than_the_bound_drops_counted(case, bound, ep2):
                                          (4, "transports")])
 def test_p2p_transport_and_chunks_bit_identical_to_all_to_all(world, case, ep2, ep4):
     """The point-to-point transport, in 1, 2 and 4 ranges of local experts (chunks; 3 experts per rank: the
-    ranges clamp to one expert each), against the all-to-all transport on the same weights and inputs:
+    ranges clamp to one expert each), each range posted block by block and merged per peer, against the
+    all-to-all transport on the same weights and inputs:
     output, input gradient and all three weight gradients every bit, and every leg hands the wire the same
     rows and bytes (MXFP8 data and scales as two slices: the same bytes as the packed rows). Ranks and
     experts without tokens included."""

@@ -226,3 +226,20 @@ def test_expert_ranges_partition_the_experts_evenly(n, chunks):
     assert len(ranges) == min(chunks, n) and ranges[0][0] == 0 and ranges[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and min(sizes) >= 1
     assert max(sizes) - min(sizes) <= 1, sizes
+
+
+def test_posting_form_is_checked_and_restored():
+    """``moe_quant.ep.blocks.posting``: the form holds inside the block only (also when it raises); an unknown form
+    is refused, naming the choices."""
+    from moe_quant.ep import blocks
+
+    assert blocks.BlockExchange.posting == blocks.POSTINGS[0] == "per_block"
+    with blocks.posting("merged"):
+        assert blocks.BlockExchange.posting == "merged"
+    assert blocks.BlockExchange.posting == "per_block"
+    with pytest.raises(RuntimeError), blocks.posting("merged"):
+        raise RuntimeError("a failed step")
+    assert blocks.BlockExchange.posting == "per_block"
+    with pytest.raises(ValueError, match="posting must be one of per_block, merged, got 'packed'"):
+        with blocks.posting("packed"):
+            pass

@@ -30,12 +30,23 @@ sees exactly the rows it sees unchunked, in the same order (a range's rows are a
 expert-major buffer), and the combine writes every row to the same place, so outputs and every gradient
 (weights included) are bit-identical for any C.
 
+Posting forms (:data:`POSTINGS`, :func:`posting`; a candidate for measurement, the default first). ``"per_block"``:
+one send and one receive per (peer, local expert, tensor) block, straight between the sorted rows and the
+expert-major rows (R·E_c·T ops per range). ``"merged"``: one per (peer, tensor) per range: a peer's rows for the
+range's experts are contiguous in the sorted order, and arrive in a staging buffer in (source rank, expert) order;
+MXFP8 rows go to expert-major order in the permute kernel's pass that dequantizes them (the pass the per-block
+form spends on dequantizing alone), bf16 rows in one concatenation; going back, the expert-major rows are first
+concatenated into (rank, expert) order. Fewer, larger messages and fewer host calls per post, for one more
+copy of the bf16 legs. Same bits either way.
+
 One :class:`BlockExchange` per dispatch holds the buffers and the pending work of its four legs; the
 autograd functions of :mod:`moe_quant.ep.pipeline` drive it, so that autograd orders the waits and posts
 as above. Eager only: under ``torch.compile`` the dispatcher uses the all-to-all transport (the same bits).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -45,11 +56,12 @@ from .. import prequantized as pq
 from .. import quantize as q
 from ..numerics import ScaleMode
 from .legs import Wire
-from .permute import dequantize_rows
+from .permute import dequantize_rows, permute_received
 from .pipeline import PostsAhead
 from .wire import WireLog, leg_range, row_bytes_view
 
 _LEGS = ("dispatch", "combine", "combine backward", "dispatch backward")
+POSTINGS = ("per_block", "merged")  # how a range is posted (module doc); the default first
 
 
 class BlockExchange(PostsAhead):
@@ -62,8 +74,10 @@ class BlockExchange(PostsAhead):
     ranges ``(lo, hi)`` of local experts (:func:`moe_quant.ep.pipeline.expert_ranges`).
     """
 
+    posting = POSTINGS[0]  # the form of the next exchanges made (:func:`posting`)
+
     def __init__(self, group, *, wire: Wire, mode: ScaleMode, sent: list, recv: list,
-                 num_tokens_per_local_expert: torch.Tensor, ranges: list):
+                 num_tokens_per_local_expert: torch.Tensor, ranges: list, recv_counts: torch.Tensor | None = None):
         self.group, self.wire, self.mode = group, wire, mode
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.peers = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world)]
@@ -88,6 +102,17 @@ class BlockExchange(PostsAhead):
         self.expert_start.append(at)
         self.rows_received = at
         self.num_tokens_per_local_expert = num_tokens_per_local_expert
+        self.merged = type(self).posting == "merged"
+        self.recv_counts = recv_counts  # (R, E_local) int32 device: the permute kernel's counts (merged form)
+        if self.merged and recv_counts is None and wire is Wire.MXFP8:
+            raise ValueError("the merged posting form of an MXFP8 wire needs recv_counts")
+        # merged form, per range c: rank r's rows in this rank's sorted rows [send_lo, + send_n), and in the
+        # range's staging buffer (source rank, expert order) [stage_start, + recv_rows)
+        self.send_lo = [[self.send_start[r][lo] if lo < n_local else 0 for lo, _ in ranges] for r in range(self.world)]
+        self.send_n = [[sum(sent[r][lo:hi]) for lo, hi in ranges] for r in range(self.world)]
+        self.recv_rows = [[sum(recv[r][lo:hi]) for lo, hi in ranges] for r in range(self.world)]
+        self.stage_start = [[sum(self.recv_rows[q][c] for q in range(r)) for r in range(self.world)]
+                            for c in range(len(ranges))]
         self._posted: dict = {}  # (leg, range) -> pending works and the tensors they use
         self._issued: set = set()  # (leg, range) posted back from the experts
         self._queued: dict = {}  # leg -> its ranges not yet posted towards the experts (PostsAhead)
@@ -107,14 +132,16 @@ class BlockExchange(PostsAhead):
 
     # ------------------------------------------------------------------ posting
 
+    def _tag(self, leg: str, c: int, e: int, i: int, n_t: int) -> int:
+        return ((_LEGS.index(leg) * len(self.ranges) + c) * len(self.sent[0]) + e) * n_t + i
+
     def _post(self, leg: str, c: int, sorted_side: list, expert_side: list, *, to_experts: bool,
               expert_base: int = 0) -> None:
-        """Post range c of ``leg``: block (r, e) between row ``send_start[r][e]`` of each tensor of
+        """Post range c of ``leg`` block by block: block (r, e) between row ``send_start[r][e]`` of each tensor of
         ``sorted_side`` (this rank's sorted rows) and row ``recv_start[r][e] - expert_base`` of the
         matching tensor of ``expert_side`` (expert-major rows), towards the experts or back."""
         lo, hi = self.ranges[c]
-        n_local, n_t = len(self.sent[0]), len(sorted_side)
-        ops, rows = [], 0
+        moves, rows = [], 0
         for r in range(self.world):
             for e in range(lo, hi):
                 a, n_a = self.send_start[r][e], self.sent[r][e]  # this rank's rows for (r, e)
@@ -122,20 +149,56 @@ class BlockExchange(PostsAhead):
                 rows += n_a if to_experts else n_b
                 for i, (s_t, x_t) in enumerate(zip(sorted_side, expert_side)):
                     src, dst = (s_t[a:a + n_a], x_t[b:b + n_b]) if to_experts else (x_t[b:b + n_b], s_t[a:a + n_a])
-                    if r == self.rank:
-                        if src.shape[0]:
-                            dst.copy_(src)
-                        continue
-                    tag = ((_LEGS.index(leg) * len(self.ranges) + c) * n_local + e) * n_t + i
-                    if src.shape[0]:
-                        ops.append(dist.P2POp(dist.isend, src, self.peers[r], self.group, tag))
-                    if dst.shape[0]:
-                        ops.append(dist.P2POp(dist.irecv, dst, self.peers[r], self.group, tag))
-        row_bytes = sum(t.shape[1] * t.element_size() for t in (sorted_side if to_experts else expert_side))
-        WireLog.record_rows(leg, rows, rows * row_bytes)
+                    moves.append((r, self._tag(leg, c, e, i, len(sorted_side)), src, dst))
+        self._send_all(leg, c, moves, rows, sorted_side if to_experts else expert_side, (sorted_side, expert_side))
+
+    def _post_merged(self, leg: str, c: int, sorted_side: list, staged_side: list, *, to_experts: bool) -> None:
+        """Post range c of ``leg`` one message per peer and tensor: rank r's rows of the range, contiguous in
+        ``sorted_side`` (this rank's sorted rows) and in ``staged_side`` (the range's rows in source rank,
+        expert order), towards the experts or back."""
+        moves, rows = [], 0
+        for r in range(self.world):
+            a, n_a = self.send_lo[r][c], self.send_n[r][c]
+            b, n_b = self.stage_start[c][r], self.recv_rows[r][c]
+            rows += n_a if to_experts else n_b
+            for i, (s_t, x_t) in enumerate(zip(sorted_side, staged_side)):
+                src, dst = (s_t[a:a + n_a], x_t[b:b + n_b]) if to_experts else (x_t[b:b + n_b], s_t[a:a + n_a])
+                moves.append((r, self._tag(leg, c, 0, i, len(sorted_side)), src, dst))
+        self._send_all(leg, c, moves, rows, sorted_side if to_experts else staged_side, (sorted_side, staged_side))
+
+    def _send_all(self, leg: str, c: int, moves: list, rows: int, sending: list, keep) -> None:
+        """Copy the moves to this rank itself, post the others as one batch; ``rows`` of ``sending``'s widths
+        go on the wire record; ``keep``: tensors that live until the wait."""
+        ops = []
+        for r, tag, src, dst in moves:
+            if r == self.rank:
+                if src.shape[0]:
+                    dst.copy_(src)
+                continue
+            if src.shape[0]:
+                ops.append(dist.P2POp(dist.isend, src, self.peers[r], self.group, tag))
+            if dst.shape[0]:
+                ops.append(dist.P2POp(dist.irecv, dst, self.peers[r], self.group, tag))
+        WireLog.record_rows(leg, rows, rows * sum(t.shape[1] * t.element_size() for t in sending))
         with leg_range(leg):
             works = dist.batch_isend_irecv(ops) if ops else []
-        self._posted[(leg, c)] = (works, sorted_side, expert_side)  # the tensors live until the wait
+        self._posted[(leg, c)] = (works, keep)
+
+    def _staged_order_of_expert_major(self, c: int) -> list:
+        """Range c's expert-major rows as ``(start, rows)`` blocks in (rank, expert) order: their concatenation is
+        the range's staging order."""
+        lo, hi = self.ranges[c]
+        base = self.rows_of(c)[0]
+        return [(self.recv_start[r][e] - base, self.recv[r][e]) for r in range(self.world) for e in range(lo, hi)]
+
+    def _staged_blocks(self, c: int) -> list:
+        """Range c's (expert, rank) blocks in expert-major order, each as ``(start in the staging buffer, rows)``."""
+        lo, hi = self.ranges[c]
+        out = []
+        for e in range(lo, hi):
+            for r in range(self.world):
+                out.append((self.stage_start[c][r] + sum(self.recv[r][lo:e]), self.recv[r][e]))
+        return out
 
     def _wait(self, leg: str, c: int) -> None:
         works, *_ = self._posted.pop((leg, c))
@@ -165,7 +228,10 @@ class BlockExchange(PostsAhead):
         def post(c: int) -> None:
             start, end = self.rows_of(c)
             parts[c] = [row_bytes_view(torch.empty(end - start, w, dtype=t, device=dev)) for w, t in widths]
-            self._post(leg, c, src, parts[c], to_experts=True, expert_base=start)
+            if self.merged:
+                self._post_merged(leg, c, src, parts[c], to_experts=True)
+            else:
+                self._post(leg, c, src, parts[c], to_experts=True, expert_base=start)
 
         self._queue(leg, order, post)
 
@@ -181,11 +247,24 @@ class BlockExchange(PostsAhead):
             del self._buffers[leg]  # the last range: the exchange no longer holds the buffers
         start, end = self.rows_of(c)
         if self.wire is not Wire.MXFP8:
-            return dst[0].view(dtype).reshape(end - start, d)
+            rows = dst[0].view(dtype).reshape(end - start, d)
+            if self.merged:  # staged in (rank, expert) order: expert-major by one concatenation
+                rows = torch.cat([rows[b:b + n] for b, n in self._staged_blocks(c)])
+            return rows
         data = dst[0].view(torch.float8_e4m3fn)
         scales = dst[1]
-        values = dequantize_rows(data, scales, dtype)
-        if backends.supports_scaled_grouped_mm(values.device):  # the scaled GEMM reads the fp8 data and scales
+        scaled = backends.supports_scaled_grouped_mm(data.device)  # the scaled GEMM reads the fp8 data and scales
+        if self.merged:  # staged in (rank, expert) order: the permute kernel's pass puts it in expert order
+            lo, hi = self.ranges[c]
+            counts = self.recv_counts[:, lo:hi].contiguous()
+            if scaled:
+                data, scales, _ = permute_received(data, scales, counts, out="plain")
+                values = dequantize_rows(data, scales, dtype)
+            else:
+                values, _ = permute_received(data, scales, counts, out="dequant", out_dtype=dtype)
+        else:
+            values = dequantize_rows(data, scales, dtype)
+        if scaled:
             pq.remember(values, self.mode, data, scales)
         else:
             pq.remember(values, self.mode)
@@ -197,8 +276,13 @@ class BlockExchange(PostsAhead):
         if leg not in self._buffers:
             self._buffers[leg] = torch.empty(self.rows_sent, rows.shape[1], dtype=rows.dtype, device=rows.device)
         self._issued.add((leg, c))
-        self._post(leg, c, [row_bytes_view(self._buffers[leg])], [row_bytes_view(rows.contiguous())], to_experts=False,
-                   expert_base=self.rows_of(c)[0])
+        rows = rows.contiguous()
+        if self.merged:  # to (rank, expert) order: one message per peer
+            staged = torch.cat([rows[b:b + n] for b, n in self._staged_order_of_expert_major(c)])
+            self._post_merged(leg, c, [row_bytes_view(self._buffers[leg])], [row_bytes_view(staged)], to_experts=False)
+        else:
+            self._post(leg, c, [row_bytes_view(self._buffers[leg])], [row_bytes_view(rows)], to_experts=False,
+                       expert_base=self.rows_of(c)[0])
 
     def returned(self, leg: str, like: torch.Tensor) -> torch.Tensor:
         """Every range of ``leg`` (back from the experts) once arrived: this rank's sorted rows ``(N, D)``,
@@ -213,4 +297,17 @@ class BlockExchange(PostsAhead):
         return self._buffers.pop(leg)
 
 
-__all__ = ["BlockExchange"]
+@contextlib.contextmanager
+def posting(form: str):
+    """``with posting("merged"):`` the exchanges made inside use that posting form (:data:`POSTINGS`), restored
+    after (for measuring the candidate: ``benchmarks/bench_ep.py`` rows ``*_merged``)."""
+    if form not in POSTINGS:
+        raise ValueError(f"posting must be one of {', '.join(POSTINGS)}, got {form!r}")
+    saved, BlockExchange.posting = BlockExchange.posting, form
+    try:
+        yield
+    finally:
+        BlockExchange.posting = saved
+
+
+__all__ = ["BlockExchange", "POSTINGS", "posting"]

@@ -23,6 +23,7 @@ from .. import quantize as q
 from .. import validation
 from ..backends import GemmBackend, resolve_gemm_backend
 from ..moe import EPMoE, MoE
+from . import blocks
 from .wire import WireLog
 
 _LEGS = ("dispatch", "combine", "combine backward", "dispatch backward")
@@ -246,8 +247,9 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 
 def run_transport_check(case: CheckCase, variants: list, group=None) -> dict:
     """The EP block of ``case`` with the dispatcher settings of each of ``variants`` (dicts of EPMoE
-    arguments: transport, chunks) against ``case``'s own settings, same weights and inputs: are the output,
-    the input gradient and the three weight gradients bit-identical, and the bytes and rows of each leg?"""
+    arguments: transport, chunks; and ``posting``, :data:`moe_quant.ep.blocks.POSTINGS`) against ``case``'s own
+    settings, same weights and inputs: are the output, the input gradient and the three weight gradients
+    bit-identical, and the bytes and rows of each leg?"""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n_experts = case.experts_per_rank * world
     torch.manual_seed(case.seed)
@@ -256,11 +258,13 @@ def run_transport_check(case: CheckCase, variants: list, group=None) -> dict:
     results = []
     own = {"transport": case.transport, "chunks": case.chunks, "sm_carveout": case.sm_carveout}
     for settings in [own] + list(variants):
+        settings = dict(settings)
+        form = settings.pop("posting", blocks.POSTINGS[0])  # the p2p transport's posting form (a candidate)
         model = EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode, **settings)
         if case.convert:
             _convert(model, case)
         x = xs[rank].clone().requires_grad_()
-        with WireLog() as log:
+        with blocks.posting(form), WireLog() as log:
             scores, ids, counts = _routing(model, x, case, n_experts)
             out = model.forward_routed(x, scores, ids, counts)
             (out.float() * gouts[rank].float()).sum().backward()

@@ -323,10 +323,12 @@ class MXFP8TokenDispatcher:
                 and not torch.compiler.is_compiling() and dist.is_available() and dist.is_initialized())
 
     def _block_exchange(self, counts, recv, chunks: int) -> blocks.BlockExchange:
+        recv_counts = received_counts(recv)
         return blocks.BlockExchange(self.group, wire=self.wire, mode=self.scale_mode, sent=counts.sent,
                                     recv=counts.received,
                                     ranges=pipeline.expert_ranges(self.num_local_experts, chunks),
-                                    num_tokens_per_local_expert=received_counts(recv).sum(0, dtype=torch.int32))
+                                    num_tokens_per_local_expert=recv_counts.sum(0, dtype=torch.int32),
+                                    recv_counts=recv_counts)
 
     def dispatch_combine(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E, experts,
                          split_experts=None):
