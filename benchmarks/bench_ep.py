@@ -63,14 +63,13 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.bench_moe import balanced_routing_
-from benchmarks.timing import (device_name, peak_memory_bytes, print_table, prog_name, profile_trace, require_cuda,
-                               write_json)
+from benchmarks.timing import (call_ms, device_name, peak_memory_bytes, print_table, prog_name, profile_trace,
+                               require_cuda, write_json)
 from moe_quant import cli
 from moe_quant.ep import WireLog, mxfp8_row_bytes
 from moe_quant.ep.wire import PROFILE_PREFIX, all_to_all_mxfp8, all_to_all_rows, leg_range
@@ -188,16 +187,7 @@ def _sync(device):
 def _timed(fn, device) -> float:
     """ms of one ``fn()`` started after a barrier (every rank issues the same collectives)."""
     dist.barrier()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - t0)
+    return call_ms(fn, device)
 
 
 def _convert(model, mode="rceil"):

@@ -115,7 +115,6 @@ class SlowWire:
         self._stream = torch.cuda.Stream()
         self._slot = torch.zeros(1, dtype=torch.int64, device="cuda")
         self._saved = None
-        self.exchanges, self.bytes = 0, 0
 
     def _on_wire(self, nbytes: int, post) -> tuple:
         """``post()`` (posts the real exchange asynchronously, returns its works) on the wire stream, then the
@@ -133,8 +132,6 @@ class SlowWire:
             slow_wire_spin_kernel[(1,)](self._slot, int(nbytes / self.gbps), num_warps=1)  # 1 GB/s = 1 byte per ns
         done = torch.cuda.Event()
         done.record(ws)
-        self.exchanges += 1
-        self.bytes += nbytes
         return done, works
 
     def __enter__(self):

@@ -96,6 +96,23 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def call_ms(fn, device="cuda") -> float:
+    """Milliseconds of one ``fn()`` call: CUDA events around it on the current stream, the host waiting for the
+    end (nothing synchronized before: the caller decides what ran ahead); the wall clock on any other device."""
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
+
+
 def bench_ms(fn, device="cuda", *, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median time of ``fn()`` in milliseconds on ``device``.
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import sys
 
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.timing import call_ms  # noqa: E402
 from moe_quant import cli  # noqa: E402
 
 FORMS = ("a2a", "a2a_list", "p2p_1", "p2p_2", "p2p_4", "p2p_2+s")
@@ -94,21 +94,12 @@ def make(form: str, nbytes: int, world: int, rank: int, dev) -> callable:
     raise ValueError(form)
 
 
-def timed(fn, iters: int) -> float:
+def timed(fn, iters: int, dev) -> float:
+    """ms per call of ``iters`` back-to-back calls of ``fn``, after a barrier."""
     dist.barrier()
-    if not torch.cuda.is_available():  # a smoke run on gloo
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return 1e3 * (time.perf_counter() - t0) / iters
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / iters
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return call_ms(lambda: [fn() for _ in range(iters)], dev) / iters
 
 
 def main() -> None:
@@ -137,7 +128,7 @@ def main() -> None:
     times = {k: [] for k in fns}
     for _ in range(args.rounds):
         for k, fn in fns.items():
-            times[k].append(timed(fn, args.iters))
+            times[k].append(timed(fn, args.iters, dev))
     if rank == 0:
         env = {k: os.environ[k] for k in ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_P2P_DISABLE") if k in os.environ}
         name = f"{torch.cuda.get_device_name()}, nccl {'.'.join(map(str, torch.cuda.nccl.version()))}" if cuda else "cpu, gloo"

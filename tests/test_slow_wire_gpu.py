@@ -8,13 +8,10 @@ pytestmark = pytest.mark.gpu
 
 
 def _ms(fn) -> float:
+    from benchmarks.timing import call_ms
+
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return call_ms(fn)
 
 
 @pytest.fixture
