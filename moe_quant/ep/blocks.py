@@ -106,13 +106,13 @@ class BlockExchange(PostsAhead):
         self.recv_counts = recv_counts  # (R, E_local) int32 device: the permute kernel's counts (merged form)
         if self.merged and recv_counts is None and wire is Wire.MXFP8:
             raise ValueError("the merged posting form of an MXFP8 wire needs recv_counts")
-        # merged form, per range c: rank r's rows in this rank's sorted rows [send_lo, + send_n), and in the
-        # range's staging buffer (source rank, expert order) [stage_start, + recv_rows)
-        self.send_lo = [[self.send_start[r][lo] if lo < n_local else 0 for lo, _ in ranges] for r in range(self.world)]
-        self.send_n = [[sum(sent[r][lo:hi]) for lo, hi in ranges] for r in range(self.world)]
-        self.recv_rows = [[sum(recv[r][lo:hi]) for lo, hi in ranges] for r in range(self.world)]
-        self.stage_start = [[sum(self.recv_rows[q][c] for q in range(r)) for r in range(self.world)]
-                            for c in range(len(ranges))]
+        if self.merged:  # per range c: rank r's rows in this rank's sorted rows [send_lo, + send_n), and in the
+            # range's staging buffer (source rank, expert order) [stage_start, + recv_rows)
+            self.send_lo = [[self.send_start[r][lo] for lo, _ in ranges] for r in range(self.world)]
+            self.send_n = [[sum(sent[r][lo:hi]) for lo, hi in ranges] for r in range(self.world)]
+            self.recv_rows = [[sum(recv[r][lo:hi]) for lo, hi in ranges] for r in range(self.world)]
+            self.stage_start = [[sum(self.recv_rows[q][c] for q in range(r)) for r in range(self.world)]
+                                for c in range(len(ranges))]
         self._posted: dict = {}  # (leg, range) -> pending works and the tensors they use
         self._issued: set = set()  # (leg, range) posted back from the experts
         self._queued: dict = {}  # leg -> its ranges not yet posted towards the experts (PostsAhead)
