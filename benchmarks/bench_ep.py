@@ -71,7 +71,7 @@ from benchmarks.bench_moe import balanced_routing_
 from benchmarks.timing import (call_ms, device_name, peak_memory_bytes, print_table, prog_name, profile_trace,
                                require_cuda, write_json)
 from moe_quant import cli
-from moe_quant.ep import WireLog, mxfp8_row_bytes
+from moe_quant.ep import WireLog, blocks, mxfp8_row_bytes
 from moe_quant.ep.wire import PROFILE_PREFIX, all_to_all_mxfp8, all_to_all_rows, leg_range
 from moe_quant.moe import EPMoE, MoE
 
@@ -268,7 +268,6 @@ def _build(row: str, base: MoE, device, world: int, rank: int, tokens: int):
 
 def _step_fn(module, forward, x, grad, posting: str | None = None):
     """One fwd + bwd of the row; ``posting``: the p2p transport's posting form for it (``moe_quant.ep.blocks``)."""
-    from moe_quant.ep import blocks
 
     def step():
         xi = x.detach().requires_grad_()
@@ -294,8 +293,9 @@ def _legs_from_profile(ops: list[dict], steps: int) -> dict:
 
 def kernel_kind(name: str) -> str:
     """The kind of device time of a kernel (or, on the CPU, an op) by its name: ``nccl`` (NCCL kernels, and
-    :mod:`benchmarks.slow_wire`'s, which stand for a slower wire's transfer; the ``c10d`` / ``gloo`` ops on the CPU), ``moe_quant`` (our CuTe-DSL kernels: their names carry moe_quant's module
-    path and class; the ``moe_quant::`` ops on the CPU), ``gemm`` (cuBLAS / CUTLASS / grouped and scaled mm),
+    :mod:`benchmarks.slow_wire`'s, which stand for a slower wire's transfer; the ``c10d`` / ``gloo`` ops on the
+    CPU), ``moe_quant`` (our CuTe-DSL kernels: their names carry moe_quant's module path and class; the
+    ``moe_quant::`` ops on the CPU), ``gemm`` (cuBLAS / CUTLASS / grouped and scaled mm),
     ``index`` (index, scatter, gather, sort, scan / cumsum, histc, bincount), ``copy`` (memcpy, memset, fill,
     cat, copy kernels), else ``other`` (elementwise, reductions, the rest). First match in that order."""
     low = name.lower()

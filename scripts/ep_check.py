@@ -42,7 +42,7 @@ def parse_args():
     p.add_argument("--transport", default="all_to_all", choices=["all_to_all", "p2p"])
     p.add_argument("--chunks", type=int, default=1, help="ranges of local experts (p2p transport)")
     p.add_argument("--sm-carveout", type=int, default=None, help="SMs the experts' GEMMs leave to the exchange")
-    p.add_argument("--posting", default="per_block", choices=["per_block", "merged"],
+    p.add_argument("--posting", default=blocks.POSTINGS[0], choices=blocks.POSTINGS,
                    help="how the p2p transport posts a range (moe_quant.ep.blocks.POSTINGS)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()

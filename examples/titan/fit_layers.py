@@ -28,13 +28,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from examples.titan import bench, runs
+from moe_quant import cli
 
 OOM_WORDS = ("CUDA out of memory", "OutOfMemoryError")
 
 
 def parse_args(argv=None):
     p, argv, extra = runs.parser(__doc__, argv, layers=None, steps=6, modes="eager", timeout=300.0)
-    p.add_argument("--memory-gib", type=float, required=True, help="the allocator's cap per rank (GiB)")
+    p.add_argument("--memory-gib", type=cli.positive_float, required=True, help="the allocator's cap per rank (GiB)")
     p.add_argument("--start", type=int, required=True, help="the first layer count probed")
     p.add_argument("--min", type=int, default=2, help="the fewest layers tried")
     p.add_argument("--max", type=int, default=27, help="the most layers tried (DeepSeek-V3 16B has 27)")

@@ -135,36 +135,30 @@ class BlockExchange(PostsAhead):
     def _tag(self, leg: str, c: int, e: int, i: int, n_t: int) -> int:
         return ((_LEGS.index(leg) * len(self.ranges) + c) * len(self.sent[0]) + e) * n_t + i
 
-    def _post(self, leg: str, c: int, sorted_side: list, expert_side: list, *, to_experts: bool,
-              expert_base: int = 0) -> None:
-        """Post range c of ``leg`` block by block: block (r, e) between row ``send_start[r][e]`` of each tensor of
-        ``sorted_side`` (this rank's sorted rows) and row ``recv_start[r][e] - expert_base`` of the
-        matching tensor of ``expert_side`` (expert-major rows), towards the experts or back."""
-        lo, hi = self.ranges[c]
+    def _post(self, leg: str, c: int, sorted_side: list, other_side: list, *, to_experts: bool) -> None:
+        """Post range c of ``leg`` between each tensor of ``sorted_side`` (this rank's sorted rows) and the matching
+        tensor of ``other_side``, towards the experts or back: the range's expert-major rows block by block, or
+        (merged form) its staging buffer one message per peer (:meth:`_pieces`)."""
         moves, rows = [], 0
-        for r in range(self.world):
-            for e in range(lo, hi):
-                a, n_a = self.send_start[r][e], self.sent[r][e]  # this rank's rows for (r, e)
-                b, n_b = self.recv_start[r][e] - expert_base, self.recv[r][e]  # rows of (e, r) here
-                rows += n_a if to_experts else n_b
-                for i, (s_t, x_t) in enumerate(zip(sorted_side, expert_side)):
-                    src, dst = (s_t[a:a + n_a], x_t[b:b + n_b]) if to_experts else (x_t[b:b + n_b], s_t[a:a + n_a])
-                    moves.append((r, self._tag(leg, c, e, i, len(sorted_side)), src, dst))
-        self._send_all(leg, c, moves, rows, sorted_side if to_experts else expert_side, (sorted_side, expert_side))
-
-    def _post_merged(self, leg: str, c: int, sorted_side: list, staged_side: list, *, to_experts: bool) -> None:
-        """Post range c of ``leg`` one message per peer and tensor: rank r's rows of the range, contiguous in
-        ``sorted_side`` (this rank's sorted rows) and in ``staged_side`` (the range's rows in source rank,
-        expert order), towards the experts or back."""
-        moves, rows = [], 0
-        for r in range(self.world):
-            a, n_a = self.send_lo[r][c], self.send_n[r][c]
-            b, n_b = self.stage_start[c][r], self.recv_rows[r][c]
+        for r, e, a, n_a, b, n_b in self._pieces(c):
             rows += n_a if to_experts else n_b
-            for i, (s_t, x_t) in enumerate(zip(sorted_side, staged_side)):
+            for i, (s_t, x_t) in enumerate(zip(sorted_side, other_side)):
                 src, dst = (s_t[a:a + n_a], x_t[b:b + n_b]) if to_experts else (x_t[b:b + n_b], s_t[a:a + n_a])
-                moves.append((r, self._tag(leg, c, 0, i, len(sorted_side)), src, dst))
-        self._send_all(leg, c, moves, rows, sorted_side if to_experts else staged_side, (sorted_side, staged_side))
+                moves.append((r, self._tag(leg, c, e, i, len(sorted_side)), src, dst))
+        self._send_all(leg, c, moves, rows, sorted_side if to_experts else other_side, (sorted_side, other_side))
+
+    def _pieces(self, c: int) -> list:
+        """Range c's pieces ``(r, e, a, n_a, b, n_b)``: rank r's ``n_a`` rows at row ``a`` of this rank's sorted rows
+        and ``n_b`` rows at row ``b`` of the range's own rows. Per block: one piece per (r, e), ``b`` in the
+        range's expert-major rows; merged: one per rank (``e`` 0), ``b`` in its staging buffer (source rank,
+        expert order), rank r's rows of the range's experts being contiguous in the sorted order."""
+        if self.merged:
+            return [(r, 0, self.send_lo[r][c], self.send_n[r][c], self.stage_start[c][r], self.recv_rows[r][c])
+                    for r in range(self.world)]
+        lo, hi = self.ranges[c]
+        base = self.rows_of(c)[0]
+        return [(r, e, self.send_start[r][e], self.sent[r][e], self.recv_start[r][e] - base, self.recv[r][e])
+                for r in range(self.world) for e in range(lo, hi)]
 
     def _send_all(self, leg: str, c: int, moves: list, rows: int, sending: list, keep) -> None:
         """Copy the moves to this rank itself, post the others as one batch; ``rows`` of ``sending``'s widths
@@ -228,10 +222,7 @@ class BlockExchange(PostsAhead):
         def post(c: int) -> None:
             start, end = self.rows_of(c)
             parts[c] = [row_bytes_view(torch.empty(end - start, w, dtype=t, device=dev)) for w, t in widths]
-            if self.merged:
-                self._post_merged(leg, c, src, parts[c], to_experts=True)
-            else:
-                self._post(leg, c, src, parts[c], to_experts=True, expert_base=start)
+            self._post(leg, c, src, parts[c], to_experts=True)
 
         self._queue(leg, order, post)
 
@@ -278,11 +269,8 @@ class BlockExchange(PostsAhead):
         self._issued.add((leg, c))
         rows = rows.contiguous()
         if self.merged:  # to (rank, expert) order: one message per peer
-            staged = torch.cat([rows[b:b + n] for b, n in self._staged_order_of_expert_major(c)])
-            self._post_merged(leg, c, [row_bytes_view(self._buffers[leg])], [row_bytes_view(staged)], to_experts=False)
-        else:
-            self._post(leg, c, [row_bytes_view(self._buffers[leg])], [row_bytes_view(rows)], to_experts=False,
-                       expert_base=self.rows_of(c)[0])
+            rows = torch.cat([rows[b:b + n] for b, n in self._staged_order_of_expert_major(c)])
+        self._post(leg, c, [row_bytes_view(self._buffers[leg])], [row_bytes_view(rows)], to_experts=False)
 
     def returned(self, leg: str, like: torch.Tensor) -> torch.Tensor:
         """Every range of ``leg`` (back from the experts) once arrived: this rank's sorted rows ``(N, D)``,
