@@ -54,8 +54,6 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert cands and not set(defaults) & set(cands)
         # every CTA order a variant may name is compiled (and so compile-checked) by some default or candidate
         assert {v.raster for v in cands + config.all_variants()} == set(config.RASTER_CHOICES)
-        assert {v.loop for v in cands} | {1} == set(config.LOOP_CHOICES)  # and every staged loop and stage count
-        assert {v.stages for v in cands} == set(config.STAGE_CHOICES)
     elif config is config_block:  # every candidate of both SwiGLU ops and both outputs, and dual's (bf16 out)
         assert len(cands) == ((len(config.CANDIDATES) - 1) * len(config.SWIGLU_OPS) * len(config.OUT_DTYPES)
                               + len(config.DUAL_CANDIDATES) - 1)
@@ -75,10 +73,6 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
 @pytest.mark.parametrize("make", [
     lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=32),
     lambda: config_32x1.Variant("bfloat16", "rceil", "uniform", raster=3),
-    lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", loop=3),
-    lambda: config_32x1.Variant("float32", "rceil", "uniform", loop=2),  # a stage holds bf16 tiles
-    lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", stages=3),  # stages without a loop
-    lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", loop=2, stages=4),
     lambda: config_permute.Variant("blocked", threads=100),
     lambda: config_permute.Variant("blocked", iters=0),
     lambda: config_permute.Variant("blocked", order="sorted"),

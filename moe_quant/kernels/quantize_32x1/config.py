@@ -35,12 +35,6 @@ RASTER_CHOICES = (0, 1, 4, 16, 32)  # each compile-checked in CI (the defaults a
 # The default per group kind, measured (H200, 2026-11-29, scripts/ab_kernels.py --family q32x1,q32x1-3d, NOTES.md):
 # 3D weights along N gain 2-4 points with 16 column tiles side by side; K-groups lose 2-5 points with it.
 DEFAULT_RASTER = {"kgroups": 1, "uniform": 16}
-# Column tiles per CTA (``loop``): 1, one tile whose loads go to registers; L > 1, L column tiles of one token
-# tile in turn, each tile's loads copied to shared memory by cp.async through ``stages`` stages (the next
-# stages - 1 tiles' copies travel while this tile is quantized), the K-groups record read once per CTA. bf16 input
-# only (a stage is 32 KB).
-LOOP_CHOICES = (1, 2, 4, 8)
-STAGE_CHOICES = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -61,10 +55,6 @@ class Variant:
     # CTA order (RASTER_CHOICES; -1: the measured default of the group kind, DEFAULT_RASTER). Changes which bytes
     # the CTAs resident at once read and write together, not the work of any CTA.
     raster: int = -1
-    # column tiles per CTA (LOOP_CHOICES): > 1 streams them through two shared-memory stages; the grid's column
-    # index then counts groups of ``loop`` column tiles (the CTA order ``raster`` walks those groups)
-    loop: int = 1
-    stages: int = 2  # shared-memory stages of a loop > 1 (STAGE_CHOICES); no meaning for loop 1
 
     family = "q32x1"
     kernel_module = "quantize_32x1.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -81,12 +71,6 @@ class Variant:
             raise ValueError(f"raster must be one of {RASTER_CHOICES}, got {self.raster!r}")
         if self.as_bf16 and self.in_dtype != "float32":
             raise ValueError(f"as_bf16 rounds a float32 input, got in_dtype {self.in_dtype!r}")
-        if self.loop not in LOOP_CHOICES:
-            raise ValueError(f"loop must be one of {LOOP_CHOICES}, got {self.loop!r}")
-        if self.loop > 1 and self.in_dtype != "bfloat16":
-            raise ValueError(f"loop > 1 stages bf16 tiles in shared memory, got in_dtype {self.in_dtype!r}")
-        if self.stages not in STAGE_CHOICES or (self.loop == 1 and self.stages != 2):
-            raise ValueError(f"stages must be one of {STAGE_CHOICES} (2 unless loop > 1), got {self.stages!r}")
 
     @property
     def threads(self) -> int:
@@ -101,7 +85,6 @@ class Variant:
     def key(self) -> str:
         tile = "" if self.tile_cols == TILE_COLS else f"-c{self.tile_cols}"  # the default's key is unchanged
         tile += "" if self.raster == 1 else f"-g{self.raster}"  # K-groups' default keeps its key
-        tile += "" if self.loop == 1 else f"-l{self.loop}" + ("" if self.stages == 2 else f"s{self.stages}")
         src = "float32asbf16" if self.as_bf16 else self.in_dtype
         return f"{src}-{self.mode}-{self.groups}-{self.out_dtype}{tile}"
 
@@ -122,12 +105,8 @@ def all_variants() -> list[Variant]:
 # of 2026-11-29 (a local candidate, 12 bytes of spills in the K-groups fp8 variant): 1-3 points slower; not kept. Measured on the H200 (2026-11-29): c64
 # slower from M = 32768; raster 16 for 3D along N (the default since), 1 for K-groups; g32 and g0 faster at N = 2048
 # and slower at 8x8192x5120.
-# The staged loops (``loop`` column tiles per CTA through ``stages`` shared-memory stages), for the eager gap at
-# small M: not yet measured. (4 tiles through 2 stages spills 16 bytes in the K-groups fp8 variant for sm_90a:
-# not a candidate.)
 CANDIDATES = {"default": {}, "c64": {"tile_cols": 64}, "g1": {"raster": 1}, "g4": {"raster": 4},
-              "g16": {"raster": 16}, "g32": {"raster": 32}, "g-all": {"raster": 0},
-              "l2": {"loop": 2}, "l4s3": {"loop": 4, "stages": 3}, "l8s3": {"loop": 8, "stages": 3}}
+              "g16": {"raster": 16}, "g32": {"raster": 32}, "g-all": {"raster": 0}}
 
 
 def candidate_variants() -> list[Variant]:

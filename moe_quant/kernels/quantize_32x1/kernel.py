@@ -43,7 +43,6 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
-from cutlass.memory import SmemAllocator
 
 from ...layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
 from ...numerics import BLOCK_SIZE
@@ -84,8 +83,6 @@ class Quantize32x1Kernel:
         self.threads = variant.threads
         self.halves = variant.tile_cols // HALF_COLS  # warps per 32-token block
         self.raster = variant.raster
-        self.loop = variant.loop  # column tiles per CTA (> 1: staged in shared memory)
-        self.stages = variant.stages  # shared-memory stages of 32 KB (loop > 1)
 
     # ------------------------------------------------------------------ host
 
@@ -112,15 +109,11 @@ class Quantize32x1Kernel:
             row_stride = Int32(out.shape[2])  # N
             nx = n_groups * ((row_stride + (TILE_TOKENS - 1)) // TILE_TOKENS)
             rp = (Int32(r) + (TILE_ROWS - 1)) // TILE_ROWS * TILE_ROWS
-        # CTA order (config.RASTER_CHOICES): grid x walks g column groups (of `loop` column tiles each) of one
-        # token tile, then the next token tile
+        # CTA order (config.RASTER_CHOICES): grid x walks g column tiles of one token tile, then the next token tile
         g = self.raster
-        nyl = (ny + (self.loop - 1)) // self.loop
-        grid = [nx * nyl, 1, 1] if g == 0 else [nx * g, (nyl + (g - 1)) // g, 1]
-        # staged tiles: as much of the SM's memory as shared memory as the driver allows (32 KB a stage)
-        carveout = {} if self.loop == 1 else {"preferred_smem_carveout": 100}
+        grid = [nx * ny, 1, 1] if g == 0 else [nx * g, (ny + (g - 1)) // g, 1]
         self.kernel(x, out, scales, offs, poffs, Int32(x.shape[0]), Int32(r), n_groups, row_stride, rp, sw, nx,
-                    Int32(ny)).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, **carveout)
+                    Int32(ny)).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device
 
@@ -129,100 +122,33 @@ class Quantize32x1Kernel:
                row_stride: Int32, rp: Int32, sw: Int32, nx: Int32, ny: Int32):
         tid, _, _ = cute.arch.thread_idx()
         gx, gy, _ = cute.arch.block_idx()
-        # the grid's column index counts groups of `loop` column tiles (one tile each by default)
-        nyl = ny if self.loop == 1 else (ny + (self.loop - 1)) // self.loop
-        bx = Int32(gx)
-        byl = Int32(gy)
-        if cutlass.const_expr(self.raster == 0):
-            bx = Int32(gx) // nyl
-            byl = Int32(gx) % nyl
-        elif cutlass.const_expr(self.raster != 1):
-            bx = Int32(gx) // self.raster
-            byl = Int32(gy) * self.raster + Int32(gx) % self.raster
-        if cutlass.const_expr(self.raster in (0, 1)):
-            self.column_group(x, out, scales, offs, poffs, m, r, n_groups, row_stride, rp, sw, nx, ny, Int32(tid),
-                              bx, byl)
-        elif byl < nyl:  # the last raster group's missing column tiles
-            self.column_group(x, out, scales, offs, poffs, m, r, n_groups, row_stride, rp, sw, nx, ny, Int32(tid),
-                              bx, byl)
-
-    @cute.jit
-    def column_group(self, x: cute.Tensor, out: cute.Tensor, scales, offs, poffs, m: Int32, r: Int32,
-                     n_groups: Int32, row_stride: Int32, rp: Int32, sw: Int32, nx: Int32, ny: Int32, tid: Int32,
-                     bx: Int32, byl: Int32):
-        """Token tile ``bx``, column group ``byl``: one column tile, or ``loop`` of them staged."""
-        if cutlass.const_expr(self.loop == 1):
-            self.tile(x, out, scales, offs, poffs, m, r, n_groups, row_stride, rp, sw, nx, ny, tid, bx, byl)
+        if cutlass.const_expr(self.raster == 1):
+            self.tile(x, out, scales, offs, poffs, m, r, n_groups, row_stride, rp, sw, nx, ny, Int32(tid),
+                      Int32(gx), Int32(gy))
+        elif cutlass.const_expr(self.raster == 0):
+            self.tile(x, out, scales, offs, poffs, m, r, n_groups, row_stride, rp, sw, nx, ny, Int32(tid),
+                      Int32(gx) // ny, Int32(gx) % ny)
         else:
-            self.tiles(x, out, scales, offs, poffs, m, r, n_groups, row_stride, rp, sw, nx, ny, tid, bx,
-                       byl * self.loop)
+            by = Int32(gy) * self.raster + Int32(gx) % self.raster
+            if by < ny:  # the last raster group's missing column tiles
+                self.tile(x, out, scales, offs, poffs, m, r, n_groups, row_stride, rp, sw, nx, ny, Int32(tid),
+                          Int32(gx) // self.raster, by)
 
     @cute.jit
     def tile(self, x: cute.Tensor, out: cute.Tensor, scales, offs, poffs, m: Int32, r: Int32, n_groups: Int32,
              row_stride: Int32, rp: Int32, sw: Int32, nx: Int32, ny: Int32, tid: Int32, bx: Int32, by: Int32):
-        """CTA ``(bx, by)``: token tile ``bx`` (of a group, or a tail tile), column tile ``by``; loads to registers."""
-        rec = self.resolve(offs, poffs, m, r, n_groups, row_stride, rp, tid, bx, by)
-        src0, n_real = rec[0], rec[1]
-        tile_col, t0 = self.thread_place(tid)
-        col0 = by * self.tile_cols + tile_col
-        vals = self.load_tile(x, src0, n_real, r, col0, col0 < r, t0)
-        stile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16) if not self.fake else None
-        self.quantize_tile(out, scales, vals, rec, r, row_stride, rp, sw, nx, ny, tid, bx, by, stile)
-
-    @cute.jit
-    def tiles(self, x: cute.Tensor, out: cute.Tensor, scales, offs, poffs, m: Int32, r: Int32, n_groups: Int32,
-              row_stride: Int32, rp: Int32, sw: Int32, nx: Int32, ny: Int32, tid: Int32, bx: Int32, by0: Int32):
-        """CTA of token tile ``bx`` and column tiles ``by0 .. by0 + loop - 1`` (those < ``ny``), one after the
-        other, through ``stages`` shared-memory stages: tile j + stages - 1's copies are issued before tile j is
-        quantized. Each thread reads back only what it copied itself, so its own ``cp.async`` waits are all the
-        ordering the stages need (a stage is refilled after the same thread has used what it read there)."""
-        rec = self.resolve(offs, poffs, m, r, n_groups, row_stride, rp, tid, bx, by0)
-        src0, n_real = rec[0], rec[1]
-        tile_col, t0 = self.thread_place(tid)
-        n_st = self.stages
-        # every thread's 8 x 16 bytes per stage, row i of thread t of stage s at word ((8 s + i) T + t) * 4
-        stage = SmemAllocator().allocate_array(Int32, n_st * TOKENS_PER_THREAD * self.threads * 4,
-                                               byte_alignment=16)
-        # two scale tiles: warp 0 may still be writing tile j's when the other warps gather tile j + 1's
-        stiles = cute.arch.alloc_smem(cutlass.Uint8, 2 * TILE_BYTES, alignment=16) if not self.fake else None
-        for p in cutlass.range_constexpr(n_st - 1):  # the first stages - 1 tiles, a commit group each
-            if cutlass.const_expr(p < self.loop):
-                if by0 + p < ny:
-                    self.stage_tile(x, stage, Int32(p), src0, n_real, r, (by0 + p) * self.tile_cols + tile_col, t0,
-                                    tid)
-            cute.arch.cp_async_commit_group()
-        for j in cutlass.range(0, self.loop, 1):
-            by = by0 + j
-            nxt = j + (n_st - 1)
-            if nxt < self.loop:
-                if by0 + nxt < ny:
-                    self.stage_tile(x, stage, nxt % n_st, src0, n_real, r, (by0 + nxt) * self.tile_cols + tile_col,
-                                    t0, tid)
-            cute.arch.cp_async_commit_group()  # (empty near the end: the wait below counts groups, not tiles)
-            cute.arch.cp_async_wait_group(n_st - 1)
-            if by < ny:
-                vals = self.staged_tile(stage, j % n_st, tid)
-                stile = None
-                if cutlass.const_expr(not self.fake):
-                    stile = stiles + (j % 2) * TILE_BYTES
-                self.quantize_tile(out, scales, vals, rec, r, row_stride, rp, sw, nx, ny, tid, bx, by, stile)
-
-    @cute.jit
-    def resolve(self, offs, poffs, m: Int32, r: Int32, n_groups: Int32, row_stride: Int32, rp: Int32, tid: Int32,
-                bx: Int32, by: Int32):
-        """Where token tile ``bx`` comes from and goes: ``(src0, n_real, n_out, out_base, sc0, sc_step, tail,
-        chunk_total)``: first source row, real tokens (<= 0: none), tokens to write (real + zero padding,
-        a multiple of 32), output element of (column 0, token 0), the tile's scale block for column tile ``ty``
-        at byte ``sc0 + 512 sc_step ty``, whether it is a tail tile, and the real chunks in all.
-        ``by`` (the CTA's first column tile) only picks the CTA that writes ``poffs``."""
+        """CTA ``(bx, by)``: token tile ``bx`` (of a group, or a tail tile), column tile ``by``."""
+        ty = by * self.tile_cols // TILE_ROWS  # the 128-row scale tile of this CTA's columns
+        row0 = by * self.tile_cols - ty * TILE_ROWS  # its first row there (0, or 64 for a 64-column grid)
         lane = tid % 32
         warp = tid // 32
-        src0 = Int64(0)
-        n_real = Int32(0)
-        n_out = Int32(0)
-        out_base = Int64(0)
-        sc0 = Int64(0)
-        sc_step = Int32(0)
+
+        # ---- which tile: source rows, how many are real, where the output and scales go
+        src0 = Int64(0)  # first source row of the tile
+        n_real = Int32(0)  # real tokens in the tile (<= 0: none)
+        n_out = Int32(0)  # tokens of the tile to write (real + zero padding; multiple of 32)
+        out_base = Int64(0)  # output element of (column 0, token 0) of the tile
+        scale_base = Int64(0)  # byte of the tile's 512-byte scale block
         tail = Int32(0)
         chunk_total = Int32(0)
         if cutlass.const_expr(self.kgroups):
@@ -239,8 +165,9 @@ class Quantize32x1Kernel:
                 n_real = size - k * TILE_TOKENS
                 n_out = cutlass.min(cu.round_up_block(size) - k * TILE_TOKENS, Int32(TILE_TOKENS))
                 out_base = Int64(info[2]) + Int64(k * TILE_TOKENS)
-                sc_step = (size + (TILE_TOKENS - 1)) // TILE_TOKENS
-                sc0 = Int64(info[3]) * Int64(4) * Int64(rp) + Int64(TILE_BYTES) * Int64(k)
+                tiles = (size + (TILE_TOKENS - 1)) // TILE_TOKENS
+                scale_base = (Int64(info[3]) * Int64(4) * Int64(rp)
+                              + Int64(TILE_BYTES) * Int64(tiles * ty + k))
             else:
                 tail = Int32(1)
                 first = Int32(info[6]) + (bx - chunk_total) * TILE_TOKENS
@@ -254,37 +181,22 @@ class Quantize32x1Kernel:
             n_real = cutlass.min(row_stride - k * TILE_TOKENS, Int32(TILE_TOKENS))
             n_out = n_real
             out_base = Int64(e) * Int64(r) * Int64(row_stride) + Int64(k * TILE_TOKENS)
-            sc_step = nch
-            sc0 = Int64(e) * Int64(rp) * Int64(4 * nch) + Int64(TILE_BYTES) * Int64(k)
-        return src0, n_real, n_out, out_base, sc0, sc_step, tail, chunk_total
+            scale_base = Int64(e) * Int64(rp) * Int64(4 * nch) + Int64(TILE_BYTES) * Int64(nch * ty + k)
 
-    def thread_place(self, tid: Int32):
-        """This thread's first column in a column tile and first token in the token tile (8 of each)."""
-        lane = tid % 32
-        warp = tid // 32
-        blk = warp // self.halves
-        tile_col = (warp % self.halves) * HALF_COLS + (lane // 4) * COLS_PER_THREAD
-        return tile_col, blk * BLOCK_SIZE + (lane % 4) * TOKENS_PER_THREAD
-
-    @cute.jit
-    def quantize_tile(self, out: cute.Tensor, scales, vals, rec, r: Int32, row_stride: Int32, rp: Int32, sw: Int32,
-                      nx: Int32, ny: Int32, tid: Int32, bx: Int32, by: Int32, stile):
-        """This thread's 8 x 8 values ``vals`` of column tile ``by`` of the token tile ``rec``
-        (:meth:`resolve`): per column, scale, quantize its 8 tokens, store them transposed; the CTA's scale tile
-        gathered in ``stile`` and written as 16-byte rows; tail CTAs zero their share of the scale tail."""
-        _, _, n_out, out_base, sc0, sc_step, tail, chunk_total = rec
-        lane = tid % 32
-        warp = tid // 32
-        ty = by * self.tile_cols // TILE_ROWS  # the 128-row scale tile of this CTA's columns
-        row0 = by * self.tile_cols - ty * TILE_ROWS  # its first row there (0, or 64 for a 64-column grid)
+        # ---- this thread's 8 columns and 8 tokens
         blk = warp // self.halves
         quad = lane % 4
-        tile_col, t0 = self.thread_place(tid)
+        tile_col = (warp % self.halves) * HALF_COLS + (lane // 4) * COLS_PER_THREAD
         col0 = by * self.tile_cols + tile_col
+        t0 = blk * BLOCK_SIZE + quad * TOKENS_PER_THREAD
         col_ok = col0 < r
+        vals = self.load_tile(x, src0, n_real, r, col0, col_ok, t0)
+
+        # ---- per column: scale, quantize 8 tokens, store transposed
         write = col_ok & (blk * BLOCK_SIZE < n_out)
         # the CTA's scale bytes are gathered in shared memory and written as whole 16-byte rows of its scale tile
         # (one byte store per scale reached L2 as a partial sector: a quarter of the kernel's L2 sector writes)
+        stile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16) if not self.fake else None
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             col = [vals[i][c] for i in range(TOKENS_PER_THREAD)]
             q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil)
@@ -300,7 +212,6 @@ class Quantize32x1Kernel:
 
         if cutlass.const_expr(not self.fake):
             if tail == 0:
-                scale_base = sc0 + Int64(TILE_BYTES) * Int64(sc_step * ty)
                 self.store_scale_tile(scales.iterator, stile, scale_base, row0, tid)
 
         if cutlass.const_expr(self.kgroups and not self.fake):
@@ -386,15 +297,10 @@ class Quantize32x1Kernel:
                 if ok:
                     a0, a1, a2, a3 = cu.ld_global_v4(src)
                 words.append([a0, a1, a2, a3])
-        return self.widen(words)
-
-    def widen(self, words) -> list:
-        """Per token, the loaded words as 8 fp32 bit patterns (bf16 values widened; fp32 ones, or their bf16
-        rounding for ``as_bf16``)."""
         vals = []
-        for i in range(TOKENS_PER_THREAD):
-            if self.in_f32:
-                vals.append(cu.f32_bits_as_bf16(words[i]) if self.as_bf16 else words[i])
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            if cutlass.const_expr(self.in_f32):
+                vals.append(cu.f32_bits_as_bf16(words[i]) if cutlass.const_expr(self.as_bf16) else words[i])
             else:
                 row = []
                 for wd in words[i]:
@@ -402,25 +308,6 @@ class Quantize32x1Kernel:
                     row += [lo, hi]
                 vals.append(row)
         return vals
-
-    def stage_word(self, s, i: int, tid: Int32):
-        """Word offset of row ``i`` of thread ``tid`` in stage ``s``: consecutive threads at consecutive 16 bytes
-        (no bank conflict when a warp reads a row back)."""
-        return ((s * TOKENS_PER_THREAD + i) * self.threads + tid) * 4
-
-    @cute.jit
-    def stage_tile(self, x, stage, s, src0: Int64, n_real: Int32, r: Int32, col0: Int32, t0: Int32, tid: Int32):
-        """This thread's 8 tokens x 8 columns (bf16) copied to stage ``s`` by ``cp.async``, one commit group for
-        the caller to close; zeros where the token or column is not real (nothing read there)."""
-        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-            ok = (col0 < r) & (t0 + i < n_real)
-            src = x.iterator + cutlass.select_(ok, (src0 + Int64(t0 + i)) * Int64(r) + Int64(col0), Int64(0))
-            cu.cp_async_16(stage + self.stage_word(s, i, tid), src, cutlass.select_(ok, Int32(16), Int32(0)))
-
-    def staged_tile(self, stage, s, tid: Int32) -> list:
-        """This thread's tile from stage ``s`` (its copies complete), as :meth:`load_tile` returns it."""
-        return self.widen([list(cu.ld_global_v4(stage + self.stage_word(s, i, tid)))
-                           for i in range(TOKENS_PER_THREAD)])
 
     @cute.jit
     def store_tokens(self, ptr, q0, q1, s, is_nan):
