@@ -6,9 +6,10 @@
 Per (M, K), G groups (128-aligned and ragged), bf16 input, two output kinds:
 ``mxfp8`` (e4m3 data + M-groups blocked scales) and ``fake`` (dequantized bf16, the emulated
 GEMM's operand). Columns: us, TB/s, % of a bf16 memcpy of the same tensor measured in this run,
-for moe_quant's kernel, ``torch.compile`` of the reference, and torchao's Triton
-``triton_to_mxfp8_dim0`` (+ its Triton M-groups scale rearrange). Bytes = input read + outputs
-written (the whole scale buffer, padding included). Also prints host overhead per eager call.
+for moe_quant's kernel (alone: each call after an L2 flush; and ``loop``: called back to back from
+Python, as a user's eager loop calls it, where the op's host time can exceed the kernel's),
+``torch.compile`` of the reference, and torchao's Triton ``triton_to_mxfp8_dim0`` (+ its Triton M-groups
+scale rearrange). Bytes = input read + outputs written (the whole scale buffer, padding included). Also prints host overhead per eager call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 
 import torch
 
-from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, tbps
+from benchmarks.timing import Rotating, bench_us, device_name, host_us, loop_us, memcpy_tbps, print_table, tbps
 from moe_quant import layouts, reference
 from moe_quant.kernels import compile_cache, ops
 from moe_quant.kernels.quantize_1x32 import ops as ops_1x32
@@ -187,7 +188,9 @@ def main():
                         ours = lambda: ops.fake_quantize_1x32(rot.next()[0], ScaleMode.RCEIL)  # noqa: E731
                     ours()
                     us = bench_us(ours)
-                    row = [m, k, "ragged" if ragged else "aligned", kind, us, tbps(nb, us), 100 * tbps(nb, us) / cp_tbps]
+                    lus = loop_us(ours)
+                    row = [m, k, "ragged" if ragged else "aligned", kind, us, tbps(nb, us), 100 * tbps(nb, us) / cp_tbps,
+                           lus, 100 * tbps(nb, lus) / cp_tbps]
                     if kind in ref_c:
                         fn = ref_c[kind]
                         if kind == "mxfp8":
@@ -249,7 +252,7 @@ def main():
             torch.cuda.empty_cache()
     print_table(
         f"rowwise 1x32 MXFP8, G={g}, bf16 input, RCEIL ({device_name()})",
-        ["M", "K", "groups", "out", "us", "TB/s", "%memcpy", "ref.compile us", "ref %memcpy",
+        ["M", "K", "groups", "out", "us", "TB/s", "%memcpy", "loop us", "loop %memcpy", "ref.compile us", "ref %memcpy",
          f"torchao({PEER_MODE}) us", "torchao %memcpy", "torchao dim0-only %memcpy", "torchao cutedsl(plain) %memcpy",
          "memcpy TB/s"],
         rows,

@@ -6,8 +6,10 @@ offsets, torchao peer), never the other way.
                                              [--w 8x8192x5120,8x2048x7168,16x2048x7168] [--no-torchao]
                                              [--kernels 32x1,3d,3d-fp32]
 
-Per shape: us, TB/s, % of a bf16 memcpy of the same tensor measured in the same run, and the time per
-call inside a CUDA graph of several calls (launch overhead hidden). Bytes = input read + every output
+Per shape: us, TB/s, % of a bf16 memcpy of the same tensor measured in the same run (the kernel alone: each call
+after an L2 flush, events around it); ``loop``: per call of the op called back to back from Python, as a user's
+eager loop calls it (where the op's host time exceeds its kernel's, the host's rate); and the time per call
+inside a CUDA graph of several calls (launch overhead hidden). Bytes = input read + every output
 written once (data, the whole scale buffer with its padding, the padded offsets). Peers that run on
 Hopper, timed in the same run (FLOOR: torchao's RCEIL Triton path needs a Blackwell instruction):
 torchao's Triton ``triton_to_mxfp8_dim1`` (+ its K-groups scale rearrange) and ``triton_to_mxfp8_dim0``
@@ -21,7 +23,8 @@ import argparse
 import torch
 
 from benchmarks.bench_quantize import PEER_MODE, _torchao_triton_dim0, group_offsets, multiple_of_32_list
-from benchmarks.timing import Rotating, bench_us, device_name, host_us, memcpy_tbps, print_table, prog_name, tbps
+from benchmarks.timing import (Rotating, bench_us, device_name, host_us, loop_us, memcpy_tbps, print_table,
+                               prog_name, tbps)
 from moe_quant import cli, layouts
 from moe_quant.kernels import ops
 from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
@@ -108,9 +111,10 @@ def bench_k_groups(ms, rs, g: int, peers) -> list[list]:
                     nb = k_groups_bytes(m, r, g, out)
                     make(rot.next())()
                     us = bench_us(lambda: make(rot.next())())
+                    lus = loop_us(lambda: make(rot.next())())
                     gus = graph_us(make, rot)
                     row = [m, r, "ragged" if ragged else "aligned", out, us, tbps(nb, us), 100 * tbps(nb, us) / cp,
-                           gus, 100 * tbps(nb, gus) / cp]
+                           lus, 100 * tbps(nb, lus) / cp, gus, 100 * tbps(nb, gus) / cp]
                     if peers is not None and out == "mxfp8":
                         dim1, kg = peers["dim1"], peers["kgroups"]
                         pb = 3 * m * r + m * r // 32
@@ -146,9 +150,10 @@ def bench_3d(shapes, peers) -> list[list]:
                 nb = w_bytes(e, n, k, along, out)
                 make(rot.next())()
                 us = bench_us(lambda: make(rot.next())())
+                lus = loop_us(lambda: make(rot.next())())
                 gus = graph_us(make, rot)
-                row = [f"{e}x{n}x{k}", along, out, us, tbps(nb, us), 100 * tbps(nb, us) / cp, gus,
-                       100 * tbps(nb, gus) / cp]
+                row = [f"{e}x{n}x{k}", along, out, us, tbps(nb, us), 100 * tbps(nb, us) / cp, lus,
+                       100 * tbps(nb, lus) / cp, gus, 100 * tbps(nb, gus) / cp]
                 if peers is not None and out == "mxfp8" and along == "k":
                     dim0, p3 = peers["dim0"], peers["per_group_3d"]
 
@@ -231,14 +236,15 @@ def run(ms, rs, g: int, shapes, no_torchao: bool, kernels=("32x1", "3d", "3d-fp3
         print_table(
             f"colwise 32x1 MXFP8 along tokens, K-groups (fused per-group padding), G={g}, bf16 input, "
             f"{MODE.value} ({device_name()})",
-            ["M", "R", "groups", "out", "us", "TB/s", "%memcpy", "graph us", "graph %memcpy",
+            ["M", "R", "groups", "out", "us", "TB/s", "%memcpy", "loop us", "loop %memcpy", "graph us", "graph %memcpy",
              f"torchao({PEER_MODE}) dim1+Kgroups %memcpy", "torchao dim1-only %memcpy", "memcpy TB/s"],
             bench_k_groups(ms, rs, g, peers),
         )
     if "3d" in kernels:
         print_table(
             f"3D expert weights (E, N, K), bf16 input, {MODE.value} ({device_name()})",
-            ["E x N x K", "along", "out", "us", "TB/s", "%memcpy", "graph us", "graph %memcpy",
+            ["E x N x K", "along", "out", "us", "TB/s", "%memcpy", "loop us", "loop %memcpy", "graph us",
+             "graph %memcpy",
              f"torchao({PEER_MODE}) dim0+3D %memcpy", "memcpy TB/s"],
             bench_3d(shapes, peers),
         )

@@ -243,6 +243,36 @@ def profile_trace(fn, device="cuda", iters: int = 3) -> dict:
     return {"ops": out, "host": host, "trace_start_us": start() / 1e3 if start is not None else None}
 
 
+def loop_us(fn, calls: int = 40, reps: int = 5) -> float:
+    """Time per call of ``fn`` called back to back, as a user's eager loop calls it: ``calls`` calls with nothing
+    between them (no cache flush, no wait), device events around the whole batch, the median of ``reps`` batches
+    (after ``calls`` calls of warm-up). Where the call's host time exceeds its kernel's, this is the host's rate,
+    not the kernel's (``bench_us`` times the kernel alone). On a device other than CUDA, the wall clock."""
+    import statistics
+    import time
+
+    cuda = torch.cuda.is_available()
+    for _ in range(calls):
+        fn()
+    per = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            per.append(1e3 * start.elapsed_time(end) / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per.append(1e6 * (time.perf_counter() - t0) / calls)
+    return statistics.median(per)
+
+
 def host_us(fn, n: int = 100, reps: int = 20) -> float:
     """CPU time per eager call of ``fn`` in microseconds: the best of ``reps`` batches of ``n`` calls,
     few enough that the launch queue never fills (so the GPU never throttles the loop)."""

@@ -1,12 +1,14 @@
 """Cases for compute-sanitizer (memcheck / racecheck) over the colwise 32x1 kernel and the 3D paths;
 each also checked byte for byte against the reference.
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_32x1.py [--quick]
+    compute-sanitizer --tool memcheck python scripts/sanitize_32x1.py [--quick] [--candidate NAME]
 
 Ragged K-groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000, R % 128 != 0,
-fake outputs, fp32 input, 3D weights along N and K (N % 128 != 0).
+fake outputs, fp32 input, 3D weights along N and K (N % 128 != 0). ``--candidate NAME`` (of
+``quantize_32x1.config.CANDIDATES``) runs it in place of every bf16-input variant.
 """
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -57,15 +59,36 @@ def w_case(name, e, n, k, dtype=torch.bfloat16, mode=ScaleMode.FLOOR):
     return ok
 
 
+def candidate_in_place(stack: contextlib.ExitStack, name: str) -> None:
+    """Every bf16-input 32x1 variant launches candidate ``name`` instead (``ops_32x1.variant_in_place``)."""
+    from moe_quant.kernels.quantize_32x1 import config, ops as ops_32x1
+
+    if name not in config.CANDIDATES:
+        raise SystemExit(f"--candidate must be one of {sorted(config.CANDIDATES)}, got {name!r}")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for v in config.all_variants():
+        if v.in_dtype == "bfloat16":
+            stack.enter_context(ops_32x1.variant_in_place(v.replace(**config.CANDIDATES[name]), dev))
+    print(f"candidate {name} in place of the bf16 variants", flush=True)
+
+
 def main():
     require_cuda()
     quick = "--quick" in sys.argv
+    with contextlib.ExitStack() as stack:
+        if "--candidate" in sys.argv:
+            candidate_in_place(stack, sys.argv[sys.argv.index("--candidate") + 1])
+        run(quick)
+
+
+def run(quick: bool):
     cases = [
         ("ragged groups", 1000, 224, offsets_from_sizes([0, 1, 31, 33, 127, 129, 300, 200]).tolist()),
         ("offs past M, decreasing, negative", 500, 96, [100, 700, 50, -5, 10**6, 499]),
         ("G=0", 300, 64, []),
         ("M=0 with groups", 0, 128, [0, 0, 0]),
         ("G=1000", 3100, 160, offsets_from_sizes([3] * 1000).tolist()),
+        ("R=2144: column tiles past a CTA's group", 900, 2144, offsets_from_sizes([5, 0, 400, 129, 300]).tolist()),
     ]
     if quick:
         cases = [cases[1], cases[4]]

@@ -386,3 +386,20 @@ def test_block_kernel_shapes_argument():
     for bad in ("", "98304x1400x64", "1x32", "0x32x1", "axbxc"):
         with pytest.raises(argparse.ArgumentTypeError):
             bbk.shapes_arg(bad)
+
+
+def test_loop_us_times_calls_back_to_back_without_a_gpu(monkeypatch):
+    """``timing.loop_us``: a warm-up batch, then ``reps`` batches of ``calls`` calls, the median per call (off CUDA,
+    by the wall clock): a batch whose calls get slower moves the median, not the count."""
+    from benchmarks import timing
+
+    monkeypatch.setattr(timing.torch.cuda, "is_available", lambda: False)
+    count = []
+
+    def fn():
+        count.append(1)
+
+    times = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.010])  # batches of 4 calls: 1000, 500, 2500 us per call
+    monkeypatch.setattr("time.perf_counter", lambda: next(times))
+    assert timing.loop_us(fn, calls=4, reps=3) == 1000.0
+    assert len(count) == 4 + 3 * 4
