@@ -9,7 +9,8 @@ GEMM's operand). Columns: us, TB/s, % of a bf16 memcpy of the same tensor measur
 for moe_quant's kernel (alone: each call after an L2 flush; and ``loop``: called back to back from
 Python, as a user's eager loop calls it, where the op's host time can exceed the kernel's),
 ``torch.compile`` of the reference, and torchao's Triton ``triton_to_mxfp8_dim0`` (+ its Triton M-groups
-scale rearrange). Bytes = input read + outputs written (the whole scale buffer, padding included). Also prints host overhead per eager call.
+scale rearrange). Bytes = input read + outputs written (the whole scale buffer, padding included). Also
+prints host overhead per eager call.
 """
 
 from __future__ import annotations
@@ -189,8 +190,8 @@ def main():
                     ours()
                     us = bench_us(ours)
                     lus = loop_us(ours)
-                    row = [m, k, "ragged" if ragged else "aligned", kind, us, tbps(nb, us), 100 * tbps(nb, us) / cp_tbps,
-                           lus, 100 * tbps(nb, lus) / cp_tbps]
+                    row = [m, k, "ragged" if ragged else "aligned", kind, us, tbps(nb, us),
+                           100 * tbps(nb, us) / cp_tbps, lus, 100 * tbps(nb, lus) / cp_tbps]
                     if kind in ref_c:
                         fn = ref_c[kind]
                         if kind == "mxfp8":
@@ -252,7 +253,8 @@ def main():
             torch.cuda.empty_cache()
     print_table(
         f"rowwise 1x32 MXFP8, G={g}, bf16 input, RCEIL ({device_name()})",
-        ["M", "K", "groups", "out", "us", "TB/s", "%memcpy", "loop us", "loop %memcpy", "ref.compile us", "ref %memcpy",
+        ["M", "K", "groups", "out", "us", "TB/s", "%memcpy", "loop us", "loop %memcpy", "ref.compile us",
+         "ref %memcpy",
          f"torchao({PEER_MODE}) us", "torchao %memcpy", "torchao dim0-only %memcpy", "torchao cutedsl(plain) %memcpy",
          "memcpy TB/s"],
         rows,
