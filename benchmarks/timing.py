@@ -243,33 +243,24 @@ def profile_trace(fn, device="cuda", iters: int = 3) -> dict:
     return {"ops": out, "host": host, "trace_start_us": start() / 1e3 if start is not None else None}
 
 
-def loop_us(fn, calls: int = 40, reps: int = 5) -> float:
+def loop_us(fn, device="cuda", *, calls: int = 40, reps: int = 5) -> float:
     """Time per call of ``fn`` called back to back, as a user's eager loop calls it: ``calls`` calls with nothing
-    between them (no cache flush, no wait), device events around the whole batch, the median of ``reps`` batches
-    (after ``calls`` calls of warm-up). Where the call's host time exceeds its kernel's, this is the host's rate,
-    not the kernel's (``bench_us`` times the kernel alone). On a device other than CUDA, the wall clock."""
+    between them (no cache flush, no wait), timed as one :func:`call_ms` (device events around the batch; the wall
+    clock on any other device), the median of ``reps`` batches (after ``calls`` calls of warm-up). Where the
+    call's host time exceeds its kernel's, this is the host's rate, not the kernel's (``bench_us`` times the kernel
+    alone)."""
     import statistics
-    import time
 
-    cuda = torch.cuda.is_available()
-    for _ in range(calls):
-        fn()
+    def batch():
+        for _ in range(calls):
+            fn()
+
+    batch()
     per = []
     for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            per.append(1e3 * start.elapsed_time(end) / calls)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per.append(1e6 * (time.perf_counter() - t0) / calls)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()  # each batch starts on an idle device
+        per.append(1e3 * call_ms(batch, device) / calls)
     return statistics.median(per)
 
 

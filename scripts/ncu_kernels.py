@@ -33,8 +33,6 @@ def main(argv=None) -> int:
                    help="32x1 candidates to profile beside the default, K-groups form")
     args = p.parse_args(argv)
     require_cuda(argv)
-    import contextlib
-
     from benchmarks.bench_quantize import group_offsets
     from moe_quant.kernels import ops
     from moe_quant.kernels.quantize_32x1 import config as config_32x1
@@ -52,8 +50,7 @@ def main(argv=None) -> int:
         profile(name, call)
     for cand in args.candidates:
         v = config_32x1.Variant("bfloat16", "rceil", "kgroups", **config_32x1.CANDIDATES[cand])
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(ops_32x1.variant_in_place(v, dev))
+        with ops_32x1.variant_in_place(v, dev):
             profile(f"q32_kgroups_{cand}", calls["q32_kgroups"])
     return 0
 
