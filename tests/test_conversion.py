@@ -385,6 +385,25 @@ def test_deepcopy_to_save_load_and_pickle():
     assert not torch.equal(c.w1, mod.w1)  # independent
 
 
+class MySwiGLUExperts(GroupedExperts):
+    """A user's subclass, defined at module level (pickle finds it by name)."""
+
+
+def test_converted_class_reads_mxfp8_and_its_name():
+    """Issue 56: a converted class is called ``MXFP8<Name>`` where a user reads it (the module's repr, PyTorch's
+    error messages); its ``__qualname__`` is the key pickle resolves, so the class, an instance and a copy still
+    pickle."""
+    torch.manual_seed(0)
+    mod = convert(MySwiGLUExperts(K, N, E).bfloat16(), MXFP8MoEConfig())
+    cls = type(mod)
+    assert cls.__name__ == "MXFP8MySwiGLUExperts" and repr(mod).startswith("MXFP8MySwiGLUExperts(")
+    with pytest.raises(AttributeError, match="'MXFP8MySwiGLUExperts' object has no attribute 'w4'"):
+        mod.w4
+    assert pickle.loads(pickle.dumps(cls)) is cls and type(copy.deepcopy(mod)) is cls
+    assert type(pickle.loads(pickle.dumps(mod))) is cls
+    assert unconvert(mod).__class__ is MySwiGLUExperts
+
+
 def test_meta_init_then_to_empty():
     with torch.device("meta"):
         model = TinyMoEModel(32, 64, 96, 4, 2, 1, 32)

@@ -26,8 +26,9 @@ One converted class per class, cached by the class object (weakly: a class nothi
 collected, and a second class of the same name -- a factory, a notebook cell run again,
 ``importlib.reload`` -- gets its own). A converted module pickles as its own class plus a marker
 (``torch.save``, ``copy.deepcopy``, multiprocessing): unpickling converts it again in any process, and a
-class pickle cannot find raises pickle's own error. A converted class itself pickles by a name this module
-resolves on demand (``MXFP8_<name>_<hex of "module:qualname">``).
+class pickle cannot find raises pickle's own error. A converted class reads ``MXFP8<Name>`` (its ``__name__``: module reprs, error messages, FSDP2's ``FSDPMXFP8<Name>``);
+pickle finds it by its ``__qualname__``, a key this module resolves on demand (``MXFP8_<Name>_<hex of
+"module:qualname">``), which is how a converted class itself, or an instance of its ``Config``, pickles.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ SUPPORTED = (
 )
 
 
+def display_name(cls: type) -> str:
+    """The ``__name__`` of ``cls``'s converted class: ``MXFP8<Name>``."""
+    return f"MXFP8{cls.__name__}"
+
+
 def _encode(cls: type) -> str:
     return f"{_PREFIX}{cls.__name__}_{f'{cls.__module__}:{cls.__qualname__}'.encode().hex()}"
 
@@ -134,7 +140,7 @@ def converted_class(cls: type) -> type:
         namespace["Config"] = config_cls
         if callable(getattr(cls, "parallelize", None)):
             namespace["parallelize"] = _parallelize
-    new = type(name, (cls,), namespace)
+    new = type(display_name(cls), (cls,), namespace)  # __name__ reads MXFP8<Name>; __qualname__ is the key
     _CLASSES[cls] = weakref.ref(new)
     return new
 
