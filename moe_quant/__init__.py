@@ -16,8 +16,9 @@ Public API:
   :func:`quantize_colwise_k_groups`, :func:`quantize_3d` (kernels where available).
 * Reuse of quantized weights across the micro-batches of one optimizer step:
   :func:`reuse_quantized_weights` (:mod:`moe_quant.reuse`).
-* Model conversion (:mod:`moe_quant.conversion`): :class:`MXFP8MoEConfig` for torchao's ``quantize_``,
-  :func:`unconvert`, :func:`fallback_counts`, :func:`register_experts_implementation` (transformers'
+* Model conversion (:mod:`moe_quant.conversion`): :func:`convert` (``convert(model, config, filter_fn=...)``:
+  converts the matched experts modules through torchao's ``quantize_``, returns them by name, raises when none
+  converted), :class:`MXFP8MoEConfig` for torchao's ``quantize_``, :func:`unconvert`, :func:`fallback_counts`, :func:`register_experts_implementation` (transformers'
   experts interface); a reference MoE block in :mod:`moe_quant.moe`.
 """
 
@@ -38,6 +39,7 @@ from .conversion import (
     reset_fallback_counts,
     unconvert,
 )
+from .conversion.model import convert
 from .layouts import (
     blocked_offset,
     from_blocked,
@@ -70,6 +72,7 @@ __all__ = [
     "BLOCK_SIZE",
     "GemmBackend",
     "MXFP8MoEConfig",
+    "convert",
     "fallback_counts",
     "register_experts_implementation",
     "reset_fallback_counts",

@@ -198,11 +198,11 @@ def test_fqn_to_config_of_a_single_parameter_is_refused():
     assert model.layers[1].moe.experts._mxfp8_config.scale_mode.value == "floor"
 
 
-def test_unmatched_filter_warns(caplog):
+def test_matched_module_without_experts_warns(caplog):
     model = nn.Sequential(nn.Linear(32, 32))
     with caplog.at_level(logging.WARNING, logger="moe_quant.conversion"):
-        quantize_(model, MXFP8MoEConfig())  # default filter: nn.Linear, no 3-D weight
-    assert "nothing converted" in caplog.text
+        quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: fqn == "")  # no 3-D weight, no experts list
+    assert "nothing converted" in caplog.text  # moe_quant.convert raises instead (tests/test_convert.py)
 
 
 class _FeedForward(nn.Module):

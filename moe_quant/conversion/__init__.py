@@ -20,7 +20,9 @@ The pieces, one module each:
 * :mod:`.layers` -- classes PyTorch layers over a module's class (parametrizations, FSDP2), and swapping
   one class under them;
 * :mod:`.classes` -- the generated converted classes (cached by class, picklable);
-* :mod:`.handler` -- the ``quantize_`` handler, :func:`convert` / :func:`unconvert`.
+* :mod:`.handler` -- the ``quantize_`` handler, :func:`convert` / :func:`unconvert`;
+* :mod:`.model` -- ``moe_quant.convert(model, config, filter_fn=...)``: ``quantize_`` that returns what it
+  converted and raises when nothing did.
 """
 
 from .classes import SUPPORTED, converted_class, is_converted

@@ -14,12 +14,13 @@ as ``"experts" in fqn``); a container with none (torchtitan's ``shared_experts``
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Optional
 
 from torch import nn
 
 from . import layers, ranks
-from .._torchao import register_quantize_module_handler
+from .._torchao import default_filter_match, register_quantize_module_handler
 from .classes import base_class, converted_class, is_converted
 from .config import MXFP8MoEConfig
 from .hf import restore_experts_implementation
@@ -38,6 +39,13 @@ def _experts_modules(module: nn.Module) -> list:
     if is_converted(module) or _own_expert_weights(module):
         return [module]
     return [m for child in module.children() for m in _experts_modules(child)]
+
+
+def experts_candidates(model: nn.Module) -> list:
+    """``(fqn, module)`` of the modules of ``model`` a match would convert: those holding stacked expert weights
+    (3-D floating-point parameters of their own), PyTorch's own layers left out."""
+    return [(fqn, m) for fqn, m in model.named_modules()
+            if _own_expert_weights(m) and not type(m).__module__.startswith("torch.nn.")]
 
 
 def convert(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[str] = None) -> nn.Module:
@@ -122,4 +130,13 @@ def _warn_nothing_converted(module: nn.Module) -> None:
 
 @register_quantize_module_handler(MXFP8MoEConfig)
 def _mxfp8_moe_transform(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[str] = None) -> nn.Module:
+    fqn = default_filter_match(sys._getframe(1))
+    if fqn is not None:  # before any module changes: the first match raises
+        raise ValueError(
+            f"quantize_(model, MXFP8MoEConfig()) without filter_fn: torchao's default filter matches every nn.Linear "
+            f"(here {fqn or '<model>'!r}), and MXFP8MoEConfig converts only the experts you name. Pass filter_fn, e.g. "
+            f"filter_fn=lambda mod, fqn: isinstance(mod, MyExperts) for your experts class, or "
+            f"moe_quant.convert(model, filter_fn=...), which also says what it converted; per-expert nn.Linear "
+            f"experts: match their container, e.g. filter_fn=lambda mod, fqn: fqn.endswith('.experts') "
+            f"(docs/own_moe.md)")
     return convert(module, config, parameter_name)
