@@ -22,8 +22,6 @@ Public API:
   experts interface); a reference MoE block in :mod:`moe_quant.moe`.
 """
 
-import sys as _sys
-
 from .autograd import (
     mxfp8_grouped_mm,
     mxfp8_swiglu_experts,
@@ -62,11 +60,11 @@ from .quantize import (
 from .reference import from_mxfp8, to_mxfp8
 from .reuse import reuse_quantized_weights
 
-if "transformers" in _sys.modules:  # transformers imported first: its experts interface gets moe_quant now
-    from .conversion import hf as _hf
+from .conversion import hf as _hf
 
-    if _hf.transformers_version_problem() is None:  # else register_experts_implementation() says why
-        register_experts_implementation()
+# "moe_quant_mxfp8" in transformers' experts interface: now if transformers is imported, else when it is (an import
+# hook; transformers is not imported here)
+_hf.register_when_imported()
 
 __all__ = [
     "BLOCK_SIZE",

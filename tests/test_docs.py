@@ -139,6 +139,38 @@ def test_python_block(block, monkeypatch):
     exec(code, {"__name__": "__doc_block__"})
 
 
+AFTER_README = """
+import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from moe_quant.conversion.hf import experts_forward
+assert model.config._experts_implementation == "moe_quant_mxfp8"
+assert ALL_EXPERTS_FUNCTIONS["moe_quant_mxfp8"] is experts_forward
+ids = torch.randint(0, 128, (2, 16))
+model(input_ids=ids, labels=ids).loss.backward()
+assert not moe_quant.fallback_counts(), moe_quant.fallback_counts()
+print("ok")
+"""
+
+
+def test_readme_transformers_block_runs_in_a_fresh_process(tmp_path):
+    """The README's transformers block as a user runs it -- ``import moe_quant`` first, transformers after, a fresh
+    interpreter -- with a tiny Qwen3-MoE saved here in place of the hub model (issue 56: the implementation was
+    registered only where transformers had been imported before moe_quant)."""
+    from repo_subprocess import run_python
+
+    transformers = pytest.importorskip("transformers")
+    (block,) = [b for b in PYTHON if b.page == "README.md" and 'experts_implementation="moe_quant_mxfp8"' in b.code]
+    assert block.code.lstrip().startswith("import moe_quant"), block.code  # the order under test
+    hub_name = re.search(r'from_pretrained\(\s*"([^"]+)"', block.code).group(1)
+    config = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                         num_experts=4, num_experts_per_tok=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    code = block.code.replace(f'"{hub_name}"', repr(str(tmp_path))) + AFTER_README
+    proc = run_python("-c", code)  # a fresh interpreter: nothing imported before the block's first line
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- shell commands
 
 BASH = [b for b in all_blocks() if b.lang in ("bash", "sh", "shell")]

@@ -19,7 +19,10 @@ Llama4's experts (``torch.bmm`` over every token) have no experts-interface forw
 
 from __future__ import annotations
 
+import importlib.abc
+import logging
 import re
+import sys
 
 import torch
 
@@ -185,13 +188,78 @@ def known_class(cls: type):
 
 def register_experts_implementation() -> str:
     """Register ``"moe_quant_mxfp8"`` in transformers' experts interface (idempotent); returns the name.
-    ``import moe_quant`` does it already when transformers was imported first (and is supported).
-    ``ImportError`` with another transformers than ``transformers>=5.23,<6``."""
+    ``import moe_quant`` does it already, whatever the import order (:func:`register_when_imported`), where the
+    transformers is a supported one. ``ImportError`` with another transformers than ``transformers>=5.23,<6``."""
     require_supported_transformers()
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
     return IMPLEMENTATION
+
+
+_INTERFACE = "transformers.integrations.moe"  # the module holding ALL_EXPERTS_FUNCTIONS
+logger = logging.getLogger("moe_quant.conversion")
+
+
+def _register_if_supported() -> None:
+    """:func:`register_experts_implementation` where the imported transformers is a supported one; with another,
+    nothing (``register_experts_implementation()`` and conversion say why)."""
+    if transformers_version_problem() is None:
+        register_experts_implementation()
+
+
+def register_when_imported() -> None:
+    """``import moe_quant``'s registration in transformers' experts interface, whatever the import order: now, if
+    transformers is imported already; else when its experts interface module is first imported (a one-shot import
+    hook; ``import moe_quant`` does not import transformers), so that ``from_pretrained(...,
+    experts_implementation="moe_quant_mxfp8")`` finds it."""
+    if "transformers" in sys.modules or _INTERFACE in sys.modules:
+        _register_if_supported()
+    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for transformers' experts interface module it takes the spec the other finders give and
+    wraps its loader so that moe_quant registers right after the module runs; then it leaves ``sys.meta_path``."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _INTERFACE:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """A module's own loader, then :func:`_register_if_supported` (a failure there is logged, never raised into the
+    user's import of transformers)."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        try:
+            _register_if_supported()
+        except Exception as e:  # noqa: BLE001 -- the user's import must go on; from_pretrained then says the name
+            logger.warning("moe_quant could not register %r in transformers' experts interface: %s: %s",
+                           IMPLEMENTATION, type(e).__name__, e)
+
+    def __getattr__(self, name):  # get_source, get_filename, ... as the module's own loader
+        if name == "_loader":
+            raise AttributeError(name)
+        return getattr(self._loader, name)
 
 
 def _configs(config) -> dict:
