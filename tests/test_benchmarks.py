@@ -302,6 +302,8 @@ CLI_ERRORS = [
     ("bench_fingerprint", ["--variants", "default,t9"], "argument --variants"),
     ("bench_fingerprint", ["--ctas-per-sm", "8,0"], "argument --ctas-per-sm"),
     ("bench_fingerprint", ["--weights", "0"], "argument --weights"),
+    ("bench_per_expert", ["--device", "cpu", "--variants", "loop,fp4"], "argument --variants"),
+    ("bench_per_expert", ["--device", "cpu", "--m", "0"], "argument --m"),
 ]
 
 
@@ -386,6 +388,20 @@ def test_block_kernel_shapes_argument():
     for bad in ("", "98304x1400x64", "1x32", "0x32x1", "axbxc"):
         with pytest.raises(argparse.ArgumentTypeError):
             bbk.shapes_arg(bad)
+
+
+def test_bench_per_expert_loop_computes_the_stacked_block_and_runs_end_to_end(capsys):
+    """The benchmark compares like with like: its per-expert loop converted computes the stacked experts' converted
+    block bit for bit (and the bf16 loop the bf16 block); every variant runs on the CPU."""
+    from benchmarks import bench_per_expert as bpe
+
+    x, w1, w3, w2, offs, _, _ = bpe.make_inputs(64, 64, 32, 2, torch.device("cpu"))
+    out = {v: bpe.forward_fn(v, x, w1, w3, w2, offs)[0]().detach() for v in bpe.VARIANTS}
+    assert torch.equal(out["loop"], out["fused"]) and torch.equal(out["loop-bf16"], out["bf16"])
+    assert not torch.equal(out["loop"], out["loop-bf16"])
+    assert bpe.main(["--device", "cpu", "--tiny", "--shapes", "qwen3", "--experts", "2", "--rounds", "1"]) == 0
+    table = capsys.readouterr().out
+    assert all(f" {v} " in table for v in bpe.VARIANTS), table
 
 
 def test_loop_us_times_calls_back_to_back_without_a_gpu(monkeypatch):

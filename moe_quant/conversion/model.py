@@ -15,7 +15,7 @@ from torch import nn
 from .._torchao import quantize_
 from .classes import SUPPORTED, is_converted
 from .config import MXFP8MoEConfig
-from .handler import experts_candidates
+from .handler import experts_candidates, per_expert_list
 
 _SHOWN = 4  # modules named in an error message
 
@@ -70,8 +70,11 @@ def _nothing_converted(model: nn.Module, matched: list) -> str:
         what = "filter_fn matched no module"
     candidates = experts_candidates(model)
     if candidates:
+        fqn, first = candidates[0]
+        example = (f"fqn.split('.')[-1] == {fqn.split('.')[-1]!r}" if per_expert_list(first)  # a ModuleList
+                   else f"isinstance(mod, {type(first).__name__})")
         hint = (f"Modules of the model that hold experts: {_names(candidates)}; match one, e.g. "
-                f"filter_fn=lambda mod, fqn: isinstance(mod, {type(candidates[0][1]).__name__})")
+                f"filter_fn=lambda mod, fqn: {example}")
     else:
         hint = f"No module of the model holds experts moe_quant converts; supported are {SUPPORTED}"
     return f"moe_quant.convert: nothing converted, the model still runs its experts unconverted: {what}. {hint}."
