@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from test_func_transforms import _vmap_views_dtype
 from torchao.quantization import quantize_
 
 import moe_quant
@@ -347,14 +348,6 @@ def test_grad_of_functional_call_equals_autograd(mxfp8_calls):
     loop(x).square().sum().backward()
     for n, p in loop.named_parameters():
         assert torch.equal(grads[n], p.grad), n
-
-
-def _vmap_views_dtype() -> bool:
-    try:
-        torch.vmap(lambda t: t.view(torch.int32))(torch.zeros(2, 2))
-    except RuntimeError:
-        return False
-    return True
 
 
 @pytest.mark.xfail(not _vmap_views_dtype(), strict=True,
