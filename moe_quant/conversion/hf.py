@@ -213,7 +213,7 @@ def register_when_imported() -> None:
     transformers is imported already; else when its experts interface module is first imported (a one-shot import
     hook; ``import moe_quant`` does not import transformers), so that ``from_pretrained(...,
     experts_implementation="moe_quant_mxfp8")`` finds it."""
-    if "transformers" in sys.modules or _INTERFACE in sys.modules:
+    if sys.modules.get("transformers") is not None:  # None: an import of it was blocked
         _register_if_supported()
     elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterOnImport())
@@ -279,9 +279,7 @@ def restore_experts_implementation(module) -> None:
     other implementations stay. An experts module running it through the config of a model outside ``module``
     (``unconvert(model.model.layers[0])``) raises ``ValueError`` before anything changes: the implementation is
     the whole model's. :func:`moe_quant.unconvert` calls it."""
-    import sys
-
-    if "transformers" not in sys.modules:  # no transformers model can be in module
+    if sys.modules.get("transformers") is None:  # no transformers model can be in module
         return
     from transformers import PreTrainedModel
 
