@@ -101,7 +101,7 @@ def row_words(t: torch.Tensor) -> torch.Tensor:
 
     For the legs' row copies: PyTorch's ``index_copy_`` along dim 0 runs a thread per element, so an fp8 row of
     D bytes is D element copies; as 8-byte words it is D / 8, moved 4.6x faster (bf16 rows 2.6x) on an H200
-    (``scripts/row_copy_probe.py``, docs/ep_performance.md)."""
+    (``scripts/probes/row_copy_probe.py``, docs/ep_performance.md)."""
     if t.dim() < 2:
         return t
     item = t.dtype.itemsize
