@@ -4,7 +4,7 @@ as the element type and viewed as whole 8-byte words, against the gather (``rows
     python scripts/probes/row_copy_probe.py [--rows 32768] [--dim 7168]
 
 GPU only (one line and exit status 2 elsewhere). Prints µs per call (``do_bench``, median) and the rate over the
-bytes read and written. Used for the EP legs' row placement (``moe_quant.ep.wire.row_words``, docs/ep_performance.md).
+bytes read and written. Used for the EP legs' row placement (``moe_quant.ep.wire.row_words``, docs/lab/ep_log.md).
 """
 
 from __future__ import annotations
