@@ -7,6 +7,9 @@ The conventions (CONTRIBUTING.md, "Code blocks in the documentation"):
   ``torchrun ... path.py``) has its arguments parsed by the command's own ``argparse`` parser, and stops
   there; any other command's repository paths must exist.
 * ``<!-- doc-test: run -->`` on the line before a ``bash`` block: its commands also run (CPU, exit status 0).
+* ``<!-- doc-test: torchrun -->`` before a ``python`` block: a script for ``torchrun`` (it calls
+  ``dist.init_process_group()``); it runs in this process as rank 0 of a world of 1, with the environment
+  variables torchrun sets, and must leave no process group behind.
 * ``<!-- doc-test: gpu -->`` (needs a CUDA GPU), ``long`` (too long or too big for CI: a download, the demo's
   full run) and ``fragment`` (uses names the text around it defines) before a block: nothing runs; a python
   block is still compiled and the names it imports must exist, a bash block's arguments are still parsed.
@@ -39,7 +42,7 @@ PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "d
 # docs/lab/: the dated measurement sessions, for developers. Their links must resolve; their code blocks are records
 # of what was run then (the commands of today are in the pages above), so they are not run or parsed.
 LAB = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "lab").glob("*.md"))
-MARKERS = {"run", "gpu", "long", "fragment"}
+MARKERS = {"run", "gpu", "long", "fragment", "torchrun"}
 OURS = ("moe_quant", "benchmarks", "examples", "scripts")
 RUN_TIMEOUT_S = 120
 
@@ -135,12 +138,37 @@ def test_python_block(block, monkeypatch):
     for module, name in imported_names(block.code):
         if module not in missing:
             assert has_name(module, name), f"{block.id}: {module} has no {name}"
-    if block.marker is not None:
+    if block.marker not in (None, "torchrun"):
         return
     if missing:
         pytest.skip(f"{block.id} imports what cannot be imported here: {missing}")
     monkeypatch.chdir(ROOT)
-    exec(code, {"__name__": "__doc_block__"})
+    if block.marker == "torchrun":
+        run_as_torchrun_rank(code, monkeypatch)
+    else:
+        exec(code, {"__name__": "__doc_block__"})
+
+
+def run_as_torchrun_rank(code, monkeypatch) -> None:
+    """``code`` as rank 0 of ``torchrun --nproc_per_node 1``: the env:// variables set, no process group before."""
+    import socket
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "a process group is left from an earlier test"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        exec(code, {"__name__": "__main__"})
+    finally:
+        left = dist.is_initialized()
+        if left:
+            dist.destroy_process_group()
+    assert not left, "the block leaves its process group initialized: end it with dist.destroy_process_group()"
 
 
 # ----------------------------------------------------------------------------- shell commands
