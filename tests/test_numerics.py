@@ -131,3 +131,40 @@ def test_scale_mode_parse():
     assert ScaleMode.parse("RCEIL") is ScaleMode.RCEIL
     with pytest.raises(ValueError, match="scale_mode"):
         ScaleMode.parse("nearest")
+
+
+def _enum_parse(cls, value):
+    """What ``Choice.parse`` computed before its table lookup: the member ``cls(value.lower())``, or None."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value.lower())
+        except ValueError:
+            return None
+    return None
+
+
+def _choice_classes():
+    from moe_quant.backends import GemmBackend
+    from moe_quant.ep.dispatcher import Transport
+    from moe_quant.ep.legs import Wire
+
+    return [ScaleMode, GemmBackend, Transport, Wire]
+
+
+_CHOICE_VALUES = [m for cls in _choice_classes() for m in cls] + [m.value for cls in _choice_classes() for m in cls]
+
+
+@given(st.sampled_from(_choice_classes()),
+       st.one_of(st.sampled_from(_CHOICE_VALUES), st.sampled_from(_CHOICE_VALUES).map(str.upper),
+                 st.sampled_from(_CHOICE_VALUES).map(str.title), st.text(max_size=8), st.integers(), st.none()))
+def test_choice_parse_is_the_enum_lookup(cls, value):
+    """``Choice.parse`` looks the lower-cased text up in the enum's value table (host time): the same member as
+    ``cls(value.lower())`` for every text and every member of any choice, and the same ``ValueError`` otherwise."""
+    want = _enum_parse(cls, value)
+    if want is None:
+        with pytest.raises(ValueError, match=cls.__argname__):
+            cls.parse(value)
+    else:
+        assert cls.parse(value) is want
