@@ -23,6 +23,24 @@ from benchmarks.bench_block import SHAPES, VARIANTS, make_inputs, step_fn  # noq
 from moe_quant import cli  # noqa: E402
 
 
+# moe_quant's kernel families by the class each CuTe-DSL kernel is named after (at M = 16384 with 64 experts the
+# weights' passes are the bulk of the 1x32 and 32x1 rows: each weight is as large as x)
+FAMILIES = (("quantize 1x32 (x rowwise; weights along K)", "Quantize1x32"),
+            ("quantize 32x1 (x colwise; weights along N)", "Quantize32x1"),
+            ("block passes (dual, swiglu, dswiglu)", "QuantizeBlock"), ("byte fingerprint (reuse)", "Fingerprint"))
+
+
+def kernel_family(name: str) -> str:
+    """The family a CUDA kernel's name belongs to (:data:`FAMILIES`; the GEMMs by the layer breakdown's marks,
+    ``bench_grouped_mm.GEMM_MARKS``; else "other": elementwise, copies)."""
+    from benchmarks.bench_grouped_mm import GEMM_MARKS
+
+    for fam, marker in FAMILIES:
+        if marker in name:
+            return fam
+    return "GEMMs" if any(m in name.lower() for m in GEMM_MARKS) else "other"
+
+
 def profile(fn, micro_batches: int, top: int) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -42,14 +60,17 @@ def profile(fn, micro_batches: int, top: int) -> str:
         fn()
         torch.cuda.synchronize()
     kernels = {}
+    families = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name[:90]
-            us, n = kernels.get(name, (0.0, 0))
-            kernels[name] = (us + ev.device_time / micro_batches, n + 1)
+            for table, key in ((kernels, ev.name[:90]), (families, kernel_family(ev.name))):
+                us, n = table.get(key, (0.0, 0))
+                table[key] = (us + ev.device_time / micro_batches, n + 1)
     total = sum(us for us, _ in kernels.values())
     lines = [f"  wall {wall:.3f} ms per micro-batch, kernels {total / 1e3:.3f} ms (idle {wall - total / 1e3:.3f} ms), "
              f"host {host:.3f} ms"]
+    lines.append("  by family: " + ", ".join(f"{fam} {us / 1e3:.3f} ms ({n / micro_batches:.0f}x)"
+                                            for fam, (us, n) in sorted(families.items(), key=lambda kv: -kv[1][0])))
     for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.3f} ms  {n / micro_batches:5.1f}x  {name}")
     return "\n".join(lines)
