@@ -198,44 +198,28 @@ def bf16x2_min_max(lo, hi, w):
             cu._asm(1, [hi, w], "max.NaN.bf16x2 $0, $1, $2;", "=r,r,r"))
 
 
-_IN_FAST_RANGE = """{
-.reg .f32 a, b, c, d;
-.reg .b32 t;
-.reg .pred p;
-shl.b32 t, $1, 16;
-mov.b32 a, t;
-and.b32 t, $1, 0xFFFF0000;
-mov.b32 b, t;
-shl.b32 t, $2, 16;
-mov.b32 c, t;
-and.b32 t, $2, 0xFFFF0000;
-mov.b32 d, t;
-setp.ge.f32 p, a, """ + FAST_MIN + """;
-setp.ge.and.f32 p, b, """ + FAST_MIN + """, p;
-setp.le.and.f32 p, c, """ + FAST_MAX + """, p;
-setp.le.and.f32 p, d, """ + FAST_MAX + """, p;
-selp.b32 $0, 1, 0, p;
-}"""
+def _range_check(upper: bool) -> str:
+    """PTX: ``$0`` = 1 if both halves of the bf16x2 word ``$1`` are at least -80 (and with ``upper`` both halves of
+    ``$2`` at most bf16's largest finite value), else 0."""
+    words = 2 if upper else 1
+    text = "{\n.reg .f32 " + ", ".join("abcd"[:2 * words]) + ";\n.reg .b32 t;\n.reg .pred p;\n"
+    for k in range(words):
+        lo, hi = "abcd"[2 * k], "abcd"[2 * k + 1]
+        text += f"shl.b32 t, ${k + 1}, 16;\nmov.b32 {lo}, t;\nand.b32 t, ${k + 1}, 0xFFFF0000;\nmov.b32 {hi}, t;\n"
+    text += f"setp.ge.f32 p, a, {FAST_MIN};\nsetp.ge.and.f32 p, b, {FAST_MIN}, p;\n"
+    if upper:
+        text += f"setp.le.and.f32 p, c, {FAST_MAX}, p;\nsetp.le.and.f32 p, d, {FAST_MAX}, p;\n"
+    return text + "selp.b32 $0, 1, 0, p;\n}"
+
+
+_IN_FAST_RANGE = _range_check(True)
+_IN_FAST_RANGE_LO = _range_check(False)
 
 
 def bf16x2_min(lo, w):
     """Running elementwise ``min`` of packed bf16x2 words (a NaN half yields to the other operand): the ``lean``
     variants' range check needs the smallest ``a`` only (:func:`in_fast_range_lo`)."""
     return cu._asm(1, [lo, w], "min.bf16x2 $0, $1, $2;", "=r,r,r")
-
-
-_IN_FAST_RANGE_LO = """{
-.reg .f32 a, b;
-.reg .b32 t;
-.reg .pred p;
-shl.b32 t, $1, 16;
-mov.b32 a, t;
-and.b32 t, $1, 0xFFFF0000;
-mov.b32 b, t;
-setp.ge.f32 p, a, """ + FAST_MIN + """;
-setp.ge.and.f32 p, b, """ + FAST_MIN + """, p;
-selp.b32 $0, 1, 0, p;
-}"""
 
 
 def in_fast_range_lo(lo) -> Int32:
