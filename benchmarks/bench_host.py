@@ -16,8 +16,9 @@ Per call, eager, warm, inputs already on the GPU:
 
 Rows: ``torch._grouped_mm`` fwd+bwd (bf16) vs ``mxfp8_grouped_mm`` fwd+bwd (default backend) at a tiny and a
 small-M size; each quantize kernel through its torch op (1x32 with M-groups, 32x1 K-groups, the permute
-kernel's blocked output), and the compiled kernel called alone (the TVM-FFI call); for scale, a native torch op
-(``torch.neg``) and one CUDA allocation (``torch.empty``) on the same host. Targets (issue 20):
+kernel's blocked output), the compiled kernel called alone (the TVM-FFI call) and the op's output allocations
+alone (the rest of the op's time is its Python); for scale, a native torch op (``torch.neg``) and one CUDA
+allocation (``torch.empty``) on the same host. Targets (issue 20):
 ``mxfp8_grouped_mm`` fwd+bwd at most 2x ``torch._grouped_mm``'s host time; each kernel launch (its op) at
 most 10 us; no device-to-host synchronization (``syncs``: a call under ``torch.cuda.set_sync_debug_mode("error")``,
 which raises on ``.item()``, ``.cpu()``, stream synchronizations, must not raise).

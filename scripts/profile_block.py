@@ -4,9 +4,11 @@ fused MXFP8 step and one ``reuse_quantized_weights`` step of several micro-batch
     python scripts/profile_block.py [--shape dsv3|llama4] [--m 16384] [--micro-batches 4] [--top 25]
 
 GPU only (one line and exit status 2 elsewhere). Prints, per variant, the CUDA time of every kernel
-(summed over the step, divided by its micro-batches), the step's wall time between CUDA events, and the
-host (CPU) time the step's Python takes to enqueue its work (a GPU that idles while the host is behind
-shows as wall time above the kernels' sum).
+(summed over the step, divided by its micro-batches) and of each kernel family (moe_quant's quantization
+kernels by class, the GEMMs, the rest), the step's wall time between CUDA events, and the host (CPU) time
+the step's Python takes to enqueue its work (a GPU that idles while the host is behind shows as wall time
+above the kernels' sum). With ``--experts 64`` at M = 16384 (DeepSeek-V3's expert count, 256 rows per expert)
+each weight is eight times x, so the 1x32 and 32x1 rows are mostly the weights' passes.
 """
 
 from __future__ import annotations
