@@ -418,3 +418,23 @@ def test_loop_us_times_calls_back_to_back_without_a_gpu(monkeypatch):
     monkeypatch.setattr("time.perf_counter", lambda: next(times))
     assert timing.loop_us(fn, "cpu", calls=4, reps=3) == 1000.0
     assert len(count) == 4 + 3 * 4
+
+
+def test_profile_block_kernel_families():
+    """``scripts/profile_block.py``'s per-family sums: moe_quant's CuTe-DSL kernels by their class names (the block
+    kernel's class subclasses the 32x1 kernel's, and every DSL kernel's name says "cutlass"), torch's grouped GEMM
+    and cuBLAS as GEMMs, the rest "other"."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_block_under_test", ROOT / "scripts" / "profile_block.py")
+    pb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pb)
+    dsl = "kernel_cutlass_kernel_moe_quantkernels{}kernel{}_object_at__tensorptrbf16gmemalign16odiv32i64div321"
+    assert pb.kernel_family(dsl.format("quantize_1x32", "Quantize1x32Kernel")).startswith("quantize 1x32")
+    assert pb.kernel_family(dsl.format("quantize_32x1", "Quantize32x1Kernel")).startswith("quantize 32x1")
+    assert pb.kernel_family(dsl.format("block", "QuantizeBlockKernel")).startswith("block passes")
+    assert pb.kernel_family(dsl.format("fingerprint", "FingerprintKernel")).startswith("byte fingerprint")
+    assert pb.kernel_family("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::"
+                            "kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<") == "GEMMs"
+    assert pb.kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "GEMMs"
+    assert pb.kernel_family("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel") == "other"

@@ -253,6 +253,23 @@ def test_bench_peak_device_memory_adds_what_the_allocator_does_not_hold(tmp_path
     assert "| 12.0, 11.5 | n/a | n/a | 5.0000 |" in bench.table(record | {"results": [res | {"alloc_retries": None}]})
 
 
+def test_bench_table_gives_time_per_step_against_bf16():
+    """The bench's ratio is the docs' convention: time per step against bf16 (bf16's tokens/s over the variant's),
+    so a variant at 80% of bf16's throughput reads 1.250, not 0.800."""
+    from examples.titan import bench
+
+    def result(variant, tps):
+        return {"variant": variant, "mode": "compiled", "tokens_per_s_per_gpu": {"median": tps, "min": tps, "max": tps},
+                "peak_reserved_gib": {0: 1.0}, "peak_device_gib": {0: None}, "alloc_retries": 0, "final_loss": 5.0,
+                "a2a_ms": None, "wall_s": 1.0, "rc": 0}
+
+    record = {"torch": "2.99", "nproc": 1, "flavor": "16B", "layers": 2, "steps": 3, "warmup": 0, "tail": 1,
+              "device": "Some GPU", "results": [result("bf16", 100.0), result("mxfp8", 80.0)]}
+    text = bench.table(record)
+    assert "| time vs bf16 |" in text
+    assert "| mxfp8 | compiled | 80 (80-80) | 1.250 |" in text and "| bf16 | compiled | 100 (100-100) | 1.000 |" in text
+
+
 def test_launcher_shims_only_where_torch_lacks_them(monkeypatch):
     import torch.distributed.distributed_c10d as c10d
 

@@ -10,7 +10,7 @@ see a plain module.
 
 Under ``torch.compile`` Dynamo does not dispatch torch function modes for ``torch._grouped_mm`` (a private torch
 function is not in ``torch.overrides.get_overridable_functions()``, which gates Dynamo's dispatch; measured with
-torch 2.11 and 2.13, ``scripts/own_forward_probe.py``): a traced forward would silently run the bf16 op. So this
+torch 2.11 and 2.13, ``scripts/probes/own_forward_probe.py``): a traced forward would silently run the bf16 op. So this
 forward is excluded from Dynamo (``torch._dynamo.disable``): a compiled model runs it eagerly, in MXFP8, behind a
 graph break, logged once per class when Dynamo first traces it; ``fullgraph=True`` raises Dynamo's ``Unsupported``
 with moe_quant's message, naming the seam to add (docs/design.md section 8.2).
