@@ -11,7 +11,8 @@ that point:
 * :func:`dual` -- ``grad_out`` (backward): the rowwise 1x32 form (dgrad operand) and the colwise 32x1
   K-groups form (wgrad operand); where it arrived in MXFP8, the received rowwise form and one colwise pass.
 * :func:`swiglu` -- ``h = silu(a) * b`` computed and quantized in both forms (w2's forward operand and
-  w2's wgrad operand); ``h`` itself is never written.
+  w2's wgrad operand); ``h`` itself is never written. :func:`swiglu_colwise` -- the same in the backward, for
+  w2's wgrad operand alone (the block keeps ``a`` and ``b``, not h's colwise form).
 * :func:`dswiglu` -- the SwiGLU backward: ``grad_a`` and ``grad_b`` from ``grad_h``, ``a``, ``b``, each in
   both forms (w1 / w3 dgrad and wgrad operands).
 
@@ -139,6 +140,15 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor
 
         return _kernel_forms(ops_block.block_swiglu(a, b, mode, offs, fake), fake)[0]
     return _separate_forms(reference.swiglu(a, b), mode, offs, fake)
+
+
+def swiglu_colwise(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
+    """The colwise form of ``h = silu(a) * b`` alone (w2's wgrad operand), made again in the backward from the kept
+    ``a`` and ``b`` instead of kept from the forward: the :func:`swiglu` pass, its rowwise form dropped at once on
+    the kernels (no colwise-only variant yet), not made on the reference."""
+    if _kernels_serve(a, b):
+        return swiglu(a, b, mode, offs, fake)[1]
+    return _colwise_form(reference.swiglu(a, b), mode, offs, fake)
 
 
 def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor,

@@ -9,7 +9,7 @@ forward        ``rowwise(x)``: x's rowwise form (w1 and w3 fwd, quantized once);
                ``a = x W1^T``, ``b = x W3^T``;
                ``swiglu(a, b)``: h's rowwise form (w2 fwd); ``y = h W2^T``;
                ``colwise_kept(x)``: x's colwise form (w1 / w3 wgrad) in fp8, kept instead of x
-backward       ``swiglu(a, b)`` again: h's colwise form (w2 wgrad);
+backward       ``swiglu_colwise(a, b)``: h's colwise form (w2 wgrad), made again;
                ``dual(grad_y)``: rowwise (w2 dgrad) and colwise (w2 wgrad);
                ``dW2``; ``grad_h``; ``dswiglu(grad_h, a, b)``: both forms of ``grad_a`` and
                ``grad_b``; ``colwise_operand``: x's form as the GEMM reads it; ``dW1``, ``dW3``,
@@ -147,7 +147,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         # weight gradients have, and dx is summed in place: the peak stays near the bf16 block's
         with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
             fake = backend is GemmBackend.EMULATED
-            h_col = bq.swiglu(a, b, mode, offs, fake)[1] if need_w2 else None  # h's colwise form, made again
+            h_col = bq.swiglu_colwise(a, b, mode, offs, fake) if need_w2 else None  # made again from a and b
             g_row, g_col = bq.dual(row_major(grad_y), mode, offs, fake)
             dw2 = _mm_wgrad(g_col, h_col, offs, backend, w2.dtype) if need_w2 else None
             del g_col, h_col
