@@ -143,8 +143,8 @@ class _SwiGLUExperts(torch.autograd.Function):
         mode, backend, scopes = ctx.mode, ctx.backend, ctx.reuse_scopes
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
         concat = w3 is None
-        # each transient is freed once read, the saved a and b once dSwiGLU has read them, x's form once the
-        # weight gradients have, and dx is summed in place: the peak stays near the bf16 block's
+        # each transient is freed once read, the saved a and b once dSwiGLU has read them, x's kept form once
+        # read back, and dx is summed in place: the peak stays near the bf16 block's
         with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
             fake = backend is GemmBackend.EMULATED
             h_col = bq.swiglu_colwise(a, b, mode, offs, fake) if need_w2 else None  # made again from a and b
@@ -161,30 +161,31 @@ class _SwiGLUExperts(torch.autograd.Function):
                 g13_row = g13_col = None
             del grad_h, a, b
             free_saved(ctx, (4, 5))
+            # dx first: its GEMMs (and their weight operands) run before dW1 and dW3 exist, and the rowwise forms
+            # are freed before x's colwise form is read back for the weight gradients
+            dx = dw1 = dw3 = None
+            if need_x:
+                if concat:
+                    if g13_row is None:  # scaled: the blocked scales concatenated tile by tile
+                        g13_row = bq.concat_rowwise(ga_row, gb_row)
+                    ga_row = gb_row = None
+                    dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
+                else:
+                    dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
+                    ga_row = None
+                    dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend, scopes), offs).to(ctx.x_dtype))
+            ga_row = gb_row = g13_row = None
             x_col = bq.colwise_operand(x_kept, fake) if need_w1 or need_w3 else None
-            del x_kept
-            dw1 = dw3 = dx = None
+            del x_kept  # the emulated GEMM's fp8 form: read back into x_col, freed here
+            free_saved(ctx, range(6, len(ctx._raw_saved_tensors)))
             if concat:
                 if need_w1:
                     dw1 = (_mm_wgrad(g13_col, x_col, offs, backend, w1.dtype) if fake
                            else _scaled_concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype))
-                del ga_col, gb_col, g13_col, x_col
-                free_saved(ctx, range(6, len(ctx._raw_saved_tensors)))
-                if need_x:
-                    if g13_row is None:  # scaled: the blocked scales concatenated tile by tile
-                        g13_row = bq.concat_rowwise(ga_row, gb_row)
-                    del ga_row, gb_row
-                    dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
             else:
                 dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
                 del ga_col
                 dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
-                del gb_col, x_col
-                free_saved(ctx, range(6, len(ctx._raw_saved_tensors)))
-                if need_x:
-                    dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
-                    del ga_row
-                    dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend, scopes), offs).to(ctx.x_dtype))
         # differentiating these again raises (grouped_mm.DOUBLE_BACKWARD_ERROR), as for mxfp8_grouped_mm
         dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))  # w3 None with w13
         dw3, dw2 = _first_order_only((dw3, dw2), (grad_y, w3, w2))
