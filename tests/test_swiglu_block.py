@@ -278,23 +278,6 @@ def test_kernel_op_shapes_match_the_reference_forms(fake, m, r, sizes):
     assert schema.endswith("-> Tensor[]"), schema
 
 
-def _saved_new_bytes(fn, *args) -> int:
-    """Bytes of the distinct storages autograd saves while ``fn(*args)`` runs that are not ``args``' own: what
-    lives from forward to backward only because of the block."""
-    own = {t.untyped_storage().data_ptr() for t in args}
-    storages = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in own:
-            storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(storages.values())
-
-
 @given(groups=group_sizes(max_groups=4, max_size=140), dh=st.sampled_from([(32, 64), (256, 128), (96, 160)]),
        seed=st.integers(0, 2**31 - 1))
 def test_block_keeps_a_b_and_x_colwise_fp8_per_row(groups, dh, seed):
@@ -307,20 +290,10 @@ def test_block_keeps_a_b_and_x_colwise_fp8_per_row(groups, dh, seed):
     x0, w1, w3, w2, offs, _ = make_block(sizes, tail, d, h, seed)
     m, e = x0.shape[0], len(sizes)
     perm = torch.randperm(m, generator=torch.Generator().manual_seed(seed))
-    weights = {w.untyped_storage().data_ptr() for w in (w1, w3, w2)}
+    weights = sum(w.untyped_storage().nbytes() for w in (w1, w3, w2))
 
-    def saved(fn):
-        storages = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in weights:
-                storages[st.data_ptr()] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn(x0[perm], w1, w3, w2, offs)  # the routed copy of x is the block's alone
-        return sum(storages.values())
+    def saved(fn):  # the routed copy of x is the block's alone
+        return _saved_bytes(lambda: fn(x0[perm], w1, w3, w2, offs)) - weights
 
     mp = layouts.k_groups_padded_len(m, e)
     offs_bytes = 4 * e  # the sanitized offsets and the padded ones: (E,) int32 each
