@@ -117,7 +117,8 @@ class _SwiGLUExperts(torch.autograd.Function):
     Kept for backward (docs/design.md, "The SwiGLU expert block"): ``a`` and ``b`` (bf16, what dSwiGLU reads) and
     x's colwise form in fp8 and scales (:func:`moe_quant.block_quantize.colwise_kept`); not ``x``, not ``h``:
     h's colwise form is made again from ``a`` and ``b`` in backward. In an eager backward ``a`` and ``b`` are
-    freed once dSwiGLU has read them and x's form once the weight gradients have (:func:`.saved.free_saved`)."""
+    freed once dSwiGLU has read them and x's kept form once read back for the weight gradients
+    (:func:`.saved.free_saved`); dx runs before dW1 and dW3."""
 
     @staticmethod
     def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend):
@@ -135,6 +136,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         x_kept = bq.colwise_kept(x, mode, offs, fake) if need_w else ()
         ctx.save_for_backward(w1, w3, w2, offs, a, b, *x_kept)
         ctx.mode, ctx.backend, ctx.x_dtype, ctx.reuse_scopes = mode, backend, x.dtype, scopes
+        ctx.saved_x_forms = len(x_kept)  # saved after a and b: indices 6, 7, ...
         return y
 
     @staticmethod
@@ -177,7 +179,7 @@ class _SwiGLUExperts(torch.autograd.Function):
             ga_row = gb_row = g13_row = None
             x_col = bq.colwise_operand(x_kept, fake) if need_w1 or need_w3 else None
             del x_kept  # the emulated GEMM's fp8 form: read back into x_col, freed here
-            free_saved(ctx, range(6, len(ctx._raw_saved_tensors)))
+            free_saved(ctx, range(6, 6 + ctx.saved_x_forms))
             if concat:
                 if need_w1:
                     dw1 = (_mm_wgrad(g13_col, x_col, offs, backend, w1.dtype) if fake
