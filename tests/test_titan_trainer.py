@@ -255,8 +255,8 @@ def test_bench_peak_device_memory_adds_what_the_allocator_does_not_hold(tmp_path
 
 def test_bench_plain_loop_row(tmp_path):
     """``--variants plain_bf16`` runs :mod:`examples.titan.plain_loop` (one GPU, the bench's flavour, layers, steps and
-    mode), not a trainer job; the table gives the bf16 variant's tokens/s as a multiple of it per mode; the loss
-    check leaves it out."""
+    mode), not a trainer job; the table gives the bf16 variant's time per step as a multiple of its, per mode; the
+    loss check leaves it out."""
     from examples.titan import bench
 
     args = bench.parse_args(["--out", str(tmp_path), "--nproc", "1", "--variants", "bf16,plain_bf16", "--layers", "3",
@@ -273,7 +273,7 @@ def test_bench_plain_loop_row(tmp_path):
     record = {"torch": "2.99", "nproc": 1, "flavor": "16B", "layers": 4, "steps": 1, "warmup": 0, "tail": 1,
               "device": "Some GPU", "results": [result("bf16", 85.0, 5.0), result("plain_bf16", 100.0, 9.0),
                                                 result("converted", 84.0, 5.01)]}
-    assert "bf16 eager: 0.850x the tokens/s of the plain bf16 loop" in bench.table(record)
+    assert "bf16 eager: 1.176x the time per step of the plain bf16 loop" in bench.table(record)
     assert [c["variant"] for c in bench.loss_check(record, 0.005)] == ["converted"]
 
 

@@ -30,8 +30,8 @@ the job's per-rank metrics (:mod:`examples.titan.metrics`, torchtitan's own numb
 
 ``--variants plain_bf16`` (with ``--nproc 1``) adds a row that is no trainer job: :mod:`examples.titan.plain_loop`,
 a plain bf16 training loop of the same model and batch on one GPU (bf16 parameters and AdamW states, no FSDP),
-the speed the trainer's ``bf16`` variant should come near; the table says the bf16 variant's tokens/s as a
-multiple of it, per mode, and the loss check leaves it out.
+the speed the trainer's ``bf16`` variant should come near; the table says the bf16 variant's time per step as a
+multiple of its, per mode, and the loss check leaves it out.
 
 Every finished job adds its row at once to ``<out>/bench.json``, ``<out>/bench.md`` (the table) and
 ``<out>/losses.png`` (every variant's loss curve): a run killed at its time limit keeps what finished, and a
@@ -269,8 +269,8 @@ def table(record: dict) -> str:
     for mode, p in plain.items():  # the trainer's bf16 against the plain bf16 loop of the same model and batch
         b, t = base.get(mode), p["tokens_per_s_per_gpu"]["median"]
         if b and t and b["tokens_per_s_per_gpu"]["median"]:
-            lines.append(f"\nbf16 {mode}: {b['tokens_per_s_per_gpu']['median'] / t:.3f}x the tokens/s of the plain "
-                         f"bf16 loop ({PLAIN}, examples.titan.plain_loop)")
+            lines.append(f"\nbf16 {mode}: {t / b['tokens_per_s_per_gpu']['median']:.3f}x the time per step of the plain "
+                         f"bf16 loop ({PLAIN}, examples.titan.plain_loop; its tokens/s over bf16's)")
     return "\n".join(lines) + "\n"
 
 
