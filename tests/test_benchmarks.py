@@ -438,3 +438,46 @@ def test_profile_block_kernel_families():
                             "kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<") == "GEMMs"
     assert pb.kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "GEMMs"
     assert pb.kernel_family("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel") == "other"
+
+
+def test_bench_block_modes_routed_x_and_reuse_hold(tmp_path, monkeypatch):
+    """bench_block's compiled mode (not for +reuse variants: a scope never serves a compiled graph), its ratios to
+    bf16 in the same mode, the routed x (a fresh copy each step, its gradient handed on unchanged) and the
+    ``fused+reuse-bf16`` variant's scope holding bf16 operands."""
+    import json
+
+    from benchmarks import bench_block
+
+    out = tmp_path / "block.json"
+    assert bench_block.main(["--device", "cpu", "--tiny", "--rounds", "1", "--shapes", "ds16b", "--m", "128",
+                             "--variants", "bf16,fused,fused+reuse-bf16", "--modes", "eager,compiled",
+                             "--micro-batches", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["mode"]) for r in res] == [("bf16", "eager"), ("fused", "eager"),
+                                                        ("fused+reuse-bf16", "eager"), ("bf16", "compiled"),
+                                                        ("fused", "compiled")]
+    assert res[3]["ratio_to_bf16"] == 1.0 and res[4]["ratio_to_bf16"] > 0 and res[2]["micro_batches"] == 2
+    assert all(r["x"] == "routed" and r["kept_bytes"] is None for r in res)  # no CUDA: no memory columns
+
+    x = torch.randn(8, 32, requires_grad=True)
+    routed = bench_block.Routed.apply(x)
+    assert routed.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() and torch.equal(routed, x)
+    g = torch.randn(8, 32)
+    routed.backward(g)
+    assert torch.equal(x.grad, g)
+
+    holds = []
+    real = bench_block.reuse_quantized_weights
+
+    @contextlib.contextmanager
+    def spy(weights, **kw):
+        with real(weights, **kw) as scope:
+            holds.append(scope.hold)
+            yield scope
+
+    monkeypatch.setattr(bench_block, "reuse_quantized_weights", spy)
+    inputs = bench_block.make_inputs(64, 64, 32, 2, torch.device("cpu"))
+    for variant, hold in (("fused+reuse", "fp8"), ("fused+reuse-bf16", "bf16")):
+        bench_block.step_fn(bench_block.VARIANTS[variant], *inputs, micro_batches=2, routed=True,
+                            hold="bf16" if variant.endswith("-bf16") else "fp8")()
+    assert holds == ["fp8", "bf16"]
