@@ -307,6 +307,23 @@ def test_a2a_legs_follow_the_kernel_order(tmp_path):
     assert a2a_legs(str(path), moe_layers=2, kernel_legs="mxfp8 wire")["attributed"] is False
 
 
+def test_step_syncs_count_the_hosts_waits_in_the_profiled_step(tmp_path):
+    """The bench's sync column: device-to-host memcpys and the synchronizing runtime calls of a rank's profiled
+    step (a kernel or a host-to-device copy is neither); the table shows the most of the ranks."""
+    from examples.titan import bench
+
+    events = [{"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)"},
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)"},
+              {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)"},
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize"}, {"cat": "cuda_runtime", "name": "cudaMemcpyAsync"},
+              {"cat": "cuda_runtime", "name": "cudaEventSynchronize"}, {"cat": "kernel", "name": "cudaStreamSynchronize"}]
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert bench.step_syncs(str(path)) == {"d2h_copies": 2, "host_syncs": 2}
+    res = {"syncs_per_rank": {"rank0": {"d2h_copies": 2, "host_syncs": 2}, "rank1": {"d2h_copies": 3, "host_syncs": 1}}}
+    assert bench._syncs(res) == "3 / 2" and bench._syncs({}) == "n/a"
+
+
 def test_a2a_legs_of_the_mxfp8_wire_and_report_only(tmp_path, capsys):
     """moe_quant's dispatcher on the MXFP8 wire sends dispatch and combine backward as two exchanges each (data,
     scales): 4 kernels per layer forward, 3 backward, each MXFP8 leg the sum of its two. ``--report-only``

@@ -30,7 +30,7 @@ JOBS = {
 @pytest.fixture(scope="module")
 def titan2():
     names = list(JOBS)
-    results = run_session(2, [JOBS[n] for n in names], timeout_s=900.0)
+    results = run_session(2, [JOBS[n] for n in names], timeout_s=1800.0)  # 7 compiles, shared 2 cores
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(names)}
 
 
@@ -40,6 +40,25 @@ def test_compiled_equals_eager_bit_for_bit(job, titan2):
     for r in titan2[job]:
         assert r["compiled_equal"] == [True] * 5, (job, r["compiled_equal"])
     assert all(r["ours"] == job.startswith("ours") for r in titan2[job])
+
+
+def test_compiled_block_reads_the_device_once_per_count_exchange(titan2):
+    """The compiled block's host reads of device tensors (tests/graph_reads.py: on a GPU each is a
+    synchronization): moe_quant's synced dispatcher makes one device-to-host copy of the counts and reads
+    nothing else of the device (as in eager, where one pinned copy is read), at most what torchtitan's own
+    dispatcher makes (two copies: input and output splits); the sync-free and local dispatchers none."""
+    def reads(job):
+        counts = [r["graph_reads"] for r in titan2[job]]
+        assert all(len(c) == 1 for c in counts), (job, counts)  # fullgraph: one graph per rank
+        return [c[0] for c in counts]
+
+    for ours, theirs in zip(reads("ours_ep"), reads("titan_ep")):
+        assert (ours["copies"], ours["reads"]) == (1, 0), ours
+        assert theirs["copies"] >= 1 and ours["copies"] + ours["reads"] <= theirs["copies"] + theirs["reads"], (
+            ours, theirs)
+    for job in ("ours_ep_sync_free", "ours_local"):
+        for c in reads(job):
+            assert (c["copies"], c["reads"]) == (0, 0), (job, c)
 
 
 def test_ep_off_dispatches_locally_and_ep_equals_it(titan2):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import graph_reads
 import torch
 import torch.distributed as dist
 
@@ -100,10 +101,12 @@ def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager", ca
     t0 = time.monotonic()
     res = {"ours": isinstance(block.token_dispatcher, dispatcher_class()), "local": not ep, "rows": int(args[3].sum())}
     compiled = None
+    graphs = []  # what dynamo captured (tests/graph_reads.py counts its host reads)
+    backend = graph_reads.recording_backend(graphs, compile_backend) if compile_backend else None
     if compile_backend and compiled_first:
         torch._dynamo.reset()
         try:
-            compiled = _step(torch.compile(block, backend=compile_backend, fullgraph=True), block, *args)
+            compiled = _step(torch.compile(block, backend=backend, fullgraph=True), block, *args)
         except Exception as e:  # the test asserts the type and message
             res["compile_error"] = {"type": type(e).__name__, "message": str(e)}
             return res
@@ -112,8 +115,9 @@ def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager", ca
     if compile_backend:
         if compiled is None:
             torch._dynamo.reset()
-            compiled = _step(torch.compile(block, backend=compile_backend, fullgraph=True), block, *args)
+            compiled = _step(torch.compile(block, backend=backend, fullgraph=True), block, *args)
         res["compiled_equal"] = [_bits_equal(a, b) for a, b in zip(eager, compiled)]
+        res["graph_reads"] = [graph_reads.count(g) for g in graphs]
     if dispatcher == "moe_quant" and capacity_factor is not None:
         res["token_bound"] = block.token_dispatcher.token_bound
         res["overflow"] = block.token_dispatcher.check_overflow()

@@ -306,6 +306,7 @@ class MXFP8TokenDispatcher:
                 self._sync_token_count_exchange(msg, recv, 0)  # raises: this rank reported BAD_ARGS
             except ValueError as group_error:  # peers raise this one; this rank its own error
                 raise local_error from group_error
+            raise local_error  # traced: the check above runs when the graph does, this rank's error now
         mismatch = self._mismatch(topk_expert_ids_TK, num_local_tokens_per_expert_E)
         rows = topk_expert_ids_TK.numel()
         msg, recv = self._token_count_exchange(num_local_tokens_per_expert_E, rows, settings, mismatch, False)
