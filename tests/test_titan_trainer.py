@@ -187,6 +187,27 @@ def test_config_functions_and_the_moe_quant_section(monkeypatch, capsys):
     assert "moe_quant.layers must be in [1, 27] for 16B, got 28" in err
 
 
+def test_cuda_graphs_are_allowed_for_the_sync_free_dispatcher_only(monkeypatch):
+    """torchtitan captures a step in a CUDA graph (``disable_cuda_graphs=False``) only where no token dispatcher
+    reads the host: its own check names its own dispatchers; the configs' add moe_quant's sync-free one, and leave
+    every other (moe_quant's synced one, torchtitan's all-to-all) to torchtitan's ``ValueError``."""
+    from torchtitan.config import ConfigManager
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def parse(name, *args):
+        return ConfigManager().parse_args(["--module", "examples.titan.config_registry", "--config", name, *args])
+
+    free = parse("deepseek_v3_debug_mxfp8_sync_free", "--training.no-disable_cuda_graphs")
+    assert free.training.disable_cuda_graphs is False
+    free._validate_cuda_graphs()  # what the trainer calls again when it starts
+    for name in ("deepseek_v3_debug_mxfp8", "deepseek_v3_debug_converted"):
+        cfg = parse(name)
+        cfg.training.disable_cuda_graphs = False
+        with pytest.raises(ValueError, match="without CPU synchronization"):
+            cfg._validate_cuda_graphs()
+
+
 def test_memory_cap_option(monkeypatch, capsys):
     """``--moe_quant.memory_gib``: the allocator fraction it stands for, refused with the option's name where it
     cannot hold (no CUDA here; a cap above the GPU's memory; not a positive number), and applied to the rank's own

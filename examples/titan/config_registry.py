@@ -153,6 +153,24 @@ class MoEQuantTrainerConfig(Trainer.Config):
 
     moe_quant: MoEQuantOptions = field(default_factory=MoEQuantOptions)
 
+    def _validate_cuda_graphs(self) -> None:
+        """torchtitan's check that its CUDA-graphed step (``--training.no-disable_cuda_graphs``: it captures each
+        step's forward and backward) has token dispatchers without host synchronization, which names its own
+        only; moe_quant's sync-free dispatcher has none either (no host read after its handshake, which
+        ``wire_meshes`` runs before the first step): allowed too. Any other dispatcher goes to torchtitan's check."""
+        from moe_quant.ep.titan import dispatcher_config_class
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+        dispatchers = [] if self.model_spec is None else [
+            c for _, c, _, _ in self.model_spec.model.traverse(LocalTokenDispatcher.Config)]
+        if dispatchers and all(isinstance(c, dispatcher_config_class()) and c.capacity_factor is not None
+                               for c in dispatchers):
+            if self.parallelism.pipeline_parallel_degree > 1:  # torchtitan's own limit, whatever the dispatcher
+                raise ValueError("CUDA graphs do not support pipeline parallelism yet. "
+                                 "Set --training.disable_cuda_graphs.")
+            return
+        Trainer.Config._validate_cuda_graphs(self)
+
     def __post_init__(self):
         cap_allocator(self.moe_quant.memory_gib)
         tokens = self.training.local_batch_size * self.training.seq_len

@@ -260,20 +260,28 @@ def _received_order(rows_expert_major: torch.Tensor, route: Route) -> torch.Tens
     return torch.empty_like(w).index_copy_(0, route.src, w).view(rows_expert_major.dtype)
 
 
+def expert_major_values(data_r: torch.Tensor, scales_r: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype,
+                        mode: ScaleMode) -> torch.Tensor:
+    """Received MXFP8 rows (``counts (R, E)``: blocks in (source rank, expert) order) dequantized in expert-major
+    order as ``dtype``, registered as known MXFP8 for the GEMMs: one pass of the permute kernel (the scaled GEMM,
+    which reads the fp8 data and scales too: their expert-major copy, then the dequantization)."""
+    if backends.supports_scaled_grouped_mm(data_r.device):
+        data_p, scales_p, _ = permute.permute_received(data_r, scales_r, counts, out="plain")
+        values = permute.dequantize_rows(data_p, scales_p, dtype)
+        pq.remember(values, mode, data_p, scales_p)
+    else:
+        values, _ = permute.permute_received(data_r, scales_r, counts, out="dequant", out_dtype=dtype)
+        pq.remember(values, mode)
+    return values
+
+
 def _send_mxfp8(x: torch.Tensor, route: Route, leg: str, quantized: tuple | None = None) -> torch.Tensor:
     """Quantize the rows of ``x`` 1x32 along the last dim (``quantized``: that quantization, made earlier),
     send them (splits of the forward direction), and return the received rows dequantized in expert-major
     order, registered as known MXFP8."""
     data, scales = quantized if quantized is not None else q.quantize_rowwise(x, route.mode)
     data_r, scales_r = all_to_all_mxfp8(data, scales, route.output_splits, route.input_splits, route.group, leg)
-    if backends.supports_scaled_grouped_mm(x.device):  # the scaled GEMM reads the fp8 data and scales too
-        data_p, scales_p, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="plain")
-        values = permute.dequantize_rows(data_p, scales_p, x.dtype)
-        pq.remember(values, route.mode, data_p, scales_p)
-    else:
-        values, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="dequant", out_dtype=x.dtype)
-        pq.remember(values, route.mode)
-    return values
+    return expert_major_values(data_r, scales_r, route.recv_counts, x.dtype, route.mode)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -323,4 +331,4 @@ def combine_rows(y_expert_major: torch.Tensor, route: Route) -> torch.Tensor:
 
 
 __all__ = ["Wire", "Route", "Counts", "HostRead", "plan_route", "exchange_counts", "read_counts", "received_counts",
-           "route_from_counts", "dispatch_rows", "combine_rows"]
+           "route_from_counts", "dispatch_rows", "combine_rows", "expert_major_values"]
