@@ -1,7 +1,9 @@
 """The sync-free EP block on one CUDA GPU (an NCCL group of one rank): no host synchronization in forward or
 backward after the first (handshake) step, and the whole block, forward and backward, captured in a CUDA graph
 and replayed with new tokens and routing equals eager bit for bit (docs/design.md section 9, "Synchronization").
-The synced mode, as the control, does synchronize (its one host read per dispatch)."""
+The synced mode, as the control, does synchronize (its one host read per dispatch). Also on that group: the
+emulated slow wire of torchtitan's trainer (``benchmarks.slow_wire.HeldExchanges``) on the GPU, eager and
+compiled."""
 
 import datetime
 
@@ -127,3 +129,27 @@ def test_sync_free_block_replays_in_a_cuda_graph_bit_exactly(nccl_one_rank):
             assert torch.equal(w.grad, e.grad), seed
         assert bool(out.isfinite().all())
     assert graphed.dispatcher.check_overflow() == 0 and eager.dispatcher.check_overflow() == 0
+
+
+def test_held_exchanges_run_on_the_gpu_eager_and_compiled(nccl_one_rank):
+    """``--moe_quant.wire_gbps``'s exchanges on CUDA (the wire stream, the stamp and spin kernels, the real
+    exchange inside the ops), through the in-place all-to-all (moe_quant's legs) and torchtitan's dispatcher's
+    functional one, eager and under inductor: the exchange's values, each one counted (one rank: nothing goes
+    to another rank, no time held)."""
+    titan = pytest.importorskip("torchtitan.models.common.token_dispatcher")
+    from benchmarks.slow_wire import LEDGER, HeldExchanges
+
+    x = torch.randn(64, 32, device="cuda")
+
+    def step(t):
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t)
+        return titan.all_to_all_single(out * 2, None, None, nccl_one_rank) + 1
+
+    before = LEDGER["exchanges"]
+    with HeldExchanges(50.0):
+        eager = step(x)
+        compiled = torch.compile(step, fullgraph=True)(x)
+    torch.cuda.synchronize()
+    assert torch.equal(eager, x * 2 + 1) and torch.equal(compiled, eager)
+    assert LEDGER["exchanges"] - before == 4

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 from process_checks import gone, wait_until
 from repo_subprocess import run_python
-from titan_checks import NEEDS_GLOO, SAVE_AT, STEPS, all_checks, assert_all_passed
+from titan_checks import CPU_COMPUTE, NEEDS_GLOO, SAVE_AT, STEPS, all_checks, assert_all_passed
 
 pytestmark = NEEDS_GLOO
 
@@ -106,6 +106,37 @@ def test_resume_under_torchtitans_compile_equals_the_uninterrupted_job(tmp_path)
         assert setup["experts_converted"] == [True] and setup["dispatchers"] == ["TitanMXFP8TokenDispatcher"]
     got = {int(s): v for s, v in check["resumed"]["0"].items()}
     assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
+
+
+@pytest.mark.parametrize("variant, per_layer", [("mxfp8", 7), ("converted", 5)])
+def test_the_slow_wire_holds_every_ep_exchange_of_the_trainer(variant, per_layer, tmp_path):
+    """``--moe_quant.wire_gbps 50``: every EP all-to-all of the trainer goes through the emulated wire
+    (``benchmarks.slow_wire.HeldExchanges``), moe_quant's dispatcher (``mxfp8``: counts, dispatch data and scales,
+    combine; backward: the combine's gradient data and scales, the dispatch's: 7 per MoE layer and step) and
+    torchtitan's (``converted``: counts, dispatch, combine and the two backward legs: 5) alike; the setup records
+    the wire, and the losses equal the job on the real wire bit for bit (on gloo the held exchange is the same
+    exchange: only the GPU's emulated transfer time differs)."""
+    from examples.titan import runs
+
+    steps = 3
+    common = (*CPU_COMPUTE, "--training.steps", str(steps), "--metrics.log_freq", "1")
+    dumps = {}
+    for name, extra in (("held", ("--moe_quant.wire_gbps", "50")), ("plain", ())):
+        dump = tmp_path / name
+        job = runs.run(runs.torchrun(2, runs.trainer_args("debugmodel", variant, str(dump), (*common, *extra))),
+                       str(tmp_path / f"{name}.log"), timeout=900)
+        assert job.rc == 0, runs.log_tail(job.log)
+        dumps[name] = dump
+    setup = runs.setup(str(dumps["held"]))
+    moe_layers = len(setup[0]["dispatchers"])
+    assert moe_layers >= 1 and all(s["wire_gbps"] == 50.0 for s in setup.values()), setup
+    assert all(s["wire_gbps"] is None for s in runs.setup(str(dumps["plain"])).values())
+    for rank, rows in runs.metrics(str(dumps["held"])).items():
+        counts = [row["moe_quant/wire_exchanges"] for row in rows]  # so far (step 1: and moe_quant's handshakes)
+        assert len(counts) == steps and counts[0] >= per_layer * moe_layers, (rank, counts)
+        assert [b - a for a, b in zip(counts, counts[1:])] == [per_layer * moe_layers] * (steps - 1), (rank, counts)
+        assert rows[-1]["moe_quant/wire_bytes"] > 0
+    assert runs.losses(str(dumps["held"])) == runs.losses(str(dumps["plain"]))
 
 
 # -- the pieces, in-process ------------------------------------------------------------------------------------
