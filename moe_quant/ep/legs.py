@@ -121,24 +121,30 @@ class Counts:
 
 
 class HostRead:
-    """Both count messages on their way to the host: on CUDA a copy into pinned memory and an event, so that
-    the host waits for the counts alone (:meth:`rows`) while the device goes on with the work queued after
-    them (the sort and the wire quantization); elsewhere read when asked. While tracing nothing is copied
-    here: :func:`read_counts` makes the graph's one device-to-host copy, after the work traced since."""
+    """Both count messages on their way to the host, started right after the counts exchange: on CUDA a copy
+    into pinned memory and an event, so that the host waits for the counts alone (:meth:`rows`) while the device
+    goes on with the work queued after them (the sort and the wire quantization); elsewhere read when asked.
+    While tracing (``torch.compile``) the graph's one copy to the host, a blocking one (a graph has no event to
+    wait on): the host waits for the counts exchange, then queues the sort, whose kernels run while the host
+    checks the copy (:func:`read_counts`)."""
 
     def __init__(self, msg: torch.Tensor, recv: torch.Tensor):
         self._event = None
-        self._both = None
-        if torch.compiler.is_compiling():
-            return
         both = torch.stack([msg, recv])
-        if both.device.type == "cuda":
+        if torch.compiler.is_compiling():
+            both = both.to("cpu")
+        elif both.device.type == "cuda":
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
             both = host
         self._both = both
+
+    @property
+    def host(self) -> torch.Tensor:
+        """Both messages on the host, ``(2, R, C)`` (copied while tracing; eager: :meth:`rows`)."""
+        return self._both
 
     def rows(self) -> list:
         if self._event is not None:
@@ -153,9 +159,10 @@ def read_counts(msg: torch.Tensor, recv: torch.Tensor, rows: int, group, pending
     by an op of the graph (:func:`_read_traced`)."""
     n_local = msg.shape[1] - agree.SIZE
     rank = dist.get_rank(group)
+    pending = pending or HostRead(msg, recv)
     if torch.compiler.is_compiling():
-        return _read_traced(msg, recv, rows, rank)
-    host = (pending or HostRead(msg, recv)).rows()
+        return _read_traced(pending.host, rows, rank)
+    host = pending.rows()
     sent, got = host[0], host[1]
     _raise_problems(sent, got, n_local, rows, rank)
     return _counts(sent, got, n_local)
@@ -198,14 +205,13 @@ def _(host, rows, rank):
     return host.new_empty((2, host.shape[1]))
 
 
-def _read_traced(msg: torch.Tensor, recv: torch.Tensor, rows: int, rank: int) -> Counts:
-    """:func:`read_counts` under ``torch.compile``: both messages reach the host in one copy (on CUDA the one
-    synchronization, as in eager), an op of the graph checks them there (every rank raises the eager mode's
-    ``ValueError`` where any rank disagrees or reported a problem) and sums each rank's counts; only the
-    ``2 R`` split sizes become values of the graph (unbacked SymInts), read from that host tensor. The
-    per-block counts stay on the device (the point-to-point transport, which needs them on the host, runs
-    eager)."""
-    host = torch.stack([msg, recv]).to("cpu")
+def _read_traced(host: torch.Tensor, rows: int, rank: int) -> Counts:
+    """:func:`read_counts` under ``torch.compile``: both messages reached the host in one copy
+    (:class:`HostRead`: on CUDA the one synchronization, as in eager), an op of the graph checks them there
+    (every rank raises the eager mode's ``ValueError`` where any rank disagrees or reported a problem) and sums
+    each rank's counts; only the ``2 R`` split sizes become values of the graph (unbacked SymInts), read from
+    that host tensor. The per-block counts stay on the device (the point-to-point transport, which needs them on
+    the host, runs eager)."""
     input_splits, output_splits = torch.ops.moe_quant.ep_checked_splits(host, rows, rank).tolist()
     for s in input_splits + output_splits:
         torch._check(s >= 0)
