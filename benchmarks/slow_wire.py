@@ -161,4 +161,174 @@ class SlowWire:
         self._saved = None
 
 
-__all__ = ["SlowWire", "a2a_bytes_to_others", "p2p_bytes_to_others"]
+# ----------------------------------------------------------------------------- the wire inside the dispatchers
+
+_A2A = dist.all_to_all_single  # the real exchange (the held one below replaces this name while active)
+_WIRES: dict = {}  # gbps -> the process's SlowWire of that bandwidth (CUDA)
+LEDGER = {"exchanges": 0, "bytes": 0}  # every held exchange of this process: count and bytes to the other ranks
+
+
+def _held_exchange(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list, input_split_sizes: list,
+                   group_name: str, gbps: float) -> None:
+    """``all_to_all_single(output, input, ...)`` held to ``gbps`` (CUDA: :class:`SlowWire`'s wire stream, stamp
+    and spin; the caller's stream waits for the spin); on the CPU (gloo) the exchange alone. Counted in
+    :data:`LEDGER` either way."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    n = a2a_bytes_to_others(input, input_split_sizes, dist.get_rank(group), dist.get_world_size(group))
+    LEDGER["exchanges"] += 1
+    LEDGER["bytes"] += n
+    if not output.is_cuda:
+        _A2A(output, input, output_split_sizes, input_split_sizes, group=group)
+        return
+    wire = _WIRES.get(gbps)
+    if wire is None:
+        wire = _WIRES[gbps] = SlowWire(gbps)
+    done, _ = wire._on_wire(n, lambda: [_A2A(output, input, output_split_sizes, input_split_sizes, group=group,
+                                             async_op=True)])
+    torch.cuda.current_stream().wait_event(done)
+
+
+@torch.library.custom_op("moe_quant_bench::held_all_to_all_into", mutates_args=("output",))
+def _held_into(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+               group_name: str, gbps: float) -> None:
+    """The held exchange into ``output`` (the in-place ``torch.distributed.all_to_all_single``'s form)."""
+    _held_exchange(output, input, output_split_sizes, input_split_sizes, group_name, gbps)
+
+
+@_held_into.register_fake
+def _(output, input, output_split_sizes, input_split_sizes, group_name, gbps):
+    return None
+
+
+@torch.library.custom_op("moe_quant_bench::held_all_to_all", mutates_args=())
+def _held(input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str,
+          gbps: float) -> torch.Tensor:
+    """The held exchange, functional (the functional collective's form, differentiable: the backward sends the
+    gradient back held the same way)."""
+    output = input.new_empty((sum(output_split_sizes), *input.shape[1:]))
+    _held_exchange(output, input, output_split_sizes, input_split_sizes, group_name, gbps)
+    return output
+
+
+@_held.register_fake
+def _(input, output_split_sizes, input_split_sizes, group_name, gbps):
+    for size in output_split_sizes:  # non-negative, as the functional collective's meta says
+        torch._check(size >= 0)
+    return input.new_empty((sum(output_split_sizes), *input.shape[1:]))
+
+
+def _held_setup(ctx, inputs, output):
+    _, ctx.output_split_sizes, ctx.input_split_sizes, ctx.group_name, ctx.gbps = inputs
+
+
+def _held_backward(ctx, grad):
+    back = torch.ops.moe_quant_bench.held_all_to_all(grad.contiguous(), ctx.input_split_sizes, ctx.output_split_sizes,
+                                                    ctx.group_name, ctx.gbps)
+    return back, None, None, None, None
+
+
+_held.register_autograd(_held_backward, setup_context=_held_setup)
+
+
+def _process_group(group):
+    """A process group (``None``: the default one), or a 1-D DeviceMesh's (traceable by dynamo)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if group is None:
+        return dist.group.WORLD
+    return group.get_group() if isinstance(group, DeviceMesh) else group
+
+
+def group_name(group) -> str:
+    """The name of a process group (``None``: the default one) or of a 1-D DeviceMesh's group (traceable)."""
+    return _process_group(group).group_name
+
+
+def _even_splits(input: torch.Tensor, group, output_split_sizes, input_split_sizes) -> tuple:
+    """Split sizes, even ones where both are None (as ``all_to_all_single`` takes them)."""
+    if output_split_sizes is None and input_split_sizes is None:
+        world = dist.get_world_size(_process_group(group))
+        even = [input.shape[0] // world] * world
+        return even, even
+    return list(output_split_sizes), list(input_split_sizes)
+
+
+class HeldExchanges:
+    """``with HeldExchanges(gbps):`` (or :meth:`install` for the rest of the process) every all-to-all of the EP
+    token dispatchers takes at least its bytes to the other ranks over ``gbps`` GB/s, eager and compiled: the
+    same :class:`SlowWire` for moe_quant's dispatcher and torchtitan's, for torchtitan's trainer
+    (``--moe_quant.wire_gbps``, :mod:`examples.titan.config_registry`).
+
+    * ``torch.distributed.all_to_all_single`` (moe_quant's legs, every one synchronous) is replaced by a
+      function that calls the custom op ``moe_quant_bench::held_all_to_all_into`` (the exchange into ``output``);
+    * the functional ``all_to_all_single`` of torchtitan's token dispatcher module (its counts, dispatch and
+      combine exchanges) by the differentiable ``moe_quant_bench::held_all_to_all`` (backward: the gradient
+      sent back held the same way).
+
+    Both ops are opaque to ``torch.compile`` (its graphs call them as they are) and do the exchange inside with
+    ``torch.distributed.all_to_all_single`` (NCCL at full speed, then held on the wire: the module doc); on the
+    CPU (gloo) they do the exchange alone. :data:`LEDGER` counts the exchanges and their bytes either way.
+    ``async_op=True`` (the point-to-point and chunked sync-free transports, eager) is not held here: it raises."""
+
+    def __init__(self, gbps: float):
+        if not gbps > 0:
+            raise ValueError(f"gbps must be a positive bandwidth in GB/s, got {gbps}")
+        self.gbps = float(gbps)
+        self._saved = None
+
+    def __enter__(self):
+        gbps = self.gbps
+
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                              async_op=False):
+            if async_op:
+                raise NotImplementedError("HeldExchanges holds synchronous all_to_all_single calls only (moe_quant's "
+                                          "all-to-all transport, chunks=1)")
+            out_s, in_s = _even_splits(input, group, output_split_sizes, input_split_sizes)
+            torch.ops.moe_quant_bench.held_all_to_all_into(output, input.contiguous(), out_s, in_s, group_name(group),
+                                                           gbps)
+
+        def functional(input, output_split_sizes, input_split_sizes, group, tag=""):
+            out_s, in_s = _even_splits(input, group, output_split_sizes, input_split_sizes)
+            return torch.ops.moe_quant_bench.held_all_to_all(input.contiguous(), out_s, in_s, group_name(group), gbps)
+
+        titan = _titan_dispatcher_module()
+        self._saved = (dist.all_to_all_single, titan, getattr(titan, "all_to_all_single", None))
+        dist.all_to_all_single = all_to_all_single
+        if titan is not None:
+            titan.all_to_all_single = functional
+        return self
+
+    active: "HeldExchanges | None" = None  # the one :meth:`hold` installed
+
+    @classmethod
+    def hold(cls, gbps: float | None) -> "HeldExchanges | None":
+        """Hold every exchange to ``gbps`` for the rest of the process (None: release), in place of the one held
+        before; returns the installed one (a trainer's config calls it before any model is built)."""
+        if cls.active is not None:
+            cls.active.__exit__(None, None, None)
+            cls.active = None
+        if gbps is not None:
+            cls.active = cls(gbps).__enter__()
+        return cls.active
+
+    def __exit__(self, *exc) -> None:
+        a2a, titan, functional = self._saved
+        dist.all_to_all_single = a2a
+        if titan is not None:
+            titan.all_to_all_single = functional
+        self._saved = None
+
+
+def _titan_dispatcher_module():
+    """torchtitan's token dispatcher module, or None where torchtitan is not installed."""
+    try:
+        from torchtitan.models.common import token_dispatcher
+    except ImportError:
+        return None
+    return token_dispatcher
+
+
+__all__ = ["SlowWire", "HeldExchanges", "LEDGER", "a2a_bytes_to_others", "p2p_bytes_to_others", "group_name"]

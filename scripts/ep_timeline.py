@@ -12,13 +12,22 @@ its peers). ``--list ROW`` prints that row's kernels in order, each with the gap
 ops before the dispatch exchange were found (docs/lab/ep_log.md, 2026-11-29). ``--peers ROW`` puts every
 rank's communication kernels of that row side by side on the host's wall clock (:func:`peers`): how long each
 rank's kernel waited for the last rank's, and how long the transfer had with every rank in it.
+
+torchtitan's trainer (issue 53: the compiled MXFP8 wire against torchtitan's dispatcher, kernel by kernel and gap
+by gap): ``--traces A B`` reads two profiled steps of ``examples.titan.bench`` (its ``--profile``: the chrome traces
+``<out>/<variant>_<mode>/profiling/traces/iteration_<N>/rank<r>_trace.json.gz``), prints both summaries as above,
+then each kernel name's count and time in A and in B, the largest differences first, and the longest gaps of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks, from the root
 
 
 def summary(timeline: list[dict], short_us: float = 100.0) -> dict:
@@ -76,15 +85,85 @@ def listing(timeline: list[dict]) -> list[str]:
     return out
 
 
+def trace_timeline(path: str) -> list[dict]:
+    """The GPU kernels and memory copies of a ``torch.profiler`` chrome trace (one profiled step of torchtitan's
+    trainer) as a ``bench_ep`` timeline: start order, ``start_us`` from the first, the kind of
+    :func:`benchmarks.bench_ep.kernel_kind` (a memory copy or set: ``copy``)."""
+    from benchmarks.bench_ep import kernel_kind
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        events = [e for e in json.load(f).get("traceEvents", [])
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e]
+    events.sort(key=lambda e: e["ts"])
+    origin = events[0]["ts"] if events else 0.0
+    return [{"name": e.get("name", ""), "kind": "copy" if e["cat"] != "kernel" else kernel_kind(e.get("name", "")),
+             "start_us": e["ts"] - origin, "us": float(e.get("dur", 0.0))} for e in events]
+
+
+def compare(a: list[dict], b: list[dict], top: int = 25) -> list[dict]:
+    """Per kernel name (shortened as ``bench_ep`` does): count and ms in timelines ``a`` and ``b``, the largest
+    absolute differences of time first (``top`` of them)."""
+    from benchmarks.bench_ep import short_kernel_name
+
+    names: dict = {}
+    for side, timeline in ((0, a), (1, b)):
+        for k in timeline:
+            rec = names.setdefault(short_kernel_name(k["name"]), {"kind": k["kind"], "n": [0, 0], "ms": [0.0, 0.0]})
+            rec["n"][side] += 1
+            rec["ms"][side] += k["us"] / 1e3
+    rows = [{"name": n, **r, "diff_ms": r["ms"][1] - r["ms"][0]} for n, r in names.items()]
+    return sorted(rows, key=lambda r: -abs(r["diff_ms"]))[:top]
+
+
+def longest_gaps(timeline: list[dict], n: int = 8) -> list[tuple]:
+    """The ``n`` longest idle gaps of a timeline: ``(gap us, start us, the kernel after it)``."""
+    gaps, end = [], 0.0
+    for i, k in enumerate(timeline):
+        if i and k["start_us"] > end:
+            gaps.append((k["start_us"] - end, k["start_us"], k["name"]))
+        end = max(end, k["start_us"] + k["us"])
+    return sorted(gaps, reverse=True)[:n]
+
+
+def _print_traces(paths: list[str], short_us: float) -> None:
+    from benchmarks.bench_ep import short_kernel_name
+
+    timelines = [trace_timeline(path) for path in paths]
+    for label, path, tl in zip("AB", paths, timelines):
+        s = summary(tl, short_us)
+        print(f"{label}: {path}\n   {s['kernels']} kernels and copies, span {s['span_ms']:.2f} ms, short gaps "
+              f"{s['short_gaps_ms']:.2f} ms ({s['short_gaps']}), long gaps {s['long_gaps_ms']:.2f} ms, "
+              f"communication {sum(d for _, d in s['comm']):.2f} ms in {len(s['comm'])} kernels")
+    print(f"\n{'kernel':60s} {'kind':9s} {'A n':>5s} {'A ms':>8s} {'B n':>5s} {'B ms':>8s} {'B - A ms':>9s}")
+    for r in compare(*timelines):
+        print(f"{r['name']:60s} {r['kind']:9s} {r['n'][0]:5d} {r['ms'][0]:8.2f} {r['n'][1]:5d} {r['ms'][1]:8.2f} "
+              f"{r['diff_ms']:+9.2f}")
+    for label, tl in zip("AB", timelines):
+        print(f"\nlongest gaps of {label} (us, at us, the kernel after it):")
+        for gap, at, name in longest_gaps(tl):
+            print(f"  {gap:9.1f} {at:10.1f}  {short_kernel_name(name)}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", help="bench_ep --json output of a run with --timeline")
+    p.add_argument("json", nargs="?", help="bench_ep --json output of a run with --timeline")
+    p.add_argument("--traces", nargs=2, metavar=("A", "B"), default=None,
+                   help="two torch.profiler traces of torchtitan's profiled step (examples.titan.bench) to compare")
     p.add_argument("--rows", default=None, help="comma list of rows (default: every row with a timeline)")
     p.add_argument("--list", default=None, metavar="ROW", help="also print every kernel of this row")
     p.add_argument("--short", type=float, default=100.0, help="the longest gap (us) counted as a short one")
     p.add_argument("--peers", default=None, metavar="ROW",
                    help="every rank's communication kernels of this row side by side, with each rank's wait")
     a = p.parse_args(argv)
+    if a.traces:
+        missing = [t for t in a.traces if not os.path.exists(t)]
+        if missing:
+            p.error(f"no trace at {missing}")
+        _print_traces(a.traces, a.short)
+        return 0
+    if a.json is None:
+        p.error("give a bench_ep --json file, or --traces A B")
     try:
         record = json.loads(open(a.json).read())
     except (OSError, ValueError) as e:

@@ -30,7 +30,9 @@ def _error(fn):
     return None
 
 
-def _bad_dispatch(kind: str, bad_rank: int):
+def _bad_dispatch(kind: str, bad_rank: int, compiled: bool = False):
+    """One dispatch (and its combine) with ``kind``'s bad input on ``bad_rank``: the error it raises.
+    ``compiled``: under ``torch.compile(fullgraph=True)`` (aot_eager), the handshake run eagerly first."""
     from moe_quant.ep import MXFP8TokenDispatcher
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -88,7 +90,17 @@ def _bad_dispatch(kind: str, bad_rank: int):
         disp = MXFP8TokenDispatcher(world + 1, 1)
         counts = torch.bincount(ids.view(-1) % (world + 1), minlength=world + 1).to(torch.int32)
         ids = ids % (world + 1)
-    return _error(lambda: disp.dispatch(x, scores, ids, counts))
+    if not compiled:
+        return _error(lambda: disp.dispatch(x, scores, ids, counts))
+    disp.handshake(torch.device("cpu"))  # as torchtitan's wire_meshes does, before compiling
+
+    def step(x, scores, ids, counts):
+        routed, _, metadata = disp.dispatch(x, scores, ids, counts)
+        return disp.combine(routed, metadata, x)
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.reset()
+    return _error(lambda: torch.compile(step, backend="aot_eager", fullgraph=True)(x, scores, ids, counts))
 
 
 def _host_read_order(wire: str):

@@ -106,9 +106,9 @@ CASES_4 = {
 }
 
 
-def _session(world, cases):
+def _session(world, cases, timeout_s: float = 100.0, clean_teardown: bool = True):
     names = list(cases)
-    results = run_session(world, [cases[n] for n in names], clean_teardown=True)
+    results = run_session(world, [cases[n] for n in names], timeout_s=timeout_s, clean_teardown=clean_teardown)
     return {name: [results[r][i] for r in range(world)] for i, name in enumerate(names)}
 
 
@@ -120,6 +120,22 @@ def ep2():
 @pytest.fixture(scope="module")
 def ep4():
     return _session(4, CASES_4)
+
+
+# compiled dispatches (aot_eager, fullgraph) whose counts or per-call settings are bad on one rank
+CASES_COMPILED = {
+    "bad_negative": ("bad", {"kind": "negative", "bad_rank": 1, "compiled": True}),
+    "bad_mismatch": ("bad", {"kind": "mismatch", "bad_rank": 0, "compiled": True}),
+    "disagree_hidden": ("bad", {"kind": "disagree_hidden", "bad_rank": 1, "compiled": True}),
+    "after_errors": ("check", {**ROUTER, "seed": 5}),
+}
+
+
+@pytest.fixture(scope="module")
+def ep2_compiled():
+    # three compiles (aot_eager) on a shared 2-core machine; the compiled code keeps the gloo group alive past
+    # destroy_process_group (as in tests/test_torchtitan_ep.py's sessions), so no clean-teardown check
+    return _session(2, CASES_COMPILED, timeout_s=600.0, clean_teardown=False)
 
 
 def _checks(res):
@@ -212,6 +228,26 @@ def test_bad_counts_raise_on_every_rank(ep2, ep4):
             else:
                 assert f"rank(s) [{bad_rank}]" in err["message"], err
     assert ep2["after_errors"][0]["out_equal"]  # the group is still usable after the errors
+
+
+def test_compiled_dispatch_raises_the_eager_errors_on_every_rank(ep2_compiled):
+    """Compiled, the counts are checked on the host by an op of the graph after the one copy
+    (``legs._read_traced``): bad counts on one rank and ranks that disagree on a per-call setting raise the
+    eager mode's ``ValueError`` on every rank (before: an anonymous ``RuntimeError`` of a runtime assert
+    naming a SymInt, e.g. ``Eq(u21, u3)``)."""
+    res = ep2_compiled
+    for case, bad_rank, what in (("bad_negative", 1, "negative count"),
+                                 ("bad_mismatch", 0, "do not match topk_expert_ids_TK")):
+        for rank, err in enumerate(res[case]):
+            assert err is not None and err["type"] == "ValueError", (case, rank, err)
+            if rank == bad_rank:
+                assert what in err["message"] and f"on rank {bad_rank}" in err["message"], err
+            else:
+                assert f"invalid on rank(s) [{bad_rank}]" in err["message"], err
+    errs = res["disagree_hidden"]
+    assert len({e["message"] for e in errs}) == 1 and errs[0]["type"] == "ValueError", errs
+    assert "disagree on hidden size" in errs[0]["message"] and "rank(s) [1]: 96" in errs[0]["message"], errs
+    assert all(r["out_equal"] for r in res["after_errors"])  # the group is still usable after the errors
 
 
 def test_bad_arguments_raise_before_any_collective(ep2):

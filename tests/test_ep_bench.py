@@ -428,6 +428,41 @@ def test_timeline_summary_and_listing(tmp_path):
     assert res.returncode == 2 and "run benchmarks.bench_ep with --timeline" in res.stderr
 
 
+def test_timeline_of_two_titan_traces(tmp_path):
+    """``scripts/ep_timeline.py --traces A B`` (two profiled steps of torchtitan's trainer, issue 53): the GPU
+    kernels and copies of each chrome trace in start order from its first (CPU ops and runtime calls left out),
+    each kernel name's count and time in A and B with the largest difference first, the longest gaps; a missing
+    trace or no input at all is refused with one line."""
+    import gzip
+
+    def ev(cat, name, ts, dur):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "ph": "X"}
+
+    a = [ev("kernel", "nvjet_gemm", 1000, 50), ev("kernel", "ncclDevKernel_SendRecv", 1100, 30),
+         ev("cuda_runtime", "cudaStreamSynchronize", 1135, 20), ev("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)",
+                                                                   1140, 2), ev("cpu_op", "aten::mm", 900, 400)]
+    b = a[:2] + [ev("kernel", "ncclDevKernel_SendRecv", 1200, 30), ev("kernel", "nvjet_gemm", 1500, 70)]
+    paths = []
+    for name, events in (("a.json.gz", a), ("b.json", b)):
+        path = tmp_path / name
+        with (gzip.open(path, "wt") if name.endswith(".gz") else open(path, "w")) as f:
+            json.dump({"traceEvents": events}, f)
+        paths.append(str(path))
+    tl = ep_timeline.trace_timeline(paths[0])
+    assert [(k["kind"], k["start_us"], k["us"]) for k in tl] == [("gemm", 0, 50.0), ("nccl", 100, 30.0),
+                                                                  ("copy", 140, 2.0)]
+    rows = ep_timeline.compare(tl, ep_timeline.trace_timeline(paths[1]))
+    assert rows[0]["kind"] == "gemm" and rows[0]["n"] == [1, 2] and rows[0]["diff_ms"] == pytest.approx(0.07)
+    assert [(r["kind"], r["n"]) for r in rows[1:]] == [("nccl", [1, 2]), ("copy", [1, 0])]  # 0.03, then 0.002 ms
+    assert ep_timeline.longest_gaps(tl) == [(50.0, 100, "ncclDevKernel_SendRecv"), (10.0, 140, a[3]["name"])]
+    res = run_python("scripts/ep_timeline.py", "--traces", *paths, warm=True)
+    assert res.returncode == 0 and "B - A ms" in res.stdout and "longest gaps of B" in res.stdout, res.stderr
+    res = run_python("scripts/ep_timeline.py", "--traces", paths[0], str(tmp_path / "none.json"), warm=True)
+    assert res.returncode == 2 and "no trace at" in res.stderr
+    res = run_python("scripts/ep_timeline.py", warm=True)
+    assert res.returncode == 2 and "--traces A B" in res.stderr
+
+
 def test_peers_lines_up_every_ranks_communication_kernels():
     """``ep_timeline.peers``: the ranks' kernels on one clock (each rank's first kernel at its own wall-clock
     start), each rank's wait for the last rank's start, and the time with every rank in the collective."""

@@ -114,7 +114,7 @@ def test_sync_free_slot_placement_equals_the_gather(world, n_local, slots, seed,
         want = capacity._gather(t, send_idx, send_valid)
         got = capacity._scatter(t, slot_of_row, None, total)
         assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    src, valid, _ = capacity.plan_receive(kept, slots)  # what this rank's own send looks like on arrival
+    src, valid, *_ = capacity.plan_receive(kept, slots)  # what this rank's own send looks like on arrival
     recv = torch.randint(0, 2**16, (total, 8), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     want = capacity._gather(recv, src, valid)
     got = capacity._scatter(recv, capacity.slot_rows(src, valid), None, total)
@@ -123,6 +123,39 @@ def test_sync_free_slot_placement_equals_the_gather(world, n_local, slots, seed,
     want = capacity._gather(recv, torch.where(inside, slot_of_row, 0), inside)
     got = capacity._scatter(recv, torch.where(send_valid, send_idx, rows), None, rows)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@given(world=st.integers(1, 3), n_local=st.integers(1, 3), slots=st.integers(0, 5), seed=st.integers(0, 2**16),
+       fill=st.lists(st.integers(0, 5), min_size=9, max_size=9), out_dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_sync_free_received_slots_in_one_permute_pass_equal_the_gathers(world, n_local, slots, seed, fill, out_dtype):
+    """The sync-free receiver takes its MXFP8 slots (each peer's rows expert by expert, then its unused slots, zero
+    as every sender leaves them) to expert-major order in one permute pass, with ``plan_receive``'s blocks (each
+    peer's padding a last block): every byte of the dequantized rows, and of the plain data and scales, what the
+    gathers through ``src`` / ``valid`` and the dequantization gave (real rows expert-major, then zeros); NaN scale
+    bytes and any fp8 byte included; peers with full, partial and empty slots."""
+    from moe_quant.ep import capacity
+    from moe_quant.numerics import dequantize_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    kept = torch.tensor(fill[:world * n_local]).view(world, n_local)
+    kept = torch.cumsum(kept, 1).clamp(max=slots).diff(dim=1, prepend=kept.new_zeros(world, 1))  # each peer <= S
+    total, d = world * slots, 64
+    data = torch.randint(0, 256, (total, d), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (total, d // 32), generator=g, dtype=torch.uint8)
+    for r in range(world):  # the sender's unused slots: zero bytes
+        data[r * slots + int(kept[r].sum()):(r + 1) * slots] = 0
+        scales[r * slots + int(kept[r].sum()):(r + 1) * slots] = 0
+    data = data.view(torch.float8_e4m3fn)
+    src, valid, num_tokens, blocks = capacity.plan_receive(kept, slots)
+    assert blocks.dtype == torch.int32 and blocks.shape == (world, n_local + 1) and int(blocks.sum()) == total
+    data_p, scales_p = capacity._gather(data, src, valid), capacity._gather(scales, src, valid)
+    got, _ = ep_permute.permute_received(data, scales, blocks, out="dequant", out_dtype=out_dtype)
+    want = dequantize_blocks(data_p, scales_p, out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    plain_data, plain_scales, _ = ep_permute.permute_received(data, scales, blocks, out="plain")
+    assert torch.equal(plain_data.view(torch.uint8), data_p.view(torch.uint8))
+    assert torch.equal(plain_scales.view(torch.uint8), scales_p)
+    assert torch.equal(num_tokens, kept.sum(0).to(torch.int32))
 
 
 _ROW_DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.uint8, torch.float32, torch.int64]

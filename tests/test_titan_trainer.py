@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 from process_checks import gone, wait_until
 from repo_subprocess import run_python
-from titan_checks import NEEDS_GLOO, SAVE_AT, STEPS, all_checks, assert_all_passed
+from titan_checks import CPU_COMPUTE, NEEDS_GLOO, SAVE_AT, STEPS, all_checks, assert_all_passed
 
 pytestmark = NEEDS_GLOO
 
@@ -106,6 +106,37 @@ def test_resume_under_torchtitans_compile_equals_the_uninterrupted_job(tmp_path)
         assert setup["experts_converted"] == [True] and setup["dispatchers"] == ["TitanMXFP8TokenDispatcher"]
     got = {int(s): v for s, v in check["resumed"]["0"].items()}
     assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
+
+
+@pytest.mark.parametrize("variant, per_layer", [("mxfp8", 7), ("converted", 5)])
+def test_the_slow_wire_holds_every_ep_exchange_of_the_trainer(variant, per_layer, tmp_path):
+    """``--moe_quant.wire_gbps 50``: every EP all-to-all of the trainer goes through the emulated wire
+    (``benchmarks.slow_wire.HeldExchanges``), moe_quant's dispatcher (``mxfp8``: counts, dispatch data and scales,
+    combine; backward: the combine's gradient data and scales, the dispatch's: 7 per MoE layer and step) and
+    torchtitan's (``converted``: counts, dispatch, combine and the two backward legs: 5) alike; the setup records
+    the wire, and the losses equal the job on the real wire bit for bit (on gloo the held exchange is the same
+    exchange: only the GPU's emulated transfer time differs)."""
+    from examples.titan import runs
+
+    steps = 3
+    common = (*CPU_COMPUTE, "--training.steps", str(steps), "--metrics.log_freq", "1")
+    dumps = {}
+    for name, extra in (("held", ("--moe_quant.wire_gbps", "50")), ("plain", ())):
+        dump = tmp_path / name
+        job = runs.run(runs.torchrun(2, runs.trainer_args("debugmodel", variant, str(dump), (*common, *extra))),
+                       str(tmp_path / f"{name}.log"), timeout=900)
+        assert job.rc == 0, runs.log_tail(job.log)
+        dumps[name] = dump
+    setup = runs.setup(str(dumps["held"]))
+    moe_layers = len(setup[0]["dispatchers"])
+    assert moe_layers >= 1 and all(s["wire_gbps"] == 50.0 for s in setup.values()), setup
+    assert all(s["wire_gbps"] is None for s in runs.setup(str(dumps["plain"])).values())
+    for rank, rows in runs.metrics(str(dumps["held"])).items():
+        counts = [row["moe_quant/wire_exchanges"] for row in rows]  # so far (step 1: and moe_quant's handshakes)
+        assert len(counts) == steps and counts[0] >= per_layer * moe_layers, (rank, counts)
+        assert [b - a for a, b in zip(counts, counts[1:])] == [per_layer * moe_layers] * (steps - 1), (rank, counts)
+        assert rows[-1]["moe_quant/wire_bytes"] > 0
+    assert runs.losses(str(dumps["held"])) == runs.losses(str(dumps["plain"]))
 
 
 # -- the pieces, in-process ------------------------------------------------------------------------------------
@@ -185,6 +216,27 @@ def test_config_functions_and_the_moe_quant_section(monkeypatch, capsys):
         parse("deepseek_v3_16b_mxfp8", "--moe_quant.layers", "28")
     err = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro's box, wrapped
     assert "moe_quant.layers must be in [1, 27] for 16B, got 28" in err
+
+
+def test_cuda_graphs_are_allowed_for_the_sync_free_dispatcher_only(monkeypatch):
+    """torchtitan captures a step in a CUDA graph (``disable_cuda_graphs=False``) only where no token dispatcher
+    reads the host: its own check names its own dispatchers; the configs' add moe_quant's sync-free one, and leave
+    every other (moe_quant's synced one, torchtitan's all-to-all) to torchtitan's ``ValueError``."""
+    from torchtitan.config import ConfigManager
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def parse(name, *args):
+        return ConfigManager().parse_args(["--module", "examples.titan.config_registry", "--config", name, *args])
+
+    free = parse("deepseek_v3_debug_mxfp8_sync_free", "--training.no-disable_cuda_graphs")
+    assert free.training.disable_cuda_graphs is False
+    free._validate_cuda_graphs()  # what the trainer calls again when it starts
+    for name in ("deepseek_v3_debug_mxfp8", "deepseek_v3_debug_converted"):
+        cfg = parse(name)
+        cfg.training.disable_cuda_graphs = False
+        with pytest.raises(ValueError, match="without CPU synchronization"):
+            cfg._validate_cuda_graphs()
 
 
 def test_memory_cap_option(monkeypatch, capsys):
@@ -346,6 +398,23 @@ def test_a2a_legs_follow_the_kernel_order(tmp_path):
     assert a2a_legs(str(path), moe_layers=3)["attributed"] is False
     # moe_quant's MXFP8 wire: two kernels (data, scales) per MXFP8 leg, summed; the same kernels do not fit it
     assert a2a_legs(str(path), moe_layers=2, kernel_legs="mxfp8 wire")["attributed"] is False
+
+
+def test_step_syncs_count_the_hosts_waits_in_the_profiled_step(tmp_path):
+    """The bench's sync column: device-to-host memcpys and the synchronizing runtime calls of a rank's profiled
+    step (a kernel or a host-to-device copy is neither); the table shows the most of the ranks."""
+    from examples.titan import bench
+
+    events = [{"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)"},
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)"},
+              {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)"},
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize"}, {"cat": "cuda_runtime", "name": "cudaMemcpyAsync"},
+              {"cat": "cuda_runtime", "name": "cudaEventSynchronize"}, {"cat": "kernel", "name": "cudaStreamSynchronize"}]
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert bench.step_syncs(str(path)) == {"d2h_copies": 2, "host_syncs": 2}
+    res = {"syncs_per_rank": {"rank0": {"d2h_copies": 2, "host_syncs": 2}, "rank1": {"d2h_copies": 3, "host_syncs": 1}}}
+    assert bench._syncs(res) == "3 / 2" and bench._syncs({}) == "n/a"
 
 
 def test_a2a_legs_of_the_mxfp8_wire_and_report_only(tmp_path, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import graph_reads
 import torch
 import torch.distributed as dist
 
@@ -77,12 +78,26 @@ def _step(fn, block, x, scores, ids, counts, gout):
     return [out.detach(), x.grad] + [w.grad.clone() for w in ws]
 
 
+def _held(step, wire_gbps):
+    """``step`` (a callable) with every EP exchange held to ``wire_gbps`` (benchmarks.slow_wire.HeldExchanges;
+    None: as it is); returns its result and the exchanges and bytes the wire counted."""
+    if wire_gbps is None:
+        return step(), None
+    from benchmarks.slow_wire import LEDGER, HeldExchanges
+
+    before = dict(LEDGER)
+    with HeldExchanges(wire_gbps):
+        out = step()
+    return out, [LEDGER["exchanges"] - before["exchanges"], LEDGER["bytes"] - before["bytes"]]
+
+
 def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager", capacity_factor=None,
-        max_tokens=None, tokens=None, compiled_first: bool = False) -> dict:
+        max_tokens=None, tokens=None, compiled_first: bool = False, wire_gbps: float | None = None) -> dict:
     """Eager and compiled steps of one block; returns whether they are bit-identical, and the outputs.
     ``tokens``: T of each rank (default T on every rank); ``compiled_first``: the compiled step runs
     before the eager one (the sync-free token bound must then be fixed without a dispatch: max_tokens);
-    an error it raises is returned as ``compile_error``."""
+    an error it raises is returned as ``compile_error``. ``wire_gbps``: every step's exchanges held on the
+    emulated wire (``wire``: the exchanges and bytes it counted in the eager and in the compiled step)."""
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     from moe_quant.ep.titan import dispatcher_class, dispatcher_config
@@ -100,20 +115,28 @@ def run(dispatcher: str, ep: bool, compile_backend: str | None = "aot_eager", ca
     t0 = time.monotonic()
     res = {"ours": isinstance(block.token_dispatcher, dispatcher_class()), "local": not ep, "rows": int(args[3].sum())}
     compiled = None
+    graphs = []  # what dynamo captured (tests/graph_reads.py counts its host reads)
+    backend = graph_reads.recording_backend(graphs, compile_backend) if compile_backend else None
+    wire = {}
     if compile_backend and compiled_first:
         torch._dynamo.reset()
         try:
-            compiled = _step(torch.compile(block, backend=compile_backend, fullgraph=True), block, *args)
+            compiled, wire["compiled"] = _held(
+                lambda: _step(torch.compile(block, backend=backend, fullgraph=True), block, *args), wire_gbps)
         except Exception as e:  # the test asserts the type and message
             res["compile_error"] = {"type": type(e).__name__, "message": str(e)}
             return res
-    eager = _step(block, block, *args)
+    eager, wire["eager"] = _held(lambda: _step(block, block, *args), wire_gbps)
     res.update({"eager": [t.float().tolist() for t in eager[:2]], "wgrads": [t.float().tolist() for t in eager[2:]]})
     if compile_backend:
         if compiled is None:
             torch._dynamo.reset()
-            compiled = _step(torch.compile(block, backend=compile_backend, fullgraph=True), block, *args)
+            compiled, wire["compiled"] = _held(
+                lambda: _step(torch.compile(block, backend=backend, fullgraph=True), block, *args), wire_gbps)
         res["compiled_equal"] = [_bits_equal(a, b) for a, b in zip(eager, compiled)]
+        res["graph_reads"] = [graph_reads.count(g) for g in graphs]
+    if wire_gbps is not None:
+        res["wire"] = wire
     if dispatcher == "moe_quant" and capacity_factor is not None:
         res["token_bound"] = block.token_dispatcher.token_bound
         res["overflow"] = block.token_dispatcher.check_overflow()

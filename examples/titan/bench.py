@@ -26,7 +26,11 @@ the job's per-rank metrics (:mod:`examples.titan.metrics`, torchtitan's own numb
   one kernel per leg, moe_quant's on the MXFP8 wire two for each MXFP8 leg, the data and the scales, summed);
   the median over the layers and ranks of each leg. A step whose kernel count does not match is reported
   unattributed (``n/a``), never guessed. The kernel times are kept in ``bench.json``, so ``--report-only``
-  attributes them again.
+  attributes them again;
+* the host's waits for the device in the same profiled step (the most of the ranks): device-to-host copies and
+  the synchronizing calls (a blocking copy's stream sync, a pinned copy's event sync; :data:`SYNC_CALLS`). Every
+  variant makes the same ones outside the MoE layers (the loss logged every step, ...), so their difference is
+  the token dispatchers' (one host read per MoE layer forward for the synced ones, none for the sync-free one).
 
 ``--variants plain_bf16`` (with ``--nproc 1``) adds a row that is no trainer job: :mod:`examples.titan.plain_loop`,
 a plain bf16 training loop of the same model and batch on one GPU (bf16 parameters and AdamW states, no FSDP),
@@ -66,6 +70,7 @@ OUTSIDE = "moe_quant/outside_allocator(GiB)"  # examples.titan.metrics: device m
 # fail about one run in ten with no difference at all; 20 steps halve that variance.
 TAIL = 20
 A2A_KERNEL = re.compile(r"SendRecv|AllToAll|alltoall", re.IGNORECASE)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 LEGS_FORWARD = ("counts", "dispatch", "combine")
 LEGS_BACKWARD = ("combine backward", "dispatch backward")
 # The all-to-all kernels of one MoE layer, in launch order (forward, backward), per token dispatcher: torchtitan's
@@ -152,11 +157,23 @@ def _spread(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def a2a_kernels(trace_path: str) -> dict:
-    """The all-to-all kernels of one rank's profiled step: their names and their times (ms) in launch order."""
+def _trace_events(trace_path: str) -> list:
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt", encoding="utf-8") as f:
-        events = json.load(f).get("traceEvents", [])
+        return json.load(f).get("traceEvents", [])
+
+
+def step_syncs(trace_path: str) -> dict:
+    """The host's waits for the device in one rank's profiled step: ``d2h_copies`` (device-to-host memcpys) and
+    ``host_syncs`` (:data:`SYNC_CALLS`: a blocking copy's stream sync, a pinned copy's event sync, ...)."""
+    events = _trace_events(trace_path)
+    return {"d2h_copies": sum(e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "") for e in events),
+            "host_syncs": sum(e.get("cat") == "cuda_runtime" and e.get("name") in SYNC_CALLS for e in events)}
+
+
+def a2a_kernels(trace_path: str) -> dict:
+    """The all-to-all kernels of one rank's profiled step: their names and their times (ms) in launch order."""
+    events = _trace_events(trace_path)
     kernels = sorted((e for e in events if e.get("cat") == "kernel" and A2A_KERNEL.search(e.get("name", ""))),
                      key=lambda e: e.get("ts", 0))
     return {"names": sorted({e["name"] for e in kernels}), "ms": [e.get("dur", 0) / 1e3 for e in kernels]}
@@ -231,6 +248,7 @@ def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
     traces = sorted(Path(dump).glob("profiling/traces/iteration_*/rank*_trace.json*"))
     if traces:
         res["a2a_per_rank"] = {t.name.split("_")[0]: a2a_kernels(str(t)) for t in traces}
+        res["syncs_per_rank"] = {t.name.split("_")[0]: step_syncs(str(t)) for t in traces}
         _a2a_summary(res, args.layers - 1)
     return res
 
@@ -247,7 +265,7 @@ def table(record: dict) -> str:
              f"steps {record['warmup'] + 1}.. and ranks (min-max); final loss: mean of the last {record['tail']} steps",
              "", "| variant | mode | tokens/s/GPU (min-max) | time vs bf16 | peak reserved GiB/GPU | peak device GiB (max) "
              "| allocator retries | final loss | vs bf16 | a2a ms: dispatch / combine / combine bwd / dispatch bwd "
-             "(counts) | job s |", "|" + "---|" * 11]
+             "(counts) | D2H copies / host syncs, profiled step (max of ranks) | job s |", "|" + "---|" * 12]
     for r in rows:
         t, b = r["tokens_per_s_per_gpu"], base.get(r["mode"])
         # time per step against bf16's, as every ratio of the docs: bf16's tokens/s over this variant's
@@ -264,7 +282,8 @@ def table(record: dict) -> str:
                      f"{_fmt(time, '.3f')} | {peak} | {_fmt(max(device) if device else None, '.1f')} | "
                      f"{_fmt(_known(r.get('alloc_retries')), 'd')} | "
                      f"{_fmt(r['final_loss'], '.4f')} | "
-                     f"{'n/a' if dloss is None else f'{100 * dloss:+.2f}%'} | {legs} | {_fmt(r['wall_s'])} |"
+                     f"{'n/a' if dloss is None else f'{100 * dloss:+.2f}%'} | {legs} | {_syncs(r)} | "
+                     f"{_fmt(r['wall_s'])} |"
                      + ("" if r["rc"] == 0 else f" failed (rc {r['rc']})"))
     plain = {r["mode"]: r for r in rows if r["variant"] == PLAIN}
     for mode, p in plain.items():  # the trainer's bf16 against the plain bf16 loop of the same model and batch
@@ -273,6 +292,13 @@ def table(record: dict) -> str:
             lines.append(f"\nbf16 {mode}: {t / b['tokens_per_s_per_gpu']['median']:.3f}x the time per step of the plain "
                          f"bf16 loop ({PLAIN}, examples.titan.plain_loop; its tokens/s over bf16's)")
     return "\n".join(lines) + "\n"
+
+
+def _syncs(r: dict) -> str:
+    per_rank = list((r.get("syncs_per_rank") or {}).values())
+    if not per_rank:
+        return "n/a"
+    return f"{max(x['d2h_copies'] for x in per_rank)} / {max(x['host_syncs'] for x in per_rank)}"
 
 
 def plot(record: dict, path: Path) -> bool:

@@ -32,7 +32,8 @@ activation checkpointing; seed 0; the synthetic stream of :mod:`examples.titan.d
 ``--checkpoint.enable`` (every ``--checkpoint.interval`` steps, full state, the last one too).
 
 ``--moe_quant.*`` (``layers``, ``variant``, ``scale_mode``, ``wire``, ``capacity_factor``, ``attention``,
-``memory_gib``: a cap on the allocator, to test that a run fits a smaller GPU) rebuild
+``memory_gib``: a cap on the allocator, to test that a run fits a smaller GPU; ``wire_gbps``: every EP
+all-to-all held to a slower wire, the same for every variant) rebuild
 the model spec after the command line is read (:class:`MoEQuantTrainerConfig`). ``--moe_quant.attention
 sdpa`` swaps torchtitan's flex attention for causal SDPA, the same attention for these one-document sequences;
 ``auto`` (default) picks sdpa where flex cannot run (no CUDA: its backward; torch 2.11: torchtitan calls
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -76,6 +78,10 @@ class MoEQuantOptions:
     capacity_factor: float | None = None
     """Sync-free variant: the receive capacity factor; None: the EP degree (never overflows)."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
+    wire_gbps: float | None = None
+    """Hold every all-to-all of the EP token dispatchers (moe_quant's and torchtitan's alike, eager and compiled)
+    to at least its bytes to the other ranks over this many GB/s per GPU (:class:`benchmarks.slow_wire.HeldExchanges`:
+    NCCL at full speed, then the rest of the time on an emulated wire); None: the real wire."""
     memory_gib: float | None = None
     """Cap torch's CUDA caching allocator at this many GiB per rank (``torch.cuda.set_per_process_memory_fraction``),
     so a larger GPU runs out of memory where a smaller one would: 76 stands for an 80 GB GPU, leaving room for what
@@ -104,6 +110,21 @@ def cap_allocator(gib: float | None) -> float | None:
     fraction = memory_fraction(gib, torch.cuda.get_device_properties(device).total_memory)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
+
+
+def hold_exchanges(gbps: float | None):
+    """From now on in this process, every EP all-to-all takes at least its bytes over ``gbps`` GB/s
+    (``moe_quant.wire_gbps``; :class:`benchmarks.slow_wire.HeldExchanges`), or the real wire where None; returns
+    the installed :class:`~benchmarks.slow_wire.HeldExchanges` or None. A later call replaces an earlier one
+    (torchtitan builds the config again once the command line is read)."""
+    if gbps is None:  # nothing to hold: release what an earlier call held (if any), import nothing
+        slow_wire = sys.modules.get("benchmarks.slow_wire")
+        return None if slow_wire is None else slow_wire.HeldExchanges.hold(None)
+    if isinstance(gbps, bool) or not (isinstance(gbps, (int, float)) and 0 < gbps < float("inf")):
+        raise ValueError(f"moe_quant.wire_gbps must be a positive number of GB/s or None, got {gbps!r}")
+    from benchmarks import slow_wire
+
+    return slow_wire.HeldExchanges.hold(gbps)
 
 
 def flex_usable() -> bool:
@@ -153,8 +174,27 @@ class MoEQuantTrainerConfig(Trainer.Config):
 
     moe_quant: MoEQuantOptions = field(default_factory=MoEQuantOptions)
 
+    def _validate_cuda_graphs(self) -> None:
+        """torchtitan's check that its CUDA-graphed step (``--training.no-disable_cuda_graphs``: it captures each
+        step's forward and backward) has token dispatchers without host synchronization, which names its own
+        only; moe_quant's sync-free dispatcher has none either (no host read after its handshake, which
+        ``wire_meshes`` runs before the first step): allowed too. Any other dispatcher goes to torchtitan's check."""
+        from moe_quant.ep.titan import dispatcher_config_class
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+        dispatchers = [] if self.model_spec is None else [
+            c for _, c, _, _ in self.model_spec.model.traverse(LocalTokenDispatcher.Config)]
+        if dispatchers and all(isinstance(c, dispatcher_config_class()) and c.capacity_factor is not None
+                               for c in dispatchers):
+            if self.parallelism.pipeline_parallel_degree > 1:  # torchtitan's own limit, whatever the dispatcher
+                raise ValueError("CUDA graphs do not support pipeline parallelism yet. "
+                                 "Set --training.disable_cuda_graphs.")
+            return
+        Trainer.Config._validate_cuda_graphs(self)
+
     def __post_init__(self):
         cap_allocator(self.moe_quant.memory_gib)
+        hold_exchanges(self.moe_quant.wire_gbps)
         tokens = self.training.local_batch_size * self.training.seq_len
         self.model_spec = model_spec(self.moe_quant, ep_degree=self.parallelism.expert_parallel_degree,
                                      tokens_per_rank=tokens)

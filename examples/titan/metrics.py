@@ -10,7 +10,9 @@ finished. torchtitan's own loggers (console, TensorBoard, W&B) work as before. M
 ``moe_quant/dropped_rows`` (sync-free dispatchers: token copies past capacity so far, read at the log's host
 sync; with ``overflow="error"`` those steps' losses are NaN and torchtitan stops); on CUDA a third,
 ``moe_quant/outside_allocator(GiB)``: the device memory in use that torch's allocator does not hold (its
-``max_reserved`` plus this is what the rank needs of the GPU).
+``max_reserved`` plus this is what the rank needs of the GPU). With ``--moe_quant.wire_gbps``, the EP exchanges
+held on the emulated wire so far and their bytes to the other ranks: ``moe_quant/wire_exchanges``,
+``moe_quant/wire_bytes`` (:data:`benchmarks.slow_wire.LEDGER`).
 
 Fault injection (:mod:`examples.titan.checks`): with ``MOE_QUANT_TITAN_KILL="<rank>:<step>"`` in the environment,
 that rank kills itself (``SIGKILL``: no clean-up, as a crashed host) right after logging that step, in the
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +91,10 @@ def moe_quant_metrics(model_parts) -> dict:
     outside = outside_allocator_gib()
     if outside is not None:
         out["moe_quant/outside_allocator(GiB)"] = outside
+    wire = sys.modules.get("benchmarks.slow_wire")  # --moe_quant.wire_gbps: the held exchanges so far
+    if wire is not None and wire.HeldExchanges.active is not None:
+        out["moe_quant/wire_exchanges"] = wire.LEDGER["exchanges"]
+        out["moe_quant/wire_bytes"] = wire.LEDGER["bytes"]
     return out
 
 

@@ -26,7 +26,7 @@
 :func:`for_this_torch` picks; every variant of a run gets the same. Whatever it picks, it then writes what was
 built to ``<dump_folder>/setup/rank<r>.json`` (:func:`describe`): the torch version, the function, the launcher's
 shims, the attention, experts and token dispatcher classes, the EP sizes, FSDP modules, compiled blocks, the
-allocator's cap.
+allocator's cap, the emulated wire (``wire_gbps``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -144,7 +145,15 @@ def describe(model, fn, *, force_sum: int, compile_config) -> dict:
         "compiled_blocks": sum(getattr(b, "_compiled_call_impl", None) is not None for b in model.layers.values()),
         "compile_backend": compile_config.backend if compile_config.enable else None,
         "allocator_cap_gib": allocator_cap_gib(),
+        "wire_gbps": wire_gbps(),
     }
+
+
+def wire_gbps() -> float | None:
+    """The emulated wire every EP exchange is held to (``moe_quant.wire_gbps``), None: the real one."""
+    slow_wire = sys.modules.get("benchmarks.slow_wire")
+    held = None if slow_wire is None else slow_wire.HeldExchanges.active
+    return None if held is None else held.gbps
 
 
 def allocator_cap_gib() -> float | None:

@@ -37,12 +37,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import backends, layouts
-from .. import prequantized as pq
+from .. import layouts
 from .. import quantize as q
 from ..numerics import ScaleMode
-from .legs import Wire
-from .permute import dequantize_rows
+from .legs import Wire, expert_major_values
 from .pipeline import PostsAhead
 from .wire import WireLog, all_to_all_mxfp8, all_to_all_rows, leg_range, row_bytes_view, row_words
 
@@ -81,6 +79,7 @@ class CapacityRoute:
     sent_rows: torch.Tensor  # (R*S,) sorted row of each send slot, N where none (send_idx where send_valid)
     num_tokens_per_local_expert: torch.Tensor  # (E_local,) int32
     dropped: torch.Tensor  # 0-d int64: token copies of the whole group past capacity (or invalid)
+    blocks: torch.Tensor  # (R, E_local + 1) int32: the received slots as blocks (plan_receive)
 
     @property
     def rows_received(self) -> int:
@@ -124,22 +123,25 @@ def plan_send(counts: torch.Tensor, rows: int, world: int, slots: int, experts: 
 
 
 def plan_receive(kept: torch.Tensor, slots: int):
-    """Receiver side: ``(src, valid, num_tokens_per_local_expert)`` from ``kept (R, E_local)``, the rows
-    each peer sent for each local expert (each peer's block starts at slot ``r * S``)."""
+    """Receiver side: ``(src, valid, num_tokens_per_local_expert, blocks)`` from ``kept (R, E_local)``, the rows
+    each peer sent for each local expert (each peer's block starts at slot ``r * S``). ``blocks (R, E_local + 1)``
+    int32: the received slots as the permute kernel's (source rank, expert) blocks, each peer's unused slots a
+    last block: expert-major, that padding group lands past the real rows (:func:`_received_values`)."""
     world, n_local = kept.shape
     total = world * slots
+    blocks = torch.cat([kept, slots - kept.sum(1, keepdim=True)], 1).to(torch.int32)
     within = torch.cumsum(kept, 1) - kept  # offset of block (r, e) inside peer r's slots
     sizes_er = kept.t().reshape(-1)  # expert-major blocks (e, r)
     dst_ends = torch.cumsum(sizes_er, 0)
     dst_starts = dst_ends - sizes_er
     t = torch.arange(total, device=kept.device)
     if sizes_er.numel() == 0:
-        return t * 0, t < 0, kept.new_zeros(n_local).to(torch.int32)
+        return t * 0, t < 0, kept.new_zeros(n_local).to(torch.int32), blocks
     b = layouts.group_of(t, dst_ends).clamp(max=sizes_er.numel() - 1)
     valid = t < dst_ends[-1]
     r, e = b % world, b // world
     src = torch.where(valid, r * slots + within[r, e] + t - dst_starts[b], 0)
-    return src, valid, kept.sum(0).to(torch.int32)
+    return src, valid, kept.sum(0).to(torch.int32), blocks
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -169,6 +171,16 @@ def slot_rows(src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return slots.index_copy_(0, torch.where(valid, src, total), torch.arange(total, device=src.device))[:total]
 
 
+def _received_values(data_r: torch.Tensor, scales_r: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype,
+                     mode: ScaleMode) -> torch.Tensor:
+    """The received MXFP8 slots (each peer's ``S``: its rows expert by expert, then its unused slots, which the
+    sender left zero) dequantized in expert-major order, registered for the GEMMs: one permute pass
+    (:func:`moe_quant.ep.legs.expert_major_values`) with ``blocks`` (:func:`plan_receive`), whose last block per
+    peer, the padding, lands past the real rows as zeros, every byte what the gather of the received rows gives
+    (and the former three passes: two copies through ``slot_rows`` and a dequantization)."""
+    return expert_major_values(data_r, scales_r, blocks, dtype, mode)
+
+
 def _forward_leg(x_sorted: torch.Tensor, route: CapacityRoute, leg: str) -> torch.Tensor:
     """Sorted rows -> slots -> all-to-all -> expert-major rows (MXFP8 on that wire)."""
     s, total, rows = [route.slots] * route.world, route.rows_received, route.slot_rows
@@ -177,13 +189,7 @@ def _forward_leg(x_sorted: torch.Tensor, route: CapacityRoute, leg: str) -> torc
         data_s = _scatter(data, route.slot_of_row, None, total)
         scales_s = _scatter(scales.view(torch.uint8), route.slot_of_row, None, total)
         data_r, scales_r = all_to_all_mxfp8(data_s, scales_s, s, s, route.group, leg)
-        data_p, scales_p = _scatter(data_r, rows, None, total), _scatter(scales_r, rows, None, total)
-        values = dequantize_rows(data_p, scales_p, x_sorted.dtype)
-        if backends.supports_scaled_grouped_mm(x_sorted.device):
-            pq.remember(values, route.mode, data_p, scales_p.view(torch.float8_e8m0fnu))
-        else:
-            pq.remember(values, route.mode)
-        return values
+        return _received_values(data_r, scales_r, route.blocks, x_sorted.dtype, route.mode)
     recv = all_to_all_rows(_scatter(x_sorted, route.slot_of_row, None, total), s, s, route.group, leg)
     return _scatter(recv, rows, None, total)
 
@@ -272,20 +278,13 @@ class SlotExchange(PostsAhead):
         self._post_ahead(leg, c)
         outs = self._wait(leg, c)
         dtype, d = self._dtypes[leg]
-        src, valid, _ = self.receives[c]
+        src, valid, _, blocks = self.receives[c]
         if self.wire is not Wire.MXFP8:
             return _gather(outs[0].view(dtype).reshape(outs[0].shape[0], d), src, valid)
-        data_r, scales_r = outs[0].view(torch.float8_e4m3fn), outs[1]
-        data_p, scales_p = _gather(data_r, src, valid), _gather(scales_r, src, valid)
-        values = dequantize_rows(data_p, scales_p, dtype)
-        if backends.supports_scaled_grouped_mm(values.device):
-            pq.remember(values, self.mode, data_p, scales_p.view(torch.float8_e8m0fnu))
-        else:
-            pq.remember(values, self.mode)
-        return values
+        return _received_values(outs[0].view(torch.float8_e4m3fn), outs[1], blocks, dtype, self.mode)
 
     def from_experts(self, leg: str, c: int, rows: torch.Tensor) -> None:
-        src, valid, _ = self.receives[c]
+        src, valid, *_ = self.receives[c]
         self._issued.add((leg, c))
         self._dtypes[leg] = (rows.dtype, rows.shape[1])
         self._post(leg, c, _scatter(rows.contiguous(), src, valid, self._slots(c)))

@@ -306,6 +306,7 @@ class MXFP8TokenDispatcher:
                 self._sync_token_count_exchange(msg, recv, 0)  # raises: this rank reported BAD_ARGS
             except ValueError as group_error:  # peers raise this one; this rank its own error
                 raise local_error from group_error
+            raise local_error  # traced: the check above runs when the graph does, this rank's error now
         mismatch = self._mismatch(topk_expert_ids_TK, num_local_tokens_per_expert_E)
         rows = topk_expert_ids_TK.numel()
         msg, recv = self._token_count_exchange(num_local_tokens_per_expert_E, rows, settings, mismatch, False)
@@ -359,8 +360,8 @@ class MXFP8TokenDispatcher:
                 x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E, ranges)
             ex = capacity.SlotExchange(self.group, wire=self.wire, mode=self.scale_mode, world=self.ep_size,
                                        ranges=ranges, plans=plans, receives=receives, rows=token_idx.shape[0])
-            y = self._poisoned_if_dropped(pipeline.run_ranges(ex, x_sorted, runners, sm_carveout=carve),
-                                          total_dropped)
+            y = pipeline.run_ranges(ex, x_sorted, runners, sm_carveout=carve)
+            scores_sorted = self._poisoned_if_dropped(scores_sorted, total_dropped)
         else:
             x_sorted, token_idx, scores_sorted, quantized, counts, recv = self._synced_exchange(
                 x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
@@ -391,13 +392,15 @@ class MXFP8TokenDispatcher:
         """Fixed capacity (:mod:`moe_quant.ep.capacity`): static sizes, nothing read on the host."""
         x_sorted, token_idx, scores_sorted, plans, receives, total_dropped = self._sync_free_plan(
             x_TD, topk_scores_TK, topk_expert_ids_TK, counts, [(0, self.num_local_experts)])
-        (send_idx, send_valid, slot_of_row, slots, _), (src, valid, num_tokens_per_local_expert) = plans[0], receives[0]
+        (send_idx, send_valid, slot_of_row, slots, _), (src, valid, num_tokens_per_local_expert, blocks) = (
+            plans[0], receives[0])
         route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode, slots=slots,
                                        world=self.ep_size, send_idx=send_idx, send_valid=send_valid,
                                        slot_of_row=slot_of_row, src=src, valid=valid,
                                        slot_rows=capacity.slot_rows(src, valid),
                                        sent_rows=torch.where(send_valid, send_idx, slot_of_row.numel()),
-                                       num_tokens_per_local_expert=num_tokens_per_local_expert, dropped=total_dropped)
+                                       num_tokens_per_local_expert=num_tokens_per_local_expert, dropped=total_dropped,
+                                       blocks=blocks)
         metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
                                       topk_scores_experts_sorted_N=scores_sorted, route=route)
         return capacity.dispatch_rows(x_sorted, route), num_tokens_per_local_expert, metadata
@@ -424,7 +427,7 @@ class MXFP8TokenDispatcher:
         """The sync-free mode up to the token exchange, for ``ranges`` of local experts (each with its own
         slots): ``(x_sorted, token_idx, scores_sorted, plans, receives, total_dropped)``, per range
         ``plans[c] = (send_idx, send_valid, slot_of_row, slots, in_range)`` and ``receives[c] = (src, valid,
-        num_tokens)``."""
+        num_tokens, blocks)``."""
         world, n_local = self.ep_size, self.num_local_experts
         bound = self.token_bound
         if bound is None:
@@ -454,12 +457,14 @@ class MXFP8TokenDispatcher:
         receives = [capacity.plan_receive(recv[:, lo:hi], plan[3]) for (lo, hi), plan in zip(ranges, plans)]
         return x_sorted, token_idx, scores_sorted, plans, receives, total_dropped
 
-    def _poisoned_if_dropped(self, y: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
-        """Sync-free combine output: NaN where rows were dropped and ``overflow="error"`` (seen at the next host
-        read: never a silently wrong step), else ``y``."""
+    def _poisoned_if_dropped(self, scores_sorted: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+        """Sync-free combine: the routing scores the rows are weighted by, NaN where rows were dropped and
+        ``overflow="error"`` (every combined row is then NaN, seen at the next host read: never a silently wrong
+        step), else ``scores_sorted`` (the same values: the same bits of the output and every gradient). On the
+        scores, ``T * top_k`` values, rather than on the combined rows: not a pass over ``(T * top_k, D)``."""
         if self.overflow == "error":
-            return torch.where(dropped > 0, float("nan"), y)
-        return y
+            return torch.where(dropped > 0, float("nan"), scores_sorted)
+        return scores_sorted
 
     def _counter(self, device) -> torch.Tensor:
         """``dropped_rows`` on ``device`` (made on first use)."""
@@ -497,14 +502,15 @@ class MXFP8TokenDispatcher:
             metadata.route.rows_received
         v.check_shape("routed_output", routed_output, (rows, x_TD.shape[1]), "(rows dispatch returned, D)")
         route = metadata.route
+        scores = metadata.topk_scores_experts_sorted_N
         if isinstance(route, capacity.CapacityRoute):
-            y = self._poisoned_if_dropped(capacity.combine_rows(routed_output, route), route.dropped)
+            y = capacity.combine_rows(routed_output, route)
+            scores = self._poisoned_if_dropped(scores, route.dropped)
         elif isinstance(route, blocks.BlockExchange):
             y = pipeline.gather(route, [pipeline.send_back(routed_output, route, 0)], routed_output)
         else:
             y = routed_output if route is None else combine_rows(routed_output, route)
-        return unsort_tokens(y, metadata.topk_scores_experts_sorted_N, metadata.token_indices_experts_sorted_N, x_TD,
-                             scatter_add=self._scatter_add)
+        return unsort_tokens(y, scores, metadata.token_indices_experts_sorted_N, x_TD, scatter_add=self._scatter_add)
 
 
 __all__ = ["MXFP8TokenDispatcher", "EPDispatchMetadata"]

@@ -116,25 +116,35 @@ class Counts:
 
     input_splits: list  # rows this rank sends to each rank
     output_splits: list  # rows it receives from each rank
-    sent: list  # sent[r][e]: rows to rank r for r's local expert e
-    received: list  # received[r][e]: rows from rank r for this rank's local expert e
+    sent: list | None  # sent[r][e]: rows to rank r for r's local expert e (None where traced)
+    received: list | None  # received[r][e]: rows from rank r for this rank's local expert e (None where traced)
 
 
 class HostRead:
-    """Both count messages on their way to the host: on CUDA a copy into pinned memory and an event, so that
-    the host waits for the counts alone (:meth:`rows`) while the device goes on with the work queued after
-    them (the sort and the wire quantization); elsewhere (and while tracing) read when asked."""
+    """Both count messages on their way to the host, started right after the counts exchange: on CUDA a copy
+    into pinned memory and an event, so that the host waits for the counts alone (:meth:`rows`) while the device
+    goes on with the work queued after them (the sort and the wire quantization); elsewhere read when asked.
+    While tracing (``torch.compile``) the graph's one copy to the host, a blocking one (a graph has no event to
+    wait on): the host waits for the counts exchange, then queues the sort, whose kernels run while the host
+    checks the copy (:func:`read_counts`)."""
 
     def __init__(self, msg: torch.Tensor, recv: torch.Tensor):
-        both = torch.stack([msg, recv])
         self._event = None
-        if both.device.type == "cuda" and not torch.compiler.is_compiling():
+        both = torch.stack([msg, recv])
+        if torch.compiler.is_compiling():
+            both = both.to("cpu")
+        elif both.device.type == "cuda":
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
             both = host
         self._both = both
+
+    @property
+    def host(self) -> torch.Tensor:
+        """Both messages on the host, ``(2, R, C)`` (copied while tracing; eager: :meth:`rows`)."""
+        return self._both
 
     def rows(self) -> list:
         if self._event is not None:
@@ -145,24 +155,33 @@ class HostRead:
 def read_counts(msg: torch.Tensor, recv: torch.Tensor, rows: int, group, pending: HostRead | None = None) -> Counts:
     """The one host synchronization of the synced mode: reads both messages (``pending``: started earlier),
     raises the same error on every rank where any rank disagrees or reported a problem, returns the
-    :class:`Counts`."""
+    :class:`Counts`. Traced (``torch.compile``): one device-to-host copy of both messages, checked on the host
+    by an op of the graph (:func:`_read_traced`)."""
     n_local = msg.shape[1] - agree.SIZE
-    host = (pending or HostRead(msg, recv)).rows()
+    rank = dist.get_rank(group)
+    pending = pending or HostRead(msg, recv)
+    if torch.compiler.is_compiling():
+        return _read_traced(pending.host, rows, rank)
+    host = pending.rows()
     sent, got = host[0], host[1]
-    if torch.compiler.is_compiling():  # values are unbacked SymInts: checked when the graph runs
-        return _check_traced(sent, got, n_local)
+    _raise_problems(sent, got, n_local, rows, rank)
+    return _counts(sent, got, n_local)
+
+
+def _raise_problems(sent: list, got: list, n_local: int, rows: int, rank: int) -> None:
+    """The same ``ValueError`` on every rank where any rank disagrees on a setting or reported a problem;
+    ``sent`` / ``got``: the two messages read on the host."""
     message = agree.diagnose([row[n_local:] for row in got])
     if message is not None:
         raise ValueError(message)
-    rank = dist.get_rank(group)
     bad = {r: got[r][n_local] for r in range(len(got)) if got[r][n_local]}
     if bad:
         if rank in bad:
-            raise ValueError(f"num_local_tokens_per_expert_E on rank {rank} has {', '.join(agree.problems(bad[rank]))}: "
+            raise ValueError(f"num_local_tokens_per_expert_E on rank {rank} has "
+                             f"{', '.join(agree.problems(bad[rank]))}: "
                              f"{[c for row in sent for c in row[:n_local]]} for {rows} routed rows")
         raise ValueError(f"num_local_tokens_per_expert_E is invalid on rank(s) {sorted(bad)} of the EP group "
                          f"(see the error raised there); no tokens were exchanged")
-    return _counts(sent, got, n_local)
 
 
 def _counts(sent: list, got: list, n_local: int) -> Counts:
@@ -170,21 +189,33 @@ def _counts(sent: list, got: list, n_local: int) -> Counts:
                   [row[:n_local] for row in sent], [row[:n_local] for row in got])
 
 
-def _check_traced(sent: list, got: list, n_local: int) -> tuple:
-    """:func:`read_counts` under ``torch.compile``: the same conditions as runtime asserts of the graph
-    (every rank checks every rank's header, so all raise together; a ``RuntimeError`` naming the setting).
-    Messages are bound as default arguments: dynamo in torch 2.11 cannot read a message lambda's closure."""
-    mine = sent[0][n_local:]
-    for r, row in enumerate(got):
-        for i, field in enumerate(agree.FIELDS[1:], start=1):
-            what = f"EP ranks disagree on {field} (rank {r} differs from this rank); no tokens were exchanged"
-            torch._check(row[n_local + i] == mine[i], lambda what=what: what)
-        what = f"EP rank {r} reported invalid dispatch arguments or counts; no tokens were exchanged"
-        torch._check(row[n_local] == 0, lambda what=what: what)
-    for row in sent + got:
-        for c in row[:n_local]:
-            torch._check(c >= 0)
-    return _counts(sent, got, n_local)
+@torch.library.custom_op("moe_quant::ep_checked_splits", mutates_args=())
+def _checked_splits_op(host: torch.Tensor, rows: int, rank: int) -> torch.Tensor:
+    """:func:`read_counts`' checks inside a compiled graph, on the host copy ``host (2, R, C)`` of both messages
+    (raises the eager mode's ``ValueError``); returns the split sizes ``(2, R)`` int64 (sent, received)."""
+    sent, got = host.tolist()
+    n_local = host.shape[2] - agree.SIZE
+    _raise_problems(sent, got, n_local, rows, rank)
+    counts = _counts(sent, got, n_local)
+    return torch.tensor([counts.input_splits, counts.output_splits], dtype=torch.int64)
+
+
+@_checked_splits_op.register_fake
+def _(host, rows, rank):
+    return host.new_empty((2, host.shape[1]))
+
+
+def _read_traced(host: torch.Tensor, rows: int, rank: int) -> Counts:
+    """:func:`read_counts` under ``torch.compile``: both messages reached the host in one copy
+    (:class:`HostRead`: on CUDA the one synchronization, as in eager), an op of the graph checks them there
+    (every rank raises the eager mode's ``ValueError`` where any rank disagrees or reported a problem) and sums
+    each rank's counts; only the ``2 R`` split sizes become values of the graph (unbacked SymInts), read from
+    that host tensor. The per-block counts stay on the device (the point-to-point transport, which needs them on
+    the host, runs eager)."""
+    input_splits, output_splits = torch.ops.moe_quant.ep_checked_splits(host, rows, rank).tolist()
+    for s in input_splits + output_splits:
+        torch._check(s >= 0)
+    return Counts(input_splits, output_splits, None, None)
 
 
 def received_counts(recv: torch.Tensor) -> torch.Tensor:
@@ -235,20 +266,28 @@ def _received_order(rows_expert_major: torch.Tensor, route: Route) -> torch.Tens
     return torch.empty_like(w).index_copy_(0, route.src, w).view(rows_expert_major.dtype)
 
 
+def expert_major_values(data_r: torch.Tensor, scales_r: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype,
+                        mode: ScaleMode) -> torch.Tensor:
+    """Received MXFP8 rows (``counts (R, E)``: blocks in (source rank, expert) order) dequantized in expert-major
+    order as ``dtype``, registered as known MXFP8 for the GEMMs: one pass of the permute kernel (the scaled GEMM,
+    which reads the fp8 data and scales too: their expert-major copy, then the dequantization)."""
+    if backends.supports_scaled_grouped_mm(data_r.device):
+        data_p, scales_p, _ = permute.permute_received(data_r, scales_r, counts, out="plain")
+        values = permute.dequantize_rows(data_p, scales_p, dtype)
+        pq.remember(values, mode, data_p, scales_p)
+    else:
+        values, _ = permute.permute_received(data_r, scales_r, counts, out="dequant", out_dtype=dtype)
+        pq.remember(values, mode)
+    return values
+
+
 def _send_mxfp8(x: torch.Tensor, route: Route, leg: str, quantized: tuple | None = None) -> torch.Tensor:
     """Quantize the rows of ``x`` 1x32 along the last dim (``quantized``: that quantization, made earlier),
     send them (splits of the forward direction), and return the received rows dequantized in expert-major
     order, registered as known MXFP8."""
     data, scales = quantized if quantized is not None else q.quantize_rowwise(x, route.mode)
     data_r, scales_r = all_to_all_mxfp8(data, scales, route.output_splits, route.input_splits, route.group, leg)
-    if backends.supports_scaled_grouped_mm(x.device):  # the scaled GEMM reads the fp8 data and scales too
-        data_p, scales_p, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="plain")
-        values = permute.dequantize_rows(data_p, scales_p, x.dtype)
-        pq.remember(values, route.mode, data_p, scales_p)
-    else:
-        values, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="dequant", out_dtype=x.dtype)
-        pq.remember(values, route.mode)
-    return values
+    return expert_major_values(data_r, scales_r, route.recv_counts, x.dtype, route.mode)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -298,4 +337,4 @@ def combine_rows(y_expert_major: torch.Tensor, route: Route) -> torch.Tensor:
 
 
 __all__ = ["Wire", "Route", "Counts", "HostRead", "plan_route", "exchange_counts", "read_counts", "received_counts",
-           "route_from_counts", "dispatch_rows", "combine_rows"]
+           "route_from_counts", "dispatch_rows", "combine_rows", "expert_major_values"]
