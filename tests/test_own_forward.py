@@ -274,3 +274,44 @@ def test_fx_graph_module_of_an_experts_module_converts(mxfp8_calls):
     assert torch.equal(gm(x, COUNTS), ref) and len(mxfp8_calls) == 3
     unconvert(gm)
     assert type(gm) is own
+
+
+class PositionalHelperExperts(OwnExperts):
+    """A helper named like the seam but of another signature, called positionally (issue 55 item 4)."""
+
+    def _grouped_mm(self, a, b, offs):
+        return torch._grouped_mm(a, b, offs=offs)
+
+    def forward(self, x, counts):
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(self._grouped_mm(x, self.w1.transpose(-2, -1), offs))
+        h = h * self._grouped_mm(x, self.w3.transpose(-2, -1), offs)
+        return self._grouped_mm(h, self.w2.transpose(-2, -1), offs)
+
+
+class KeywordSeamExperts(OwnExperts):
+    """The seam's signature: conversion overrides the method (route 2), the forward stays the module's."""
+
+    def _grouped_mm(self, *, A, B_t, offs):
+        return torch._grouped_mm(A, B_t, offs=offs)
+
+    def forward(self, x, counts):
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(self._grouped_mm(A=x, B_t=self.w1.transpose(-2, -1), offs=offs))
+        h = h * self._grouped_mm(A=x, B_t=self.w3.transpose(-2, -1), offs=offs)
+        return self._grouped_mm(A=h, B_t=self.w2.transpose(-2, -1), offs=offs)
+
+
+@pytest.mark.parametrize("cls", [PositionalHelperExperts, KeywordSeamExperts])
+def test_seam_is_taken_by_its_signature_not_its_name(cls, mxfp8_calls):
+    """A ``_grouped_mm`` method of another signature than the seam's is the module's own helper: the module takes
+    the own-forward route (its torch._grouped_mm calls routed), and trains in MXFP8 like the seam's module."""
+    torch.manual_seed(0)
+    plain = cls().to(torch.bfloat16)
+    mod = convert(copy.deepcopy(plain), MXFP8MoEConfig())
+    seam = "_grouped_mm" in vars(type(mod))
+    assert seam == (cls is KeywordSeamExperts) and ("forward" in vars(type(mod))) != seam
+    x = batch()
+    got = run(mod, x)
+    assert len(mxfp8_calls) == 3 and not fallback_counts()
+    assert_same(got, oracle(plain, x))
