@@ -150,6 +150,7 @@ class EPMoE(_RoutedBlock):
                  route_norm=moe.router.route_norm, wire=wire, scale_mode=scale_mode,
                  capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens, transport=transport,
                  chunks=chunks, sm_carveout=sm_carveout).to(w1.device, w1.dtype)
+        ep.router.to(moe.router.gate.weight.dtype)  # each part in its own dtype (fp32 router, bf16 experts)
         n, rank = ep.experts.num_experts, torch.distributed.get_rank(group)
         with torch.no_grad():
             ep.router.gate.weight.copy_(moe.router.gate.weight)

@@ -142,6 +142,10 @@ def _job(job):
     kind, arg = job
     if kind == "check":
         return run_check(CheckCase(**arg))
+    if kind == "check_dtype":  # activations (and the models) of another dtype than bf16
+        arg = dict(arg)
+        dtype = getattr(torch, arg.pop("dtype"))
+        return run_check(CheckCase(**arg), dtype=dtype)
     if kind == "check_no_registry":  # the GEMMs never find the received MXFP8 form: they quantize again
         original = prequantized.lookup
         prequantized.lookup = lambda x, mode: None

@@ -81,6 +81,21 @@ CASES_2 = {
     "max_tokens_drop": ("token_bound", {"case": {**ROUTER, "tokens": (8, 0)}, "capacity_factor": 2.0,
                                         "max_tokens": 8, "later_tokens": (0, 30), "overflow": "drop"}),
 }
+# fp32 activations on the MXFP8 wire (issue 55 item 5): into bf16 experts (which quantize the rows' bf16 rounding)
+# and into fp32 experts, every transport
+FP32 = {**ROUTER, "dtype": "float32"}
+FP32_BF16 = {**FP32, "experts_dtype": "bfloat16"}
+CASES_2.update({
+    "fp32": ("check_dtype", {**FP32, "seed": 17}),
+    "fp32_bf16_experts": ("check_dtype", {**FP32_BF16, "seed": 18}),
+    "fp32_bf16_experts_p2p_chunks": ("check_dtype", {**FP32_BF16, "experts_per_rank": 4, "transport": "p2p",
+                                                     "chunks": 2, "tokens": (23, 50), "seed": 19}),
+    "fp32_bf16_experts_sync_free": ("check_dtype", {**FP32_BF16, "capacity_factor": 4.0, "seed": 20}),
+    "fp32_sync_free_chunks": ("check_dtype", {**FP32, "experts_per_rank": 4, "capacity_factor": 8.0, "chunks": 2,
+                                              "tokens": (23, 50), "seed": 21}),
+    "fp32_bf16_experts_sync_free_chunks": ("check_dtype", {**FP32_BF16, "experts_per_rank": 4, "capacity_factor": 8.0,
+                                                           "chunks": 2, "tokens": (23, 50), "seed": 22}),
+})
 CASES_4 = {
     "mxfp8_uneven": ("check", {**ROUTER, "tokens": (40, 17, 0, 33), "seed": 1}),
     "one_rank": ("check", {**ROUTER, "routing": "one_rank", "tokens": (10, 20, 5, 0), "seed": 2}),
@@ -162,13 +177,17 @@ def test_wire_bytes_per_token(ep2, ep4):
         for name, ranks in _checks(res):
             for r in ranks:
                 legs, mxfp8 = r["legs"], not name.startswith("bf16")
+                # the legs that are not MXFP8 send their tensors' own dtype: the activations' gradient
+                # (dispatch backward), the experts' outputs (combine)
+                own = {"dispatch backward": 4 if name.startswith("fp32") else 2,
+                       "combine": 4 if name.startswith("fp32") and "bf16_experts" not in name else 2}
                 for leg, info in legs.items():
                     if not info["rows"]:
                         continue
                     if mxfp8 and leg in ("dispatch", "combine backward"):
                         assert info["bytes_per_token"] == D + D // 32 <= 1.04 * D, (name, leg, info)
                     else:
-                        assert info["bytes_per_token"] == 2 * D, (name, leg, info)  # bf16
+                        assert info["bytes_per_token"] == own.get(leg, 2) * D, (name, leg, info)
                 assert legs["dispatch"]["rows"] == 2 * r["tokens"]  # top-2 copies of each token
 
 

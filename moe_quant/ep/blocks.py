@@ -53,12 +53,11 @@ import torch.distributed as dist
 
 from .. import backends
 from .. import prequantized as pq
-from .. import quantize as q
 from ..numerics import ScaleMode
 from .legs import Wire
 from .permute import dequantize_rows, permute_received
 from .pipeline import PostsAhead
-from .wire import WireLog, leg_range, row_bytes_view
+from .wire import WireLog, leg_range, quantize_rows, row_bytes_view
 
 _LEGS = ("dispatch", "combine", "combine backward", "dispatch backward")
 POSTINGS = ("per_block", "merged")  # how a range is posted (module doc); the default first
@@ -210,7 +209,7 @@ class BlockExchange(PostsAhead):
         dev, d = rows.device, rows.shape[1]
         rows = rows.contiguous()
         if self.wire is Wire.MXFP8:
-            data, scales = quantized if quantized is not None else q.quantize_rowwise(rows, self.mode)
+            data, scales = quantized if quantized is not None else quantize_rows(rows, self.mode)
             src = [data.view(torch.uint8), scales.view(torch.uint8)]
             widths = [(d, torch.uint8), (d // 32, torch.uint8)]
         else:

@@ -39,12 +39,12 @@ import torch.distributed as dist
 
 from .. import backends, layouts
 from .. import prequantized as pq
-from .. import quantize as q
 from ..numerics import ScaleMode
 from .legs import Wire
 from .permute import dequantize_rows
 from .pipeline import PostsAhead
-from .wire import WireLog, all_to_all_mxfp8, all_to_all_rows, leg_range, row_bytes_view, row_words
+from .wire import (WireLog, all_to_all_mxfp8, all_to_all_rows, leg_range, quantize_rows, row_bytes_view,
+                   row_words)
 
 OVERFLOW = ("error", "drop")
 
@@ -173,7 +173,7 @@ def _forward_leg(x_sorted: torch.Tensor, route: CapacityRoute, leg: str) -> torc
     """Sorted rows -> slots -> all-to-all -> expert-major rows (MXFP8 on that wire)."""
     s, total, rows = [route.slots] * route.world, route.rows_received, route.slot_rows
     if route.wire is Wire.MXFP8:
-        data, scales = q.quantize_rowwise(x_sorted, route.mode)
+        data, scales = quantize_rows(x_sorted, route.mode)
         data_s = _scatter(data, route.slot_of_row, None, total)
         scales_s = _scatter(scales.view(torch.uint8), route.slot_of_row, None, total)
         data_r, scales_r = all_to_all_mxfp8(data_s, scales_s, s, s, route.group, leg)
@@ -264,7 +264,7 @@ class SlotExchange(PostsAhead):
         self._dtypes[leg] = (rows.dtype, rows.shape[1])
         parts = [rows]
         if self.wire is Wire.MXFP8:
-            data, scales = quantized if quantized is not None else q.quantize_rowwise(rows, self.mode)
+            data, scales = quantized if quantized is not None else quantize_rows(rows, self.mode)
             parts = [data, scales.view(torch.uint8)]
         self._queue(leg, order, lambda c: self._post(leg, c, *(_gather(p, *self.plans[c][:2]) for p in parts)))
 

@@ -14,7 +14,6 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import quantize as q
 from .. import validation as v
 from ..choices import Choice
 from ..numerics import ScaleMode
@@ -22,7 +21,7 @@ from ..routing import sort_tokens_by_expert, unsort_tokens
 from . import agree, blocks, capacity, pipeline
 from .legs import (HostRead, Route, Wire, combine_rows, constant as legs_constant, dispatch_rows, exchange_counts,
                    read_counts, received_counts, route_from_counts)
-from .wire import all_to_all_rows
+from .wire import all_to_all_rows, quantize_rows
 
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -313,7 +312,7 @@ class MXFP8TokenDispatcher:
         x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
         # traced, nothing is read on the host (unbacked sizes): the leg quantizes inside its autograd function
         quantize = self.wire is Wire.MXFP8 and not torch.compiler.is_compiling()
-        quantized = q.quantize_rowwise(x_sorted, self.scale_mode) if quantize else None
+        quantized = quantize_rows(x_sorted, self.scale_mode) if quantize else None
         counts = self._sync_token_count_exchange(msg, recv, rows, pending)
         return x_sorted, token_idx, scores_sorted, quantized, counts, recv
 

@@ -31,10 +31,9 @@ import torch.distributed as dist
 from .. import backends
 from ..choices import Choice
 from .. import prequantized as pq
-from .. import quantize as q
 from ..numerics import ScaleMode
 from . import agree, permute
-from .wire import all_to_all_mxfp8, all_to_all_rows, row_words
+from .wire import all_to_all_mxfp8, all_to_all_rows, quantize_rows, row_words
 
 
 class Wire(Choice):
@@ -239,7 +238,7 @@ def _send_mxfp8(x: torch.Tensor, route: Route, leg: str, quantized: tuple | None
     """Quantize the rows of ``x`` 1x32 along the last dim (``quantized``: that quantization, made earlier),
     send them (splits of the forward direction), and return the received rows dequantized in expert-major
     order, registered as known MXFP8."""
-    data, scales = quantized if quantized is not None else q.quantize_rowwise(x, route.mode)
+    data, scales = quantized if quantized is not None else quantize_rows(x, route.mode)
     data_r, scales_r = all_to_all_mxfp8(data, scales, route.output_splits, route.input_splits, route.group, leg)
     if backends.supports_scaled_grouped_mm(x.device):  # the scaled GEMM reads the fp8 data and scales too
         data_p, scales_p, _ = permute.permute_received(data_r, scales_r, route.recv_counts, out="plain")
