@@ -19,6 +19,7 @@ Llama4's experts (``torch.bmm`` over every token) have no experts-interface forw
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -186,12 +187,48 @@ def known_class(cls: type):
 def register_experts_implementation() -> str:
     """Register ``"moe_quant_mxfp8"`` in transformers' experts interface (idempotent); returns the name.
     ``import moe_quant`` does it already when transformers was imported first (and is supported).
-    ``ImportError`` with another transformers than ``transformers>=5.23,<6``."""
+    ``ImportError`` with another transformers than ``transformers>=5.23,<6``. A model whose experts do not
+    dispatch through the interface then refuses the name at load (:func:`_refuse_models_off_the_interface`)."""
     require_supported_transformers()
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
+    _refuse_models_off_the_interface()
     return IMPLEMENTATION
+
+
+_CHECKS_INTERFACE = "_moe_quant_checks_interface"  # marks the wrapped validator (installed once)
+
+
+def off_interface_message(cls: type) -> str:
+    return (f"{cls.__name__} does not run its experts through transformers' experts interface (its modeling module "
+            f"{cls.__module__} has no @use_experts_implementation experts class; Llama4's experts are a torch.bmm "
+            f"forward), so experts_implementation={IMPLEMENTATION!r} would run none of its expert GEMMs in MXFP8. "
+            f"Load it with another implementation and convert its experts: quantize_(model, MXFP8MoEConfig(), "
+            f"filter_fn=lambda mod, fqn: fqn.endswith('.experts'))")
+
+
+def _refuse_models_off_the_interface() -> None:
+    """transformers validates an experts implementation name at load (and in ``set_experts_implementation``) by
+    ``PreTrainedModel.get_correct_experts_implementation``, which accepts any registered name for any model, and
+    checks only ``"grouped_mm"`` against the model (``_grouped_mm_can_dispatch``: its class's modeling module
+    must use ``@use_experts_implementation``). A model off the interface then keeps its own experts' forward: it
+    loads with ``"moe_quant_mxfp8"`` and runs nothing in MXFP8. This adds the same check for this name (the
+    model raises ``ValueError`` naming ``quantize_``), by wrapping that method once."""
+    from transformers import PreTrainedModel
+
+    current = PreTrainedModel.get_correct_experts_implementation
+    if getattr(current, _CHECKS_INTERFACE, False):
+        return
+
+    @functools.wraps(current)
+    def get_correct_experts_implementation(self, requested_experts):
+        if requested_experts == IMPLEMENTATION and not self._can_set_experts_implementation():
+            raise ValueError(off_interface_message(type(self)))
+        return current(self, requested_experts)
+
+    setattr(get_correct_experts_implementation, _CHECKS_INTERFACE, True)
+    PreTrainedModel.get_correct_experts_implementation = get_correct_experts_implementation
 
 
 def _configs(config) -> dict:
