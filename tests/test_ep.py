@@ -96,6 +96,18 @@ CASES_2.update({
     "fp32_bf16_experts_sync_free_chunks": ("check_dtype", {**FP32_BF16, "experts_per_rank": 4, "capacity_factor": 8.0,
                                                            "chunks": 2, "tokens": (23, 50), "seed": 22}),
 })
+# activation checkpointing around the EP block (issue 55 items 2 and 3): the recompute runs the exchanges and the
+# MXFP8 experts again, every transport
+CHUNKED = {**ROUTER, "experts_per_rank": 4, "tokens": (23, 50), "seed": 23}
+CASES_2.update({
+    "ckpt_reentrant": ("checkpointed", {"case": ROUTER, "how": "reentrant"}),
+    "ckpt_non_reentrant": ("checkpointed", {"case": ROUTER, "how": "non_reentrant"}),
+    "ckpt_sac": ("checkpointed", {"case": ROUTER, "how": "sac"}),
+    "ckpt_p2p_chunks": ("checkpointed", {"case": {**CHUNKED, "transport": "p2p", "chunks": 2},
+                                         "how": "non_reentrant"}),
+    "ckpt_sync_free_chunks": ("checkpointed", {"case": {**CHUNKED, "capacity_factor": 8.0, "chunks": 2},
+                                               "how": "reentrant"}),
+})
 CASES_4 = {
     "mxfp8_uneven": ("check", {**ROUTER, "tokens": (40, 17, 0, 33), "seed": 1}),
     "one_rank": ("check", {**ROUTER, "routing": "one_rank", "tokens": (10, 20, 5, 0), "seed": 2}),
@@ -405,3 +417,14 @@ def test_host_reads_the_counts_after_queuing_the_sort_and_the_quantization(wire,
         mxfp8 = wire == "mxfp8"
         dispatch = ["exchange", "sort"] + ["quantize"] * mxfp8 + ["read", "exchange"] + ["exchange"] * mxfp8
         assert seen == dispatch + ["route", "exchange"], seen
+
+
+@pytest.mark.parametrize("case", ["ckpt_reentrant", "ckpt_non_reentrant", "ckpt_sac", "ckpt_p2p_chunks",
+                                  "ckpt_sync_free_chunks"])
+def test_activation_checkpointing_recomputes_the_same_mxfp8_block(case, ep2):
+    """torch.utils.checkpoint around the EP block (reentrant, non-reentrant, selective): the recompute runs the
+    exchanges and the converted experts again, in MXFP8 (one more fused block call per range), and the output,
+    the input gradient and every weight gradient equal the run without checkpointing, bit for bit."""
+    for r in ep2[case]:
+        assert r["blocks"] >= 1 and r["blocks_checkpointed"] == 2 * r["blocks"], r
+        assert all(r["equal"]), r
