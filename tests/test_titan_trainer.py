@@ -175,8 +175,8 @@ def test_config_functions_and_the_moe_quant_section(monkeypatch, capsys):
                AllToAllTokenDispatcher.Config for r in routed(bf16))
     conv = parse("deepseek_v3_16b_converted", "--moe_quant.layers", "3", "--parallelism.expert_parallel_degree", "4")
     assert len(conv.model_spec.model.layers) == 3 and len(routed(conv)) == 2
-    assert all(type(r.inner_experts)._mxfp8_parent is GroupedExperts.Config and type(r.token_dispatcher) is
-               AllToAllTokenDispatcher.Config for r in routed(conv))
+    assert all(type(r)._mxfp8_parent is RoutedExperts.Config and type(r.inner_experts) is GroupedExperts.Config and
+               type(r.token_dispatcher) is AllToAllTokenDispatcher.Config for r in routed(conv))
     free = parse("deepseek_v3_debug_mxfp8_sync_free", "--training.seq_len", "64")
     (d,) = [r.token_dispatcher for r in routed(free)]
     assert type(d) is dispatcher_config_class() and (d.capacity_factor, d.max_tokens) == (2.0, 2 * 64)
