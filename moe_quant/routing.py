@@ -6,7 +6,7 @@ EP block to be bit-identical to the single-process one. The arithmetic is torcht
 ``LocalTokenDispatcher`` / ``AllToAllTokenDispatcher``): the sort is its ``_local_reorder`` and the
 combine scales each expert output row by its routing score in fp32, rounds to the output's dtype and
 sums each token's rows as ``scatter_add`` on the CPU does (``tests/test_routing.py`` compares the two bit for bit,
-gradients included), in one order on every device.
+gradients included), in one order on every device (deterministic for any top-k).
 """
 
 from __future__ import annotations
@@ -68,17 +68,19 @@ def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 def sum_topk_rows(rows: torch.Tensor, token_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``(num_tokens, D)``: each token's rows of ``rows (T*K, D)`` (in sorted order; ``token_idx`` their tokens,
-    each token K times) summed in one order on every device and run: in sorted (expert) order, accumulated in
-    fp32 and rounded once to ``rows``' dtype -- the sum the CPU's ``scatter_add`` into zeros computes. CUDA's
-    ``scatter_add`` adds a token's rows in whatever order its atomics meet (bf16 rounded at every add), so for
-    top-k > 2 its bits vary from run to run. No host read: K is ``rows.shape[0] // num_tokens``."""
+    each token K times) summed in one order on every device and run: in sorted (expert) order, one row after the
+    other, accumulated in fp32 from zero and rounded once to ``rows``' dtype -- the sum the CPU's ``scatter_add`` into
+    zeros computes, its bits. CUDA's ``scatter_add`` adds a token's rows in whatever order its atomics meet (bf16
+    rounded at each add), so for top-k > 2 its bits varied from run to run; a reduction kernel (``sum`` over K) has
+    an order of its own, which differs with the layout. Here: a gather and K elementwise adds. No host read: K is
+    ``rows.shape[0] // num_tokens``."""
     if num_tokens == 0:  # no rows either: themselves (the graph stays connected: EP ranks with no tokens)
         return rows
     by_token = torch.argsort(token_idx, stable=True)  # each token's rows together, still in sorted order
-    parts = rows[by_token].view(num_tokens, -1, rows.shape[-1]).unbind(1)
-    acc = torch.zeros((num_tokens, rows.shape[-1]), dtype=torch.float32, device=rows.device)
-    for part in parts:  # K adds: unbind's backward stacks the K gradients once
-        acc = acc + part  # fp32 + rows' dtype: each element widened as it is read
+    parts = rows[by_token].view(num_tokens, -1, rows.shape[-1]).unbind(1)  # unbind's backward: one stack
+    acc = parts[0].to(torch.float32) + 0.0  # + 0.0: from zero, as into zeros (-0.0 rows give +0.0)
+    for part in parts[1:]:
+        acc.add_(part)  # fp32 += rows' dtype: each element widened as it is read
     return acc.to(rows.dtype)
 
 

@@ -188,8 +188,8 @@ def _atomic_scatter_add(monkeypatch):
 @given(t=st.integers(1, 30), k=st.integers(3, 8), seed=st.integers(0, 2**16))
 def test_topk_sum_does_not_depend_on_the_order_of_the_adds(t, k, seed):
     """The reference block's (and moe_quant's EP dispatcher's) sum of a token's top-k rows has one order on every
-    device and run: the rows in sorted (expert) order, accumulated in fp32 and rounded once to the rows' dtype, as
-    the CPU's ``scatter_add`` sums (issue 55: ``Tensor.scatter_add`` on CUDA adds in no fixed order, so for top-k > 2 the
+    run: the rows in sorted (expert) order one after the other, accumulated in fp32, rounded once to the rows' dtype
+    (the bits of the CPU's ``scatter_add``) (issue 55: ``Tensor.scatter_add`` on CUDA adds in no fixed order, so for top-k > 2 the
     reference's bits varied from run to run). Emulated on the CPU: a ``scatter_add`` that adds in another order
     does not change the combine."""
     with pytest.MonkeyPatch.context() as monkeypatch:
@@ -216,7 +216,8 @@ def test_another_order_of_the_adds_changes_the_bits(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_topk_sum_on_cuda_is_the_cpus_every_run(dtype):
-    """On CUDA the combine of a top-8 routing gives the CPU's bits, run after run (forward and both gradients)."""
+    """On CUDA the combine of a top-8 routing (DeepSeek-V3's top-k) gives the CPU's bits, run after run: output and
+    both gradients (``Tensor.scatter_add``'s atomics did not)."""
     t, k, d = 4096, 8, 256
     x, scores, ids = _routing(t, k, 64, d, dtype, 0)
     scores = scores.float().detach()
