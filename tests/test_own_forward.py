@@ -436,3 +436,20 @@ def test_checkpoint_inside_the_forward_recomputes_in_mxfp8(cls, reentrant, mxfp8
     got = run(mod, x)
     assert len(mxfp8_calls) == 6 and not fallback_counts()  # three in forward, three in the recompute
     assert_same(got, oracle(plain, x))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_around_the_module_recomputes_in_mxfp8(reentrant, mxfp8_calls):
+    """A checkpoint around the converted module (as transformers' and torchtitan's activation checkpointing wrap
+    whole layers): its recompute calls the converted forward again, in MXFP8; no backward routing is needed."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    plain = OwnExperts().to(torch.bfloat16)
+    mod = convert(copy.deepcopy(plain), MXFP8MoEConfig())
+    x = batch()
+    out = checkpoint(mod, x, COUNTS, use_reentrant=reentrant)
+    out.float().square().sum().backward()
+    got = out.detach(), x.grad, {n: p.grad for n, p in mod.named_parameters()}
+    assert len(mxfp8_calls) == 6 and not fallback_counts()
+    assert_same(got, oracle(plain, x))
