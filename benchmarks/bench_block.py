@@ -1,23 +1,31 @@
 """The SwiGLU expert block fwd+bwd: bf16 vs unfused MXFP8 (three ``mxfp8_grouped_mm`` calls) vs fused MXFP8
 (``mxfp8_swiglu_experts``), each MXFP8 path also with its weights quantized once per optimizer step
-(``+reuse``), ratios to bf16 taken in interleaved rounds, and peak memory.
+(``+reuse``), eager and compiled, ratios to bf16 taken in interleaved rounds, and memory: the peak of a step and
+what the forward keeps for the backward.
 
-    python -m benchmarks.bench_block [--shapes dsv3,llama4] [--m 16384,131072] [--experts 8] [--rounds 5]
+    python -m benchmarks.bench_block [--shapes dsv3,llama4,ds16b] [--m 16384,131072] [--experts 8] [--rounds 5]
         [--variants bf16,unfused,fused,unfused+reuse,fused+reuse,bf16-w13,unfused-w13,fused-w13,fused-w13+reuse]
-        [--micro-batches 4] [--json PATH]
+        [--modes eager,compiled] [--x routed|held] [--micro-batches 4] [--json PATH]
         [--device cpu --tiny]
 
 ``bf16-w13``, ``unfused-w13`` (``swiglu_experts_w13_unfused``: transformers' experts converted per GEMM),
 ``fused-w13`` (``mxfp8_swiglu_experts_w13``) and ``fused-w13+reuse`` are the same block with the gate and up
-weights one ``(E, 2H, D)`` weight (transformers' experts); their ratio is to ``bf16-w13``.
+weights one ``(E, 2H, D)`` weight (transformers' experts); their ratio is to ``bf16-w13``. ``fused+reuse-bf16``
+(not in the default list): the reuse scope holding the emulated GEMM's dequantized bf16 weight operands
+(``hold="bf16"``) instead of their fp8 form.
 
 Shapes: ``dsv3`` D = 7168, H = 2048 (w1/w3 ``(E, 2048, 7168)``, i.e. w13 ``(E, 4096, 7168)``; w2
 ``(E, 7168, 2048)``); ``llama4`` D = 5120, H = 8192; ``qwen3`` D = 2048, H = 768 (Qwen3-30B-A3B's experts, with
-``--experts 128``). Tokens split evenly over the experts (bf16's grouped
-GEMM backward wants groups that are multiples of 8). One step: ``y = block(x, w1, w3, w2, offs)``,
-``y.backward(grad)``, gradients dropped. Each round times every variant once (``do_bench`` median), so
+``--experts 128``); ``ds16b`` D = 2048, H = 1408 (DeepSeek-V3 16B's, torchtitan's trainer; ``--experts 64``).
+Tokens split evenly over the experts (bf16's grouped GEMM backward wants groups that are multiples of 8). One
+step: ``y = block(x, w1, w3, w2, offs)``, ``y.backward(grad)``, gradients dropped. ``--x routed`` (default): the
+block gets a fresh copy of x each step, which only the block holds (as every MoE's experts get the gather of its
+tokens), so what a variant keeps of x is counted; ``--x held``: x itself, which the caller holds anyway.
+``--modes compiled``: the block function under ``torch.compile(fullgraph=True)`` (not the ``+reuse`` variants:
+a scope never serves a compiled graph). Each round times every variant once (``do_bench`` median), so
 clock and thermal drift hit all variants alike; the table shows the median over rounds, the ratio to
-bf16 (median of the per-round ratios) and the peak memory one step allocates above its inputs.
+bf16 in the same mode (median of the per-round ratios), the peak memory one step allocates above its inputs
+and what stays allocated from its forward to its backward besides the output (``kept``).
 A ``+reuse`` step is ``--micro-batches`` such fwd+bwd passes inside one
 :func:`moe_quant.reuse_quantized_weights` scope (the weights quantized on the first, reused by the others;
 gradients dropped after each pass as in the other variants): its ms is per micro-batch, the step's time
@@ -39,8 +47,8 @@ from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_ta
 from moe_quant import (cli, mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13, reuse_quantized_weights, swiglu_experts_unfused,
                        swiglu_experts_w13_unfused)
 
-SHAPES = {"dsv3": (7168, 2048), "llama4": (5120, 8192), "qwen3": (2048, 768)}  # (D, H)
-TINY_SHAPES = {"dsv3": (256, 64), "llama4": (128, 256), "qwen3": (64, 96)}
+SHAPES = {"dsv3": (7168, 2048), "llama4": (5120, 8192), "qwen3": (2048, 768), "ds16b": (2048, 1408)}  # (D, H)
+TINY_SHAPES = {"dsv3": (256, 64), "llama4": (128, 256), "qwen3": (64, 96), "ds16b": (64, 64)}
 GIB = 1 << 30
 
 
@@ -61,7 +69,22 @@ VARIANTS = {"bf16": bf16_block, "unfused": swiglu_experts_unfused, "fused": mxfp
             "unfused+reuse": swiglu_experts_unfused, "fused+reuse": mxfp8_swiglu_experts,
             # the same block with w13 = [w1; w3] one (E, 2H, D) weight; compared with bf16-w13
             "bf16-w13": bf16_block_w13, "unfused-w13": swiglu_experts_w13_unfused, "fused-w13": mxfp8_swiglu_experts_w13,
-            "fused-w13+reuse": mxfp8_swiglu_experts_w13}
+            "fused-w13+reuse": mxfp8_swiglu_experts_w13, "fused+reuse-bf16": mxfp8_swiglu_experts}
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "fused+reuse-bf16"]
+MODES = ("eager", "compiled")
+
+
+class Routed(torch.autograd.Function):
+    """A fresh copy of x that only the block holds (a MoE's gather of its tokens); its backward hands the gradient
+    on without a pass."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def baseline_of(variant: str) -> str:
@@ -80,13 +103,14 @@ def make_inputs(m, d, h, e, device):
     return x, w1, w3, w2, offs, gy, w13
 
 
-def step_fn(fn, x, w1, w3, w2, offs, gy, w13, micro_batches: int = 1, concatenated: bool = False):
-    """One fwd+bwd; with ``micro_batches`` > 1 that many inside one reuse scope (weights quantized once).
-    ``concatenated``: ``fn(x, w13, w2, offs)``."""
+def step_fn(fn, x, w1, w3, w2, offs, gy, w13, micro_batches: int = 1, concatenated: bool = False,
+            routed: bool = False, hold: str = "fp8"):
+    """One fwd+bwd; with ``micro_batches`` > 1 that many inside one reuse scope (weights quantized once, held as
+    ``hold``). ``concatenated``: ``fn(x, w13, w2, offs)``; ``routed``: the block gets :class:`Routed` x."""
     weights = (w13, w2) if concatenated else (w1, w3, w2)
 
     def one():
-        y = fn(x, *weights, offs)
+        y = fn(Routed.apply(x) if routed else x, *weights, offs)
         y.backward(gy)
         for t in (x, *weights):
             t.grad = None
@@ -95,15 +119,34 @@ def step_fn(fn, x, w1, w3, w2, offs, gy, w13, micro_batches: int = 1, concatenat
         return one
 
     def step():
-        with reuse_quantized_weights(weights):
+        with (reuse_quantized_weights(weights) if hold == "fp8" else reuse_quantized_weights(weights, hold=hold)):
             for _ in range(micro_batches):
                 one()
 
     return step
 
 
+def kept_bytes(fn, x, w1, w3, w2, offs, gy, w13, concatenated: bool = False, routed: bool = False, device="cuda"):
+    """CUDA bytes a forward leaves allocated for its backward besides its output (None on other devices)."""
+    if torch.device(device).type != "cuda":
+        return None
+    weights = (w13, w2) if concatenated else (w1, w3, w2)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    y = fn(Routed.apply(x) if routed else x, *weights, offs)
+    torch.cuda.synchronize(device)
+    kept = torch.cuda.memory_allocated(device) - before - y.untyped_storage().nbytes()
+    del y
+    return kept
+
+
 def micro_batches_of(variant: str, micro_batches: int) -> int:
-    return micro_batches if variant.endswith("+reuse") else 1
+    return micro_batches if "+reuse" in variant else 1
+
+
+def compiled(fn):
+    """The block function as ``torch.compile(fullgraph=True)`` traces it (inductor on CUDA, aot_eager elsewhere)."""
+    return torch.compile(fn, fullgraph=True, backend="inductor" if torch.cuda.is_available() else "aot_eager")
 
 
 def main(argv=None) -> int:
@@ -112,7 +155,11 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=cli.positive_int_list, default=None, help="tokens per step (default 16384,131072)")
     p.add_argument("--experts", type=cli.positive_int, default=8)
     p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds")
-    p.add_argument("--variants", type=cli.comma_choices(*VARIANTS), default=list(VARIANTS))
+    p.add_argument("--variants", type=cli.comma_choices(*VARIANTS), default=DEFAULT_VARIANTS)
+    p.add_argument("--modes", type=cli.comma_choices(*MODES), default=["eager"],
+                   help="eager and/or compiled (torch.compile(fullgraph=True) of the block; not the +reuse variants)")
+    p.add_argument("--x", choices=["routed", "held"], default="routed",
+                   help="routed: a fresh copy of x each step that only the block holds (as in a MoE); held: x itself")
     p.add_argument("--micro-batches", type=cli.positive_int, default=4,
                    help="fwd+bwd passes per step of the +reuse variants (weights quantized once per step)")
     p.add_argument("--json", type=cli.writable_file, default=None, help="write every measured number to this file")
@@ -122,35 +169,44 @@ def main(argv=None) -> int:
     device = cli.exit_unless_device_runs(p, args.device)
     shapes = TINY_SHAPES if args.tiny else SHAPES
     ms_list = args.m or ([256, 512] if args.tiny else [16384, 131072])
-    e = args.experts
+    e, routed = args.experts, args.x == "routed"
+    runs = [(v, mode) for mode in args.modes for v in args.variants if mode == "eager" or "+reuse" not in v]
     results, rows = [], []
     for shape in args.shapes:
         d, h = shapes[shape]
         for m in ms_list:
             m = m // (8 * e) * (8 * e)  # even groups, each a multiple of 8
             inputs = make_inputs(m, d, h, e, device)
-            mbs = {v: micro_batches_of(v, args.micro_batches) for v in args.variants}
-            steps = {v: step_fn(VARIANTS[v], *inputs, micro_batches=mbs[v], concatenated="w13" in v)
-                     for v in args.variants}
-            times = {v: [] for v in steps}
+            mbs = {v: micro_batches_of(v, args.micro_batches) for v, _ in runs}
+            fns = {(v, mode): VARIANTS[v] if mode == "eager" else compiled(VARIANTS[v]) for v, mode in runs}
+            steps = {(v, mode): step_fn(fns[v, mode], *inputs, micro_batches=mbs[v], concatenated="w13" in v,
+                                        routed=routed, hold="bf16" if v.endswith("-bf16") else "fp8")
+                     for v, mode in runs}
+            times = {r: [] for r in steps}
             for _ in range(args.rounds):
-                for v, fn in steps.items():
-                    times[v].append(bench_ms(fn, device) / mbs[v])  # per micro-batch
-            peaks = {v: peak_memory_bytes(fn, device) for v, fn in steps.items()}
-            for v in steps:
-                base = times.get(baseline_of(v))
-                ratios = [t / b for t, b in zip(times[v], base)] if base else []
-                rec = dict(shape=shape, m=m, d=d, h=h, experts=e, variant=v, micro_batches=mbs[v],
-                           ms=statistics.median(times[v]),
-                           ms_rounds=times[v], ratio_to_bf16=statistics.median(ratios) if ratios else None,
-                           peak_bytes=peaks[v])
+                for r, fn in steps.items():
+                    times[r].append(bench_ms(fn, device) / mbs[r[0]])  # per micro-batch
+            peaks = {r: peak_memory_bytes(fn, device) for r, fn in steps.items()}
+            kept = {(v, mode): None if mbs[v] > 1 else kept_bytes(fns[v, mode], *inputs, concatenated="w13" in v,
+                                                                  routed=routed, device=device)
+                    for v, mode in runs}
+            for v, mode in steps:
+                base = times.get((baseline_of(v), mode))
+                ratios = [t / b for t, b in zip(times[v, mode], base)] if base else []
+                rec = dict(shape=shape, m=m, d=d, h=h, experts=e, variant=v, mode=mode, x=args.x,
+                           micro_batches=mbs[v], ms=statistics.median(times[v, mode]), ms_rounds=times[v, mode],
+                           ratio_to_bf16=statistics.median(ratios) if ratios else None, peak_bytes=peaks[v, mode],
+                           kept_bytes=kept[v, mode])
                 results.append(rec)
-                rows.append([shape, m, v, rec["ms"], "-" if rec["ratio_to_bf16"] is None else f"{rec['ratio_to_bf16']:.3f}x",
-                             "-" if peaks[v] is None else f"{peaks[v] / GIB:.2f}"])
-            del inputs, steps
+                gib = lambda b: "-" if b is None else f"{b / GIB:.2f}"  # noqa: E731
+                rows.append([shape, m, v, mode, rec["ms"],
+                             "-" if rec["ratio_to_bf16"] is None else f"{rec['ratio_to_bf16']:.3f}x",
+                             gib(peaks[v, mode]), gib(kept[v, mode])])
+            del inputs, steps, fns
     print_table(f"SwiGLU expert block fwd+bwd on {device_name() if device.type == 'cuda' else 'cpu'} "
-                f"({args.rounds} interleaved rounds, E={e})",
-                ["shape", "M", "variant", "ms", "vs bf16", "peak GiB"], rows)
+                f"({args.rounds} interleaved rounds, E={e}, x {args.x}; peak: above the inputs, kept: from forward "
+                f"to backward besides the output)",
+                ["shape", "M", "variant", "mode", "ms", "vs bf16", "peak GiB", "kept GiB"], rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,

@@ -4,7 +4,7 @@
 
 Why. The EP goal at a slower wire (50 GB/s per GPU, a 400 Gb/s inter-node link) has to be measured on one
 machine of NVLinked GPUs. Holding NCCL to a few channels (``NCCL_MAX_NCHANNELS``) slows it, but not alike for
-every form of exchange: with 4 channels on 2 H200s (NCCL 2.28.9, ``scripts/p2p_probe.py``) a point-to-point op
+every form of exchange: with 4 channels on 2 H200s (NCCL 2.28.9, ``scripts/probes/p2p_probe.py``) a point-to-point op
 of at most 32 MB moved about 40 GB/s and a larger one about 80 GB/s, and an ``all_to_all_single`` (its own block
 copied through the same channels) 56 GB/s. A transport that sends smaller or larger messages then gets another
 wire. Here NCCL runs at full NVLink speed and each exchange is held until its bytes would have crossed a wire of

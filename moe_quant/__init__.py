@@ -16,12 +16,11 @@ Public API:
   :func:`quantize_colwise_k_groups`, :func:`quantize_3d` (kernels where available).
 * Reuse of quantized weights across the micro-batches of one optimizer step:
   :func:`reuse_quantized_weights` (:mod:`moe_quant.reuse`).
-* Model conversion (:mod:`moe_quant.conversion`): :class:`MXFP8MoEConfig` for torchao's ``quantize_``,
-  :func:`unconvert`, :func:`fallback_counts`, :func:`register_experts_implementation` (transformers'
+* Model conversion (:mod:`moe_quant.conversion`): :func:`convert` (``convert(model, config, filter_fn=...)``:
+  converts the matched experts modules through torchao's ``quantize_``, returns them by name, raises when none
+  converted), :class:`MXFP8MoEConfig` for torchao's ``quantize_``, :func:`unconvert`, :func:`fallback_counts`, :func:`register_experts_implementation` (transformers'
   experts interface); a reference MoE block in :mod:`moe_quant.moe`.
 """
-
-import sys as _sys
 
 from .autograd import (
     mxfp8_grouped_mm,
@@ -38,6 +37,7 @@ from .conversion import (
     reset_fallback_counts,
     unconvert,
 )
+from .conversion.model import convert
 from .layouts import (
     blocked_offset,
     from_blocked,
@@ -60,16 +60,17 @@ from .quantize import (
 from .reference import from_mxfp8, to_mxfp8
 from .reuse import reuse_quantized_weights
 
-if "transformers" in _sys.modules:  # transformers imported first: its experts interface gets moe_quant now
-    from .conversion import hf as _hf
+from .conversion import hf as _hf
 
-    if _hf.transformers_version_problem() is None:  # else register_experts_implementation() says why
-        register_experts_implementation()
+# "moe_quant_mxfp8" in transformers' experts interface: now if transformers is imported, else when it is (an import
+# hook; transformers is not imported here)
+_hf.register_when_imported()
 
 __all__ = [
     "BLOCK_SIZE",
     "GemmBackend",
     "MXFP8MoEConfig",
+    "convert",
     "fallback_counts",
     "register_experts_implementation",
     "reset_fallback_counts",

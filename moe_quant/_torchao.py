@@ -68,7 +68,23 @@ else:
 with _ctx:
     import torchao  # noqa: F401
     from torchao.core.config import AOBaseConfig
+    from torchao.quantization import quant_api as _quant_api
     from torchao.quantization import quantize_
     from torchao.quantization.transform_module import register_quantize_module_handler
 
-__all__ = ["AOBaseConfig", "quantize_", "register_quantize_module_handler"]
+
+def default_filter_match(frame) -> str | None:
+    """If ``frame`` is ``quantize_``'s call of a config handler on a module that torchao's default filter matched
+    (``filter_fn`` omitted or None: every ``nn.Linear``), that module's fqn ("" for the model); else None.
+
+    ``quantize_`` hands the handler the module and the config, not the filter: the filter is a local of the frame
+    that calls the handler (torchao 0.18's ``_replace_with_custom_fn_if_matches_filter``)."""
+    if frame is None or frame.f_code is not _quant_api._replace_with_custom_fn_if_matches_filter.__code__:
+        return None
+    local = frame.f_locals
+    if local.get("filter_fn") is not _quant_api._is_linear:
+        return None
+    return local.get("cur_fqn", "")[:-1]
+
+
+__all__ = ["AOBaseConfig", "default_filter_match", "quantize_", "register_quantize_module_handler"]

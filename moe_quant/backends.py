@@ -3,7 +3,8 @@
 Two independent choices:
 
 * quantization: the CuTe-DSL kernels on CUDA devices of compute capability 9.0+ when
-  ``nvidia-cutlass-dsl`` imports; the pure-PyTorch reference everywhere else.
+  ``nvidia-cutlass-dsl`` imports; the pure-PyTorch reference everywhere else (on a 9.0+ device without
+  cutlass-dsl a warning once says so, with the pip line).
 * GEMM: ``"scaled"`` (``torch._scaled_grouped_mm`` with e8m0 blocked scales, SM100+ only)
   or ``"emulated"`` (dequantize to bf16, ``torch._grouped_mm``; any device).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 
 import torch
@@ -49,9 +51,42 @@ def importable(module: str, disable_env: str) -> bool:
     return True
 
 
+DISABLE_KERNELS = "MOE_QUANT_DISABLE_KERNELS"
+KERNELS_PIP = "pip install 'nvidia-cutlass-dsl>=4.8,<4.9' 'apache-tvm-ffi>=0.1.15,<0.2'"  # pyproject.toml's pins
+logger = logging.getLogger("moe_quant")
+
+
 @functools.lru_cache(maxsize=None)
 def _cutedsl_importable() -> bool:
-    return importable("cutlass.cute", "MOE_QUANT_DISABLE_KERNELS")
+    return importable("cutlass.cute", DISABLE_KERNELS)
+
+
+def cutedsl_import_error() -> str | None:
+    """Why ``cutlass.cute`` does not import (None if it does)."""
+    try:
+        importlib.import_module("cutlass.cute")
+    except Exception as e:  # noqa: BLE001 -- any failure means no kernels; the message says which
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+_SAID_NO_KERNELS: list = []  # the warning below, once per process
+
+
+@torch._dynamo.assume_constant_result
+def _say_no_kernels() -> bool:
+    """A device that the kernels serve (Hopper or newer) runs the reference quantizers because nvidia-cutlass-dsl
+    does not import: say so once, with the pip line, unless ``MOE_QUANT_DISABLE_KERNELS=1`` chose the reference.
+    Runs in Python while Dynamo traces (no graph break)."""
+    if not _SAID_NO_KERNELS and os.environ.get(DISABLE_KERNELS, "0") != "1":
+        _SAID_NO_KERNELS.append(True)
+        logger.warning(
+            "moe_quant: this GPU (compute capability 9.0 or newer) could run moe_quant's CuTe-DSL quantization "
+            "kernels, but nvidia-cutlass-dsl does not import (%s), so the plain-PyTorch reference quantizes instead: "
+            "the same bits, slower. Install the kernels: %s (or pip install -e '.[kernels]'); "
+            "%s=1 chooses the reference and silences this. (Logged once.)",
+            cutedsl_import_error(), KERNELS_PIP, DISABLE_KERNELS)
+    return True
 
 
 @torch._dynamo.assume_constant_result
@@ -89,12 +124,18 @@ _KERNELS_ON: dict = {}  # device -> use_quant_kernels' answer (capability and cu
 
 
 def use_quant_kernels(x: torch.Tensor) -> bool:
-    """True where the CuTe-DSL quantization kernels serve ``x`` (Hopper or newer, cutlass-dsl present)."""
+    """True where the CuTe-DSL quantization kernels serve ``x`` (Hopper or newer, cutlass-dsl present). A Hopper or
+    newer device without cutlass-dsl logs a warning once (the pip line), unless ``MOE_QUANT_DISABLE_KERNELS=1``."""
     device = x.device
 
     def compute():
         cap = device_capability(device)
-        return cap is not None and cap >= (9, 0) and cutedsl_importable()
+        if cap is None or cap < (9, 0):
+            return False
+        if cutedsl_importable():
+            return True
+        _say_no_kernels()
+        return False
 
     return cached_unless_tracing(_KERNELS_ON, device, _cacheable(device), compute)
 

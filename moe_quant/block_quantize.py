@@ -4,12 +4,15 @@ Each pass reads its inputs once and writes every MXFP8 form the block's GEMMs ne
 that point:
 
 * :func:`rowwise` -- ``x`` (forward): its rowwise 1x32 form (the fwd operand of w1 and w3, made once for
-  both; where ``x`` arrived in MXFP8 -- expert parallelism's wire -- the received form, no pass); :func:`colwise` -- ``x`` again (backward): its colwise 32x1 K-groups form (their wgrad operand).
-  ``x`` is saved by reference, as the bf16 block saves it, rather than a quantized copy of it.
+  both; where ``x`` arrived in MXFP8 -- expert parallelism's wire -- the received form, no pass);
+  :func:`colwise_kept` -- ``x`` again (forward): its colwise 32x1 K-groups form (their wgrad operand) in fp8 and
+  scales, which the block keeps for the backward instead of ``x`` (:func:`colwise_operand` reads it back into
+  the GEMM's form there).
 * :func:`dual` -- ``grad_out`` (backward): the rowwise 1x32 form (dgrad operand) and the colwise 32x1
   K-groups form (wgrad operand); where it arrived in MXFP8, the received rowwise form and one colwise pass.
 * :func:`swiglu` -- ``h = silu(a) * b`` computed and quantized in both forms (w2's forward operand and
-  w2's wgrad operand); ``h`` itself is never written.
+  w2's wgrad operand); ``h`` itself is never written. :func:`swiglu_colwise` -- the same in the backward, for
+  w2's wgrad operand alone (the block keeps ``a`` and ``b``, not h's colwise form).
 * :func:`dswiglu` -- the SwiGLU backward: ``grad_a`` and ``grad_b`` from ``grad_h``, ``a``, ``b``, each in
   both forms (w1 / w3 dgrad and wgrad operands).
 
@@ -85,9 +88,27 @@ def rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) ->
 
 
 def colwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
-    """``x``'s colwise 32x1 K-groups form alone (one pass): w1's and w3's wgrad operand, made in the
-    backward from ``x``, so that no quantized copy of ``x`` lives from forward to backward."""
+    """``x``'s colwise 32x1 K-groups form alone (one pass), as the GEMM takes it."""
     return _colwise_form(x, mode, offs, fake)
+
+
+def colwise_kept(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
+    """``x``'s colwise 32x1 K-groups form in its narrowest exact form (one pass; fp8 data and e8m0 scales,
+    ``R + R/32`` bytes per padded row): what the block keeps of ``x`` from forward to backward for w1's and w3's
+    weight gradients, instead of ``x`` itself (``2 R`` bytes a row, or 4 in fp32). The scaled GEMM's form
+    ``(data_t (R, Mp) e4m3, K-groups blocked scales, poffs)``; for the emulated GEMM ``(data_t, plain scales
+    (R, Mp/32), poffs)``, which :func:`colwise_operand` dequantizes when the GEMM runs."""
+    return tuple((q.colwise_k_groups_plain if fake else q.colwise_k_groups)(x, offs, mode))
+
+
+def colwise_operand(kept: tuple, fake: bool) -> tuple:
+    """The colwise form the GEMM takes, from :func:`colwise_kept`'s: the scaled GEMM's is the kept one; the emulated
+    GEMM's ``(values_t (R, Mp) bf16, poffs)`` is its dequantization, made now (one pass over the fp8 bytes) and
+    freed by the caller once the GEMMs read it: the same values as :func:`colwise` of ``x``, bit for bit."""
+    if not fake:
+        return kept
+    data_t, scales, poffs = kept
+    return q.dequantize_rows(data_t, scales, torch.bfloat16), poffs
 
 
 def _colwise_form(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
@@ -119,6 +140,15 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor
 
         return _kernel_forms(ops_block.block_swiglu(a, b, mode, offs, fake), fake)[0]
     return _separate_forms(reference.swiglu(a, b), mode, offs, fake)
+
+
+def swiglu_colwise(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
+    """The colwise form of ``h = silu(a) * b`` alone (w2's wgrad operand), made again in the backward from the kept
+    ``a`` and ``b`` instead of kept from the forward: the :func:`swiglu` pass, its rowwise form dropped at once on
+    the kernels (no colwise-only variant yet), not made on the reference."""
+    if _kernels_serve(a, b):
+        return swiglu(a, b, mode, offs, fake)[1]
+    return _colwise_form(reference.swiglu(a, b), mode, offs, fake)
 
 
 def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor,

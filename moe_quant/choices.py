@@ -14,8 +14,9 @@ class Choice(str, enum.Enum):
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
+            # the value table Enum keeps (``cls(text)`` looks it up too, through EnumMeta.__call__: a few µs of
+            # host time per call, and every quantize call parses its mode)
+            member = cls._value2member_map_.get(value.lower())
+            if member is not None:
+                return member
         raise ValueError(f"{argname or cls.__argname__} must be one of {[m.value for m in cls]}, got {value!r}")

@@ -395,6 +395,12 @@ def from_blocked_k_groups(blocked: torch.Tensor, offs: torch.Tensor, rows: int, 
         k_groups_blocked_shape(rows, m, offs.numel()),
         f"the K-groups layout of rows={rows}, m={m}, G={offs.numel()}",
     )
+    return unblock_k_groups(blocked, offs, rows, m)
+
+
+def unblock_k_groups(blocked: torch.Tensor, offs: torch.Tensor, rows: int, m: int) -> torch.Tensor:
+    """:func:`from_blocked_k_groups` of checked arguments (``offs`` sanitized int32 on ``blocked``'s device): device
+    ops only, no host read (the block keeps x's colwise scales plain for the emulated GEMM's dequantization)."""
     b = _as_bytes(blocked).reshape(-1)
     n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
     if offs.numel() == 0:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from . import backends, reference
+from . import backends, layouts, reference
 from . import validation as v
-from .numerics import BLOCK_SIZE, ScaleMode
+from .numerics import BLOCK_SIZE, ScaleMode, dequantize_blocks
 
 
 def _kernels_serve(x: torch.Tensor, *dims: int) -> bool:
@@ -84,6 +84,29 @@ def fake_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode, 
     if _kernels_serve(x, 1):
         return _ops().run_fake_quantize_32x1_k_groups(x.contiguous(), mode.value, offs, out_dtype)
     return reference.fake_quantize_colwise_k_groups(x, offs, mode, out_dtype)
+
+
+def colwise_k_groups_plain(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode):
+    """:func:`colwise_k_groups` with the scales plain, ``(data_t (R, Mp), scales (R, Mp/32) e8m0, padded_offs)``
+    (:func:`moe_quant.reference.quantize_colwise_k_groups_plain`): the form :func:`dequantize_rows` reads back
+    into the emulated GEMM's colwise operand. On the kernels the 32x1 kernel's blocked scales, unblocked."""
+    if _kernels_serve(x, 1):
+        data_t, blocked, padded_offs = _ops().run_quantize_32x1_k_groups(x.contiguous(), mode.value, offs)
+        return data_t, layouts.unblock_k_groups(blocked, offs, x.shape[1], x.shape[0]), padded_offs
+    return reference.quantize_colwise_k_groups_plain(x, offs, mode)
+
+
+def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``dequantize_blocks(data, scales, out_dtype)`` (blocks of 32 along the last dim, plain scales): on SM90+ one
+    pass of the permute kernel with a single (rank, expert) block (its ``"dequant"`` output, byte-identical to
+    ``dequantize_blocks``), where the reference is several elementwise passes over fp32 copies; the reference
+    elsewhere. ``data (M, K)`` e4m3, ``scales (M, K / 32)`` e8m0 (or its bytes), both contiguous."""
+    if backends.use_quant_kernels(data):
+        from .kernels.permute import ops as ops_permute
+
+        counts = torch.full((1, 1), data.shape[0], dtype=torch.int32, device=data.device)
+        return ops_permute.permute_mxfp8(data.contiguous(), scales.contiguous(), counts, "dequant", out_dtype)[0]
+    return dequantize_blocks(data, scales.view(torch.uint8), out_dtype)
 
 
 def fake_quantize_rowwise(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16):

@@ -100,10 +100,15 @@ def quantize_colwise_k_groups(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMo
     at a multiple of 32 and the gaps are zero, so no block mixes two groups.
     """
     m = x.shape[0]
-    xp_t = pad_token_groups(x, offs).t()
-    data_t, scale = quantize_blocks(xp_t, mode)
-    blocked = layouts.to_blocked_k_groups(scale, offs, m)
-    return data_t, blocked.view(E8M0), layouts.padded_group_offsets(offs, m)
+    data_t, scale, padded_offs = quantize_colwise_k_groups_plain(x, offs, mode)
+    return data_t, layouts.to_blocked_k_groups(scale, offs, m), padded_offs
+
+
+def quantize_colwise_k_groups_plain(x: torch.Tensor, offs: torch.Tensor, mode: ScaleMode):
+    """:func:`quantize_colwise_k_groups` with the scales plain: ``(data_t (R, Mp), scales (R, Mp/32) e8m0,
+    padded_offs)``, scale column j that of padded tokens ``[32 j, 32 j + 32)`` (zero outside groups)."""
+    data_t, scale = quantize_blocks(pad_token_groups(x, offs).t(), mode)
+    return data_t, scale.view(E8M0), layouts.padded_group_offsets(offs, x.shape[0])
 
 
 def fake_quantize_colwise_k_groups(
@@ -166,6 +171,7 @@ __all__ = [
     "pad_token_groups",
     "unpad_token_groups",
     "quantize_colwise_k_groups",
+    "quantize_colwise_k_groups_plain",
     "fake_quantize_colwise_k_groups",
     "quantize_3d",
     "fake_quantize_3d",

@@ -46,10 +46,12 @@ that a ``copy_`` on the weight undoes): swap with ``.data =``, ``copy_`` on the 
 ``load_state_dict`` instead. Nothing inside forward or backward synchronizes with the host.
 
 Costs: a fingerprint (one read of the bytes; on Hopper and newer a CuTe-DSL kernel) of each source at its
-first use and of each reused one on exit, and a few microseconds of host time per lookup. The cached
-operands stay allocated until the scope exits (two bf16 copies of each served view on the emulated GEMM,
-two fp8 copies plus scales on the scaled one), with the storage of each source (with ``.data`` swaps, also
-that of each storage swapped in).
+first use and of each reused one on exit, and a few microseconds of host time per lookup. What the scope holds
+until it exits, per served weight view: its two operands (forward: blocks along K; dgrad: blocks along N),
+each once, as fp8 data and e8m0 scales (``E N K`` + ``E N K / 32`` bytes each: plain scales for the emulated
+GEMM, which dequantizes each when a GEMM reads it, into a bf16 copy freed after; the scaled GEMM's blocked
+scales), or with ``hold="bf16"`` on the emulated GEMM as their dequantized bf16 values (``2 E N K`` bytes each,
+no pass per GEMM); and the storage of each source (with ``.data`` swaps, also that of each storage swapped in).
 """
 
 from __future__ import annotations
@@ -79,12 +81,22 @@ def current() -> tuple:
     return scopes
 
 
-def serve(scopes: tuple, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]):
+def serve(scopes: tuple, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object],
+          narrow: tuple[Callable[[], object], Callable[[object], object]] | None = None):
     """``compute()`` -- the quantized operand ``kind`` of the weight view ``W_t`` -- or the one the
-    innermost of ``scopes`` (from :func:`current`) that holds ``W_t``'s weight made from the same bytes."""
+    innermost of ``scopes`` (from :func:`current`) that holds ``W_t``'s weight made from the same bytes.
+
+    ``narrow``: ``(make, read)`` where the operand has a narrower exact form (the emulated GEMM's: fp8 data and
+    scales for its bf16 values): a scope that holds ``"fp8"`` (the default, :func:`reuse_quantized_weights`) keeps
+    ``make()`` and serves ``read(kept)``, made at each use and freed by the GEMM once read."""
     if not scopes or torch.compiler.is_compiling():  # compiled autograd traces an eager forward's backward
         return compute()
     for scope in reversed(scopes):
+        if narrow is not None and scope.hold == "fp8":
+            value = scope.operand(W_t, kind + ("fp8",), narrow[0])
+            if value is not _NOT_HERE:
+                return narrow[1](value)
+            continue
         value = scope.operand(W_t, kind, compute)
         if value is not _NOT_HERE:
             return value
@@ -122,11 +134,18 @@ class _Source:
         self.hits = 0
 
 
+HOLDS = ("fp8", "bf16")
+
+
 class Scope:
     """The operands of one scope. :func:`reuse_quantized_weights` makes one; ``activate()`` serves from it
-    on this thread without the exit check (benchmarks time the steady state with it)."""
+    on this thread without the exit check (benchmarks time the steady state with it). ``hold``: what it keeps of
+    an emulated GEMM's weight operand (see :func:`reuse_quantized_weights`)."""
 
-    def __init__(self, weights):
+    def __init__(self, weights, hold: str = "fp8"):
+        if hold not in HOLDS:
+            raise ValueError(f"hold must be one of {list(HOLDS)}, got {hold!r}")
+        self.hold = hold
         self.roots = {id(r): r for r in map(_root, weights)}
         self.served: dict = {}  # state key (all but the version) -> the _Source of its current version
         self.retired: list = []  # sources reused, then replaced at a use that saw a new version (checked on exit)
@@ -228,13 +247,21 @@ class Scope:
 
 
 @contextlib.contextmanager
-def reuse_quantized_weights(model):
+def reuse_quantized_weights(model, *, hold: str = "fp8"):
     """Quantize each expert weight of ``model`` (an ``nn.Module``, or an iterable of weight tensors for
     direct :func:`moe_quant.mxfp8_grouped_mm` calls on their views) once for all micro-batches run
     inside, on this thread; every use checks that the weight still holds the bytes its operands were
     made from (else quantizes again); on exit raise ``RuntimeError`` if a weight whose operands were
     reused changed (see the module doc). Yields the scope (its ``hits`` and ``misses`` count the weight
-    operands reused and made)."""
+    operands reused and made).
+
+    ``hold``: what the scope keeps of each weight operand of the emulated GEMM (Hopper, the CPU): ``"fp8"``
+    (default) its fp8 data and e8m0 scales (1 + 1/32 bytes an element), dequantized to bf16 when a GEMM reads it
+    and freed after (one pass over the bytes, cheaper than the quantization it saves); ``"bf16"`` the dequantized
+    operand itself (2 bytes an element, no pass per GEMM). The scaled GEMM (SM100) reads fp8 and scales itself:
+    both keep those."""
+    if hold not in HOLDS:
+        raise ValueError(f"hold must be one of {list(HOLDS)}, got {hold!r}")
     if isinstance(model, nn.Module):
         weights = list(model.parameters())
     elif isinstance(model, torch.Tensor):
@@ -246,7 +273,7 @@ def reuse_quantized_weights(model):
             raise TypeError(f"model must be an nn.Module or an iterable of tensors, got {type(model).__name__}") from None
         if not all(isinstance(w, torch.Tensor) for w in weights):
             raise TypeError("model must be an nn.Module or an iterable of tensors: found a non-tensor")
-    scope = Scope(weights)
+    scope = Scope(weights, hold)
     try:
         with scope.activate():
             yield scope

@@ -2,8 +2,8 @@
 ``permute.config`` / ``block.config``), one process.
 
     python scripts/ab_kernels.py [--family q32x1,q32x1-3d,q32x1-bf16,q32x1-3d-bf16,perm,perm-dequant,block-dual,
-        block-swiglu,block-dswiglu,block-swiglu-fp8,block-dswiglu-fp8] [--rounds 5] [--candidates NAME,...]
-        [--json PATH]
+        block-dual-fp8,block-swiglu,block-dswiglu,block-swiglu-fp8,block-dswiglu-fp8] [--rounds 5]
+        [--candidates NAME,...] [--json PATH]
 
 For each candidate: first byte-exact against the reference (every output byte, padding included: outputs
 are filled with 0xFF before the launch) on ragged, empty and garbage-offset cases; then timed through the
@@ -188,15 +188,15 @@ def perm_cases(out: str = "blocked"):
 # ----------------------------------------------------------------------------- block (swiglu, dswiglu)
 
 
-def block_family(ops: tuple | None = None, outs: tuple | None = None):
-    """Per (op, output) (default: the SwiGLU ops, both outputs): the candidates' variants (rceil,
-    ``config.candidates``) and the ops' way to put one in place."""
+def block_family(ops: tuple, outs: tuple | None = None):
+    """Per (op, output) of ``ops`` (default: both outputs): the candidates' variants (rceil, ``config.candidates``)
+    and the ops' way to put one in place."""
     from moe_quant.kernels.block import config as config_block
     from moe_quant.kernels.block import ops as ops_block
 
     return {(op, o): ({name: config_block.Variant(op, "bfloat16", "rceil", o, **kw)
                        for name, kw in config_block.candidates(op, o).items()}, ops_block.variant_in_place)
-            for op in ops or config_block.SWIGLU_OPS for o in outs or config_block.OUT_DTYPES}
+            for op in ops for o in outs or config_block.OUT_DTYPES}
 
 
 def block_check() -> bool:
@@ -259,14 +259,18 @@ FAMILIES = {
     # the SwiGLU block's ops: bf16 outputs (Hopper's emulated GEMM operands), fp8 + scales (Blackwell's)
     "block-dual": (functools.partial(block_family, ("dual",), ("bfloat16",)), block_check,
                    functools.partial(block_cases, "dual"), ("dual", "bfloat16"), []),
-    "block-swiglu": (block_family, block_check, functools.partial(block_cases, "swiglu"),
-                     ("swiglu", "bfloat16"), []),
-    "block-dswiglu": (block_family, block_check, functools.partial(block_cases, "dswiglu"),
-                      ("dswiglu", "bfloat16"), []),
-    "block-swiglu-fp8": (block_family, block_check, functools.partial(block_cases, "swiglu", "float8_e4m3fn"),
-                         ("swiglu", "float8_e4m3fn"), []),
-    "block-dswiglu-fp8": (block_family, block_check, functools.partial(block_cases, "dswiglu", "float8_e4m3fn"),
-                          ("dswiglu", "float8_e4m3fn"), []),
+    "block-dual-fp8": (functools.partial(block_family, ("dual",), ("float8_e4m3fn",)), block_check,
+                       functools.partial(block_cases, "dual", "float8_e4m3fn"), ("dual", "float8_e4m3fn"), []),
+    # each SwiGLU op's candidates in place for both its outputs (dswiglu has candidates of its own: fused-lean)
+    "block-swiglu": (functools.partial(block_family, ("swiglu",)), block_check,
+                     functools.partial(block_cases, "swiglu"), ("swiglu", "bfloat16"), []),
+    "block-dswiglu": (functools.partial(block_family, ("dswiglu",)), block_check,
+                      functools.partial(block_cases, "dswiglu"), ("dswiglu", "bfloat16"), []),
+    "block-swiglu-fp8": (functools.partial(block_family, ("swiglu",)), block_check,
+                         functools.partial(block_cases, "swiglu", "float8_e4m3fn"), ("swiglu", "float8_e4m3fn"), []),
+    "block-dswiglu-fp8": (functools.partial(block_family, ("dswiglu",)), block_check,
+                          functools.partial(block_cases, "dswiglu", "float8_e4m3fn"), ("dswiglu", "float8_e4m3fn"),
+                          []),
 }
 
 

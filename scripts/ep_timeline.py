@@ -9,7 +9,7 @@ Per row (rank 0's profiled step): the kernels; the device's idle time inside the
 the first GEMM after the first communication kernel (the experts' first GEMM: the router's comes before the
 counts exchange); and each communication kernel's start and time (a collective's time includes waiting for
 its peers). ``--list ROW`` prints that row's kernels in order, each with the gap before it. This is how the host
-ops before the dispatch exchange were found (docs/ep_performance.md, 2026-11-29). ``--peers ROW`` puts every
+ops before the dispatch exchange were found (docs/lab/ep_log.md, 2026-11-29). ``--peers ROW`` puts every
 rank's communication kernels of that row side by side on the host's wall clock (:func:`peers`): how long each
 rank's kernel waited for the last rank's, and how long the transfer had with every rank in it.
 """

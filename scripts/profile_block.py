@@ -4,9 +4,11 @@ fused MXFP8 step and one ``reuse_quantized_weights`` step of several micro-batch
     python scripts/profile_block.py [--shape dsv3|llama4] [--m 16384] [--micro-batches 4] [--top 25]
 
 GPU only (one line and exit status 2 elsewhere). Prints, per variant, the CUDA time of every kernel
-(summed over the step, divided by its micro-batches), the step's wall time between CUDA events, and the
-host (CPU) time the step's Python takes to enqueue its work (a GPU that idles while the host is behind
-shows as wall time above the kernels' sum).
+(summed over the step, divided by its micro-batches) and of each kernel family (moe_quant's quantization
+kernels by class, the GEMMs, the rest), the step's wall time between CUDA events, and the host (CPU) time
+the step's Python takes to enqueue its work (a GPU that idles while the host is behind shows as wall time
+above the kernels' sum). With ``--experts 64`` at M = 16384 (DeepSeek-V3's expert count, 256 rows per expert)
+each weight is eight times x, so the 1x32 and 32x1 rows are mostly the weights' passes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from the repository root as documented
 from benchmarks.bench_block import SHAPES, VARIANTS, make_inputs, step_fn  # noqa: E402
 from moe_quant import cli  # noqa: E402
+
+
+# moe_quant's kernel families by the class each CuTe-DSL kernel is named after (at M = 16384 with 64 experts the
+# weights' passes are the bulk of the 1x32 and 32x1 rows: each weight is as large as x)
+FAMILIES = (("quantize 1x32 (x rowwise; weights along K)", "Quantize1x32"),
+            ("quantize 32x1 (x colwise; weights along N)", "Quantize32x1"),
+            ("block passes (dual, swiglu, dswiglu)", "QuantizeBlock"), ("byte fingerprint (reuse)", "Fingerprint"))
+
+
+def kernel_family(name: str) -> str:
+    """The family a CUDA kernel's name belongs to (:data:`FAMILIES`; the GEMMs by the layer breakdown's marks,
+    ``bench_grouped_mm.GEMM_MARKS``; else "other": elementwise, copies)."""
+    from benchmarks.bench_grouped_mm import GEMM_MARKS
+
+    for fam, marker in FAMILIES:
+        if marker in name:
+            return fam
+    return "GEMMs" if any(m in name.lower() for m in GEMM_MARKS) else "other"
 
 
 def profile(fn, micro_batches: int, top: int) -> str:
@@ -42,14 +62,17 @@ def profile(fn, micro_batches: int, top: int) -> str:
         fn()
         torch.cuda.synchronize()
     kernels = {}
+    families = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name[:90]
-            us, n = kernels.get(name, (0.0, 0))
-            kernels[name] = (us + ev.device_time / micro_batches, n + 1)
+            for table, key in ((kernels, ev.name[:90]), (families, kernel_family(ev.name))):
+                us, n = table.get(key, (0.0, 0))
+                table[key] = (us + ev.device_time / micro_batches, n + 1)
     total = sum(us for us, _ in kernels.values())
     lines = [f"  wall {wall:.3f} ms per micro-batch, kernels {total / 1e3:.3f} ms (idle {wall - total / 1e3:.3f} ms), "
              f"host {host:.3f} ms"]
+    lines.append("  by family: " + ", ".join(f"{fam} {us / 1e3:.3f} ms ({n / micro_batches:.0f}x)"
+                                            for fam, (us, n) in sorted(families.items(), key=lambda kv: -kv[1][0])))
     for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.3f} ms  {n / micro_batches:5.1f}x  {name}")
     return "\n".join(lines)

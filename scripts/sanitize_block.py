@@ -2,12 +2,14 @@
 ``swiglu``, ``dswiglu``; fp8 and bf16 outputs; the stacked dSwiGLU outputs of a concatenated gate-up weight);
 each also checked byte for byte against the reference.
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_block.py [--quick]
+    compute-sanitizer --tool memcheck python scripts/sanitize_block.py [--quick] [--candidate NAME]
 
 Ragged groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000, R % 128 != 0, rows past the
-last group.
+last group. ``--candidate NAME`` (of ``block.config.candidates``): every block variant that has that A/B candidate
+launches it instead (``ops.candidate_in_place``).
 """
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -63,6 +65,17 @@ def case(name, m, r, offs_list, mode=ScaleMode.RCEIL):
 
 def main():
     require_cuda()
+    with contextlib.ExitStack() as stack:
+        if "--candidate" in sys.argv:
+            name = sys.argv[sys.argv.index("--candidate") + 1]
+            served = ops_block.candidate_in_place(stack, name, torch.device("cuda", torch.cuda.current_device()))
+            if not served:
+                raise SystemExit(f"--candidate: no block op has a candidate {name!r}")
+            print(f"candidate {name} in place of {', '.join(served)}", flush=True)
+        run_cases()
+
+
+def run_cases():
     quick = "--quick" in sys.argv
     cases = [
         ("ragged groups, rows past the end", 1010, 224, offsets_from_sizes([0, 1, 31, 33, 127, 129, 300, 200]).tolist()),

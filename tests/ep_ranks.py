@@ -221,6 +221,10 @@ def _job(job):
         import titan_settings_ranks
 
         return titan_settings_ranks.run(**arg)
+    if kind == "titan_precision":
+        import titan_precision_ranks
+
+        return titan_precision_ranks.run(**arg)
     if kind == "titan_model_state":  # rank 0 writes the reference weights the model jobs load
         import titan_model_ranks
 

@@ -302,6 +302,8 @@ CLI_ERRORS = [
     ("bench_fingerprint", ["--variants", "default,t9"], "argument --variants"),
     ("bench_fingerprint", ["--ctas-per-sm", "8,0"], "argument --ctas-per-sm"),
     ("bench_fingerprint", ["--weights", "0"], "argument --weights"),
+    ("bench_per_expert", ["--device", "cpu", "--variants", "loop,fp4"], "argument --variants"),
+    ("bench_per_expert", ["--device", "cpu", "--m", "0"], "argument --m"),
 ]
 
 
@@ -388,6 +390,20 @@ def test_block_kernel_shapes_argument():
             bbk.shapes_arg(bad)
 
 
+def test_bench_per_expert_loop_computes_the_stacked_block_and_runs_end_to_end(capsys):
+    """The benchmark compares like with like: its per-expert loop converted computes the stacked experts' converted
+    block bit for bit (and the bf16 loop the bf16 block); every variant runs on the CPU."""
+    from benchmarks import bench_per_expert as bpe
+
+    x, w1, w3, w2, offs, _, _ = bpe.make_inputs(64, 64, 32, 2, torch.device("cpu"))
+    out = {v: bpe.forward_fn(v, x, w1, w3, w2, offs)[0]().detach() for v in bpe.VARIANTS}
+    assert torch.equal(out["loop"], out["fused"]) and torch.equal(out["loop-bf16"], out["bf16"])
+    assert not torch.equal(out["loop"], out["loop-bf16"])
+    assert bpe.main(["--device", "cpu", "--tiny", "--shapes", "qwen3", "--experts", "2", "--rounds", "1"]) == 0
+    table = capsys.readouterr().out
+    assert all(f" {v} " in table for v in bpe.VARIANTS), table
+
+
 def test_loop_us_times_calls_back_to_back_without_a_gpu(monkeypatch):
     """``timing.loop_us``: a warm-up batch, then ``reps`` batches of ``calls`` calls, the median per call (off CUDA,
     by the wall clock): a batch whose calls get slower moves the median, not the count."""
@@ -402,3 +418,66 @@ def test_loop_us_times_calls_back_to_back_without_a_gpu(monkeypatch):
     monkeypatch.setattr("time.perf_counter", lambda: next(times))
     assert timing.loop_us(fn, "cpu", calls=4, reps=3) == 1000.0
     assert len(count) == 4 + 3 * 4
+
+
+def test_profile_block_kernel_families():
+    """``scripts/profile_block.py``'s per-family sums: moe_quant's CuTe-DSL kernels by their class names (the block
+    kernel's class subclasses the 32x1 kernel's, and every DSL kernel's name says "cutlass"), torch's grouped GEMM
+    and cuBLAS as GEMMs, the rest "other"."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_block_under_test", ROOT / "scripts" / "profile_block.py")
+    pb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pb)
+    dsl = "kernel_cutlass_kernel_moe_quantkernels{}kernel{}_object_at__tensorptrbf16gmemalign16odiv32i64div321"
+    assert pb.kernel_family(dsl.format("quantize_1x32", "Quantize1x32Kernel")).startswith("quantize 1x32")
+    assert pb.kernel_family(dsl.format("quantize_32x1", "Quantize32x1Kernel")).startswith("quantize 32x1")
+    assert pb.kernel_family(dsl.format("block", "QuantizeBlockKernel")).startswith("block passes")
+    assert pb.kernel_family(dsl.format("fingerprint", "FingerprintKernel")).startswith("byte fingerprint")
+    assert pb.kernel_family("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::"
+                            "kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<") == "GEMMs"
+    assert pb.kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "GEMMs"
+    assert pb.kernel_family("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel") == "other"
+
+
+def test_bench_block_modes_routed_x_and_reuse_hold(tmp_path, monkeypatch):
+    """bench_block's compiled mode (not for +reuse variants: a scope never serves a compiled graph), its ratios to
+    bf16 in the same mode, the routed x (a fresh copy each step, its gradient handed on unchanged) and the
+    ``fused+reuse-bf16`` variant's scope holding bf16 operands."""
+    import json
+
+    from benchmarks import bench_block
+
+    out = tmp_path / "block.json"
+    assert bench_block.main(["--device", "cpu", "--tiny", "--rounds", "1", "--shapes", "ds16b", "--m", "128",
+                             "--variants", "bf16,fused,fused+reuse-bf16", "--modes", "eager,compiled",
+                             "--micro-batches", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["mode"]) for r in res] == [("bf16", "eager"), ("fused", "eager"),
+                                                        ("fused+reuse-bf16", "eager"), ("bf16", "compiled"),
+                                                        ("fused", "compiled")]
+    assert res[3]["ratio_to_bf16"] == 1.0 and res[4]["ratio_to_bf16"] > 0 and res[2]["micro_batches"] == 2
+    assert all(r["x"] == "routed" and r["kept_bytes"] is None for r in res)  # no CUDA: no memory columns
+
+    x = torch.randn(8, 32, requires_grad=True)
+    routed = bench_block.Routed.apply(x)
+    assert routed.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() and torch.equal(routed, x)
+    g = torch.randn(8, 32)
+    routed.backward(g)
+    assert torch.equal(x.grad, g)
+
+    holds = []
+    real = bench_block.reuse_quantized_weights
+
+    @contextlib.contextmanager
+    def spy(weights, **kw):
+        with real(weights, **kw) as scope:
+            holds.append(scope.hold)
+            yield scope
+
+    monkeypatch.setattr(bench_block, "reuse_quantized_weights", spy)
+    inputs = bench_block.make_inputs(64, 64, 32, 2, torch.device("cpu"))
+    for variant, hold in (("fused+reuse", "fp8"), ("fused+reuse-bf16", "bf16")):
+        bench_block.step_fn(bench_block.VARIANTS[variant], *inputs, micro_batches=2, routed=True,
+                            hold="bf16" if variant.endswith("-bf16") else "fp8")()
+    assert holds == ["fp8", "bf16"]

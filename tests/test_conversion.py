@@ -198,11 +198,11 @@ def test_fqn_to_config_of_a_single_parameter_is_refused():
     assert model.layers[1].moe.experts._mxfp8_config.scale_mode.value == "floor"
 
 
-def test_unmatched_filter_warns(caplog):
+def test_matched_module_without_experts_warns(caplog):
     model = nn.Sequential(nn.Linear(32, 32))
     with caplog.at_level(logging.WARNING, logger="moe_quant.conversion"):
-        quantize_(model, MXFP8MoEConfig())  # default filter: nn.Linear, no 3-D weight
-    assert "nothing converted" in caplog.text
+        quantize_(model, MXFP8MoEConfig(), filter_fn=lambda mod, fqn: fqn == "")  # no 3-D weight, no experts list
+    assert "nothing converted" in caplog.text  # moe_quant.convert raises instead (tests/test_convert.py)
 
 
 class _FeedForward(nn.Module):
@@ -383,6 +383,25 @@ def test_deepcopy_to_save_load_and_pickle():
     with torch.no_grad():
         c.w1.mul_(2)
     assert not torch.equal(c.w1, mod.w1)  # independent
+
+
+class MySwiGLUExperts(GroupedExperts):
+    """A user's subclass, defined at module level (pickle finds it by name)."""
+
+
+def test_converted_class_reads_mxfp8_and_its_name():
+    """Issue 56: a converted class is called ``MXFP8<Name>`` where a user reads it (the module's repr, PyTorch's
+    error messages); its ``__qualname__`` is the key pickle resolves, so the class, an instance and a copy still
+    pickle."""
+    torch.manual_seed(0)
+    mod = convert(MySwiGLUExperts(K, N, E).bfloat16(), MXFP8MoEConfig())
+    cls = type(mod)
+    assert cls.__name__ == "MXFP8MySwiGLUExperts" and repr(mod).startswith("MXFP8MySwiGLUExperts(")
+    with pytest.raises(AttributeError, match="'MXFP8MySwiGLUExperts' object has no attribute 'w4'"):
+        mod.w4
+    assert pickle.loads(pickle.dumps(cls)) is cls and type(copy.deepcopy(mod)) is cls
+    assert type(pickle.loads(pickle.dumps(mod))) is cls
+    assert unconvert(mod).__class__ is MySwiGLUExperts
 
 
 def test_meta_init_then_to_empty():

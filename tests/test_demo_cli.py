@@ -146,3 +146,22 @@ def test_progress_is_live_on_a_terminal_and_one_line_elsewhere(tqdm, monkeypatch
             assert mid == "" and stream.getvalue().count("\n") == 1 and "100/100 steps" in stream.getvalue()
         else:
             assert mid and "100/100" in stream.getvalue(), stream.getvalue()  # drawn while it runs
+
+
+WITHOUT_OTHER_EXTRAS = """
+import runpy, sys
+BLOCKED = ("pytest", "hypothesis", "transformers", "torchtitan")  # the test, hf and titan extras
+assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED]
+for name in BLOCKED:  # as if not installed: importing raises ModuleNotFoundError, importlib.util.find_spec gives None
+    sys.modules[name] = None
+sys.argv = ["moe_quant.demo", "--steps", "2", "--tokens", "64", "--plot", sys.argv[1]]
+runpy.run_module("moe_quant.demo", run_name="__main__")
+"""
+
+
+def test_demo_runs_with_the_demo_extra_alone(tmp_path):
+    """``pip install -e ".[demo]"`` is enough for the demo (issue 56): it imports nothing of the test, hf and titan
+    extras (checked by hand in a fresh venv: torch 2.13.0, then the demo extra, then ``python -m moe_quant.demo``)."""
+    proc = run_python("-c", WITHOUT_OTHER_EXTRAS, str(tmp_path / "c.png"), timeout=300, warm=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final held-out loss" in proc.stdout and (tmp_path / "c.png").exists(), proc.stdout

@@ -7,10 +7,14 @@ The conventions (CONTRIBUTING.md, "Code blocks in the documentation"):
   ``torchrun ... path.py``) has its arguments parsed by the command's own ``argparse`` parser, and stops
   there; any other command's repository paths must exist.
 * ``<!-- doc-test: run -->`` on the line before a ``bash`` block: its commands also run (CPU, exit status 0).
+* ``<!-- doc-test: torchrun -->`` before a ``python`` block: a script for ``torchrun`` (it calls
+  ``dist.init_process_group()``); it runs in this process as rank 0 of a world of 1, with the environment
+  variables torchrun sets, and must leave no process group behind.
 * ``<!-- doc-test: gpu -->`` (needs a CUDA GPU), ``long`` (too long or too big for CI: a download, the demo's
   full run) and ``fragment`` (uses names the text around it defines) before a block: nothing runs; a python
   block is still compiled and the names it imports must exist, a bash block's arguments are still parsed.
-* Links to files of the repository resolve, ``#anchors`` to a heading of the file they name.
+* Links to files of the repository resolve, ``#anchors`` to a heading of the file they name (in the pages above, in
+  ``docs/lab/*.md``, CONTRIBUTING.md and ``scripts/probes/README.md``).
 * Every number, device and date in a row of the README's results table appears in a section the row links.
 """
 
@@ -35,7 +39,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
-MARKERS = {"run", "gpu", "long", "fragment"}
+# docs/lab/: the dated measurement sessions, for developers. Their links must resolve; their code blocks are records
+# of what was run then (the commands of today are in the pages above), so they are not run or parsed.
+LAB = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "lab").glob("*.md"))
+MARKERS = {"run", "gpu", "long", "fragment", "torchrun"}
 OURS = ("moe_quant", "benchmarks", "examples", "scripts")
 RUN_TIMEOUT_S = 120
 
@@ -131,12 +138,64 @@ def test_python_block(block, monkeypatch):
     for module, name in imported_names(block.code):
         if module not in missing:
             assert has_name(module, name), f"{block.id}: {module} has no {name}"
-    if block.marker is not None:
+    if block.marker not in (None, "torchrun"):
         return
     if missing:
         pytest.skip(f"{block.id} imports what cannot be imported here: {missing}")
     monkeypatch.chdir(ROOT)
-    exec(code, {"__name__": "__doc_block__"})
+    if block.marker == "torchrun":
+        run_as_torchrun_rank(code, monkeypatch)
+    else:
+        exec(code, {"__name__": "__doc_block__"})
+
+
+def run_as_torchrun_rank(code, monkeypatch) -> None:
+    """``code`` as rank 0 of ``torchrun --nproc_per_node 1``: the env:// variables set, no process group before."""
+    import socket
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "a process group is left from an earlier test"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        exec(code, {"__name__": "__main__"})
+    finally:
+        left = dist.is_initialized()
+        if left:
+            dist.destroy_process_group()
+    assert not left, "the block leaves its process group initialized: end it with dist.destroy_process_group()"
+
+
+AFTER_README = """
+import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from moe_quant.conversion.hf import experts_forward
+assert model.config._experts_implementation == "moe_quant_mxfp8"
+assert ALL_EXPERTS_FUNCTIONS["moe_quant_mxfp8"] is experts_forward
+ids = torch.randint(0, 128, (2, 16))
+model(input_ids=ids, labels=ids).loss.backward()
+assert not moe_quant.fallback_counts(), moe_quant.fallback_counts()
+print("ok")
+"""
+
+
+def test_readme_transformers_block_runs_in_a_fresh_process():
+    """The README's transformers block as a user runs it -- ``import moe_quant`` first, transformers after, in a fresh
+    interpreter (issue 56: the implementation was registered only where transformers had been imported before
+    moe_quant) -- then a training step on the model it built."""
+    from repo_subprocess import run_python
+
+    pytest.importorskip("transformers")
+    (block,) = [b for b in PYTHON if b.page == "README.md" and 'experts_implementation="moe_quant_mxfp8"' in b.code]
+    assert block.code.lstrip().startswith("import moe_quant"), block.code  # the order under test
+    assert "register_experts_implementation" not in block.code  # the import alone registers
+    proc = run_python("-c", block.code + AFTER_README)  # a fresh interpreter: nothing imported before the block
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- shell commands
@@ -330,8 +389,9 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def test_links_to_repository_files_resolve():
+    assert LAB, "docs/lab/ holds no page"
     broken = []
-    for page in [*PAGES, "CONTRIBUTING.md"]:
+    for page in [*PAGES, *LAB, "CONTRIBUTING.md", "scripts/probes/README.md"]:
         path = ROOT / page
         for target in LINK.findall(prose(path.read_text())):
             if re.match(r"^[a-z]+:", target):  # https:, mailto:

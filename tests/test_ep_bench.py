@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 from repo_subprocess import ROOT, run_python
 
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "probes")]
 import ep_timeline  # noqa: E402
 import ep_wire_fit  # noqa: E402
 from p2p_probe import FORMS  # noqa: E402
@@ -156,18 +156,19 @@ def test_slow_wire_counts_the_bytes_each_rank_puts_on_the_wire():
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 def test_p2p_probe_times_every_form_on_two_gloo_ranks(tmp_path):
-    """scripts/p2p_probe.py (on GPUs: which forms of exchange NCCL moves how fast) on two gloo ranks: a row per
-    form, a record per form and size; without torchrun, one line and exit status 2."""
+    """scripts/probes/p2p_probe.py (on GPUs: which forms of exchange NCCL moves how fast) on two gloo ranks: a row
+    per form, a record per form and size; without torchrun, one line and exit status 2."""
     out = tmp_path / "probe.json"
-    res = run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "scripts/p2p_probe.py",
-                     "--mb", "1,2", "--iters", "1", "--rounds", "1", "--json", str(out), timeout=300)
+    res = run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                     "scripts/probes/p2p_probe.py", "--mb", "1,2", "--iters", "1", "--rounds", "1", "--json", str(out),
+                     timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(r["form"], r["bytes_per_peer"]) for r in rows} == {(f, m << 20) for f in FORMS for m in (1, 2)}
     assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
     table = [line.split()[0] for line in res.stdout.splitlines()[2:]]
     assert table == list(FORMS), res.stdout
-    bare = run_python("scripts/p2p_probe.py", pythonpath=False)
+    bare = run_python("scripts/probes/p2p_probe.py", pythonpath=False)
     assert bare.returncode == 2 and "run it under torchrun" in bare.stderr, bare.stderr[-2000:]
 
 

@@ -3,7 +3,7 @@
 Each MXFP8 leg hands ``all_to_all_single`` the data and the scales (two exchanges of the same row splits),
 so the sender makes no ``torch.cat`` of them and the receiver's permutation gets contiguous rows (before,
 a packed ``(M, K + K/32)`` buffer cost a copy on each side: 1.0 ms of the receiver's alone at EP = 4 on H200s,
-docs/ep_performance.md). One rank over gloo: the same code as any world size."""
+docs/lab/ep_log.md). One rank over gloo: the same code as any world size."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 where a wrong shortcut would differ."""
 
 import inspect
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -126,6 +127,56 @@ def test_device_without_index_is_decided_for_the_current_device(fresh_decisions)
     assert backends.resolve_gemm_backend("auto", cuda) is GemmBackend.SCALED
     fresh_decisions[0] = 2
     assert not backends.use_quant_kernels(SimpleNamespace(device=cuda))
+
+
+def _no_cutlass(monkeypatch):
+    """nvidia-cutlass-dsl missing, and its warning not given yet in this process."""
+    monkeypatch.setattr(backends, "cutedsl_importable", lambda: False)
+    monkeypatch.setattr(backends, "cutedsl_import_error", lambda: "ModuleNotFoundError: No module named 'cutlass'")
+    monkeypatch.setattr(backends, "_SAID_NO_KERNELS", [])
+    monkeypatch.delenv(backends.DISABLE_KERNELS, raising=False)
+
+
+def _said(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if "nvidia-cutlass-dsl does not import" in r.getMessage()]
+
+
+def test_hopper_without_the_kernels_says_so_once_with_the_pip_line(fresh_decisions, monkeypatch, caplog):
+    """Issue 56: on a Hopper-or-newer GPU without nvidia-cutlass-dsl the reference quantizers run (correct, slower);
+    a warning says so once, with the pip line. Not on a GPU the kernels never serve, nor where
+    MOE_QUANT_DISABLE_KERNELS=1 chose the reference."""
+    _no_cutlass(monkeypatch)
+    dev = [torch.device("cuda", i) for i in range(3)]  # SM90, SM100, SM80
+    with caplog.at_level(logging.WARNING, logger="moe_quant"):
+        assert not backends.use_quant_kernels(SimpleNamespace(device=dev[2]))
+        assert not _said(caplog)
+        for _ in range(2):
+            assert [backends.use_quant_kernels(SimpleNamespace(device=d)) for d in dev] == [False, False, False]
+            backends._KERNELS_ON.clear()
+    (said,) = _said(caplog)
+    assert "pip install 'nvidia-cutlass-dsl>=4.8,<4.9' 'apache-tvm-ffi>=0.1.15,<0.2'" in said
+    assert "No module named 'cutlass'" in said and "reference" in said
+    caplog.clear()
+    monkeypatch.setattr(backends, "_SAID_NO_KERNELS", [])
+    monkeypatch.setenv(backends.DISABLE_KERNELS, "1")
+    with caplog.at_level(logging.WARNING, logger="moe_quant"):
+        assert not backends.use_quant_kernels(SimpleNamespace(device=dev[0]))
+    assert not _said(caplog)
+
+
+def test_the_warning_without_kernels_is_no_graph_break(monkeypatch, caplog):
+    """The decision is taken inside traced forwards: the warning runs while Dynamo traces, fullgraph holds."""
+    _no_cutlass(monkeypatch)
+    monkeypatch.setattr(backends, "device_capability", lambda device: (9, 0))  # a CPU tensor poses as an SM90 one
+    monkeypatch.setattr(backends, "_KERNELS_ON", {})
+    torch._dynamo.reset()
+
+    def f(x):
+        return x + 1 if backends.use_quant_kernels(x) else x - 1
+
+    with caplog.at_level(logging.WARNING, logger="moe_quant"):
+        out = torch.compile(f, fullgraph=True, backend="aot_eager")(torch.zeros(2))
+    assert torch.equal(out, torch.full((2,), -1.0)) and len(_said(caplog)) == 1
 
 
 def test_gemm_checks_its_operands_once(monkeypatch):

@@ -62,3 +62,17 @@ def test_kernel_inputs_get_row_major_strides_also_without_elements():
     assert compile_cache.aligned(expanded).stride() == (64, 1)
     x = torch.randn(4, 64)
     assert compile_cache.aligned(x) is x
+
+
+def test_aligned_copies_exactly_what_the_kernels_cannot_read():
+    """The fast path of ``aligned`` (contiguous, 16-byte aligned, not empty: ``t`` itself) against the plain
+    computation: a misaligned view and a transposed view are copied to row-major, aligned tensors with the same
+    values; an aligned contiguous view is passed as it is."""
+    base = torch.randn(8 * 64 + 8).bfloat16()
+    misaligned = base[1:1 + 8 * 64].view(8, 64)
+    assert misaligned.is_contiguous() and misaligned.data_ptr() % 16
+    for t in (misaligned, torch.randn(64, 8).bfloat16().t()):
+        got = compile_cache.aligned(t)
+        assert got is not t and got.data_ptr() % 16 == 0 and got.stride() == (64, 1) and torch.equal(got, t)
+    view = base[8:8 + 8 * 64].view(8, 64)  # 16 bytes in: aligned
+    assert compile_cache.aligned(view) is view

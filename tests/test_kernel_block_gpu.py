@@ -187,24 +187,35 @@ def test_degenerate_shapes(op, m, r, sizes):
             check_forms(got, want, f"{op} M={m} G={len(sizes)}")
 
 
-@pytest.mark.parametrize("cand", [name for name, fields in config_block.CANDIDATES.items() if fields])
+_SWIGLU_CANDIDATES = list(dict.fromkeys(name for op in config_block.SWIGLU_OPS
+                                        for name, fields in config_block.candidates(op, "bfloat16").items() if fields))
+
+
+@pytest.mark.parametrize("cand", _SWIGLU_CANDIDATES)
 def test_candidates_match_reference(cand):
-    """Each A/B candidate (``block.config.CANDIDATES``), put in place of the swiglu and dswiglu variants (both
-    modes, both outputs), byte for byte: ragged groups with a tail and more columns than one tile, on values
-    whose ``a`` stays in the fast path's range (normal), crosses it (wide: magnitudes to 2^127), holds NaN and
-    Inf, bf16 subnormals, and a tile of the range's ends (-80, -80.5, -0, bf16 max)."""
+    """Each A/B candidate of the SwiGLU ops (``block.config.candidates``), put in place of the swiglu and dswiglu
+    variants that have it (both modes, both outputs, and the stacked form of dswiglu's fused candidates), byte for
+    byte: ragged groups with a tail and more columns than one tile, on values whose ``a`` stays in the fast path's
+    range (normal), crosses it (wide: magnitudes to 2^127), holds NaN and Inf, bf16 subnormals, and a tile of the
+    range's ends (-80, -80.5, -0, bf16 max, +-Inf); then offsets past M, negative and decreasing, long tails, and
+    M = 0."""
     import contextlib
 
-    dev = torch.device("cuda", torch.cuda.current_device())
     with contextlib.ExitStack() as stack:
-        for v in config_block.all_variants():
-            if v.op in config_block.SWIGLU_OPS and not v.stacked:
-                stack.enter_context(ops_block.variant_in_place(v.replace(**config_block.CANDIDATES[cand]), dev))
+        dev = torch.device("cuda", torch.cuda.current_device())
+        served = ops_block.candidate_in_place(stack, cand, dev, config_block.SWIGLU_OPS)
+        assert served, cand
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
         offs = offsets_from_sizes(sizes)
         m = sum(sizes) + tail
-        ends = torch.tensor([-80.0, -80.5, -0.0, torch.finfo(torch.bfloat16).max, -79.5, -87.5, 1.0, -1.0])
-        for dist in ("normal", "wide", "nan_inf", "subnormal", "ends"):
+        inf = float("inf")
+        ends = torch.tensor([-80.0, -80.5, -0.0, torch.finfo(torch.bfloat16).max, -79.5, -87.5, 1.0, -1.0, inf, -inf,
+                             -88.0, 90.0])
+        cases = [(dist, offs, m, r) for dist in ("normal", "wide", "nan_inf", "subnormal", "ends")]
+        cases += [("wide", torch.tensor([100, 700, 50, -5, 10**6, 299], dtype=torch.int32), 300, 160),
+                  ("nan_inf", torch.tensor([3, 3, 63], dtype=torch.int32), 1000, 96),
+                  ("normal", torch.tensor([0, 0], dtype=torch.int32), 0, 64)]
+        for dist, offs, m, r in cases:
             if dist == "ends":
                 g, a, b = inputs(3, m, r, "normal", 7)
                 a = ends.repeat(m * r // ends.numel() + 1)[:m * r].view(m, r).bfloat16().cuda()
@@ -212,36 +223,45 @@ def test_candidates_match_reference(cand):
                 g, a, b = inputs(3, m, r, dist, 11)
             for mode in ScaleMode:
                 for fake in (False, True):
-                    what = f"{cand} {dist} {mode.value} {'bf16' if fake else 'fp8'}"
-                    got = kernel_forms(ops_block.block_swiglu(a, b, mode, offs.cuda(), fake), fake)[0]
-                    check_forms(got, reference_forms(reference.swiglu(a, b), offs, mode, fake), f"swiglu {what}")
-                    got_a, got_b = kernel_forms(ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), fake), fake)
-                    grad_a, grad_b = reference.dswiglu(g, a, b)
-                    check_forms(got_a, reference_forms(grad_a, offs, mode, fake), f"dswiglu grad_a {what}")
-                    check_forms(got_b, reference_forms(grad_b, offs, mode, fake), f"dswiglu grad_b {what}")
+                    what = f"{cand} {dist} M={m} R={r} {mode.value} {'bf16' if fake else 'fp8'}"
+                    if "swiglu" in served:
+                        got = kernel_forms(ops_block.block_swiglu(a, b, mode, offs.cuda(), fake), fake)[0]
+                        check_forms(got, reference_forms(reference.swiglu(a, b), offs, mode, fake), f"swiglu {what}")
+                    if "dswiglu" in served:
+                        got_a, got_b = kernel_forms(ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), fake), fake)
+                        grad_a, grad_b = reference.dswiglu(g, a, b)
+                        check_forms(got_a, reference_forms(grad_a, offs, mode, fake), f"dswiglu grad_a {what}")
+                        check_forms(got_b, reference_forms(grad_b, offs, mode, fake), f"dswiglu grad_b {what}")
+                if "dswiglu" in served and config_block.DSWIGLU_CANDIDATES.get(cand, {}).get("fused_grads"):
+                    outs = ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), True, stacked=True)
+                    check_stacked(outs, g, a, b, offs, mode, f"dswiglu stacked {what}")
 
 
-@pytest.mark.parametrize("cand", [name for name, fields in config_block.DUAL_CANDIDATES.items() if fields])
-def test_dual_candidates_match_reference(cand):
-    """Each A/B candidate of ``dual`` (``block.config.DUAL_CANDIDATES``, bf16 outputs), put in place of the dual
-    variant of both modes, byte for byte: ragged groups with a tail and more columns than one tile, on normal,
-    wide (magnitudes to 2^127), NaN / Inf and subnormal values."""
+@pytest.mark.parametrize("cand,out", [(name, o) for o in config_block.OUT_DTYPES
+                                      for name, fields in config_block.candidates("dual", o).items() if fields])
+def test_dual_candidates_match_reference(cand, out):
+    """Each A/B candidate of ``dual`` (``block.config.candidates``: DUAL_CANDIDATES for bf16 outputs,
+    DUAL_FP8_CANDIDATES for fp8), put in place of the dual variant of both modes, byte for byte: ragged groups with
+    a tail and more columns than one tile, on normal, wide (magnitudes to 2^127), NaN / Inf and subnormal values,
+    and offsets past M, negative and decreasing."""
     import contextlib
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    fields = config_block.DUAL_CANDIDATES[cand]
+    fields = config_block.candidates("dual", out)[cand]
+    fake = out == "bfloat16"
     with contextlib.ExitStack() as stack:
         for mode in ScaleMode:
-            v = config_block.Variant("dual", "bfloat16", mode.value, "bfloat16")
+            v = config_block.Variant("dual", "bfloat16", mode.value, out)
             stack.enter_context(ops_block.variant_in_place(v.replace(**fields), dev))
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
-        offs = offsets_from_sizes(sizes)
-        m = sum(sizes) + tail
-        for dist in ("normal", "wide", "nan_inf", "subnormal"):
+        cases = [(dist, offsets_from_sizes(sizes), sum(sizes) + tail, r)
+                 for dist in ("normal", "wide", "nan_inf", "subnormal")]
+        cases.append(("wide", torch.tensor([100, 700, 50, -5, 10**6, 299], dtype=torch.int32), 300, 160))
+        for dist, offs, m, r in cases:
             (x,) = inputs(1, m, r, dist, 5)
             for mode in ScaleMode:
-                got = kernel_forms(ops_block.block_dual(x, mode, offs.cuda(), True), True)[0]
-                check_forms(got, reference_forms(x, offs, mode, True), f"dual {cand} {dist} {mode.value}")
+                got = kernel_forms(ops_block.block_dual(x, mode, offs.cuda(), fake), fake)[0]
+                check_forms(got, reference_forms(x, offs, mode, fake), f"dual {cand} {out} {dist} {mode.value}")
 
 
 # ----------------------------------------------------------------------------- the SwiGLU math, every bf16 value
@@ -293,24 +313,55 @@ def test_fast_div_math_matches_pytorch_for_every_bf16():
         assert wrong.any(), f"{op}: the fast path alone was right outside its range too (the range check is moot)"
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("path", ["plain", "fast"])
-def test_swiglu_backward_matches_pytorch_for_every_pair_of_bf16(path):
+def test_swiglu_backward_matches_pytorch_for_every_pair_of_bf16(path, fused):
     """grad_a = silu_backward(g * b, a) and grad_b = g * silu(a) for every bf16 g (b = 1, so g * b = g) and every
     bf16 a: 2^32 pairs, 256 values of g at a time. Every bit of the sigmoid reaches grad_a (fp32 products before
     one bf16 rounding), so this checks grad_a for every input it can get, where the test above sees only g = 1.
     ``fast``: the ``fast_div`` variants' math (a value's fast path is taken where its word's other ``a`` is in
-    range too: the neighbours in bit order, so all but the range's two ends)."""
+    range too: the neighbours in bit order, so all but the range's two ends). ``fused``: both from the
+    ``fused_grads`` variants' one computation (exp(-a) and the reciprocal shared)."""
     from moe_quant.kernels.block.kernel import run_swiglu_math
 
+    suffix = "_fused" if fused else ""
     a_all = all_bf16()
     n = a_all.numel()
     a = a_all.repeat(256)
     b = torch.ones_like(a)
     for first in range(0, n, 256):
         g = a_all[first:first + 256].repeat_interleave(n)
-        same_bits_or_both_nan(run_swiglu_math("grad_a", g, a, b, path), torch.ops.aten.silu_backward(g, a),
+        same_bits_or_both_nan(run_swiglu_math("grad_a" + suffix, g, a, b, path), torch.ops.aten.silu_backward(g, a),
                               f"silu_backward(g, a), g = bf16 values {first}..{first + 255} in bit order")
-        same_bits_or_both_nan(run_swiglu_math("grad_b", g, a, b, path), g * F.silu(a), f"g * silu(a), g {first}..")
+        same_bits_or_both_nan(run_swiglu_math("grad_b" + suffix, g, a, b, path), g * F.silu(a),
+                              f"g * silu(a), g {first}..")
+
+
+def test_lean_range_check_math_for_every_bf16():
+    """The ``lean`` variants' math (the fast path wherever both ``a`` of a word are at least -80, Inf and NaN
+    included) for every bf16 ``a`` and g, b drawn from every bf16 magnitude, each ``a`` in both halves of its word:
+    equal to PyTorch bit for bit wherever PyTorch's result is finite, and non-finite wherever PyTorch's is (a
+    quantized block holding either is a NaN block); precondition: for ``a = +Inf`` the fast path's NaN is where
+    PyTorch has Inf (the case the check no longer sends to div.rn), and below -80 the fast path alone is wrong."""
+    from moe_quant.kernels.block.kernel import run_swiglu_math
+
+    a = all_bf16().repeat_interleave(2).repeat(4)
+    gen = torch.Generator().manual_seed(3)
+    g, b = (all_bf16()[torch.randint(0, 1 << 16, (a.numel(),), generator=gen).cuda()] for _ in range(2))
+    grad_a, grad_b = reference.dswiglu(g, a, b)
+    want = {"swiglu": reference.swiglu(a, b), "grad_a": grad_a, "grad_b": grad_b, "grad_a_fused": grad_a,
+            "grad_b_fused": grad_b}
+    inf_differs = False
+    for op, w in want.items():
+        got = run_swiglu_math(op, g, a, b, "lean")
+        finite = w.isfinite()
+        same_bits_or_both_nan(got[finite], w[finite], f"{op}, lean math where PyTorch is finite")
+        assert not got[~finite].isfinite().any(), f"{op}: a finite result where PyTorch's is not"
+        inf_differs |= bool((got.isnan() & w.isinf() & (a == float("inf"))).any())
+        alone = run_swiglu_math(op, g, a, b, "fast_only")
+        low = (a.float() < -88) & a.isfinite()
+        assert ((alone.view(torch.int16) != w.view(torch.int16)) & ~(alone.isnan() & w.isnan()))[low].any(), op
+    assert inf_differs  # the lean check sends a = +Inf down the fast path (NaN where PyTorch has Inf)
 
 
 @pytest.mark.parametrize("seed", range(4))

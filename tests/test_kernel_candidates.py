@@ -35,6 +35,11 @@ def test_default_keys_unchanged():
     assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16", packed_amax=True, ctas_per_sm=3).key == \
         "dual-bfloat16-rceil-bfloat16-pamax-c3"
     assert config_block.Variant("swiglu", "bfloat16", "rceil", packed_amax=False).key.endswith("-nopamax")
+    # the lean quantization and dswiglu's one CTA for both outputs (candidates since 2026-12-02)
+    assert config_block.Variant("dual", "bfloat16", "rceil", lean=True, ctas_per_sm=3).key == \
+        "dual-bfloat16-rceil-float8_e4m3fn-c3-lean"
+    fused = config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, lean=True, fused_grads=True)
+    assert fused.key == "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean"
     with pytest.raises(ValueError, match="ctas_per_sm"):
         config_block.Variant("dual", "bfloat16", "rceil", ctas_per_sm=5)
     for config in (config_32x1, config_permute, config_block):  # the first candidate is the default
@@ -54,10 +59,14 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert cands and not set(defaults) & set(cands)
         # every CTA order a variant may name is compiled (and so compile-checked) by some default or candidate
         assert {v.raster for v in cands + config.all_variants()} == set(config.RASTER_CHOICES)
-    elif config is config_block:  # every candidate of both SwiGLU ops and both outputs, and dual's (bf16 out)
-        assert len(cands) == ((len(config.CANDIDATES) - 1) * len(config.SWIGLU_OPS) * len(config.OUT_DTYPES)
-                              + len(config.DUAL_CANDIDATES) - 1)
-        assert {v.op for v in cands} == set(config.OPS)
+    elif config is config_block:  # every candidate of every op and output, and the fused ones' stacked variant
+        fused = [kw for kw in config.DSWIGLU_CANDIDATES.values() if kw.get("fused_grads")]
+        assert fused and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
+                                           for o in config.OUT_DTYPES) + len(fused)
+        assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(fused)
+        for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
+            names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]
+            assert names[0] ^ names[1] == (set() if op != "dual" else {"packed-c3"}), (op, names)
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")
@@ -83,6 +92,9 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_permute.Variant("blocked", staging="smem", iters=8),  # past the 24 KB stage
     lambda: config_block.Variant("dual", "bfloat16", "rceil", staged=True),  # dual has no SwiGLU inputs or math
     lambda: config_block.Variant("dual", "bfloat16", "rceil", fast_div=True),
+    lambda: config_block.Variant("swiglu", "bfloat16", "rceil", lean=True, fused_grads=True),  # one output only
+    lambda: config_block.Variant("dswiglu", "bfloat16", "rceil", fused_grads=True),  # fused implies lean
+    lambda: config_block.Variant("dswiglu", "bfloat16", "rceil", lean=True, fused_grads=True, staged=False),
 ])
 def test_bad_tiles_raise(make):
     with pytest.raises(ValueError):
@@ -197,3 +209,37 @@ def test_ab_kernels_families_offer_the_same_candidates_in_every_kind():
         assert len({tuple(n) for n in names.values()}) == 1, (name, names)
         assert names[timed][0].startswith("default") and len(names[timed]) > 1, (name, names)
     assert set(ab.FAMILIES["block-dual"][0]()) == {("dual", "bfloat16")}
+    # each block family puts in place the candidates of its own op only (dswiglu has candidates swiglu lacks)
+    for op in ("swiglu", "dswiglu"):
+        for fam in (f"block-{op}", f"block-{op}-fp8"):
+            kinds = ab.FAMILIES[fam][0]()
+            assert {k[0] for k in kinds} == {op} and list(kinds[(op, "bfloat16")][0]) == list(
+                config_block.candidates(op, "bfloat16")), fam
+
+
+@pytest.mark.parametrize("name", ["lean", "fused-lean", "lean-c3", "registers"])
+def test_block_candidate_in_place_reaches_the_ops_that_have_it(launches, name):
+    """``ops.candidate_in_place`` (how the GPU tests and sanitize_block.py run a candidate) swaps exactly the ops
+    whose config names the candidate (both outputs; the stacked dswiglu op where that candidate's stacked variant is
+    compile-checked) and leaves every other op on its default."""
+    import contextlib
+
+    import torch
+
+    from moe_quant.kernels.block import ops as ops_block
+
+    log, cpu = launches
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([40, 64], dtype=torch.int32)
+    checked = set(config_block.candidate_variants())
+    with contextlib.ExitStack() as stack:
+        served = ops_block.candidate_in_place(stack, name, cpu)
+        assert served
+        for v in config_block.all_variants():
+            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)
+            fields = config_block.candidates(v.op, v.out_dtype).get(name)
+            want = v.replace(**fields) if fields else v
+            if v.stacked and want.replace(mode="rceil") not in checked:
+                want = v
+            assert log[-1] == want, (name, v, log[-1])
+    assert (name == "fused-lean") == any(v.fused_grads for v in log)

@@ -131,3 +131,74 @@ def test_scale_mode_parse():
     assert ScaleMode.parse("RCEIL") is ScaleMode.RCEIL
     with pytest.raises(ValueError, match="scale_mode"):
         ScaleMode.parse("nearest")
+
+
+def _enum_parse(cls, value):
+    """What ``Choice.parse`` computed before its table lookup: the member ``cls(value.lower())``, or None."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value.lower())
+        except ValueError:
+            return None
+    return None
+
+
+def _choice_classes():
+    from moe_quant.backends import GemmBackend
+    from moe_quant.ep.dispatcher import Transport
+    from moe_quant.ep.legs import Wire
+
+    return [ScaleMode, GemmBackend, Transport, Wire]
+
+
+_CHOICE_VALUES = [m for cls in _choice_classes() for m in cls] + [m.value for cls in _choice_classes() for m in cls]
+
+
+@given(st.sampled_from(_choice_classes()),
+       st.one_of(st.sampled_from(_CHOICE_VALUES), st.sampled_from(_CHOICE_VALUES).map(str.upper),
+                 st.sampled_from(_CHOICE_VALUES).map(str.title), st.text(max_size=8), st.integers(), st.none()))
+def test_choice_parse_is_the_enum_lookup(cls, value):
+    """``Choice.parse`` looks the lower-cased text up in the enum's value table (host time): the same member as
+    ``cls(value.lower())`` for every text and every member of any choice, and the same ``ValueError`` otherwise."""
+    want = _enum_parse(cls, value)
+    if want is None:
+        with pytest.raises(ValueError, match=cls.__argname__):
+            cls.parse(value)
+    else:
+        assert cls.parse(value) is want
+
+
+def _short_scale(amax_bits: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
+    """The kernels' short scale formula (``cute_utils.e8m0_from_amax_bits_short``, the ``lean`` block variants) on
+    fp32 magnitude bit patterns (int64 holding values below 2^31), in PyTorch's integer ops."""
+    amax = amax_bits.to(torch.int32).view(torch.float32)
+    if mode is ScaleMode.RCEIL:
+        from moe_quant.numerics import RCP_E4M3_MAX_F32_BITS
+
+        rcp = torch.tensor(RCP_E4M3_MAX_F32_BITS, dtype=torch.int32).view(torch.float32)
+        d = (amax * rcp).view(torch.int32).to(torch.int64)  # IEEE fp32 multiply, subnormals kept (as mul.rn.f32)
+        e = (d + torch.where(d < 0x800000, 0x3FFFFF, 0x7FFFFF)) >> 23
+    else:
+        e = ((amax_bits >> 23) - 8).clamp(min=0)
+    return torch.where(amax_bits >= 0x7F800000, E8M0_NAN, e).to(torch.uint8)
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+def test_kernel_short_scale_formula_equals_the_reference(mode):
+    """The short scale formula of the ``lean`` block variants equals ``numerics.e8m0_from_amax`` on fp32 amax bit
+    patterns: every mantissa of the exponent fields 8-10 (where d = amax / 448 crosses 2^-127 and 2^-126, the two
+    subnormal rules), and for each of the 256 exponent fields its mantissa edges and 2^16 random mantissas."""
+    gen = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0, 1, 2, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFE, 0x7FFFFF], dtype=torch.int64)
+    mant = torch.cat([edges, torch.randint(0, 1 << 23, (1 << 16,), generator=gen)])
+    chunks = [(e << 23) | torch.arange(1 << 23, dtype=torch.int64) for e in (8, 9, 10)]
+    chunks.append((torch.arange(256, dtype=torch.int64).unsqueeze(1) << 23 | mant).flatten())
+    for bits in chunks:
+        want = e8m0_from_amax(bits.to(torch.int32).view(torch.float32), mode)
+        got = _short_scale(bits, mode)
+        bad = (got != want).nonzero().flatten()
+        assert not bad.numel(), (f"{mode.value}: {bad.numel()} amax patterns differ, e.g. "
+                                 f"{[hex(int(bits[i])) for i in bad[:4]]}: got {got[bad[:4]].tolist()} "
+                                 f"want {want[bad[:4]].tolist()}")

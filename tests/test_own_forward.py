@@ -8,6 +8,7 @@ computation written with ``mxfp8_grouped_mm``."""
 
 import copy
 import io
+import logging
 import pickle
 
 import pytest
@@ -138,19 +139,33 @@ def test_own_forward_runs_with_its_grouped_gemms_in_mxfp8(kind, mxfp8_calls):
         assert (got[0].float() - stock).norm() > 0.5 * stock.norm()
 
 
-def test_compile_runs_the_own_forward_eagerly_and_fullgraph_names_the_seam(mxfp8_calls):
+def test_compile_runs_the_own_forward_eagerly_and_fullgraph_names_the_seam(mxfp8_calls, caplog, monkeypatch):
     """Dynamo does not apply a TorchFunctionMode to torch._grouped_mm: the own forward runs behind a graph break
-    (MXFP8, equal to eager bit for bit), and fullgraph=True raises naming the _grouped_mm seam to add."""
+    (MXFP8, equal to eager bit for bit), logged once per class (issue 56: it was silent), and fullgraph=True raises
+    an Unsupported whose message leads with moe_quant's words and names the _grouped_mm seam to add (not Dynamo's
+    "Remove the torch.compiler.disable call")."""
+    from moe_quant.conversion import own_forward
+
+    monkeypatch.setattr(own_forward, "_NOTED", set(), raising=False)
     mod = convert(make(), MXFP8MoEConfig())
     x = batch().detach()
     eager = mod(x, COUNTS)
+    assert "graph break" not in caplog.text  # eager says nothing
     mxfp8_calls.clear()
     torch._dynamo.reset()
-    out = torch.compile(mod, backend="aot_eager")(x, COUNTS)
-    assert torch.equal(out, eager) and len(mxfp8_calls) == 3
+    with caplog.at_level(logging.WARNING, logger="moe_quant.conversion"):
+        out = torch.compile(mod, backend="aot_eager")(x, COUNTS)
+        torch._dynamo.reset()
+        torch.compile(mod, backend="aot_eager")(x, COUNTS)  # a second compile logs nothing more
+    assert torch.equal(out, eager) and len(mxfp8_calls) == 6
+    notes = [r.getMessage() for r in caplog.records if "behind a graph break" in r.getMessage()]
+    assert len(notes) == 1 and "test_own_forward.OwnExperts" in notes[0] and own_forward.SEAM in notes[0], notes
     torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"_grouped_mm\(self, \*, A, B_t, offs\)"):
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
         torch.compile(mod, backend="aot_eager", fullgraph=True)(x, COUNTS)
+    message = str(info.value)
+    assert message.startswith("moe_quant: fullgraph=True cannot trace the converted test_own_forward.OwnExperts")
+    assert "_grouped_mm(self, *, A, B_t, offs)" in message and "Remove the" not in message, message
 
 
 def test_torch_func_grad_of_functional_call_equals_autograd(mxfp8_calls):

@@ -253,6 +253,47 @@ def test_bench_peak_device_memory_adds_what_the_allocator_does_not_hold(tmp_path
     assert "| 12.0, 11.5 | n/a | n/a | 5.0000 |" in bench.table(record | {"results": [res | {"alloc_retries": None}]})
 
 
+def test_bench_table_gives_time_per_step_against_bf16():
+    """The bench's ratio is the docs' convention: time per step against bf16 (bf16's tokens/s over the variant's),
+    so a variant at 80% of bf16's throughput reads 1.250, not 0.800."""
+    from examples.titan import bench
+
+    def result(variant, tps):
+        return {"variant": variant, "mode": "compiled", "tokens_per_s_per_gpu": {"median": tps, "min": tps, "max": tps},
+                "peak_reserved_gib": {0: 1.0}, "peak_device_gib": {0: None}, "alloc_retries": 0, "final_loss": 5.0,
+                "a2a_ms": None, "wall_s": 1.0, "rc": 0}
+
+    record = {"torch": "2.99", "nproc": 1, "flavor": "16B", "layers": 2, "steps": 3, "warmup": 0, "tail": 1,
+              "device": "Some GPU", "results": [result("bf16", 100.0), result("mxfp8", 80.0)]}
+    text = bench.table(record)
+    assert "| time vs bf16 |" in text
+    assert "| mxfp8 | compiled | 80 (80-80) | 1.250 |" in text and "| bf16 | compiled | 100 (100-100) | 1.000 |" in text
+
+
+def test_bench_plain_loop_row(tmp_path):
+    """``--variants plain_bf16`` runs :mod:`examples.titan.plain_loop` (one GPU, the bench's flavour, layers, steps and
+    mode), not a trainer job; the table gives the bf16 variant's time per step as a multiple of its, per mode; the
+    loss check leaves it out."""
+    from examples.titan import bench
+
+    args = bench.parse_args(["--out", str(tmp_path), "--nproc", "1", "--variants", "bf16,plain_bf16", "--layers", "3",
+                             "--steps", "20", "--flavor", "debugmodel"])
+    cmd = bench.plain_command(args, "compiled", "d")
+    assert cmd[cmd.index("-m", 3) + 1] == "examples.titan.plain_loop" and cmd[-1] == "--compile", cmd
+    assert " ".join(cmd).endswith("--dump-folder d --flavor debugmodel --layers 3 --steps 20 --compile")
+    assert "--compile" not in bench.plain_command(args, "eager", "d")
+
+    def result(variant, tps, loss):
+        return {"variant": variant, "mode": "eager", "rc": 0, "wall_s": 1.0, "final_loss": loss, "losses": [loss],
+                "tokens_per_s_per_gpu": {"median": tps, "min": tps, "max": tps}, "peak_reserved_gib": {"0": 1.0}}
+
+    record = {"torch": "2.99", "nproc": 1, "flavor": "16B", "layers": 4, "steps": 1, "warmup": 0, "tail": 1,
+              "device": "Some GPU", "results": [result("bf16", 85.0, 5.0), result("plain_bf16", 100.0, 9.0),
+                                                result("converted", 84.0, 5.01)]}
+    assert "bf16 eager: 1.176x the time per step of the plain bf16 loop" in bench.table(record)
+    assert [c["variant"] for c in bench.loss_check(record, 0.005)] == ["converted"]
+
+
 def test_launcher_shims_only_where_torch_lacks_them(monkeypatch):
     import torch.distributed.distributed_c10d as c10d
 
@@ -362,6 +403,7 @@ def test_script_arguments_are_checked(capsys):
                                (checks, ["--out", "x", "--mismatch", "wire=bf16", "--mismatch-variants", "converted"],
                                 "--mismatch-variants"),
                                (bench, ["--out", "x", "--modes", "fast"], "--modes"),
+                               (bench, ["--out", "x", "--nproc", "2", "--variants", "bf16,plain_bf16"], "--nproc 1"),
                                (bench, ["--out", "x", "--steps", "5", "--warmup", "3"], "--warmup")):
         with pytest.raises(SystemExit) as exc:
             mod.parse_args(argv)
@@ -454,6 +496,21 @@ def test_report_only_takes_the_final_loss_again_over_another_tail(tmp_path, caps
     again = json.loads((tmp_path / "bench.json").read_text())
     assert again["tail"] == 20 and again["results"][1]["final_loss"] == pytest.approx(5.0 * 1.003)
     assert "final loss: mean of the last 20 steps" in (tmp_path / "bench.md").read_text()
+
+
+def test_plain_loop_trains_the_bf16_model_in_bf16(tmp_path):
+    """``examples.titan.plain_loop`` (the bench's ``plain_bf16`` row) at debug size: every step logged with the keys the
+    bench reads, the parameters bf16, no FSDP, the loss finite."""
+    proc = run_python("-m", "examples.titan.plain_loop", "--dump-folder", str(tmp_path), "--flavor", "debugmodel",
+                      "--layers", "2", "--steps", "2", "--local-batch-size", "1", "--seq-len", "16", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["loss_metrics/global_avg_loss"]) and r["throughput(tps)"] > 0, r
+        assert r["time_metrics/end_to_end(s)"] > 0 and "memory/max_reserved(GiB)" in r, r
+    setup = json.loads((tmp_path / "setup" / "rank0.json").read_text())
+    assert setup["param_dtypes"] == ["torch.bfloat16"] and setup["fsdp_modules"] == 0, setup
 
 
 def test_activation_checkpointing_trains_the_same_steps(tmp_path):

@@ -28,6 +28,11 @@ the job's per-rank metrics (:mod:`examples.titan.metrics`, torchtitan's own numb
   unattributed (``n/a``), never guessed. The kernel times are kept in ``bench.json``, so ``--report-only``
   attributes them again.
 
+``--variants plain_bf16`` (with ``--nproc 1``) adds a row that is no trainer job: :mod:`examples.titan.plain_loop`,
+a plain bf16 training loop of the same model and batch on one GPU (bf16 parameters and AdamW states, no FSDP),
+the speed the trainer's ``bf16`` variant should come near; the table says the bf16 variant's time per step as a
+multiple of its, per mode, and the loss check leaves it out.
+
 Every finished job adds its row at once to ``<out>/bench.json``, ``<out>/bench.md`` (the table) and
 ``<out>/losses.png`` (every variant's loss curve): a run killed at its time limit keeps what finished, and a
 later run with the same ``--out`` skips what is there from a run of the same settings (``--redo`` runs it
@@ -79,6 +84,9 @@ def kernel_legs_of(setup: dict | None) -> str:
     return "mxfp8 wire" if settings[0].get("wire") == "mxfp8" else "one per leg"
 
 
+PLAIN = "plain_bf16"  # examples.titan.plain_loop: a plain bf16 loop of the same model and batch (one GPU)
+
+
 def parse_args(argv=None):
     p, argv, extra = runs.parser(__doc__, argv, layers=4, steps=100, modes="eager,compiled", timeout=1800.0)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput statistics")
@@ -93,10 +101,12 @@ def parse_args(argv=None):
     p.add_argument("--report-only", action="store_true", help="rewrite bench.md, losses.png and the check only")
     args = p.parse_args(argv)
     args.extra = extra
-    args.variants = runs.names(p, "--variants", args.variants, runs.VARIANTS)
+    args.variants = runs.names(p, "--variants", args.variants, runs.VARIANTS + (PLAIN,))
     args.modes = runs.names(p, "--modes", args.modes, ("eager", "compiled"))
     if args.nproc < 1:
         p.error("--nproc must be at least 1")
+    if PLAIN in args.variants and args.nproc != 1:
+        p.error(f"--variants {PLAIN} (a one-GPU loop) needs --nproc 1")
     if not 0 <= args.warmup < args.steps - (2 if args.profile else 0):
         p.error("--warmup must leave at least one timed step (the profiled last two steps are not timed)")
     args.tail_given = args.tail is not None
@@ -116,6 +126,14 @@ def job_args(args, mode: str) -> list[str]:
         a += ["--profiler.enable_profiling", "--profiler.profile_freq", str(args.steps),
               "--profiler.profiler_warmup", "1", "--profiler.profiler_active", "1"]
     return a + args.extra
+
+
+def plain_command(args, mode: str, dump: str) -> list[str]:
+    """The :data:`PLAIN` row's job: :mod:`examples.titan.plain_loop` on one GPU with the bench's flavour, layers and
+    steps (the arguments after ``--`` are torchtitan's: not passed)."""
+    a = ["--dump-folder", dump, "--flavor", args.flavor, "--layers", str(args.layers), "--steps", str(args.steps)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+            "-m", "examples.titan.plain_loop", *a] + (["--compile"] if mode == "compiled" else [])
 
 
 def final_loss(curve: list, tail: int) -> float | None:
@@ -227,13 +245,14 @@ def table(record: dict) -> str:
     lines = [f"torchtitan trainer, DeepSeek-V3 {record['flavor']} x {record['layers']} layers, {record['nproc']} x "
              f"{record['device']}, torch {record['torch']}, {record['steps']} steps; tokens/s per GPU: median over "
              f"steps {record['warmup'] + 1}.. and ranks (min-max); final loss: mean of the last {record['tail']} steps",
-             "", "| variant | mode | tokens/s/GPU (min-max) | vs bf16 | peak reserved GiB/GPU | peak device GiB (max) "
+             "", "| variant | mode | tokens/s/GPU (min-max) | time vs bf16 | peak reserved GiB/GPU | peak device GiB (max) "
              "| allocator retries | final loss | vs bf16 | a2a ms: dispatch / combine / combine bwd / dispatch bwd "
              "(counts) | job s |", "|" + "---|" * 11]
     for r in rows:
         t, b = r["tokens_per_s_per_gpu"], base.get(r["mode"])
-        speed = (t["median"] / b["tokens_per_s_per_gpu"]["median"]
-                 if b and t["median"] and b["tokens_per_s_per_gpu"]["median"] else None)
+        # time per step against bf16's, as every ratio of the docs: bf16's tokens/s over this variant's
+        time = (b["tokens_per_s_per_gpu"]["median"] / t["median"]
+                if b and t["median"] and b["tokens_per_s_per_gpu"]["median"] else None)
         dloss = (r["final_loss"] / b["final_loss"] - 1 if b and r["final_loss"] and b["final_loss"] else None)
         a2a = r.get("a2a_ms")
         legs = ("n/a" if not a2a else " / ".join(_fmt(a2a.get(k), ".2f") for k in
@@ -242,11 +261,17 @@ def table(record: dict) -> str:
         peak = ", ".join(_fmt(v, ".1f") for _, v in sorted(r["peak_reserved_gib"].items()))
         device = [v for v in (r.get("peak_device_gib") or {}).values() if v is not None]
         lines.append(f"| {r['variant']} | {r['mode']} | {_fmt(t['median'])} ({_fmt(t['min'])}-{_fmt(t['max'])}) | "
-                     f"{_fmt(speed, '.3f')} | {peak} | {_fmt(max(device) if device else None, '.1f')} | "
+                     f"{_fmt(time, '.3f')} | {peak} | {_fmt(max(device) if device else None, '.1f')} | "
                      f"{_fmt(_known(r.get('alloc_retries')), 'd')} | "
                      f"{_fmt(r['final_loss'], '.4f')} | "
                      f"{'n/a' if dloss is None else f'{100 * dloss:+.2f}%'} | {legs} | {_fmt(r['wall_s'])} |"
                      + ("" if r["rc"] == 0 else f" failed (rc {r['rc']})"))
+    plain = {r["mode"]: r for r in rows if r["variant"] == PLAIN}
+    for mode, p in plain.items():  # the trainer's bf16 against the plain bf16 loop of the same model and batch
+        b, t = base.get(mode), p["tokens_per_s_per_gpu"]["median"]
+        if b and t and b["tokens_per_s_per_gpu"]["median"]:
+            lines.append(f"\nbf16 {mode}: {t / b['tokens_per_s_per_gpu']['median']:.3f}x the time per step of the plain "
+                         f"bf16 loop ({PLAIN}, examples.titan.plain_loop; its tokens/s over bf16's)")
     return "\n".join(lines) + "\n"
 
 
@@ -277,7 +302,7 @@ def loss_check(record: dict, rtol: float) -> list[dict]:
     out = []
     base = {r["mode"]: r for r in record["results"] if r["variant"] == "bf16" and r["final_loss"] is not None}
     for r in record["results"]:
-        if r["variant"] == "bf16" or r["mode"] not in base:
+        if r["variant"] in ("bf16", PLAIN) or r["mode"] not in base:  # the plain loop: a speed reference
             continue
         b = base[r["mode"]]["final_loss"]
         rel = None if r["final_loss"] is None else abs(r["final_loss"] - b) / abs(b)
@@ -332,10 +357,11 @@ def main(argv=None) -> int:
             print(f"stopping: {variant} {mode} needs about {estimate:.0f} s, {left:.0f} s of --budget left", flush=True)
             break
         dump = out / f"{variant}_{mode}"
-        targs = runs.trainer_args(args.flavor, variant, str(dump), job_args(args, mode))
+        cmd = (plain_command(args, mode, str(dump)) if variant == PLAIN else
+               runs.torchrun(args.nproc, runs.trainer_args(args.flavor, variant, str(dump), job_args(args, mode))))
         about = f" (about {estimate:.0f} s)" if estimate else ""
         print(f"[{i + 1}/{len(todo)}] {variant} {mode}{about}", flush=True)
-        job = runs.run(runs.torchrun(args.nproc, targs), str(out / f"{variant}_{mode}.log"), timeout=args.timeout)
+        job = runs.run(cmd, str(out / f"{variant}_{mode}.log"), timeout=args.timeout)
         times.setdefault(mode, []).append(job.seconds)
         res = summarize(args, variant, mode, str(dump), job)
         res["config"] = config

@@ -8,11 +8,16 @@
   (``Module.parallelize``: EP sharding of the experts and ``wire_meshes`` of the dispatchers; activation
   checkpointing; ``apply_compile``: each block ``torch.compile(fullgraph=True)``) and FSDP2 over the same units
   (embeddings, each block, norm + output, the root; mixed precision, reshard policy and gradient divide factor
-  1.0 as torchtitan's), leaving the routed experts' parameters out of FSDP (``ignored_params``). That is exact
+  1.0 as torchtitan's; on one rank too, over torchtitan's one-rank ``fsdp`` mesh, as its own function does),
+  leaving the routed experts' parameters out of FSDP (``ignored_params``) under expert parallelism. That is exact
   only where the experts' FSDP degree ``efsdp = dp_shard * cp * tp / ep`` is 1 (expert parallelism over every
   rank, as the configs here set): each expert then lives on one rank, its gradient needs no reduction, and the
   experts cast their fp32 weights to bf16 themselves (torchtitan's GroupedExperts; moe_quant's converted experts
   quantize the fp32 weights to MXFP8 directly instead of FSDP's bf16 copy). ``efsdp > 1`` raises.
+* One rank (one GPU): both apply FSDP2 over torchtitan's one-rank ``fsdp`` mesh (``ParallelDims`` keeps it at degree
+  1), so its ``MixedPrecisionPolicy`` (bf16 parameters in compute, fp32 gradient reduction) makes the job train in
+  bf16 compute with fp32 master weights, as on several GPUs. That is torchtitan's own mechanism for one device:
+  0.3.0's config text names ``torch.autocast`` for single-device training, but its trainer never enters autocast.
 * On gloo (the CPU process groups of the tests), after either, every FSDP module is set to
   ``set_force_sum_reduction_for_comms(True)``: FSDP's reduce-scatter otherwise uses ``ReduceOp.PREMUL_SUM`` for
   torchtitan's gradient divide factor 1.0, which gloo lacks; plain SUM then a division by 1.0 gives the same
@@ -81,8 +86,8 @@ def parallelize_without_per_param_mesh(model, *, parallel_dims, training, parall
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
-    if not parallel_dims.fsdp_enabled:
-        return model
+    # the "fsdp" mesh exists at degree 1 too (torchtitan keeps it "so fully_shard() can apply MixedPrecisionPolicy
+    # even at degree 1"): one GPU trains in bf16 compute with fp32 master weights, as several do
     mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"])
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                               reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce], cast_forward_inputs=False)

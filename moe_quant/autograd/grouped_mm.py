@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import layouts
 from .. import prequantized as pq
 from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
 from ..layouts import row_major, sanitize_offsets
-from ..numerics import ScaleMode
+from ..numerics import BLOCK_SIZE, ScaleMode
 from .. import reuse
 from ..validation import check_grouped_mm_args
 
@@ -48,17 +49,40 @@ _WEIGHT_FORMS = {
 }
 
 
+def _kept_weight(w, mode: ScaleMode, gemm: str):
+    """The emulated ``gemm`` operand of ``W_t`` (bf16/fp32) in fp8: ``(data, plain scales)`` of W along K
+    (``(E, N, K)``, fwd) or along N (``(E, K, N)``, dgrad), what a reuse scope keeps (:func:`_read_kept`)."""
+    data, blocked = q.scaled_3d(w.transpose(-2, -1), mode, "k" if gemm == "fwd" else "n", True)
+    return data, layouts.from_blocked_3d(blocked, data.shape[1], data.shape[2] // BLOCK_SIZE)
+
+
+def _read_kept(kept, gemm: str) -> torch.Tensor:
+    """The emulated ``gemm`` operand ``(E, K, N)`` bf16 from :func:`_kept_weight`'s: one dequantization pass, the same
+    values and strides as ``_WEIGHT_FORMS`` makes from the weight."""
+    data, scales = kept
+    e, r, c = data.shape
+    w = q.dequantize_rows(data.view(e * r, c), scales.view(e * r, c // BLOCK_SIZE), _GEMM_DTYPE).view(e, r, c)
+    return w.transpose(-2, -1) if gemm == "fwd" else w
+
+
 def weight_operand(W_t, mode: ScaleMode, backend: GemmBackend, gemm: str, scopes: tuple):
     """The ``gemm`` ("fwd" or "dgrad") operand of the weight view ``W_t`` on ``backend``: made here, or
     reused from one of ``scopes`` (:func:`moe_quant.reuse.current` where the forward ran: the forward passes
-    them, its backward the ones the forward kept in ``ctx``). The one place the GEMMs of
-    :func:`mxfp8_grouped_mm` and of the SwiGLU expert block get their weight operands."""
+    them, its backward the ones the forward kept in ``ctx``; on the emulated GEMM a scope keeps it in fp8,
+    read back per GEMM). The one place the GEMMs of :func:`mxfp8_grouped_mm` and of the SwiGLU expert block
+    get their weight operands."""
     form = _WEIGHT_FORMS[backend, gemm]
 
-    def compute():  # of the weight read as bf16 (fp32 master weights: their bf16 rounding)
-        return form(W_t if W_t.dtype in _WEIGHT_DTYPES else W_t.to(_GEMM_DTYPE), mode)
+    def weight():  # read as bf16 (fp32 master weights: their bf16 rounding, made by the kernels as they load)
+        return W_t if W_t.dtype in _WEIGHT_DTYPES else W_t.to(_GEMM_DTYPE)
 
-    return reuse.serve(scopes, W_t, (backend.value, gemm, mode), compute)
+    def compute():
+        return form(weight(), mode)
+
+    narrow = None
+    if backend is GemmBackend.EMULATED and scopes:
+        narrow = (lambda: _kept_weight(weight(), mode, gemm), lambda kept: _read_kept(kept, gemm))
+    return reuse.serve(scopes, W_t, (backend.value, gemm, mode), compute, narrow)
 
 
 def emulated_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):

@@ -7,13 +7,15 @@ often and where the operands are quantized (:mod:`moe_quant.block_quantize`):
 =============  ==========================================================================
 forward        ``rowwise(x)``: x's rowwise form (w1 and w3 fwd, quantized once);
                ``a = x W1^T``, ``b = x W3^T``;
-               ``swiglu(a, b)``: both forms of ``h`` (w2 fwd; w2 wgrad, saved); ``y = h W2^T``
-backward       ``dual(grad_y)``: rowwise (w2 dgrad) and colwise (w2 wgrad);
+               ``swiglu(a, b)``: h's rowwise form (w2 fwd); ``y = h W2^T``;
+               ``colwise_kept(x)``: x's colwise form (w1 / w3 wgrad) in fp8, kept instead of x
+backward       ``swiglu_colwise(a, b)``: h's colwise form (w2 wgrad), made again;
+               ``dual(grad_y)``: rowwise (w2 dgrad) and colwise (w2 wgrad);
                ``dW2``; ``grad_h``; ``dswiglu(grad_h, a, b)``: both forms of ``grad_a`` and
-               ``grad_b``; ``colwise(x)`` (w1 / w3 wgrad); ``dW1``, ``dW3``,
+               ``grad_b``; ``colwise_operand``: x's form as the GEMM reads it; ``dW1``, ``dW3``,
                ``dx = grad_a W1 + grad_b W3``
-saved          ``x`` (by reference, as the bf16 block saves it), ``a``, ``b`` (bf16) and h's
-               colwise form: less than the bf16 block saves (x, a, b, silu(a), h)
+saved          ``a``, ``b`` (bf16) and x's colwise form in fp8 (``2H + 2H + D + D/32`` bytes a row):
+               no ``x``, no ``h`` (the bf16 block keeps x, a, b, silu(a), h)
 =============  ==========================================================================
 
 The output and every gradient equal :func:`swiglu_experts_unfused` (three ``mxfp8_grouped_mm`` calls and
@@ -34,6 +36,7 @@ from ..layouts import row_major, sanitize_offsets
 from ..numerics import BLOCK_SIZE, ScaleMode
 from ..validation import check_swiglu_experts_args, check_swiglu_experts_w13_args
 from .grouped_mm import _GEMM_DTYPE, _first_order_only, _zero_empty_experts, mxfp8_grouped_mm, weight_operand
+from .saved import free_saved
 
 # ----------------------------------------------------------------------------- GEMMs on quantized forms
 
@@ -109,7 +112,13 @@ def _scaled_concat_wgrad(ga_col: tuple, gb_col: tuple, x_col: tuple, offs, backe
 class _SwiGLUExperts(torch.autograd.Function):
     """The block over ``(x, w1, w3, w2)``, or over ``(x, w13, None, w2)`` with the gate and up weights
     concatenated (``w13 = [W1; W3]``, (E, 2H, D)): then the gate-up projection is one GEMM in each direction
-    (``x W13^T``; ``dx = [grad_a | grad_b] W13``; ``dW13``), as for a module that stores ``w13``."""
+    (``x W13^T``; ``dx = [grad_a | grad_b] W13``; ``dW13``), as for a module that stores ``w13``.
+
+    Kept for backward (docs/design.md, "The SwiGLU expert block"): ``a`` and ``b`` (bf16, what dSwiGLU reads) and
+    x's colwise form in fp8 and scales (:func:`moe_quant.block_quantize.colwise_kept`); not ``x``, not ``h``:
+    h's colwise form is made again from ``a`` and ``b`` in backward. In an eager backward ``a`` and ``b`` are
+    freed once dSwiGLU has read them and x's kept form once read back for the weight gradients
+    (:func:`.saved.free_saved`); dx runs before dW1 and dW3."""
 
     @staticmethod
     def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend):
@@ -118,22 +127,29 @@ class _SwiGLUExperts(torch.autograd.Function):
         x_row = bq.rowwise(x, mode, offs, fake)
         a, b = _gate_up_fwd(x_row, w1, w3, offs, mode, backend, scopes)
         del x_row
-        h_row, h_col = bq.swiglu(a, b, mode, offs, fake)
+        h_row, _ = bq.swiglu(a, b, mode, offs, fake)
         y = _mm_fwd(h_row, _w_fwd(w2, mode, backend, scopes), offs)
-        # x itself, as the bf16 block saves it: its colwise form is made in backward (one more read of x)
-        # instead of living from forward to backward as a second (M, D) tensor
-        ctx.save_for_backward(w1, w3, w2, offs, x, a, b, *h_col)
+        del h_row
+        # x's colwise form (w1's and w3's wgrad operand) in fp8 instead of x: x itself is not kept (its routed
+        # copy is the caller's only for the forward); nothing where no weight gradient is needed
+        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        x_kept = bq.colwise_kept(x, mode, offs, fake) if need_w else ()
+        ctx.save_for_backward(w1, w3, w2, offs, a, b, *x_kept)
         ctx.mode, ctx.backend, ctx.x_dtype, ctx.reuse_scopes = mode, backend, x.dtype, scopes
+        ctx.saved_x_forms = len(x_kept)  # saved after a and b: indices 6, 7, ...
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        w1, w3, w2, offs, x, a, b, *h_col = ctx.saved_tensors
+        w1, w3, w2, offs, a, b, *x_kept = ctx.saved_tensors
         mode, backend, scopes = ctx.mode, ctx.backend, ctx.reuse_scopes
         need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
         concat = w3 is None
+        # each transient is freed once read, the saved a and b once dSwiGLU has read them, x's kept form once
+        # read back, and dx is summed in place: the peak stays near the bf16 block's
         with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
             fake = backend is GemmBackend.EMULATED
+            h_col = bq.swiglu_colwise(a, b, mode, offs, fake) if need_w2 else None  # made again from a and b
             g_row, g_col = bq.dual(row_major(grad_y), mode, offs, fake)
             dw2 = _mm_wgrad(g_col, h_col, offs, backend, w2.dtype) if need_w2 else None
             del g_col, h_col
@@ -145,30 +161,33 @@ class _SwiGLUExperts(torch.autograd.Function):
             else:
                 (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
                 g13_row = g13_col = None
-            del grad_h
-            # each transient freed once used, and dx summed in place: the backward's peak is the saved
-            # tensors plus about two (M, D) tensors, not five
-            x_col = bq.colwise(x, mode, offs, fake) if need_w1 or need_w3 else None
-            dw1 = dw3 = dx = None
+            del grad_h, a, b
+            free_saved(ctx, (4, 5))
+            # dx first: its GEMMs (and their weight operands) run before dW1 and dW3 exist, and the rowwise forms
+            # are freed before x's colwise form is read back for the weight gradients
+            dx = dw1 = dw3 = None
+            if need_x:
+                if concat:
+                    if g13_row is None:  # scaled: the blocked scales concatenated tile by tile
+                        g13_row = bq.concat_rowwise(ga_row, gb_row)
+                    ga_row = gb_row = None
+                    dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
+                else:
+                    dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
+                    ga_row = None
+                    dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend, scopes), offs).to(ctx.x_dtype))
+            ga_row = gb_row = g13_row = None
+            x_col = bq.colwise_operand(x_kept, fake) if need_w1 or need_w3 else None
+            del x_kept  # the emulated GEMM's fp8 form: read back into x_col, freed here
+            free_saved(ctx, range(6, 6 + ctx.saved_x_forms))
             if concat:
                 if need_w1:
                     dw1 = (_mm_wgrad(g13_col, x_col, offs, backend, w1.dtype) if fake
                            else _scaled_concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype))
-                del ga_col, gb_col, g13_col, x_col
-                if need_x:
-                    if g13_row is None:  # scaled: the blocked scales concatenated tile by tile
-                        g13_row = bq.concat_rowwise(ga_row, gb_row)
-                    del ga_row, gb_row
-                    dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
             else:
                 dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
                 del ga_col
                 dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
-                del gb_col, x_col
-                if need_x:
-                    dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
-                    del ga_row
-                    dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend, scopes), offs).to(ctx.x_dtype))
         # differentiating these again raises (grouped_mm.DOUBLE_BACKWARD_ERROR), as for mxfp8_grouped_mm
         dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))  # w3 None with w13
         dw3, dw2 = _first_order_only((dw3, dw2), (grad_y, w3, w2))

@@ -17,10 +17,14 @@ The pieces, one module each:
 * :mod:`.hf` -- transformers' experts interface implementation ``"moe_quant_mxfp8"`` and Llama4;
 * :mod:`.own_forward` -- the converted forward of a module conversion has no forward for: its own, its
   grouped-mm calls routed to MXFP8;
+* :mod:`.linear` -- the converted ``nn.Linear`` of experts written as a list of per-expert modules: one MXFP8 GEMM
+  of one group;
 * :mod:`.layers` -- classes PyTorch layers over a module's class (parametrizations, FSDP2), and swapping
   one class under them;
 * :mod:`.classes` -- the generated converted classes (cached by class, picklable);
-* :mod:`.handler` -- the ``quantize_`` handler, :func:`convert` / :func:`unconvert`.
+* :mod:`.handler` -- the ``quantize_`` handler, :func:`convert` / :func:`unconvert`;
+* :mod:`.model` -- ``moe_quant.convert(model, config, filter_fn=...)``: ``quantize_`` that returns what it
+  converted and raises when nothing did.
 """
 
 from .classes import SUPPORTED, converted_class, is_converted

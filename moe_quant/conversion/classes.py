@@ -16,7 +16,9 @@ What the converted class overrides, by the class it converts:
   included): the seam; the forward is the class's own;
 * any other class with a forward (a user's experts module, a subclass of a known class with its own
   forward): that forward, its ``torch._grouped_mm`` / ``F.grouped_mm`` calls routed to MXFP8
-  (:mod:`.own_forward`).
+  (:mod:`.own_forward`);
+* ``nn.Linear`` (an expert's projection in a per-expert experts list): ``forward``, one MXFP8 GEMM of one group
+  (:mod:`.linear`).
 
 A torchtitan module (one with a nested ``Config``) also gets a ``Config`` subclass (building from it makes a
 converted module) and ``parallelize``: torchtitan's own, after the ranks that parallelize the module agree on
@@ -26,8 +28,9 @@ One converted class per class, cached by the class object (weakly: a class nothi
 collected, and a second class of the same name -- a factory, a notebook cell run again,
 ``importlib.reload`` -- gets its own). A converted module pickles as its own class plus a marker
 (``torch.save``, ``copy.deepcopy``, multiprocessing): unpickling converts it again in any process, and a
-class pickle cannot find raises pickle's own error. A converted class itself pickles by a name this module
-resolves on demand (``MXFP8_<name>_<hex of "module:qualname">``).
+class pickle cannot find raises pickle's own error. A converted class reads ``MXFP8<Name>`` (its ``__name__``: module reprs, error messages, FSDP2's ``FSDPMXFP8<Name>``);
+pickle finds it by its ``__qualname__``, a key this module resolves on demand (``MXFP8_<Name>_<hex of
+"module:qualname">``), which is how a converted class itself, or an instance of its ``Config``, pickles.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Optional
 
 from torch import nn
 
-from . import experts, hf, own_forward, ranks
+from . import experts, hf, linear, own_forward, ranks
 from .config import MXFP8MoEConfig
 
 _CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> weak reference to its converted class
@@ -51,6 +54,8 @@ _KNOWN = {
     "moe_quant.moe.GroupedExperts": {"forward": experts.moe_quant_forward},
     "torchtitan.models.common.moe.GroupedExperts": {"forward": experts.torchtitan_forward,
                                                     "_grouped_mm": experts.grouped_mm_seam},
+    # one expert's projection in a per-expert experts list (the handler converts only Linear layers a user matched)
+    "torch.nn.modules.linear.Linear": {"forward": linear.linear_forward},
 }
 
 
@@ -82,9 +87,16 @@ def _converted_methods(cls: type) -> Optional[dict]:
 SUPPORTED = (
     "moe_quant.moe.GroupedExperts, torchtitan's GroupedExperts, Hugging Face transformers' experts modules "
     "(the experts interface's, Llama4TextExperts), a module whose forward calls a method "
-    f"{own_forward.SEAM} -> A @ B_t grouped by offs (conversion overrides that seam), or a module whose own "
-    "forward calls torch._grouped_mm / F.grouped_mm (conversion routes those calls)"
+    f"{own_forward.SEAM} -> A @ B_t grouped by offs (conversion overrides that seam), a module whose own "
+    "forward calls torch._grouped_mm / F.grouped_mm (conversion routes those calls), or experts as an "
+    "nn.ModuleList of per-expert modules (nn.Linear layers, or modules whose parameters are all in nn.Linear "
+    "layers: each Linear converts)"
 )
+
+
+def display_name(cls: type) -> str:
+    """The ``__name__`` of ``cls``'s converted class: ``MXFP8<Name>``."""
+    return f"MXFP8{cls.__name__}"
 
 
 def _encode(cls: type) -> str:
@@ -134,7 +146,7 @@ def converted_class(cls: type) -> type:
         namespace["Config"] = config_cls
         if callable(getattr(cls, "parallelize", None)):
             namespace["parallelize"] = _parallelize
-    new = type(name, (cls,), namespace)
+    new = type(display_name(cls), (cls,), namespace)  # __name__ reads MXFP8<Name>; __qualname__ is the key
     _CLASSES[cls] = weakref.ref(new)
     return new
 

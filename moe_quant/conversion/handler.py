@@ -9,17 +9,24 @@ it stay valid), and so do ``state_dict`` keys and values.
 A matched module without 3-D floating-point parameters of its own is a container: the experts modules inside
 it are converted (torchtitan's ``RoutedExperts`` around its ``GroupedExperts``, matched by a name filter such
 as ``"experts" in fqn``); a container with none (torchtitan's ``shared_experts``) is left alone with a warning.
+
+Experts written as an ``nn.ModuleList`` / ``nn.ModuleDict`` of per-expert modules (each an ``nn.Linear``, or a
+module whose parameters all belong to ``nn.Linear`` layers, such as a SwiGLU MLP) convert Linear by Linear
+(:mod:`.linear`). A Linear converts only where the user matched it: matched itself, or inside such a list that was
+matched or lies inside a matched container. A dense Linear elsewhere (a router, attention, a shared expert outside
+the list) does not; ``quantize_`` without a ``filter_fn`` (torchao's default filter, every ``nn.Linear``) raises.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Optional
 
 from torch import nn
 
 from . import layers, ranks
-from .._torchao import register_quantize_module_handler
+from .._torchao import default_filter_match, register_quantize_module_handler
 from .classes import base_class, converted_class, is_converted
 from .config import MXFP8MoEConfig
 from .hf import restore_experts_implementation
@@ -33,11 +40,37 @@ def _own_expert_weights(module: nn.Module) -> bool:
     return any(p.ndim == 3 and p.is_floating_point() for p in own_parameters(module))
 
 
-def _experts_modules(module: nn.Module) -> list:
-    """The outermost modules under ``module`` (itself included) that hold expert weights, or are converted."""
-    if is_converted(module) or _own_expert_weights(module):
+def _linear_only(module: nn.Module) -> bool:
+    """``module`` is an ``nn.Linear``, or holds some and every parameter of it belongs to one of them."""
+    if isinstance(module, nn.Linear):
+        return True
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    in_linears = {id(p) for m in linears for p in m.parameters()}
+    return bool(linears) and all(id(p) in in_linears for p in module.parameters())
+
+
+def per_expert_list(module: nn.Module) -> bool:
+    """``module`` is experts as a list of per-expert modules: a non-empty ``nn.ModuleList`` / ``nn.ModuleDict`` whose
+    every item is an ``nn.Linear`` or a module whose parameters all belong to ``nn.Linear`` layers."""
+    return (isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0
+            and all(_linear_only(m) for m in module.children()))
+
+
+def _experts_modules(module: nn.Module, matched: bool = True) -> list:
+    """The outermost modules under ``module`` (itself included) that hold expert weights, or are converted; the
+    Linear layers of a per-expert list; ``module`` itself if it is the ``nn.Linear`` the user matched."""
+    if is_converted(module) or _own_expert_weights(module) or (matched and isinstance(module, nn.Linear)):
         return [module]
-    return [m for child in module.children() for m in _experts_modules(child)]
+    if per_expert_list(module):
+        return [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return [m for child in module.children() for m in _experts_modules(child, matched=False)]
+
+
+def experts_candidates(model: nn.Module) -> list:
+    """``(fqn, module)`` of the modules of ``model`` a match would convert: those holding stacked expert weights
+    (3-D floating-point parameters of their own, PyTorch's own layers left out) and the per-expert lists."""
+    return [(fqn, m) for fqn, m in model.named_modules()
+            if (_own_expert_weights(m) and not type(m).__module__.startswith("torch.nn.")) or per_expert_list(m)]
 
 
 def convert(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[str] = None) -> nn.Module:
@@ -112,7 +145,8 @@ def _warn_nothing_converted(module: nn.Module) -> None:
     _WARNED_NOTHING_CONVERTED.add(key)
     logger.warning(
         "MXFP8MoEConfig matched %s, which holds no 3-D floating-point parameter (stacked expert "
-        "weights), itself or in a submodule; nothing converted. Check quantize_'s filter_fn: a name filter "
+        "weights) and no per-expert list (nn.ModuleList of nn.Linear experts or of MLPs made of them), itself or in "
+        "a submodule; nothing converted. Check quantize_'s filter_fn: a name filter "
         "such as '\"experts\" in fqn' also matches shared experts; an isinstance filter "
         "(lambda mod, fqn: isinstance(mod, GroupedExperts)) matches only the routed experts. "
         "(Logged once per module class.)",
@@ -122,4 +156,13 @@ def _warn_nothing_converted(module: nn.Module) -> None:
 
 @register_quantize_module_handler(MXFP8MoEConfig)
 def _mxfp8_moe_transform(module: nn.Module, config: MXFP8MoEConfig, parameter_name: Optional[str] = None) -> nn.Module:
+    fqn = default_filter_match(sys._getframe(1))
+    if fqn is not None:  # before any module changes: the first match raises
+        raise ValueError(
+            f"quantize_(model, MXFP8MoEConfig()) without filter_fn: torchao's default filter matches every nn.Linear "
+            f"(here {fqn or '<model>'!r}), and MXFP8MoEConfig converts only the experts you name. Pass filter_fn, e.g. "
+            f"filter_fn=lambda mod, fqn: isinstance(mod, MyExperts) for your experts class, or "
+            f"moe_quant.convert(model, filter_fn=...), which also says what it converted; per-expert nn.Linear "
+            f"experts: match their container, e.g. filter_fn=lambda mod, fqn: fqn.endswith('.experts') "
+            f"(docs/own_moe.md)")
     return convert(module, config, parameter_name)

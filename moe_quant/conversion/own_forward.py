@@ -22,14 +22,16 @@ forward again.
 
 Under ``torch.compile`` Dynamo does not dispatch torch function modes for ``torch._grouped_mm`` (a private torch
 function is not in ``torch.overrides.get_overridable_functions()``, which gates Dynamo's dispatch; measured with
-torch 2.11 and 2.13, ``scripts/own_forward_probe.py``): a traced forward would silently run the bf16 op. So this
+torch 2.11 and 2.13, ``scripts/probes/own_forward_probe.py``): a traced forward would silently run the bf16 op. So this
 forward is excluded from Dynamo (``torch._dynamo.disable``): a compiled model runs it eagerly, in MXFP8, behind a
-graph break, and ``fullgraph=True`` raises, naming the seam to add (docs/design.md section 8.2).
+graph break, logged once per class when Dynamo first traces it; ``fullgraph=True`` raises Dynamo's ``Unsupported``
+with moe_quant's message, naming the seam to add (docs/design.md section 8.2).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import torch
@@ -41,6 +43,9 @@ from .fallbacks import fallback
 from .gemm import grouped_mm
 
 SEAM = "_grouped_mm(self, *, A, B_t, offs)"
+
+logger = logging.getLogger("moe_quant.conversion")
+_NOTED: set = set()  # classes whose graph break under torch.compile was logged
 
 
 def own_parameters(module: nn.Module) -> list:
@@ -213,13 +218,27 @@ def _route_backward(module, config, outputs, start: int) -> None:
         node.register_hook(_leave_window)
 
 
-def compile_note(cls: type) -> str:
+def compile_note(cls: type, fullgraph: bool = False) -> str:
+    """What ``torch.compile`` does with the converted ``cls`` (``fullgraph``: why it raises), and the seam that makes
+    it traceable."""
     name = f"{cls.__module__}.{cls.__qualname__}"
-    return (f"moe_quant: the converted {name} runs its own forward with its torch._grouped_mm / F.grouped_mm calls "
-            f"routed to MXFP8 by a TorchFunctionMode, which Dynamo does not apply to torch._grouped_mm, so it runs "
-            f"eagerly behind a graph break. For fullgraph=True give {name} a method {SEAM} that returns "
-            f"torch._grouped_mm(A, B_t, offs=offs), and call it in forward for each expert GEMM "
-            f"(conversion then overrides that method)")
+    what = (f"fullgraph=True cannot trace the converted {name}, which runs eagerly behind a graph break"
+            if fullgraph else f"torch.compile runs the converted {name} eagerly, behind a graph break (still in MXFP8)")
+    return (f"moe_quant: {what}: its own forward's torch._grouped_mm / F.grouped_mm calls are routed to MXFP8 by a "
+            f"TorchFunctionMode, which Dynamo does not apply to torch._grouped_mm. To compile it into the graph, give "
+            f"{name} a method {SEAM} that returns torch._grouped_mm(A, B_t, offs=offs), and call it in forward for "
+            f"each expert GEMM (conversion then overrides that method; docs/own_moe.md)")
+
+
+def _fullgraph() -> bool:
+    """Dynamo is tracing with graph breaks not allowed (``fullgraph=True``, ``error_on_graph_break``)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    except Exception:  # another tracer, or Dynamo's internals moved: the disabled forward's reason still names the seam
+        return False
 
 
 def no_call_reason(cls: type) -> str:
@@ -231,11 +250,14 @@ def no_call_reason(cls: type) -> str:
 
 def routed_forward(cls: type):
     """The converted forward of ``cls`` (a class conversion has no forward for): ``cls.forward`` (looked up at each
-    call) inside :class:`GroupedMMRouting`, and its backward too (:func:`_route_backward`). A forward that made no
-    grouped-mm call on the module's parameters is a counted fallback."""
+    call) inside :class:`GroupedMMRouting`, and its backward too where a checkpoint may recompute it
+    (:func:`_route_backward`). A forward that made no grouped-mm call on the module's parameters is a counted
+    fallback. Under ``torch.compile`` it runs eagerly behind a graph break, logged once per class; ``fullgraph=True``
+    raises ``Unsupported`` with :func:`compile_note`."""
     reason = no_call_reason(cls)
+    note, fullgraph_note = compile_note(cls), compile_note(cls, fullgraph=True)
 
-    def forward(self, *args, **kwargs):
+    def eager_forward(self, *args, **kwargs):
         config = self._mxfp8_config
         _close_stale_windows()
         start = _sequence_number()
@@ -248,6 +270,22 @@ def routed_forward(cls: type):
             _route_backward(self, config, out, start)
         return out
 
+    eager = torch._dynamo.disable(eager_forward, reason=fullgraph_note)
+
+    @torch._dynamo.assume_constant_result
+    def traced() -> bool:  # runs in Python while Dynamo traces forward (once per trace), so it is no graph break
+        if _fullgraph():
+            raise torch._dynamo.exc.Unsupported(fullgraph_note)
+        if cls not in _NOTED:
+            _NOTED.add(cls)
+            logger.warning("%s (logged once per class)", note)
+        return True
+
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            traced()
+        return eager(self, *args, **kwargs)
+
     forward.__qualname__ = f"{cls.__qualname__}.forward"
     forward.__doc__ = f"{cls.__qualname__}'s own forward, its grouped GEMMs in MXFP8 (moe_quant conversion)."
-    return torch._dynamo.disable(forward, reason=compile_note(cls))
+    return forward

@@ -22,6 +22,7 @@ import torch
 from .. import backends, layouts
 from .. import validation as v
 from ..numerics import BLOCK_SIZE, dequantize_blocks
+from ..quantize import dequantize_rows  # noqa: F401  (its home: rows already in order, one (rank, expert) block)
 
 E8M0 = torch.float8_e8m0fnu
 OUT_KINDS = ("dequant", "blocked", "plain")
@@ -98,14 +99,3 @@ def permute_received(data, scales, counts, *, out="dequant", out_dtype=torch.bfl
     return reference_permute_received(data, scales, counts, out=out, out_dtype=out_dtype)
 
 
-def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``dequantize_blocks(data, scales, out_dtype)`` of rows already in order: on SM90+ one pass of the
-    permute kernel with a single (rank, expert) block (its ``"dequant"`` output, byte-identical to
-    ``dequantize_blocks``), where the reference is several elementwise passes over fp32 copies; the
-    reference elsewhere. ``data (M, K)`` e4m3, ``scales (M, K / 32)`` e8m0 bytes, both contiguous."""
-    if backends.use_quant_kernels(data):
-        from ..kernels.permute import ops as ops_permute
-
-        counts = torch.full((1, 1), data.shape[0], dtype=torch.int32, device=data.device)
-        return ops_permute.permute_mxfp8(data.contiguous(), scales.contiguous(), counts, "dequant", out_dtype)[0]
-    return dequantize_blocks(data, scales.view(torch.uint8), out_dtype)

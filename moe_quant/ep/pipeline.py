@@ -27,7 +27,7 @@ torch's GEMMs target ``n`` fewer SMs (``torch._C._set_sm_carveout_experimental``
 read it), so they fit beside the transfers (:class:`SmWindow`). On 2 H200s with NCCL held to 4 channels (about
 55 GB/s per GPU; p2p in 4 ranges, 2026-11-29) the grouped GEMMs that overlapped a transfer ran at up to 1.9x
 their time alone; with ``sm_carveout=4`` every one ran at its time alone and the step went from 37.08 to 33.99 ms
-(docs/ep_performance.md). The GEMMs' bits do not depend on it (``tests/test_grouped_mm_gpu.py``).
+(docs/lab/ep_log.md). The GEMMs' bits do not depend on it (``tests/test_grouped_mm_gpu.py``).
 """
 
 from __future__ import annotations

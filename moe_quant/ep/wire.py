@@ -111,7 +111,7 @@ def row_words(t: torch.Tensor) -> torch.Tensor:
 
     For the legs' row copies: PyTorch's ``index_copy_`` along dim 0 runs a thread per element, so an fp8 row of
     D bytes is D element copies; as 8-byte words it is D / 8, moved 4.6x faster (bf16 rows 2.6x) on an H200
-    (``scripts/row_copy_probe.py``, docs/ep_performance.md)."""
+    (``scripts/probes/row_copy_probe.py``, docs/lab/ep_log.md)."""
     if t.dim() < 2:
         return t
     item = t.dtype.itemsize
@@ -151,7 +151,8 @@ def all_to_all_mxfp8(data: torch.Tensor, scales: torch.Tensor, output_splits: li
     """MXFP8 rows over one leg: ``data (M, K)`` e4m3 and plain ``scales (M, K/32)`` (e8m0 bytes) in two
     ``all_to_all_single`` of the same row splits, recorded as one leg of ``K + K/32`` bytes per row.
     Returns ``(data (M', K) e4m3, scales (M', K/32) uint8)``, both contiguous (no packed buffer: packing
-    cost a copy of every row on each side, 1.0 ms of a 30 ms EP = 4 step on H200s, docs/ep_performance.md)."""
+    cost a copy of every row on each side, 1.0 ms of a 30 ms EP = 4 step on H200s,
+    docs/lab/ep_log.md)."""
     if scales.shape[0] != data.shape[0]:
         raise ValueError(f"scales must have one row per data row: data {tuple(data.shape)}, scales {tuple(scales.shape)}")
     d_out, s_out = _exchange([row_bytes_view(data.contiguous()), row_bytes_view(scales.contiguous())],

@@ -191,6 +191,32 @@ def e8m0_from_amax_bits(amax_bits, rceil: bool) -> Int32:
     return Int32(cutlass.select_(nonfinite, Int32(E8M0_NAN), e))
 
 
+def e8m0_from_amax_bits_short(amax_bits, rceil: bool) -> Int32:
+    """:func:`e8m0_from_amax_bits` in about 7 instructions instead of 17, the same byte for every magnitude bit
+    pattern (bit 31 clear; ``tests/test_numerics.py`` checks the formula against ``numerics.e8m0_from_amax``: every
+    mantissa where d crosses the subnormal rules, samples of every exponent). RCEIL: ``d = amax * fp32(1/448)``
+    rounded up to a power of two is the exponent field of ``bits(d) + 0x7FFFFF`` (a carry iff any mantissa bit is
+    set); a subnormal ``d`` rounds up only above 2^-127 (mantissa 0x400000), so there the addend is 0x3FFFFF.
+    FLOOR: ``max(exponent - 8, 0)``. No clamp to 254: a finite fp32 amax gives at most 247 in either mode
+    (``amax / 448 < 2^120``), and a non-finite one 255."""
+    amax_bits = Int32(amax_bits)
+    if cutlass.const_expr(rceil):
+        d = mul_f32_bits(amax_bits, Int32(RCP_E4M3_MAX_F32_BITS))
+        subnormal = d < Int32(F32_MANT_MASK + 1)
+        up = Int32(cutlass.select_(subnormal, Int32(_F32_HALF_SUBNORMAL - 1), Int32(F32_MANT_MASK)))
+        e = (d + up) >> 23
+    else:
+        e = cutlass.max((amax_bits >> 23) - E4M3_MAX_POW2, Int32(0))
+    return Int32(cutlass.select_(amax_bits >= F32_EXP_INF, Int32(E8M0_NAN), e))
+
+
+def e8m0_reciprocal_bits_short(s) -> Int32:
+    """:func:`e8m0_reciprocal_bits` for the bytes a finite block can have (s <= 247, :func:`e8m0_from_amax_bits_short`)
+    in one instruction: ``(254 - s) << 23``; for s = 255 (a NaN block, whose elements are replaced) a
+    meaningless pattern."""
+    return Int32((2 * E8M0_BIAS) << 23) - (Int32(s) << 23)
+
+
 def e8m0_reciprocal_bits(s) -> Int32:
     """``2**(127 - s)`` as an fp32 bit pattern for s in [0, 254] (2**-127 is a subnormal)."""
     e = Int32(2 * E8M0_BIAS) - Int32(s)
@@ -273,18 +299,23 @@ def dequantize4_f32(word, scale_bits):
     return _asm(4, [word, scale_bits], _DQ4_F32_BODY, "=r,=r,=r,=r,r,r")
 
 
-def quantize_block8(xs, rceil: bool, lanes=QUAD_LANES, amax=None):
+def quantize_block8(xs, rceil: bool, lanes=QUAD_LANES, amax=None, short: bool = False, nan_words: bool = True):
     """This lane's 8 fp32 bit patterns of a 32-element block held by 4 lanes (a quad: consecutive lanes, or
     those of the butterfly offsets ``lanes``), as MXFP8: ``(q0, q1, s, is_nan)`` -- two words of packed e4m3
     bytes (canonical NaN for a non-finite block), the block's e8m0 scale byte and whether it is NaN. amax
     over the quad (this lane's: ``absmax_bits(xs)``, or ``amax`` where the caller has it), then the exact
-    recipes above."""
+    recipes above. ``short``: the scale and its reciprocal by :func:`e8m0_from_amax_bits_short` and
+    :func:`e8m0_reciprocal_bits_short` (the same bytes, fewer instructions); ``nan_words=False``: the e4m3 words
+    of a NaN block are left as computed (a caller that replaces them, :func:`dequantize8`, saves the selects)."""
     amax = quad_max(absmax_bits(xs) if amax is None else amax, lanes)
-    s = e8m0_from_amax_bits(amax, rceil)
+    s = e8m0_from_amax_bits_short(amax, rceil) if short else e8m0_from_amax_bits(amax, rceil)
     is_nan = s == E8M0_NAN
-    rcp = e8m0_reciprocal_bits(s)
-    q0 = Int32(cutlass.select_(is_nan, Int32(E4M3_NAN_X4), quantize4(xs[0], xs[1], xs[2], xs[3], rcp)))
-    q1 = Int32(cutlass.select_(is_nan, Int32(E4M3_NAN_X4), quantize4(xs[4], xs[5], xs[6], xs[7], rcp)))
+    rcp = e8m0_reciprocal_bits_short(s) if short else e8m0_reciprocal_bits(s)
+    q0 = quantize4(xs[0], xs[1], xs[2], xs[3], rcp)
+    q1 = quantize4(xs[4], xs[5], xs[6], xs[7], rcp)
+    if nan_words:
+        q0 = Int32(cutlass.select_(is_nan, Int32(E4M3_NAN_X4), q0))
+        q1 = Int32(cutlass.select_(is_nan, Int32(E4M3_NAN_X4), q1))
     return q0, q1, s, is_nan
 
 

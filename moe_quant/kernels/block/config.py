@@ -47,6 +47,17 @@ class Variant:
     # None: the op's default. Both forms' amax on the packed bf16x2 words (max.u16x2); on for the SwiGLU ops
     packed_amax: bool | None = None
     ctas_per_sm: int = 2  # the launch's register cap: 2 -> 128 registers a thread (256 threads a CTA), 3 -> 80
+    # fewer instructions, the same bytes (kernels/block/NOTES.md, 2026-12-02): each block's scale in 7 instructions
+    # instead of 17 and its reciprocal in one, no NaN select of the e4m3 words that bf16 outputs replace anyway,
+    # colwise store addresses advanced per column (at 2 CTAs per SM), and (swiglu / dswiglu) the fast division's range
+    # checked by one
+    # running min (a below -80); non-finite a take the fast path (their outputs are non-finite either way, and a
+    # block holding any non-finite element is NaN)
+    lean: bool = False
+    # dswiglu only: one CTA computes both grad_a and grad_b of its tile (exp(-a) and the reciprocal once for both,
+    # grad_h and a read once), the two tiles parked in shared memory (over the staged inputs) and quantized one
+    # after the other by one copy of the quantization code
+    fused_grads: bool = False
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -65,6 +76,10 @@ class Variant:
         for name in ("staged", "fast_div", "packed_amax"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.op in SWIGLU_OPS)
+        if self.fused_grads and not (self.op == "dswiglu" and self.staged and self.fast_div and self.lean):
+            raise ValueError("fused_grads computes both dswiglu outputs from the staged inputs with the fast division "
+                             f"and the lean range check: op must be 'dswiglu' with staged, fast_div and lean, got "
+                             f"{self.op!r} (staged={self.staged}, fast_div={self.fast_div}, lean={self.lean})")
         if (self.staged or self.fast_div) and self.op == "dual":
             raise ValueError("staged and fast_div change the SwiGLU ops' input and math code: op must be 'swiglu' or "
                              f"'dswiglu', got {self.op!r}")
@@ -78,7 +93,8 @@ class Variant:
         return (f"{self.op}-{self.in_dtype}-{self.mode}-{self.out_dtype}" + ("-stacked" if self.stacked else "")
                 + ("-staged" if self.staged else "") + ("-fastdiv" if self.fast_div else "")
                 + ("" if self.packed_amax == (self.op in SWIGLU_OPS) else "-pamax" if self.packed_amax else "-nopamax")
-                + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else ""))
+                + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else "") + ("-fused" if self.fused_grads else "")
+                + ("-lean" if self.lean else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -95,25 +111,39 @@ def all_variants() -> list[Variant]:
 # registers form (the default before) +1.1..+3.4 points of memcpy with bf16 outputs, +0.4..+2.5 with fp8; staged
 # alone -4..-5 points. fast_div without staged is not a candidate: ptxas spills 16 bytes in swiglu's fp8 variant,
 # and its loads in flight fall (2026-11-28, NOTES.md: "Division without ptxas' per-element branch").
-CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False}, "staged-plain-div": {"fast_div": False}}
+# "lean" (2026-12-02, not yet measured): the lean quantization and range check (the field's comment above); main-path
+# SASS per element (sm_90a, NOTES.md): swiglu 46.5 -> 42.6 (bf16 out), 42.0 -> 38.4 (fp8), dswiglu 95.8 -> 88.2.
+CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False}, "staged-plain-div": {"fast_div": False},
+              "lean": {"lean": True}}
+
+# dswiglu's own: both outputs in one CTA, with the lean quantization (2026-12-02, not yet measured; NOTES.md): main-path
+# SASS per element 95.8 -> 71.1 (bf16 out), 86.2 -> 60.8 (fp8). Its stacked variant (bf16 outputs of a concatenated
+# gate-up weight) is compile-checked and byte-tested too.
+DSWIGLU_CANDIDATES = {**CANDIDATES, "fused-lean": {"fused_grads": True, "lean": True}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
 # made dual 4-11% slower on one H200 (2026-11-29, NOTES.md): ptxas gave it 108-110 registers, two CTAs per SM
 # instead of the default's three (80 registers); "packed-c3" caps it at three: level with the default within the
 # spread (+0.0..+0.4 points of memcpy, one H200, 2026-11-29 evening, NOTES.md). With fp8 outputs that cap spills
-# 8 bytes (ptxas, sm_90a), so those have no candidate.
-DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3}}
+# 8 bytes (ptxas, sm_90a), so those have no such candidate. "lean-c3" (2026-12-02, not yet measured): the lean
+# quantization under the 3-CTA cap (80 registers, no spills, both outputs; uncapped ptxas takes 96-102: two CTAs).
+DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3},
+                   "lean-c3": {"lean": True, "ctas_per_sm": 3}}
+DUAL_FP8_CANDIDATES = {"default": {}, "lean-c3": {"lean": True, "ctas_per_sm": 3}}
 
 
 def candidates(op: str, out_dtype: str) -> dict:
     """The A/B candidates of ``op`` writing ``out_dtype``: name -> fields that differ from its default."""
     if op == "dual":
-        return DUAL_CANDIDATES if out_dtype == "bfloat16" else {"default": {}}
-    return CANDIDATES
+        return DUAL_CANDIDATES if out_dtype == "bfloat16" else DUAL_FP8_CANDIDATES
+    return DSWIGLU_CANDIDATES if op == "dswiglu" else CANDIDATES
 
 
 def candidate_variants() -> list[Variant]:
-    """The candidates' variants other than the defaults."""
-    return [Variant(op, "bfloat16", "rceil", o, **kw) for op in OPS for o in OUT_DTYPES
-            for kw in candidates(op, o).values() if kw]
+    """The candidates' variants other than the defaults (rceil): every op and output kind, and the stacked dswiglu
+    variant of each fused candidate."""
+    out = [Variant(op, "bfloat16", "rceil", o, **kw) for op in OPS for o in OUT_DTYPES
+           for kw in candidates(op, o).values() if kw]
+    return out + [Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **kw)
+                  for kw in DSWIGLU_CANDIDATES.values() if kw.get("fused_grads")]

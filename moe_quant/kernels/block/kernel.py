@@ -124,29 +124,50 @@ fma.rn.f32 sg, rq, eq, rq;
 FAST_MIN, FAST_MAX = "0fC2A00000", "0f7F7F0000"  # -80 and bf16's largest finite value, as fp32
 
 
+# Both gradients of one element (``fused_grads``): _GRAD_A, then _GRAD_B's division of the same ``x / d`` into yb; the
+# fast form shares the reciprocal (sg is exactly the reciprocal _FAST_DIV refines: the same three instructions),
+# so each result has the bits of its own element above.
+_GRAD_AB = _GRAD_A + """div.rn.f32 yb, x, d;
+cvt.rn.bf16x2.f32 hb, yb, z;
+mov.b32 s, hb;
+mul.rn.f32 yb, g, s;
+"""
+_FAST_DIV_SHARED = """mul.rn.f32 q0, x, sg;
+fma.rn.f32 eq, nd, q0, x;
+fma.rn.f32 yb, sg, eq, q0;
+and.b32 sb, x, 0x80000000;
+or.b32 yb, yb, sb;
+"""
+
+
 def _fast(element: str) -> str:
-    return element.replace("div.rn.f32 y, x, d;\n", _FAST_DIV).replace("rcp.rn.f32 sg, d;\n", _FAST_RCP)
+    return (element.replace("div.rn.f32 y, x, d;\n", _FAST_DIV).replace("rcp.rn.f32 sg, d;\n", _FAST_RCP)
+            .replace("div.rn.f32 yb, x, d;\n", _FAST_DIV_SHARED))
 
 
-def _packed(element: str, inputs: tuple) -> str:
-    """PTX of ``element`` on both bf16 halves of the packed input words ``$1..`` (named ``inputs``: any of
-    g, x (= a), b), the two results rounded to bf16 and packed into ``$0``."""
-    regs = (".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo, rq, nd, eq, q0;\n"
+def _packed(element: str, inputs: tuple, outputs: int = 1) -> str:
+    """PTX of ``element`` on both bf16 halves of the packed input words (named ``inputs``: any of g, x (= a), b;
+    after the ``outputs`` output operands), the results (y, and yb for a second output) rounded to bf16 and packed
+    into ``$0`` (and ``$1``)."""
+    regs = (".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo, rq, nd, eq, q0, yb, yblo;\n"
             ".reg .b32 jb, hb, sb;\n")
     body = "{\n" + regs + "mov.f32 z, 0f00000000;\n"
     for half, unpack in (("lo", "shl.b32 hb, {w}, 16;"), ("hi", "and.b32 hb, {w}, 0xFFFF0000;")):
         for k, name in enumerate(inputs):
-            body += unpack.format(w=f"${k + 1}") + f"\nmov.b32 {name}, hb;\n"
+            body += unpack.format(w=f"${k + outputs}") + f"\nmov.b32 {name}, hb;\n"
         body += element
         if half == "lo":
-            body += "mov.f32 ylo, y;\n"
-    return body + "cvt.rn.bf16x2.f32 $0, y, ylo;\n}"
+            body += "mov.f32 ylo, y;\n" + ("mov.f32 yblo, yb;\n" if outputs == 2 else "")
+    second = "cvt.rn.bf16x2.f32 $1, yb, yblo;\n" if outputs == 2 else ""
+    return body + "cvt.rn.bf16x2.f32 $0, y, ylo;\n" + second + "}"
 
 
-_PTX = {(op, fast): _packed(_fast(el) if fast else el, ins) for op, el, ins in (
-    ("swiglu", _SILU_TIMES_B, ("x", "b")), ("grad_a", _GRAD_A, ("g", "x", "b")), ("grad_b", _GRAD_B, ("g", "x")))
+_PTX = {(op, fast): _packed(_fast(el) if fast else el, ins, outs) for op, el, ins, outs in (
+    ("swiglu", _SILU_TIMES_B, ("x", "b"), 1), ("grad_a", _GRAD_A, ("g", "x", "b"), 1),
+    ("grad_b", _GRAD_B, ("g", "x"), 1), ("grad_ab", _GRAD_AB, ("g", "x", "b"), 2))
     for fast in (False, True)}
-assert all("div.rn" not in _PTX[op, True] and "rcp.rn" not in _PTX[op, True] for op in ("swiglu", "grad_a", "grad_b"))
+assert all("div.rn" not in _PTX[op, True] and "rcp.rn" not in _PTX[op, True]
+           for op in ("swiglu", "grad_a", "grad_b", "grad_ab"))
 
 
 def swiglu_bf16x2(a, b, fast: bool = False) -> Int32:
@@ -165,30 +186,48 @@ def grad_b_bf16x2(g, a, fast: bool = False) -> Int32:
     return cu._asm(1, [g, a], _PTX["grad_b", fast], "=r,r,r")
 
 
+def grad_ab_bf16x2(g, a, b, fast: bool = False):
+    """``(grad_a, grad_b)`` of :func:`grad_a_bf16x2` and :func:`grad_b_bf16x2` in one: ``exp(-a)``, its ``1 +`` and
+    (``fast``) the reciprocal computed once for both (the same bits)."""
+    return cu._asm(2, [g, a, b], _PTX["grad_ab", fast], "=r,=r,r,r,r")
+
+
 def bf16x2_min_max(lo, hi, w):
     """Running elementwise ``min`` / ``max`` of packed bf16x2 words, a NaN propagated (``.NaN``)."""
     return (cu._asm(1, [lo, w], "min.NaN.bf16x2 $0, $1, $2;", "=r,r,r"),
             cu._asm(1, [hi, w], "max.NaN.bf16x2 $0, $1, $2;", "=r,r,r"))
 
 
-_IN_FAST_RANGE = """{
-.reg .f32 a, b, c, d;
-.reg .b32 t;
-.reg .pred p;
-shl.b32 t, $1, 16;
-mov.b32 a, t;
-and.b32 t, $1, 0xFFFF0000;
-mov.b32 b, t;
-shl.b32 t, $2, 16;
-mov.b32 c, t;
-and.b32 t, $2, 0xFFFF0000;
-mov.b32 d, t;
-setp.ge.f32 p, a, """ + FAST_MIN + """;
-setp.ge.and.f32 p, b, """ + FAST_MIN + """, p;
-setp.le.and.f32 p, c, """ + FAST_MAX + """, p;
-setp.le.and.f32 p, d, """ + FAST_MAX + """, p;
-selp.b32 $0, 1, 0, p;
-}"""
+def _range_check(upper: bool) -> str:
+    """PTX: ``$0`` = 1 if both halves of the bf16x2 word ``$1`` are at least -80 (and with ``upper`` both halves of
+    ``$2`` at most bf16's largest finite value), else 0."""
+    words = 2 if upper else 1
+    text = "{\n.reg .f32 " + ", ".join("abcd"[:2 * words]) + ";\n.reg .b32 t;\n.reg .pred p;\n"
+    for k in range(words):
+        lo, hi = "abcd"[2 * k], "abcd"[2 * k + 1]
+        text += f"shl.b32 t, ${k + 1}, 16;\nmov.b32 {lo}, t;\nand.b32 t, ${k + 1}, 0xFFFF0000;\nmov.b32 {hi}, t;\n"
+    text += f"setp.ge.f32 p, a, {FAST_MIN};\nsetp.ge.and.f32 p, b, {FAST_MIN}, p;\n"
+    if upper:
+        text += f"setp.le.and.f32 p, c, {FAST_MAX}, p;\nsetp.le.and.f32 p, d, {FAST_MAX}, p;\n"
+    return text + "selp.b32 $0, 1, 0, p;\n}"
+
+
+_IN_FAST_RANGE = _range_check(True)
+_IN_FAST_RANGE_LO = _range_check(False)
+
+
+def bf16x2_min(lo, w):
+    """Running elementwise ``min`` of packed bf16x2 words (a NaN half yields to the other operand): the ``lean``
+    variants' range check needs the smallest ``a`` only (:func:`in_fast_range_lo`)."""
+    return cu._asm(1, [lo, w], "min.bf16x2 $0, $1, $2;", "=r,r,r")
+
+
+def in_fast_range_lo(lo) -> Int32:
+    """1 if both halves of the running min ``lo`` (:func:`bf16x2_min`) are at least -80, else 0. The ``lean``
+    variants' check: below -80 the fast division is wrong for finite ``a`` (its reciprocal flushes to zero near
+    d = 2^126); a NaN or Inf ``a`` gives a non-finite result on either path (for ``a = +Inf`` NaN where PyTorch has
+    Inf), and a block holding a non-finite element is a NaN block, the same bytes (docs/design.md section 2)."""
+    return cu._asm(1, [lo], _IN_FAST_RANGE_LO, "=r,r")
 
 
 def in_fast_range(lo, hi) -> Int32:
@@ -229,6 +268,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # both forms' amax on the packed words (max.u16x2): on for the SwiGLU ops (H200, 2026-11-29: swiglu and
         # dswiglu +1.3-2.5%; dual at two CTAs per SM -4..-11%; NOTES.md)
         self.packed_amax = variant.packed_amax
+        self.lean = variant.lean  # the lean quantization and range check (config)
+        self.fused = variant.fused_grads  # dswiglu: one CTA for both outputs (config)
+        self.n_ctas = 1 if self.fused else self.n_out  # CTAs per tile
         self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
 
     # ------------------------------------------------------------------ host
@@ -251,7 +293,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             buf_rows = Int32(rs0.shape[0])
         self.kernel(x0, x1, x2, rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1, offs, poffs, Int32(x0.shape[0]),
                     Int32(r), n_groups, row_stride, rp, sw, buf_rows, nx, Int32(ny)).launch(
-            grid=[nx * self.n_out, ny, 1], block=[THREADS, 1, 1], stream=stream,
+            grid=[nx * self.n_ctas, ny, 1], block=[THREADS, 1, 1], stream=stream,
             # two CTAs per SM (the default): ptxas keeps to 128 registers (the 8 x 8 tile is live across both
             # forms); staged inputs take 64 or 96 KB of shared memory per CTA
             min_blocks_per_mp=self.v.ctas_per_sm, preferred_smem_carveout=100 if self.staged else 0)
@@ -265,8 +307,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         tid, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         tid = Int32(tid)
-        o_cta = Int32(bx) % self.n_out  # dswiglu: neighbouring CTAs write grad_a and grad_b of one tile
-        bx = Int32(bx) // self.n_out
+        o_cta = Int32(bx) % self.n_ctas  # dswiglu: neighbouring CTAs write grad_a and grad_b of one tile
+        bx = Int32(bx) // self.n_ctas
         by = Int32(by)
         lane = tid % 32
         warp = tid // 32
@@ -318,14 +360,36 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             # dynamic shared memory (a static array is limited to 48 KB)
             stage = SmemAllocator().allocate_array(Int32, N_INPUTS[self.op] * TOKENS_PER_THREAD * THREADS * 4,
                                                    byte_alignment=16)
-        if cutlass.const_expr(self.n_out == 1):
-            words = self.compute(0, x0, x1, x2, src0, n_real, r, col0, col_ok, t0, stage, tid)
+        tile = (src0, n_real, r, col0, col_ok, t0)
+        where = (tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride)
+        outs = (rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1)
+        tails = (offs, m, r, n_groups, chunk_total, rp, sw, buf_rows, nx, ny, bx, by, tid, info)
+        if cutlass.const_expr(self.fused):
+            # both gradients into the stage (grad_a over grad_h's rows, grad_b over b's), then each quantized by the
+            # one copy of the code below (a loop, not unrolled)
+            self.compute_both(x0, x1, x2, *tile, stage, tid)
+            for o in cutlass.range(0, 2, 1, unroll=1):
+                words = [self.staged_row(stage, 2 * o, i, tid) for i in range(TOKENS_PER_THREAD)]
+                self.emit(o, words, outs, where, tile, tails)
         else:
-            words = [[Int32(0)] * 4 for _ in range(TOKENS_PER_THREAD)]
-            if o_cta == 0:
-                words = self.compute(0, x0, x1, x2, src0, n_real, r, col0, col_ok, t0, stage, tid)
+            if cutlass.const_expr(self.n_out == 1):
+                words = self.compute(0, x0, x1, x2, *tile, stage, tid)
             else:
-                words = self.compute(1, x0, x1, x2, src0, n_real, r, col0, col_ok, t0, stage, tid)
+                words = [[Int32(0)] * 4 for _ in range(TOKENS_PER_THREAD)]
+                if o_cta == 0:
+                    words = self.compute(0, x0, x1, x2, *tile, stage, tid)
+                else:
+                    words = self.compute(1, x0, x1, x2, *tile, stage, tid)
+            self.emit(o_cta, words, outs, where, tile, tails)
+
+    @cute.jit
+    def emit(self, o_cta, words, outs, where, tile, tails):
+        """Output tensor ``o_cta``'s tile of this thread (``words``: 8 tokens x 4 bf16x2 words) in both forms: the
+        data, the scales, and in tail CTAs what no group covers."""
+        rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1 = outs
+        tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride = where
+        src0, n_real, r, col0, col_ok, t0 = tile
+        offs, m, r, n_groups, chunk_total, rp, sw, buf_rows, nx, ny, bx, by, tid, info = tails
         row_out = self.pick(o_cta, rd0, None if self.stacked else rd1)  # stacked: both halves of one buffer
         row_sc, col_out, col_sc = self.pick(o_cta, rs0, rs1), self.pick(o_cta, cd0, cd1), self.pick(o_cta, cs0, cs1)
         # dual: both scale tiles gathered in shared memory, written as 16-byte rows after a barrier (as the 32x1
@@ -334,21 +398,32 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if cutlass.const_expr(self.scale_tile):
             ctile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
             mtile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
+        # lean: the bytes of a NaN block's e4m3 words are replaced by the dequantization (bf16 outputs): no select
+        quant = dict(short=self.lean, nan_words=not (self.lean and self.fake))
         # colwise: per column, 8 tokens of one 32-token block; the magnitudes' max of a column pair on the packed
         # words (one max.u16x2 per token for two columns)
         col_max = None
         if cutlass.const_expr(self.packed_amax):
             col_max = [cu.absmax_bf16x2([words[i][k] for i in range(TOKENS_PER_THREAD)])
                        for k in range(COLS_PER_THREAD // 2)]
+        # lean with the 2-CTA register budget: the colwise store address advanced by one add per column (a 64-bit
+        # pointer live across the columns: under dual's 3-CTA cap ptxas spills it on sm_100a, so there it is not)
+        running = self.lean and self.v.ctas_per_sm == 2
+        col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
             amax = None  # column c's half of its pair's packed max, widened (or quantize_block8's own)
             if cutlass.const_expr(self.packed_amax):
                 amax = self.col_value([col_max[c // 2]], c % 2)
-            q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, amax=amax)
+            q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, amax=amax, **quant)
             if write:
-                self.store_tokens(col_out + (out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)),
-                                  q0, q1, s, is_nan)
+                if cutlass.const_expr(running):  # the next column's row of the colwise output: one add
+                    self.store_tokens(col_ptr, q0, q1, s, is_nan)
+                else:
+                    self.store_tokens(col_out + (out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)),
+                                      q0, q1, s, is_nan)
+            if cutlass.const_expr(running):
+                col_ptr = col_ptr + Int64(row_stride)
             if cutlass.const_expr(not self.fake):
                 if tail == 0:
                     if quad == c // 2:
@@ -364,7 +439,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             if cutlass.const_expr(self.packed_amax):
                 row_max = cu.absmax_bf16x2(words[i])
                 amax = cutlass.max(row_max << 16, row_max & Int32(-65536))
-            q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES, amax=amax)
+            q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES, amax=amax,
+                                                   **quant)
             if col_ok & (t0 + i < n_real):
                 dst = self.row_element(o_cta, src0 + Int64(t0 + i), r, col0)
                 if cutlass.const_expr(self.fake):
@@ -443,9 +519,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         cu.cp_async_16(stage + ((j * TOKENS_PER_THREAD + i) * THREADS + tid) * 4, src,
                        cutlass.select_(ok, Int32(16), Int32(0)))
 
-    def staged_row(self, stage, j: int, i: int, tid: Int32) -> list:
-        """Row ``i`` of input ``j``'s staged tile: 4 bf16x2 words."""
-        return list(cu.ld_global_v4(stage + ((j * TOKENS_PER_THREAD + i) * THREADS + tid) * 4))
+    def staged_row(self, stage, j, i: int, tid: Int32) -> list:
+        """Row ``i`` of input ``j``'s staged tile: 4 bf16x2 words (``j`` may be a run-time value)."""
+        return list(cu.ld_global_v4(self.stage_slot(stage, j, i, tid)))
 
     @cute.jit
     def compute(self, o: cutlass.Constexpr, x0, x1, x2, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok,
@@ -495,6 +571,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 if fast:
                     if lo is None:
                         lo = hi = v[a_in][k]
+                    elif self.lean:
+                        lo = bf16x2_min(lo, v[a_in][k])
                     else:
                         lo, hi = bf16x2_min_max(lo, hi, v[a_in][k])
                 if self.op == "swiglu":
@@ -504,7 +582,57 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 else:
                     row.append(grad_b_bf16x2(v[0][k], v[1][k], fast))
             out.append(row)
-        return out, (in_fast_range(lo, hi) if fast else Int32(1))
+        if not fast:
+            return out, Int32(1)
+        return out, (in_fast_range_lo(lo) if self.lean else in_fast_range(lo, hi))
+
+    def stage_slot(self, stage, j, i: int, tid: Int32):
+        """The address of row ``i`` of input ``j``'s staged tile of thread ``tid`` (``j`` may be a run-time value)."""
+        return stage + ((j * TOKENS_PER_THREAD + i) * THREADS + tid) * 4
+
+    @cute.jit
+    def load_row(self, x, i: int, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32):
+        """Row ``i`` (8 columns) of the thread's tile of ``x`` from global memory: 4 words, zeros where the token or
+        column is not real."""
+        a0 = a1 = a2 = a3 = Int32(0)
+        if col_ok & (t0 + i < n_real):
+            a0, a1, a2, a3 = cu.ld_global_v4(x.iterator + ((src0 + Int64(t0 + i)) * Int64(r) + Int64(col0)))
+        return [a0, a1, a2, a3]
+
+    @cute.jit
+    def compute_both(self, x0, x1, x2, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32, stage,
+                     tid: Int32):
+        """``fused_grads``: grad_a and grad_b of this thread's tile into the stage, each row over the staged rows of
+        grad_h (input 0: grad_a) and b (input 2: grad_b) as soon as they are read (every thread touches its own
+        slots only: no barrier). Where an ``a`` of the tile lies below the fast path's range, the tile is computed
+        again with div.rn / rcp.rn from the inputs read again from global memory, a row at a time."""
+        tile = (src0, n_real, r, col0, col_ok, t0)
+        xs = [x0, x1, x2]
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):  # one commit group per row: row i waits for its own
+            for j in cutlass.range_constexpr(3):
+                self.stage_row(xs[j], stage, j, i, *tile, tid)
+            cute.arch.cp_async_commit_group()
+        lo = None
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            cute.arch.cp_async_wait_group(TOKENS_PER_THREAD - 1 - i)
+            v = [self.staged_row(stage, j, i, tid) for j in range(3)]
+            for k in cutlass.range_constexpr(4):
+                lo = v[1][k] if lo is None else bf16x2_min(lo, v[1][k])  # the lean check (fused implies lean)
+            self.store_both(v, stage, i, tid, True)
+        if in_fast_range_lo(lo) == 0:  # an a below -80 in the tile: div.rn / rcp.rn
+            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+                self.store_both([self.load_row(x, i, *tile) for x in xs], stage, i, tid, False)
+
+    def store_both(self, v, stage, i: int, tid: Int32, fast: bool):
+        """Row ``i``'s grad_a and grad_b words from its input words ``v`` (grad_h, a, b) into input 0's and input 2's
+        stage slots."""
+        ga, gb = [], []
+        for k in range(4):
+            wa, wb = grad_ab_bf16x2(v[0][k], v[1][k], v[2][k], fast)
+            ga.append(wa)
+            gb.append(wb)
+        cu.st_global_v4(self.stage_slot(stage, 0, i, tid), *ga)
+        cu.st_global_v4(self.stage_slot(stage, 2, i, tid), *gb)
 
     @cute.jit
     def zero_tails(self, o, rd, rs, cs, offs, m: Int32, r: Int32, n_groups: Int32,
@@ -512,18 +640,24 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                    tid: Int32, lane: Int32, warp: Int32, info):
         """Tail CTAs (``q`` of ``n_tail``): zero the rowwise data rows past the last group's end, the M-groups
         scale rows past the last group's tiles and the K-groups scale tail of output tensor ``o``
-        (``stacked``: the ``o``-th half of the rows past the end of the one ``(M, 2R)`` rowwise buffer)."""
-        if warp == 0:  # the last group's sanitized end: clamp(max(offs), 0, M)
-            mx = Int32(0)
-            for sub in cutlass.range(0, (n_groups + 31) // 32, 1):
-                g = sub * 32 + lane
-                if g < n_groups:
-                    mx = cutlass.max(mx, cutlass.min(Int32(offs[g]), m))
-            for d in cutlass.range_constexpr(5):
-                mx = cutlass.max(mx, cute.arch.shuffle_sync_bfly(mx, offset=16 >> d))
-            if lane == 0:
-                info[7] = mx
-        cute.arch.sync_threads()
+        (``stacked``: the ``o``-th half of the rows past the end of the one ``(M, 2R)`` rowwise buffer).
+        ``fused_grads`` (both outputs in one CTA): the end is found for output 0 and kept for output 1 (written
+        once, behind a barrier)."""
+        find = Int32(1)
+        if cutlass.const_expr(self.fused):
+            find = Int32(cutlass.select_(o == 0, Int32(1), Int32(0)))
+        if find != 0:
+            if warp == 0:  # the last group's sanitized end: clamp(max(offs), 0, M)
+                mx = Int32(0)
+                for sub in cutlass.range(0, (n_groups + 31) // 32, 1):
+                    g = sub * 32 + lane
+                    if g < n_groups:
+                        mx = cutlass.max(mx, cutlass.min(Int32(offs[g]), m))
+                for d in cutlass.range_constexpr(5):
+                    mx = cutlass.max(mx, cute.arch.shuffle_sync_bfly(mx, offset=16 >> d))
+                if lane == 0:
+                    info[7] = mx
+            cute.arch.sync_threads()
         end = Int32(info[7])
         esize = 2 if self.fake else 1
         step = 16 // esize
@@ -599,14 +733,18 @@ def compile_variant(variant: Variant, tvm_ffi: bool, extra_options: str = ""):
 
 class SwiGLUMathKernel:
     """The block kernel's SwiGLU math alone, elementwise over packed bf16x2 words (``int32`` tensors): ``out =
-    swiglu(a, b)``, ``grad_a(g, a, b)`` or ``grad_b(g, a)``. The quantized outputs of the block kernel cannot
-    show every bit of ``h``; this kernel runs the same PTX, so tests compare it with PyTorch's CUDA silu for
-    every bf16 value (tests/test_kernel_block_gpu.py). ``path``: ``"plain"`` (div.rn / rcp.rn), ``"fast"`` (the
-    ``fast_div`` variants' math: the fast path where both ``a`` of a word are in :func:`in_fast_range`, else
-    plain) or ``"fast_only"`` (the fast path everywhere, to show where it would be wrong)."""
+    swiglu(a, b)``, ``grad_a(g, a, b)`` or ``grad_b(g, a)``, or one of the two outputs of the ``fused_grads``
+    variants' shared math (``grad_a_fused``, ``grad_b_fused``: :func:`grad_ab_bf16x2`). The quantized outputs of the
+    block kernel cannot show every bit of ``h``; this kernel runs the same PTX, so tests compare it with PyTorch's
+    CUDA silu for every bf16 value (tests/test_kernel_block_gpu.py). ``path``: ``"plain"`` (div.rn / rcp.rn),
+    ``"fast"`` (the ``fast_div`` variants' math: the fast path where both ``a`` of a word are in
+    :func:`in_fast_range`, else plain), ``"lean"`` (the ``lean`` variants': the fast path where both ``a`` are at
+    least -80, :func:`in_fast_range_lo`) or ``"fast_only"`` (the fast path everywhere, to show where it would be
+    wrong)."""
 
     THREADS = 256
-    PATHS = ("plain", "fast", "fast_only")
+    PATHS = ("plain", "fast", "lean", "fast_only")
+    OPS = ("swiglu", "grad_a", "grad_b", "grad_a_fused", "grad_b_fused")
 
     def __init__(self, op: str, path: str = "plain"):
         self.op = op
@@ -623,6 +761,8 @@ class SwiGLUMathKernel:
             return swiglu_bf16x2(a, b, fast)
         if cutlass.const_expr(self.op == "grad_a"):
             return grad_a_bf16x2(g, a, b, fast)
+        if cutlass.const_expr(self.op in ("grad_a_fused", "grad_b_fused")):
+            return grad_ab_bf16x2(g, a, b, fast)[0 if self.op == "grad_a_fused" else 1]
         return grad_b_bf16x2(g, a, fast)
 
     @cute.kernel
@@ -636,6 +776,9 @@ class SwiGLUMathKernel:
                 out[i] = self.element(gw, aw, bw, False)
             elif cutlass.const_expr(self.path == "fast_only"):
                 out[i] = self.element(gw, aw, bw, True)
+            elif cutlass.const_expr(self.path == "lean"):
+                out[i] = cutlass.select_(in_fast_range_lo(aw) != 0, self.element(gw, aw, bw, True),
+                                         self.element(gw, aw, bw, False))
             else:
                 out[i] = cutlass.select_(in_fast_range(aw, aw) != 0, self.element(gw, aw, bw, True),
                                          self.element(gw, aw, bw, False))
@@ -645,15 +788,16 @@ _MATH_COMPILED: dict = {}
 
 
 def run_swiglu_math(op: str, g, a, b, path: str = "plain"):
-    """``op`` (``"swiglu"``, ``"grad_a"``, ``"grad_b"``) of bf16 CUDA tensors with an even number of elements,
-    through :class:`SwiGLUMathKernel` (``path``) on the local GPU (compiled once per op, path and process: tests
-    only)."""
+    """``op`` (:attr:`SwiGLUMathKernel.OPS`) of bf16 CUDA tensors with an even number of elements, through
+    :class:`SwiGLUMathKernel` (``path``) on the local GPU (compiled once per op, path and process: tests only)."""
     import torch
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import from_dlpack
 
     if path not in SwiGLUMathKernel.PATHS:
         raise ValueError(f"path must be one of {SwiGLUMathKernel.PATHS}, got {path!r}")
+    if op not in SwiGLUMathKernel.OPS:
+        raise ValueError(f"op must be one of {SwiGLUMathKernel.OPS}, got {op!r}")
     words = [t.contiguous().view(torch.int32) for t in (g, a, b)]
     out = torch.empty_like(words[1])
     args = [from_dlpack(t, assumed_align=4).mark_layout_dynamic() for t in (*words, out)]

@@ -21,6 +21,7 @@ import torch
 from ... import layouts
 from ...numerics import BLOCK_SIZE, ScaleMode
 from .. import compile_cache as cc
+from . import config
 from .config import N_OUTPUTS, Variant
 
 _FP8 = torch.float8_e4m3fn
@@ -41,6 +42,22 @@ def variant_in_place(variant: Variant, device: torch.device):
     """Context manager: within it, the op that launches the default variant with ``variant``'s op, mode, output
     and ``stacked`` on ``device`` launches ``variant`` (an A/B candidate, ``config.CANDIDATES``) instead."""
     return cc.in_place_of(_key(variant.op, variant.mode, variant.out_dtype, variant.stacked), variant, device)
+
+
+def candidate_in_place(stack, name: str, device: torch.device, ops=config.OPS) -> list[str]:
+    """Enter (on the ``contextlib.ExitStack`` ``stack``) :func:`variant_in_place` of candidate ``name``
+    (``config.candidates``) for every default variant of ``ops`` that has it: both modes and outputs, and the
+    stacked dswiglu variant where the candidate's stacked variant is compile-checked (``config.candidate_variants``).
+    Returns the ops it was put in place for (how the GPU tests and ``scripts/sanitize_block.py`` run a candidate)."""
+    checked = set(config.candidate_variants())
+    served = []
+    for v in config.all_variants():
+        fields = config.candidates(v.op, v.out_dtype).get(name)
+        if v.op not in ops or not fields or (v.stacked and v.replace(mode="rceil", **fields) not in checked):
+            continue
+        stack.enter_context(variant_in_place(v.replace(**fields), device))
+        served.append(v.op)
+    return sorted(set(served))
 
 
 def _shapes(m: int, r: int, g: int):

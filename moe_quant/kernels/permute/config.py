@@ -135,7 +135,7 @@ def all_variants() -> list[Variant]:
 # The group table (H200, 2026-11-29, ab_perm, 5 rounds, (8192, 2048) / (32768, 2048) / (32768, 7168) /
 # (131072, 7168)): its passes within warp 0, one CTA barrier (was three), counts prefetched one step ahead, and the
 # blocked rows scale offset once per row: blocked 61.1 / 78.7 / 84.7 / 89.7 -> 68.7 / 81.7 / 86.3 / 90.5, dequant
-# 73.1 / 83.7 / 88.3 / 91.1 -> 71.9 / 85.0 / 90.3 / 92.6 (docs/performance.md has the forms that did not land).
+# 73.1 / 83.7 / 88.3 / 91.1 -> 71.9 / 85.0 / 90.3 / 92.6 (docs/lab/performance_log.md has the forms that did not land).
 # "rows t256i4 scale words" (the same day, ab_kernels.py --family perm, 5 rounds, blocked): a segment's scale bytes
 # moved 4 at a time, one 4-byte load and store per 4 blocks by the first 16 lanes (K % 128 == 0), instead of a byte
 # per block by every other lane: 72.1 / 81.6 / 86.4 / 90.8 against the default's 72.4 / 81.7 / 86.3 / 90.6 in the

@@ -72,21 +72,24 @@ def _kernel_for(x: torch.Tensor, mode: str, kind: str, out: str, as_bf16: bool =
 
 
 def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str, as_bf16: bool = False):
+    # the launch path of every eager call: sizes as Python ints, no tensor method that is not needed (host time)
     m, k = x.shape
+    device = x.device
     kind = "mgroups" if offs is not None else ("blocked" if scale_layout == "blocked" else "plain")
     srows, scols = _scale_shape(m, k, offs, scale_layout)
-    data = cc.empty((m, k), torch.float8_e4m3fn, x.device)
-    scales = cc.empty((srows, scols), torch.uint8, x.device)
-    if scales.numel() > cc.INT32_MAX:
-        raise ValueError(f"quantize_1x32: scale buffer of {scales.numel()} bytes exceeds the int32 index range")
-    if x.numel() or scales.numel():
+    if srows * scols > cc.INT32_MAX:
+        raise ValueError(f"quantize_1x32: scale buffer of {srows * scols} bytes exceeds the int32 index range")
+    data = cc.empty((m, k), torch.float8_e4m3fn, device)
+    scales = cc.empty((srows, scols), torch.uint8, device)
+    if m * k or srows * scols:
         cc.launch(_kernel_for(x, mode, kind, "float8_e4m3fn", as_bf16), cc.aligned(x), data, scales, offs)
     return data, scales.view(torch.float8_e8m0fnu)
 
 
 def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False):
-    out = cc.empty(x.shape, out_dtype, x.device)
-    if x.numel():
+    m, k = x.shape
+    out = cc.empty((m, k), out_dtype, x.device)
+    if m * k:
         cc.launch(_kernel_for(x, mode, "fake", FAKE_OUT_DTYPES[out_dtype], as_bf16), cc.aligned(x), out, None, None)
     return out
 

@@ -42,17 +42,20 @@ def _k_groups_shapes(m: int, r: int, g: int):
 
 
 def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor, out_dtype: torch.dtype):
+    # the launch path of every eager call: sizes as Python ints, no tensor method that is not needed (host time)
     m, r = x.shape
     g = offs.shape[0]
     device = x.device
-    data = cc.empty((r, layouts.k_groups_padded_len(m, g)), out_dtype, device)
+    mp = layouts.k_groups_padded_len(m, g)
     scales = None
     if out_dtype == torch.float8_e4m3fn:
-        scales = cc.empty(layouts.k_groups_blocked_shape(r, m, g), torch.uint8, device)
-        if scales.numel() > cc.INT32_MAX:
-            raise ValueError(f"quantize_32x1: scale buffer of {scales.numel()} bytes exceeds the int32 index range")
+        srows, scols = layouts.k_groups_blocked_shape(r, m, g)
+        if srows * scols > cc.INT32_MAX:
+            raise ValueError(f"quantize_32x1: scale buffer of {srows * scols} bytes exceeds the int32 index range")
+        scales = cc.empty((srows, scols), torch.uint8, device)
+    data = cc.empty((r, mp), out_dtype, device)
     poffs = cc.empty((g,), torch.int32, device)
-    if data.numel():
+    if r * mp:
         cc.launch(_kernel_32x1(x, mode, "kgroups", out_dtype), cc.aligned(x), data, scales, offs, poffs)
     else:  # R = 0, or M = G = 0: no CTA, but the padded offsets still follow from offs
         poffs.copy_(layouts.padded_group_offsets(offs, m))

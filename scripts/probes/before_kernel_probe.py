@@ -1,7 +1,7 @@
 """What a short kernel's time owes to the kernel before it: each quantize kernel timed alone after an L2 flush,
 with a different kernel run between the flush and the timed call.
 
-    python scripts/before_kernel_probe.py [--m 2048,8192] [--r 2048] [--reps 40]
+    python scripts/probes/before_kernel_probe.py [--m 2048,8192] [--r 2048] [--reps 40]
 
 GPU only (one line and exit status 2 elsewhere). ``benchmarks.timing.bench_us`` (``do_bench``) times a call right
 after its L2-flushing memset, so every timed call follows a kernel with no shared memory. Here each timed call
@@ -23,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -56,7 +56,8 @@ def kernels(m: int, r: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/before_kernel_probe.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python scripts/probes/before_kernel_probe.py",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--m", type=cli.positive_int_list, default=[2048, 8192])
     p.add_argument("--r", type=cli.positive_int, default=2048)
     p.add_argument("--reps", type=cli.positive_int, default=40)

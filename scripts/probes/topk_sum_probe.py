@@ -3,7 +3,7 @@ the CPU's bits, every run) against ``Tensor.scatter_add`` (atomics: order-depend
 torchtitan's deterministic ``scatter_add`` (where torchtitan is installed), inside ``unsort_tokens`` forward and
 backward.
 
-    python scripts/topk_sum_probe.py [--tokens 16384] [--dims 2048,7168] [--top-k 2,6,8]
+    python scripts/probes/topk_sum_probe.py [--tokens 16384] [--dims 2048,7168] [--top-k 2,6,8]
 
 GPU only (one line and exit status 2 elsewhere). Prints µs per forward + backward (``do_bench``, median), whether
 five runs gave the same bits, and whether the output equals the CPU's (its first 1024 tokens). About a minute.
@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -35,7 +35,7 @@ def _sums():
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/topk_sum_probe.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python scripts/probes/topk_sum_probe.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=cli.positive_int, default=16384)
     p.add_argument("--dims", type=cli.positive_int_list, default=[2048, 7168])
     p.add_argument("--top-k", type=cli.positive_int_list, default=[2, 6, 8])

@@ -1,6 +1,6 @@
 """Measure the candidate designs of "a converted expert weight" against what a converted model must do.
 
-    python scripts/conversion_design_probe.py          # CPU is enough; prints one table (docs/design.md 8.1)
+    python scripts/probes/conversion_design_probe.py          # CPU is enough; prints one table (docs/design.md 8.1)
 
 Candidates, each on ``moe_quant.moe.GroupedExperts`` (SwiGLU, three ``torch._grouped_mm`` calls):
 
@@ -28,7 +28,7 @@ import pickle
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -1,7 +1,7 @@
 """How fast NCCL moves the same bytes to the other ranks in the forms the EP legs could use, on one machine:
 
-    torchrun --nproc_per_node N scripts/p2p_probe.py [--mb 8,16,32,64] [--iters 10] [--json PATH]
-    NCCL_MIN_NCHANNELS=4 NCCL_MAX_NCHANNELS=4 torchrun --nproc_per_node 2 scripts/p2p_probe.py   # a slower wire
+    torchrun --nproc_per_node N scripts/probes/p2p_probe.py [--mb 8,16,32,64] [--iters 10] [--json PATH]
+    NCCL_MIN_NCHANNELS=4 NCCL_MAX_NCHANNELS=4 torchrun --nproc_per_node 2 scripts/probes/p2p_probe.py   # a slower wire
 
 Each rank sends ``B`` bytes to every other rank (and keeps ``B`` for itself where the form includes it) as:
 
@@ -28,7 +28,7 @@ import statistics
 
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -112,7 +112,7 @@ def main() -> None:
     args = p.parse_args()
     if "RANK" not in os.environ:
         print("p2p_probe.py: run it under torchrun, one process per GPU: torchrun --nproc_per_node N "
-              "scripts/p2p_probe.py", file=sys.stderr)
+              "scripts/probes/p2p_probe.py", file=sys.stderr)
         sys.exit(2)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -2,7 +2,7 @@
 worth building for the emulated backend? A same-framework measurement of what the main-loop dequantization
 costs, at the SwiGLU expert block's GEMM shapes.
 
-    python scripts/gemm_dequant_probe.py [--rounds 5] [--m 2048,16384] [--json PATH]
+    python scripts/probes/gemm_dequant_probe.py [--rounds 5] [--m 2048,16384] [--json PATH]
 
 GPU only (one line and exit status 2 elsewhere). Batched GEMMs ``C[e] = A[e] @ B[e]^T`` over E = 8 experts of
 equal size (``A (E, M, K)``, ``B (E, N, K)``: the expert weight's layout, K contiguous in both), bf16 out,
@@ -30,7 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -120,7 +120,8 @@ def _operands(m, k, n, device):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/gemm_dequant_probe.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python scripts/probes/gemm_dequant_probe.py",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--m", type=cli.positive_int_list, default=[2048, 16384], help="tokens per expert")
     p.add_argument("--rounds", type=cli.positive_int, default=5)
     p.add_argument("--json", type=cli.writable_file, default=None)

@@ -1,10 +1,10 @@
 """Row placement kernels of the EP legs, timed on one GPU: ``index_copy_`` along rows of bf16 / fp8 / scale rows,
 as the element type and viewed as whole 8-byte words, against the gather (``rows[index]``) of the same bytes.
 
-    python scripts/row_copy_probe.py [--rows 32768] [--dim 7168]
+    python scripts/probes/row_copy_probe.py [--rows 32768] [--dim 7168]
 
 GPU only (one line and exit status 2 elsewhere). Prints µs per call (``do_bench``, median) and the rate over the
-bytes read and written. Used for the EP legs' row placement (``moe_quant.ep.wire.row_words``, docs/ep_performance.md).
+bytes read and written. Used for the EP legs' row placement (``moe_quant.ep.wire.row_words``, docs/lab/ep_log.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -22,7 +22,7 @@ from moe_quant import cli  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/row_copy_probe.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python scripts/probes/row_copy_probe.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=cli.positive_int, default=32768)
     p.add_argument("--dim", type=cli.positive_int, default=7168)
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Measure the candidate ways of converting a user's own experts module (docs/design.md section 8.2).
 
-    python scripts/own_forward_probe.py          # CPU is enough; prints one table
+    python scripts/probes/own_forward_probe.py          # CPU is enough; prints one table
 
 The module (``OwnExperts``) is what users write: three 3-D parameters and a SwiGLU forward that calls
 ``F.grouped_mm`` and ``torch._grouped_mm`` itself, with no ``_grouped_mm(self, *, A, B_t, offs)`` seam.
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402

@@ -1,0 +1,70 @@
+"""What the SwiGLU block keeps on a CUDA GPU, and the reuse scope's fp8 operands read back by the kernels (issue 54).
+
+On Hopper the block keeps x's colwise form as the 32x1 kernel's fp8 data with its K-groups scales unblocked, and
+reads it back with the permute kernel's dequantization; a reuse scope keeps each weight operand as the 3-D
+kernels' fp8 data with unblocked scales, read back the same way. Both must give the bits of quantizing the bf16
+values directly (the fake-quantizing kernels); the CPU tests check the reference path.
+"""
+
+import math
+
+import pytest
+import torch
+from mx_strategies import offsets_from_sizes
+
+from moe_quant import mxfp8_swiglu_experts, reuse_quantized_weights
+from moe_quant import layouts
+
+pytestmark = pytest.mark.gpu
+
+
+def block_inputs(sizes, d, h, w_dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e, m = len(sizes), sum(sizes)
+    x = torch.randn(m, d, generator=g).bfloat16().cuda().requires_grad_()
+    ws = [(torch.randn(*s, generator=g) / math.sqrt(s[-1])).to(w_dtype).cuda().requires_grad_()
+          for s in ((e, h, d), (e, h, d), (e, d, h))]
+    gy = torch.randn(m, d, generator=g).bfloat16().cuda()
+    return x, ws, gy, offsets_from_sizes(sizes, "cuda")
+
+
+def step(x, ws, gy, offs):
+    for t in (x, *ws):
+        t.grad = None
+    y = mxfp8_swiglu_experts(x, *ws, offs)
+    y.backward(gy)
+    return [y.detach(), x.grad] + [w.grad for w in ws]
+
+
+@pytest.mark.parametrize("hold", ["fp8", "bf16"])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_reuse_scope_serves_the_bits_of_quantizing_every_time(hold, w_dtype):
+    x, ws, gy, offs = block_inputs([300, 0, 129, 64], 256, 192, w_dtype)
+    want = step(x, ws, gy, offs)
+    with reuse_quantized_weights(ws, hold=hold) as scope:
+        first = step(x, ws, gy, offs)
+        again = step(x, ws, gy, offs)
+    assert scope.hits == 6 and scope.misses == 6  # w1, w3, w2: fwd and dgrad operands, made once, served once
+    for got in (first, again):
+        for name, a, b in zip(("y", "dx", "dw1", "dw3", "dw2"), got, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def test_block_keeps_a_b_and_x_colwise_fp8_for_backward():
+    """What stays allocated from the forward to the backward besides the output, with x a copy only the block
+    holds (as a MoE's routed tokens): a and b (bf16) and x's colwise form in fp8 with its scales and padded
+    offsets; not x, not h."""
+    sizes, d, h = [4096, 2048, 0, 2000], 512, 384
+    x, ws, gy, offs = block_inputs(sizes, d, h)
+    m, e = x.shape[0], len(sizes)
+    step(x, ws, gy, offs)  # warm-up: kernels loaded, allocator pools made
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = mxfp8_swiglu_experts(x * 1, *ws, offs)  # a copy only the block could keep (x * 1 saves nothing)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before - y.untyped_storage().nbytes()
+    mp = layouts.k_groups_padded_len(m, e)
+    want = 2 * (m * h * 2) + d * mp + d * mp // 32 + 2 * 4 * e
+    assert want <= kept <= want + 6 * 512, (kept, want)  # the allocator rounds each block up to 512 bytes
+    assert kept < m * d * 2 + 4 * (m * h * 2)  # the bf16 block's x, a, silu(a), b, h
+    y.backward(gy)
