@@ -365,3 +365,29 @@ def test_unsupported_transformers_is_named_not_an_attribute_error(monkeypatch):
     assert not any(is_converted(m) for m in model.modules())
     r = run_python("-c", "import transformers; transformers.__version__ = '5.0.0'; import moe_quant; print('ok')")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+LLAMA4_BUILD = """
+import sys
+{first}
+from transformers import AutoModelForCausalLM
+from examples.hf_train import build_config
+config = build_config("llama4", hidden=64, intermediate=32, experts=4, top_k=1, layers=1, vocab=128)
+try:
+    AutoModelForCausalLM.from_config(config, experts_implementation="moe_quant_mxfp8")
+except ValueError as e:
+    assert "experts interface" in str(e) and "moe_quant.convert" in str(e), e
+    print("refused")
+"""
+
+
+@pytest.mark.parametrize("first", ["import moe_quant", "import transformers, moe_quant",
+                                   "import transformers.modeling_utils, moe_quant"])
+def test_the_off_interface_check_whatever_the_import_order(first):
+    """In a fresh interpreter, ``import moe_quant`` before transformers, after it, or after its modeling module: a
+    Llama4 built with the implementation's name is refused (the check is installed after transformers'
+    ``PreTrainedModel`` exists: the experts interface, where the name registers, is imported in the middle of it),
+    and nothing is logged about it."""
+    proc = run_python("-c", LLAMA4_BUILD.format(first=first))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("refused"), proc.stderr[-3000:]
+    assert "could not register" not in proc.stderr, proc.stderr[-3000:]

@@ -222,7 +222,7 @@ def register_when_imported() -> None:
     if sys.modules.get("transformers") is not None:  # None: an import of it was blocked
         _register_if_supported()
     else:
-        _when_imported(_MODELING, _refuse_models_off_the_interface)  # first: the interface is imported inside it
+        _refuse_models_off_the_interface()  # its hook first: the interface is imported inside transformers' modeling
         _when_imported(_INTERFACE, _register_if_supported)
 
 
@@ -305,11 +305,13 @@ def _refuse_models_off_the_interface() -> None:
     for this name (the model raises ``ValueError`` naming ``moe_quant.convert``), by wrapping that method once,
     after ``transformers.modeling_utils`` has run (:func:`_when_imported`: the experts interface, where this name
     is registered, is imported in the middle of it)."""
-    modeling = sys.modules.get(_MODELING)
-    if modeling is None or getattr(getattr(modeling, "__spec__", None), "_initializing", False):
-        _when_imported(_MODELING, _refuse_models_off_the_interface)
-        return
-    cls = modeling.PreTrainedModel
+    _when_imported(_MODELING, _wrap_validator)
+
+
+def _wrap_validator() -> None:
+    """:func:`_refuse_models_off_the_interface`'s wrapper of ``PreTrainedModel.get_correct_experts_implementation``
+    (``transformers.modeling_utils`` has run)."""
+    cls = sys.modules[_MODELING].PreTrainedModel
     current = cls.get_correct_experts_implementation
     if getattr(current, _CHECKS_INTERFACE, False):
         return
