@@ -160,6 +160,7 @@ class EPMoE(_RoutedBlock):
 
     def forward_routed(self, x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E) -> torch.Tensor:
         """The block after the router, for this rank's tokens and their routing (global expert ids)."""
+        self.dispatcher.experts_dtype = self.experts.w1.dtype  # GroupedExperts casts its input to its weights' dtype
         return self.dispatcher.dispatch_combine(x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E,
                                                 self.experts, self._expert_ranges)
 

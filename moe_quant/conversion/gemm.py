@@ -40,20 +40,13 @@ def unsupported_reason(A, B_t, offs, out_dtype) -> Optional[str]:
 def grouped_mm(A: torch.Tensor, B_t: torch.Tensor, offs: Optional[torch.Tensor], config: MXFP8MoEConfig,
                *, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``torch._grouped_mm(A, B_t, offs=offs)`` in MXFP8 (forward, dgrad and wgrad), or the plain op,
-    counted, where MXFP8 cannot serve it. Every operand is quantized as bf16: fp32 master weights, fp32 activations
-    and an fp32 output's gradient as their bf16 rounding; the gradients of fp32 tensors are fp32."""
+    counted, where MXFP8 cannot serve it. fp32 master weights are read as bf16; their gradient is fp32."""
     resolved = out_dtype or config.out_dtype or A.dtype
     reason = unsupported_reason(A, B_t, offs, resolved)
     if reason is None:
-        # bf16 operands: an fp32 A is quantized as its bf16 rounding (as fp32 weights are), and an fp32 output's
-        # gradient too (the GEMM's bf16 result widened; its gradient rounded back by the cast's backward): the
-        # MXFP8 wire of expert parallelism sends that rounding (moe_quant.ep.wire.quantize_rows), so a converted
-        # module quantizes what EP delivers, whatever the activations' dtype
-        a = A if A.dtype == torch.bfloat16 else A.to(torch.bfloat16)
         # looked up on each call: tests and tools may wrap it
-        out = _autograd.mxfp8_grouped_mm(a, B_t, offs, scale_mode=config.scale_mode, out_dtype=torch.bfloat16,
-                                         backend=config.backend)
-        return out if resolved == torch.bfloat16 else out.to(resolved)
+        return _autograd.mxfp8_grouped_mm(A, B_t, offs, scale_mode=config.scale_mode, out_dtype=resolved,
+                                          backend=config.backend)
     fallback(reason, config.allow_fallback)
     return torch._grouped_mm(A, B_t, offs=offs, out_dtype=out_dtype)
 

@@ -66,6 +66,8 @@ class TitanMXFP8TokenDispatcher(MXFP8TokenDispatcher, LocalTokenDispatcher):
                                       wire=config.wire, scale_mode=config.scale_mode,
                                       capacity_factor=config.capacity_factor, overflow=config.overflow,
                                       max_tokens=config.max_tokens)
+        self.experts_dtype = torch.bfloat16  # torchtitan's experts cast their input to bf16, and their output's
+        # gradient (their output is type_as the input): fp32 activations go on the MXFP8 wire as that rounding
 
     dispatch = MXFP8TokenDispatcher.dispatch
     combine = MXFP8TokenDispatcher.combine
