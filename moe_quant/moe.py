@@ -150,6 +150,7 @@ class EPMoE(_RoutedBlock):
                  route_norm=moe.router.route_norm, wire=wire, scale_mode=scale_mode,
                  capacity_factor=capacity_factor, overflow=overflow, max_tokens=max_tokens, transport=transport,
                  chunks=chunks, sm_carveout=sm_carveout).to(w1.device, w1.dtype)
+        ep.router.to(moe.router.gate.weight.dtype)  # each part in its own dtype (fp32 router, bf16 experts)
         n, rank = ep.experts.num_experts, torch.distributed.get_rank(group)
         with torch.no_grad():
             ep.router.gate.weight.copy_(moe.router.gate.weight)
@@ -159,6 +160,7 @@ class EPMoE(_RoutedBlock):
 
     def forward_routed(self, x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E) -> torch.Tensor:
         """The block after the router, for this rank's tokens and their routing (global expert ids)."""
+        self.dispatcher.experts_dtype = self.experts.w1.dtype  # GroupedExperts casts its input to its weights' dtype
         return self.dispatcher.dispatch_combine(x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E,
                                                 self.experts, self._expert_ranges)
 

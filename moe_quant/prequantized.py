@@ -7,7 +7,8 @@ data and plain scales, which the scaled GEMM reads); the grouped GEMM then takes
 dgrad ``grad_out`` operand from here (:func:`rowwise_values`, :func:`rowwise_operand`) instead of
 quantizing again.
 
-Entries are keyed weakly by the tensor object and hold only while it is unchanged: same storage,
+Entries are keyed weakly by the tensor object and hold only while it is unchanged: the same storage (by
+identity: the entry holds it, so a replacement at the same address is another storage), data pointer,
 offset, shape, strides, dtype and autograd version counter (an in-place write is a miss). A miss, a
 different scale mode, ``torch.compile`` or ``inference_mode`` fall back to quantizing, which gives
 the same values: re-quantizing the dequantized values of a 1x32 MXFP8 tensor with the same mode and
@@ -32,6 +33,7 @@ _E8M0 = torch.float8_e8m0fnu
 @dataclasses.dataclass(frozen=True)
 class _Known:
     tag: tuple
+    storage: torch.UntypedStorage  # held: no other storage can take its identity (or its memory) meanwhile
     mode: ScaleMode
     data: torch.Tensor | None  # (M, K) e4m3, or None where only the values are needed
     scales: torch.Tensor | None  # (M, K/32) plain e8m0
@@ -42,11 +44,15 @@ _LOCK = threading.Lock()
 
 
 def _tag(x: torch.Tensor):
+    """What must not change for an entry to hold: the storage itself (its StorageImpl; the entry holds it, so a
+    storage that replaced it -- ``.data =``, ``set_`` -- is another one even where the caching allocator placed it
+    at the same address), the data pointer, view and dtype, and the autograd version counter."""
     try:
         version = x._version
     except RuntimeError:  # inference tensors have no version counter
         return None
-    return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, version)
+    storage = x.untyped_storage()
+    return (storage._cdata, storage.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, version)
 
 
 def _stateless() -> bool:
@@ -66,7 +72,7 @@ def remember(x: torch.Tensor, mode: ScaleMode | str, data: torch.Tensor | None =
     if (data is None) != (scales is None):
         raise ValueError("data and scales must be given together or not at all")
     with _LOCK:
-        _KNOWN[x] = _Known(tag, mode, data, None if scales is None else scales.view(_E8M0))
+        _KNOWN[x] = _Known(tag, x.untyped_storage(), mode, data, None if scales is None else scales.view(_E8M0))
 
 
 def lookup(x: torch.Tensor, mode: ScaleMode) -> _Known | None:

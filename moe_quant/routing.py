@@ -5,7 +5,8 @@ dispatcher (:mod:`moe_quant.ep.dispatcher`) share; both must do exactly the same
 EP block to be bit-identical to the single-process one. The arithmetic is torchtitan's (0.3.0,
 ``LocalTokenDispatcher`` / ``AllToAllTokenDispatcher``): the sort is its ``_local_reorder`` and the
 combine scales each expert output row by its routing score in fp32, rounds to the output's dtype and
-sums with ``scatter_add`` (``tests/test_routing.py`` compares the two bit for bit, gradients included).
+sums each token's rows as ``scatter_add`` on the CPU does (``tests/test_routing.py`` compares the two bit for bit,
+gradients included), in one order on every device (deterministic for any top-k).
 """
 
 from __future__ import annotations
@@ -65,22 +66,40 @@ def scale_rows(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return _ScaleRows.apply(rows, scores)
 
 
+def sum_topk_rows(rows: torch.Tensor, token_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``(num_tokens, D)``: each token's rows of ``rows (T*K, D)`` (in sorted order; ``token_idx`` their tokens,
+    each token K times) summed in one order on every device and run: in sorted (expert) order, one row after the
+    other, accumulated in fp32 from zero and rounded once to ``rows``' dtype -- the sum the CPU's ``scatter_add`` into
+    zeros computes, its bits. CUDA's ``scatter_add`` adds a token's rows in whatever order its atomics meet (bf16
+    rounded at each add), so for top-k > 2 its bits varied from run to run; a reduction kernel (``sum`` over K) has
+    an order of its own, which differs with the layout. Here: a gather and K elementwise adds. No host read: K is
+    ``rows.shape[0] // num_tokens``."""
+    if num_tokens == 0:  # no rows either: themselves (the graph stays connected: EP ranks with no tokens)
+        return rows
+    by_token = torch.argsort(token_idx, stable=True)  # each token's rows together, still in sorted order
+    parts = rows[by_token].view(num_tokens, -1, rows.shape[-1]).unbind(1)  # unbind's backward: one stack
+    acc = parts[0].to(torch.float32) + 0.0  # + 0.0: from zero, as into zeros (-0.0 rows give +0.0)
+    for part in parts[1:]:
+        acc.add_(part)  # fp32 += rows' dtype: each element widened as it is read
+    return acc.to(rows.dtype)
+
+
 def unsort_tokens(routed_out: torch.Tensor, scores_sorted: torch.Tensor, token_idx: torch.Tensor,
                   x_TD: torch.Tensor, scatter_add=None) -> torch.Tensor:
     """Scale each expert output row by its routing score (:func:`scale_rows`: fp32, rounded to the output's
     dtype) and sum the ``K`` rows of each token back into token order; ``(T, D)`` of ``x_TD``'s dtype.
 
-    The sum is ``scatter_add`` over the row index broadcast along D (a view): its backward keeps only the
-    index, where ``index_add``'s keeps its source too, a second ``(T*K, D)`` tensor per MoE layer alive
-    until backward (2.25 GiB over torchtitan's DeepSeek-V3 16B cut to 4 layers, 16384 tokens).
-    ``scatter_add(out, index, src)``: another op of ``Tensor.scatter_add(0, index, src)``'s meaning (the
-    torchtitan dispatcher passes torchtitan's deterministic one, so that its sums are torchtitan's on CUDA
-    for any top-k; for top-k <= 2 every order gives the same sum)."""
+    The sum is :func:`sum_topk_rows` (one order on every device: deterministic for any top-k; its backward keeps
+    only the token indices, where ``index_add``'s keeps its source too, a second ``(T*K, D)`` tensor per MoE
+    layer alive until backward). ``scatter_add(out, index, src)``: sum with this op of ``Tensor.scatter_add(0,
+    index, src)``'s meaning instead, over the row index broadcast along D (the torchtitan dispatcher passes
+    torchtitan's deterministic one, so that its sums are torchtitan's for any top-k)."""
     routed_out = scale_rows(routed_out, scores_sorted)
+    if scatter_add is None:
+        return sum_topk_rows(routed_out, token_idx, x_TD.shape[0]).to(x_TD.dtype)
     index = token_idx.unsqueeze(-1).expand(-1, routed_out.shape[-1])
     out = torch.zeros_like(x_TD, dtype=routed_out.dtype)
-    out = out.scatter_add(0, index, routed_out) if scatter_add is None else scatter_add(out, index, routed_out)
-    return out.to(x_TD.dtype)
+    return scatter_add(out, index, routed_out).to(x_TD.dtype)
 
 
-__all__ = ["sort_tokens_by_expert", "scale_rows", "unsort_tokens"]
+__all__ = ["sort_tokens_by_expert", "scale_rows", "sum_topk_rows", "unsort_tokens"]

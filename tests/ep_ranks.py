@@ -147,6 +147,54 @@ def _host_read_order(wire: str):
     return seen
 
 
+def _checkpointed(case: dict, how: str) -> dict:
+    """The converted EP block of ``case`` (a CheckCase's fields) under activation checkpointing (``how``:
+    "reentrant", "non_reentrant", "sac" saving the grouped GEMMs) against the same block without it: are the
+    output, the input gradient and the three weight gradients bit-identical, and how many fused expert blocks ran
+    (the recompute's included)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from moe_quant.ep.check import CheckCase, _convert, _count_passes, _inputs, _routing, bits_equal
+    from moe_quant.moe import EPMoE, MoE
+
+    c = CheckCase(**case)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n_experts = c.experts_per_rank * world
+    torch.manual_seed(c.seed)
+    base = MoE(c.dim, c.hidden_dim, n_experts, c.top_k).to(torch.bfloat16)
+    model = _convert(EPMoE.from_moe(base, wire=c.wire, scale_mode=c.scale_mode, transport=c.transport,
+                                    chunks=c.chunks, capacity_factor=c.capacity_factor), c)
+    xs, gouts = _inputs(c, world, "cpu", torch.bfloat16)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten._grouped_mm.default else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+
+    kwargs = {"use_reentrant": how == "reentrant"}
+    if how == "sac":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+
+    def step(checkpointed: bool):
+        model.zero_grad(set_to_none=True)
+        x = xs[rank].clone().requires_grad_()
+        scores, ids, counts = _routing(model, x, c, n_experts)
+        calls = {}
+        with _count_passes(calls):
+            if checkpointed:
+                out = checkpoint(model.forward_routed, x, scores, ids, counts, **kwargs)
+            else:
+                out = model.forward_routed(x, scores, ids, counts)
+            (out.float() * gouts[rank].float()).sum().backward()
+        return [out.detach(), x.grad] + [getattr(model.experts, w).grad.clone() for w in ("w1", "w2", "w3")], calls
+
+    ref, ref_calls = step(False)
+    got, calls = step(True)
+    return {"rank": rank, "equal": [bits_equal(a, b) for a, b in zip(ref, got)], "blocks": ref_calls["block"],
+            "blocks_checkpointed": calls["block"], "tokens": c.tokens_of(rank)}
+
+
 def _job(job):
     from moe_quant import prequantized
     from moe_quant.ep.check import CheckCase, run_check
@@ -154,6 +202,10 @@ def _job(job):
     kind, arg = job
     if kind == "check":
         return run_check(CheckCase(**arg))
+    if kind == "check_dtype":  # activations (and the models) of another dtype than bf16
+        arg = dict(arg)
+        dtype = getattr(torch, arg.pop("dtype"))
+        return run_check(CheckCase(**arg), dtype=dtype)
     if kind == "check_no_registry":  # the GEMMs never find the received MXFP8 form: they quantize again
         original = prequantized.lookup
         prequantized.lookup = lambda x, mode: None
@@ -163,6 +215,8 @@ def _job(job):
             prequantized.lookup = original
     if kind == "bad":
         return _bad_dispatch(**arg)
+    if kind == "checkpointed":
+        return _checkpointed(**arg)
     if kind == "titan":
         import titan_ranks
 

@@ -81,6 +81,33 @@ CASES_2 = {
     "max_tokens_drop": ("token_bound", {"case": {**ROUTER, "tokens": (8, 0)}, "capacity_factor": 2.0,
                                         "max_tokens": 8, "later_tokens": (0, 30), "overflow": "drop"}),
 }
+# fp32 activations on the MXFP8 wire (issue 55 item 5): into bf16 experts (which quantize the rows' bf16 rounding)
+# and into fp32 experts, every transport
+FP32 = {**ROUTER, "dtype": "float32"}
+FP32_BF16 = {**FP32, "experts_dtype": "bfloat16"}
+CASES_2.update({
+    "fp32": ("check_dtype", {**FP32, "seed": 17}),
+    "fp32_bf16_experts": ("check_dtype", {**FP32_BF16, "seed": 18}),
+    "fp32_bf16_experts_p2p_chunks": ("check_dtype", {**FP32_BF16, "experts_per_rank": 4, "transport": "p2p",
+                                                     "chunks": 2, "tokens": (23, 50), "seed": 19}),
+    "fp32_bf16_experts_sync_free": ("check_dtype", {**FP32_BF16, "capacity_factor": 4.0, "seed": 20}),
+    "fp32_sync_free_chunks": ("check_dtype", {**FP32, "experts_per_rank": 4, "capacity_factor": 8.0, "chunks": 2,
+                                              "tokens": (23, 50), "seed": 21}),
+    "fp32_bf16_experts_sync_free_chunks": ("check_dtype", {**FP32_BF16, "experts_per_rank": 4, "capacity_factor": 8.0,
+                                                           "chunks": 2, "tokens": (23, 50), "seed": 22}),
+})
+# activation checkpointing around the EP block (issue 55 items 2 and 3): the recompute runs the exchanges and the
+# MXFP8 experts again, every transport
+CHUNKED = {**ROUTER, "experts_per_rank": 4, "tokens": (23, 50), "seed": 23}
+CASES_2.update({
+    "ckpt_reentrant": ("checkpointed", {"case": ROUTER, "how": "reentrant"}),
+    "ckpt_non_reentrant": ("checkpointed", {"case": ROUTER, "how": "non_reentrant"}),
+    "ckpt_sac": ("checkpointed", {"case": ROUTER, "how": "sac"}),
+    "ckpt_p2p_chunks": ("checkpointed", {"case": {**CHUNKED, "transport": "p2p", "chunks": 2},
+                                         "how": "non_reentrant"}),
+    "ckpt_sync_free_chunks": ("checkpointed", {"case": {**CHUNKED, "capacity_factor": 8.0, "chunks": 2},
+                                               "how": "reentrant"}),
+})
 CASES_4 = {
     "mxfp8_uneven": ("check", {**ROUTER, "tokens": (40, 17, 0, 33), "seed": 1}),
     "one_rank": ("check", {**ROUTER, "routing": "one_rank", "tokens": (10, 20, 5, 0), "seed": 2}),
@@ -178,14 +205,19 @@ def test_wire_bytes_per_token(ep2, ep4):
         for name, ranks in _checks(res):
             for r in ranks:
                 legs, mxfp8 = r["legs"], not name.startswith("bf16")
+                # the legs that are not MXFP8 send their tensors' own dtype: the activations' gradient
+                # (dispatch backward), the experts' outputs (combine)
+                own = {"dispatch backward": 4 if name.startswith("fp32") else 2,
+                       "combine": 4 if name.startswith("fp32") and "bf16_experts" not in name else 2}
                 for leg, info in legs.items():
                     if not info["rows"]:
                         continue
                     if mxfp8 and leg in ("dispatch", "combine backward"):
                         assert info["bytes_per_token"] == D + D // 32 <= 1.04 * D, (name, leg, info)
                     else:
-                        assert info["bytes_per_token"] == 2 * D, (name, leg, info)  # bf16
-                assert legs["dispatch"]["rows"] == 2 * r["tokens"]  # top-2 copies of each token
+                        assert info["bytes_per_token"] == own.get(leg, 2) * D, (name, leg, info)
+                if "sync_free" not in name:  # the sync-free mode sends its slots, copies or not
+                    assert legs["dispatch"]["rows"] == 2 * r["tokens"]  # top-2 copies of each token
 
 
 def test_received_mxfp8_is_not_quantized_again(ep2):
@@ -417,8 +449,20 @@ def test_host_reads_the_counts_after_queuing_the_sort_and_the_quantization(wire,
     then the token exchange (MXFP8: the data, then the scales, two ``all_to_all_single``). (Before: sort,
     counts, read, then the quantization.) The route's row map (about 30 small ops of host time) is made after
     the token exchange is queued (bf16: its rows are gathered with it), or in the combine (MXFP8: the permute
-    reads the counts), never between the read and the exchange, where the device would wait for it."""
+    reads the counts), never between the read and the exchange, where the device would wait for it. The combine
+    ends with its own sort (the token-major order of the top-k sum, ``routing.sum_topk_rows``)."""
     for seen in ep2[f"host_read_order_{wire}"]:
         mxfp8 = wire == "mxfp8"
         dispatch = ["exchange", "sort"] + ["quantize"] * mxfp8 + ["read", "exchange"] + ["exchange"] * mxfp8
-        assert seen == dispatch + ["route", "exchange"], seen
+        assert seen == dispatch + ["route", "exchange", "sort"], seen
+
+
+@pytest.mark.parametrize("case", ["ckpt_reentrant", "ckpt_non_reentrant", "ckpt_sac", "ckpt_p2p_chunks",
+                                  "ckpt_sync_free_chunks"])
+def test_activation_checkpointing_recomputes_the_same_mxfp8_block(case, ep2):
+    """torch.utils.checkpoint around the EP block (reentrant, non-reentrant, selective): the recompute runs the
+    exchanges and the converted experts again, in MXFP8 (one more fused block call per range), and the output,
+    the input gradient and every weight gradient equal the run without checkpointing, bit for bit."""
+    for r in ep2[case]:
+        assert r["blocks"] >= 1 and r["blocks_checkpointed"] == 2 * r["blocks"], r
+        assert all(r["equal"]), r

@@ -48,6 +48,27 @@ def test_gemm_reuses_a_known_operand_and_gives_the_same_result(monkeypatch, mode
     assert calls[0] == 1
 
 
+def test_new_storage_at_the_same_address_forgets_the_entry():
+    """Storage replaced (``.data =``) by another storage at the same address, same shape, strides, dtype and
+    version count: the caching allocator places a new block where a freed one was (reproduced on the CPU with
+    ``.data = torch.empty(0)`` then a new tensor of the same size: the lookup was a hit on values that were not
+    the remembered dequantization, and the GEMM multiplied them unquantized). Here the same address is made
+    without the allocator: a second storage over the same memory (NumPy). The entry is keyed by the storage
+    itself (issue 55), so the lookup misses and the GEMM quantizes what it gets."""
+    x, w, offs = _operands(2)
+    xq = q.fake_quantize_rowwise(x, "rceil")
+    prequantized.remember(xq, "rceil")
+    version = xq._version
+    other = torch.from_numpy(xq.detach().view(torch.int16).numpy()).view(torch.bfloat16)  # same memory
+    assert other.untyped_storage().data_ptr() == xq.untyped_storage().data_ptr()  # precondition: same address
+    xq.data = other
+    other.copy_(x)  # values that are not an MXFP8 dequantization
+    assert xq._version == version and tuple(xq.shape) == tuple(x.shape)  # precondition: nothing else tells
+    assert prequantized.lookup(xq, prequantized.ScaleMode.RCEIL) is None
+    want = mxfp8_grouped_mm(xq.clone(), w.transpose(-2, -1), offs)
+    assert bits_equal(mxfp8_grouped_mm(xq, w.transpose(-2, -1), offs), want)
+
+
 def test_an_in_place_write_forgets_the_entry(monkeypatch):
     x, w, offs = _operands(1)
     xq = q.fake_quantize_rowwise(x, "rceil")

@@ -166,3 +166,28 @@ def test_compiled_model_equals_eager(calls):
     assert_same_bits(loss, loss_c)
     for name in grads:
         assert_same_bits(grads[name], grads_c.get(name, grads_c.get("_orig_mod." + name)))
+
+
+def test_classes_the_block_check_saw_are_not_kept_alive(calls):
+    """``is_plain_swiglu`` looks at the module's class (its gate): a class made at run time (a factory, a notebook
+    cell run again) is collected once nothing else uses it (issue 55; a cache keyed by class would hold each one)."""
+    import gc
+    import weakref
+
+    from moe_quant.conversion import convert
+
+    experts_class = type(experts_modules(build_model(tiny("qwen3_moe"), seed=1))[0])
+
+    def run_once():
+        cls = type("MadeAtRunTime", (experts_class,), {})
+        mod = cls(tiny("qwen3_moe")).to(torch.bfloat16)
+        convert(mod, MXFP8MoEConfig())
+        x = torch.randn(8, mod.gate_up_proj.shape[-1], dtype=torch.bfloat16)
+        mod(x, torch.randint(0, EXPERTS, (8, TOP_K)), torch.rand(8, TOP_K, dtype=torch.bfloat16))
+        assert hf.is_plain_swiglu(mod)
+        return weakref.ref(cls)
+
+    ref = run_once()
+    assert calls["block"] == 1
+    gc.collect()
+    assert ref() is None

@@ -224,6 +224,34 @@ def test_experts_implementation_name_selects_mxfp8(family, mxfp8_calls, tmp_path
     assert len(mxfp8_calls) == 2 * LAYERS
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_implementation_name_runs_mxfp8_or_refuses_at_load(family, mxfp8_calls, tmp_path):
+    """Every documented family, loaded with ``experts_implementation="moe_quant_mxfp8"``: its expert GEMMs run in
+    MXFP8 (two per MoE layer, no fallback), or -- a model whose experts do not dispatch through transformers'
+    experts interface, Llama4's ``torch.bmm`` experts -- the load raises, naming the route that works
+    (issue 55 item 7: Llama4 loaded, said it ran the implementation, and ran bf16), and so does
+    ``set_experts_implementation``."""
+    from transformers import AutoModelForCausalLM
+
+    import moe_quant
+
+    name = moe_quant.register_experts_implementation()
+    ref = build_model(tiny(family), seed=SEED)
+    ref.save_pretrained(tmp_path)
+    if family == "llama4":
+        with pytest.raises(ValueError, match=r"Llama4ForCausalLM .*experts interface.*quantize_\(model, MXFP8MoEConfig"):
+            AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=name)
+        with pytest.raises(ValueError, match=r"experts interface.*quantize_"):
+            ref.set_experts_implementation(name)
+        assert ref.config._experts_implementation != name
+        return
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=name)
+    assert model.config._experts_implementation == name
+    loss = loss_of(model)
+    assert len(mxfp8_calls) == 2 * LAYERS and fallback_counts() == {}
+    assert not torch.equal(loss, loss_of(ref))  # not the plain model's
+
+
 @pytest.mark.parametrize("how", ["from_pretrained", "set_experts_implementation"])
 def test_unconvert_restores_the_default_experts_implementation(how, mxfp8_calls, tmp_path):
     """A model running the ``"moe_quant_mxfp8"`` experts implementation: ``unconvert`` gives it the one
@@ -337,3 +365,29 @@ def test_unsupported_transformers_is_named_not_an_attribute_error(monkeypatch):
     assert not any(is_converted(m) for m in model.modules())
     r = run_python("-c", "import transformers; transformers.__version__ = '5.0.0'; import moe_quant; print('ok')")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+LLAMA4_BUILD = """
+import sys
+{first}
+from transformers import AutoModelForCausalLM
+from examples.hf_train import build_config
+config = build_config("llama4", hidden=64, intermediate=32, experts=4, top_k=1, layers=1, vocab=128)
+try:
+    AutoModelForCausalLM.from_config(config, experts_implementation="moe_quant_mxfp8")
+except ValueError as e:
+    assert "experts interface" in str(e) and "moe_quant.convert" in str(e), e
+    print("refused")
+"""
+
+
+@pytest.mark.parametrize("first", ["import moe_quant", "import transformers, moe_quant",
+                                   "import transformers.modeling_utils, moe_quant"])
+def test_the_off_interface_check_whatever_the_import_order(first):
+    """In a fresh interpreter, ``import moe_quant`` before transformers, after it, or after its modeling module: a
+    Llama4 built with the implementation's name is refused (the check is installed after transformers'
+    ``PreTrainedModel`` exists: the experts interface, where the name registers, is imported in the middle of it),
+    and nothing is logged about it."""
+    proc = run_python("-c", LLAMA4_BUILD.format(first=first))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("refused"), proc.stderr[-3000:]
+    assert "could not register" not in proc.stderr, proc.stderr[-3000:]

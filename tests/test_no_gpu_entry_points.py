@@ -41,7 +41,7 @@ def test_ab_script_runs_from_repo_root_without_pythonpath(script):
 @pytest.mark.parametrize("script", ["sanitize_1x32.py", "sanitize_32x1.py", "sanitize_block.py", "sanitize_fingerprint.py",
                                     "cache_timing.py", "ab_kernels.py", "fixed_cost_fit.py", "ab_commits.py",
                                     "probes/gemm_dequant_probe.py", "probes/before_kernel_probe.py",
-                                    "probes/row_copy_probe.py"])
+                                    "probes/row_copy_probe.py", "probes/topk_sum_probe.py"])
 def test_gpu_scripts_run_from_repo_root_and_say_they_need_a_gpu(script):
     proc = run(f"scripts/{script}", pythonpath=False)
     assert proc.returncode == 2, proc.stderr[-3000:]

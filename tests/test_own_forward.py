@@ -289,3 +289,182 @@ def test_fx_graph_module_of_an_experts_module_converts(mxfp8_calls):
     assert torch.equal(gm(x, COUNTS), ref) and len(mxfp8_calls) == 3
     unconvert(gm)
     assert type(gm) is own
+
+
+class PositionalHelperExperts(OwnExperts):
+    """A helper named like the seam but of another signature, called positionally (issue 55 item 4)."""
+
+    def _grouped_mm(self, a, b, offs):
+        return torch._grouped_mm(a, b, offs=offs)
+
+    def forward(self, x, counts):
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(self._grouped_mm(x, self.w1.transpose(-2, -1), offs))
+        h = h * self._grouped_mm(x, self.w3.transpose(-2, -1), offs)
+        return self._grouped_mm(h, self.w2.transpose(-2, -1), offs)
+
+
+class KeywordSeamExperts(OwnExperts):
+    """The seam's signature: conversion overrides the method (route 2), the forward stays the module's."""
+
+    def _grouped_mm(self, *, A, B_t, offs):
+        return torch._grouped_mm(A, B_t, offs=offs)
+
+    def forward(self, x, counts):
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(self._grouped_mm(A=x, B_t=self.w1.transpose(-2, -1), offs=offs))
+        h = h * self._grouped_mm(A=x, B_t=self.w3.transpose(-2, -1), offs=offs)
+        return self._grouped_mm(A=h, B_t=self.w2.transpose(-2, -1), offs=offs)
+
+
+@pytest.mark.parametrize("cls", [PositionalHelperExperts, KeywordSeamExperts])
+def test_seam_is_taken_by_its_signature_not_its_name(cls, mxfp8_calls):
+    """A ``_grouped_mm`` method of another signature than the seam's is the module's own helper: the module takes
+    the own-forward route (its torch._grouped_mm calls routed), and trains in MXFP8 like the seam's module."""
+    torch.manual_seed(0)
+    plain = cls().to(torch.bfloat16)
+    mod = convert(copy.deepcopy(plain), MXFP8MoEConfig())
+    seam = "_grouped_mm" in vars(type(mod))
+    assert seam == (cls is KeywordSeamExperts) and ("forward" in vars(type(mod))) != seam
+    x = batch()
+    got = run(mod, x)
+    assert len(mxfp8_calls) == 3 and not fallback_counts()
+    assert_same(got, oracle(plain, x))
+
+
+class WithSubmodule(OwnExperts):
+    """Experts whose forward also calls a submodule with grouped GEMMs on the submodule's own weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = PositionalHelperExperts()  # its own w1, w2, w3 (and a forward of its own)
+
+    def forward(self, x, counts):
+        return super().forward(x, counts) + self.extra(x, counts)
+
+
+def _submodule_oracle(plain, x, inner):
+    """The outer module's GEMMs in MXFP8 (rceil), the submodule's as ``inner`` computes them."""
+    w = {n: p.detach().clone().requires_grad_() for n, p in plain.named_parameters(recurse=False)}
+    x = x.detach().clone().requires_grad_()
+    offs = torch.cumsum(COUNTS, dim=0, dtype=torch.int32)
+
+    def mm(a, name):
+        return mxfp8_grouped_mm(a, w[name].transpose(-2, -1), offs)
+
+    sub = copy.deepcopy(plain.extra)
+    out = mm(F.silu(mm(x, "w1")) * mm(x, "w3"), "w2") + inner(sub)(x, COUNTS)
+    out.float().square().sum().backward()
+    grads = {n: t.grad for n, t in w.items()} | {f"extra.{n}": p.grad for n, p in sub.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("sub", ["unconverted", "converted_floor"])
+def test_only_the_modules_own_grouped_gemms_are_routed(sub):
+    """A submodule the user left out of the conversion (filter_fn) runs its grouped GEMMs as it does alone, the
+    plain op, when the converted module's forward calls it; one converted with another config runs that config
+    (issue 55 item 1: the routing mode sent every grouped GEMM of the forward to MXFP8 with the outer module's
+    scale mode). The outer module's own GEMMs run in MXFP8."""
+    torch.manual_seed(0)
+    plain = WithSubmodule().to(torch.bfloat16)
+    mod = copy.deepcopy(plain)
+    if sub == "converted_floor":
+        quantize_(mod, MXFP8MoEConfig(scale_mode="floor"), filter_fn=lambda m, fqn: fqn == "extra")
+    quantize_(mod, MXFP8MoEConfig(), filter_fn=lambda m, fqn: m is mod)
+    assert is_converted(mod) and is_converted(mod.extra) == (sub == "converted_floor")
+
+    def inner(m):
+        return convert(m, MXFP8MoEConfig(scale_mode="floor")) if sub == "converted_floor" else m
+
+    x = batch()
+    got = run(mod, x)
+    want = _submodule_oracle(plain, x, inner)
+    assert_same(got, want)
+    assert not fallback_counts()
+    # precondition: the submodule's GEMMs in the outer config's MXFP8 give other bits
+    rceil = _submodule_oracle(plain, x, lambda m: convert(m, MXFP8MoEConfig()))
+    assert not torch.equal(want[0], rceil[0])
+
+
+class CastExperts(OwnExperts):
+    """fp32 master weights cast to the activations' dtype in forward."""
+
+    def forward(self, x, counts):
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        h = F.silu(torch._grouped_mm(x, w1.mT, offs=offs)) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2.transpose(-2, -1).contiguous(), offs=offs)
+
+
+def test_weights_made_from_the_parameters_in_forward_are_routed(mxfp8_calls):
+    """Casts of the module's parameters, views and copies of them made in forward are its weights too."""
+    torch.manual_seed(0)
+    plain = CastExperts()  # fp32
+    mod = convert(copy.deepcopy(plain), MXFP8MoEConfig())
+    x = batch()
+    got = run(mod, x)
+    assert len(mxfp8_calls) == 3 and not fallback_counts()
+    want = oracle(plain, x)  # mxfp8_grouped_mm reads fp32 weights as bf16: the cast's values
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for n in want[2]:
+        assert torch.equal(got[2][n], want[2][n].float()), n
+
+
+class CheckpointedExperts(OwnExperts):
+    """The SwiGLU under torch.utils.checkpoint inside the module's own forward."""
+
+    use_reentrant = True
+
+    def forward(self, x, counts):
+        from torch.utils.checkpoint import checkpoint
+
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+        def swiglu(x):
+            h = F.silu(F.grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs)
+            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+
+        return checkpoint(swiglu, x, use_reentrant=self.use_reentrant)
+
+
+class CheckpointedSeamExperts(KeywordSeamExperts):
+    use_reentrant = True
+
+    def forward(self, x, counts):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, x, counts, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("cls", [CheckpointedExperts, CheckpointedSeamExperts])
+def test_checkpoint_inside_the_forward_recomputes_in_mxfp8(cls, reentrant, mxfp8_calls):
+    """torch.utils.checkpoint inside the module's forward (issue 55 items 2 and 3): the recompute in backward runs
+    the same MXFP8 GEMMs, so output and every gradient equal the module's without the checkpoint, bit for bit
+    (reentrant: they were the bf16 GEMMs' gradients; non-reentrant: CheckpointError, the saved tensors differed)."""
+    torch.manual_seed(0)
+    plain = cls().to(torch.bfloat16)
+    mod = convert(copy.deepcopy(plain), MXFP8MoEConfig())
+    mod.use_reentrant = reentrant
+    x = batch()
+    got = run(mod, x)
+    assert len(mxfp8_calls) == 6 and not fallback_counts()  # three in forward, three in the recompute
+    assert_same(got, oracle(plain, x))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_around_the_module_recomputes_in_mxfp8(reentrant, mxfp8_calls):
+    """A checkpoint around the converted module (as transformers' and torchtitan's activation checkpointing wrap
+    whole layers): its recompute calls the converted forward again, in MXFP8; no backward routing is needed."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    plain = OwnExperts().to(torch.bfloat16)
+    mod = convert(copy.deepcopy(plain), MXFP8MoEConfig())
+    x = batch()
+    out = checkpoint(mod, x, COUNTS, use_reentrant=reentrant)
+    out.float().square().sum().backward()
+    got = out.detach(), x.grad, {n: p.grad for n, p in mod.named_parameters()}
+    assert len(mxfp8_calls) == 6 and not fallback_counts()
+    assert_same(got, oracle(plain, x))

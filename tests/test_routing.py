@@ -161,3 +161,76 @@ def test_combine_writes_no_fp32_copy_of_the_expert_outputs():
     copies = [(name, dtype) for name, dtype in seen if name.startswith(("_to_copy", "to", "copy"))]
     assert copies == [], copies
     assert len([name for name, _ in seen if name.startswith("mul")]) == 2, seen  # forward's and backward's
+
+
+def _atomic_scatter_add(monkeypatch):
+    """``Tensor.scatter_add`` as CUDA's atomics may run it: each source row added in the rows' dtype (rounded at
+    every add), in reverse order (the CPU kernel accumulates in row order, in fp32 for bf16 rows)."""
+    plain = torch.Tensor.scatter_add
+
+    def scatter_add(self, dim, index, src):
+        dest, rows = index[:, 0].flip(0), src.flip(0)
+        order = torch.argsort(dest, stable=True)
+        dest, rows = dest[order], rows[order]
+        first = torch.searchsorted(dest, dest)  # each row's rank among the rows of its destination
+        rank = torch.arange(dest.numel()) - first
+        out = self.clone()
+        for r in range(int(rank.max()) + 1 if rank.numel() else 0):  # one add per destination per round
+            sel = rank == r
+            out.index_add_(0, dest[sel], rows[sel])
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "scatter_add", scatter_add)
+    return plain
+
+
+@settings(deadline=None, max_examples=25)
+@given(t=st.integers(1, 30), k=st.integers(3, 8), seed=st.integers(0, 2**16))
+def test_topk_sum_does_not_depend_on_the_order_of_the_adds(t, k, seed):
+    """The reference block's (and moe_quant's EP dispatcher's) sum of a token's top-k rows has one order on every
+    run: the rows in sorted (expert) order one after the other, accumulated in fp32, rounded once to the rows' dtype
+    (the bits of the CPU's ``scatter_add``) (issue 55: ``Tensor.scatter_add`` on CUDA adds in no fixed order, so for top-k > 2 the
+    reference's bits varied from run to run). Emulated on the CPU: a ``scatter_add`` that adds in another order
+    does not change the combine."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        x, scores, ids = _routing(t, k, 8, 16, torch.bfloat16, seed)
+        x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x, scores.float().detach(), ids)
+        routed = (x_sorted.float() * 1.5 - 0.25).to(torch.bfloat16)
+        want = unsort_tokens(routed, scores_sorted, token_idx, x)
+        assert torch.equal(want, _index_add_combine(routed, scores_sorted, token_idx, x))  # the CPU order
+        _atomic_scatter_add(monkeypatch)
+        assert torch.equal(unsort_tokens(routed, scores_sorted, token_idx, x), want)
+
+
+def test_another_order_of_the_adds_changes_the_bits(monkeypatch):
+    """Precondition of the test above: for bf16 rows and top-k > 2 the order of the adds matters."""
+    x, scores, ids = _routing(64, 6, 8, 64, torch.bfloat16, 0)
+    x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x, scores.float().detach(), ids)
+    index = token_idx.unsqueeze(-1).expand(-1, 64)
+    out = torch.zeros_like(x)
+    plain = _atomic_scatter_add(monkeypatch)
+    assert not torch.equal(plain(out, 0, index, x_sorted), out.scatter_add(0, index, x_sorted))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_topk_sum_on_cuda_is_the_cpus_every_run(dtype):
+    """On CUDA the combine of a top-8 routing (DeepSeek-V3's top-k) gives the CPU's bits, run after run: output and
+    both gradients (``Tensor.scatter_add``'s atomics did not)."""
+    t, k, d = 4096, 8, 256
+    x, scores, ids = _routing(t, k, 64, d, dtype, 0)
+    scores = scores.float().detach()
+    grad = torch.randn(t, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    def combine(device):
+        xs, ss, g = x.to(device), scores.to(device).requires_grad_(), grad.to(device)
+        x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(xs, ss, ids.to(device))
+        routed = (x_sorted.float() * 1.5 - 0.25).to(dtype).requires_grad_()
+        out = unsort_tokens(routed, scores_sorted, token_idx, xs)
+        return [out.detach().cpu()] + [v.cpu() for v in torch.autograd.grad(out, (routed, ss), g)]
+
+    want = combine("cpu")
+    for _ in range(5):
+        for a, b in zip(combine("cuda"), want):
+            assert torch.equal(a, b)

@@ -53,7 +53,8 @@ def test_converting_twice_with_the_same_settings_changes_nothing():
     twice = _convert(once)
     assert twice is once and pickle.dumps(twice) == before
     for routed in _routed(twice):
-        assert type(routed.inner_experts)._mxfp8_parent is GroupedExperts.Config  # not a subclass of a subclass
+        assert type(routed)._mxfp8_parent is RoutedExperts.Config  # not a subclass of a subclass
+        assert type(routed.inner_experts) is GroupedExperts.Config
     model = twice.build()
     assert all(is_converted(m) for m in _experts(model)) and len(_experts(model)) == 2
 
@@ -62,7 +63,7 @@ def test_converting_again_takes_the_new_settings():
     cfg = _convert(_config(), scale_mode="rceil", wire="mxfp8")
     _convert(cfg, scale_mode="floor", wire="bf16", capacity_factor=2.0, max_tokens=64)
     (routed,) = _routed(cfg)
-    assert routed.inner_experts.scale_mode == "floor"
+    assert routed.scale_mode == "floor"
     d = routed.token_dispatcher
     assert (d.scale_mode, d.wire, d.capacity_factor, d.max_tokens) == ("floor", "bf16", 2.0, 64)
     assert (d.num_experts, d.top_k) == (8, 3)
@@ -77,7 +78,7 @@ def test_experts_only_keeps_the_models_dispatcher():
     (routed,) = _routed(cfg)
     theirs = routed.token_dispatcher
     _convert(cfg, dispatcher=False)
-    assert routed.token_dispatcher is theirs and type(theirs) is AllToAllTokenDispatcher.Config
+    assert _routed(cfg)[0].token_dispatcher is theirs and type(theirs) is AllToAllTokenDispatcher.Config
     model = cfg.build()
     (experts,) = _experts(model)
     assert is_converted(experts)
@@ -94,14 +95,14 @@ def test_experts_only_keeps_the_models_dispatcher():
 
 
 def test_the_settings_the_ranks_compare_are_recorded_on_the_experts():
-    """The converted experts ``Config`` records the converter's settings in effect (``converter``), the built module
+    """The converted routed experts ``Config`` records the converter's settings in effect (``converter``), the built experts
     carries them to ``parallelize``, where the ranks compare them (``tests/test_titan_settings.py``); the dispatcher
     settings only with moe_quant's dispatcher; ``unconvert`` drops them; re-converting replaces them."""
     from moe_quant.conversion import ranks
 
     cfg = _convert(_config(), dispatcher=False, wire="bf16")  # wire unused without moe_quant's dispatcher
     (routed,) = _routed(cfg)
-    assert routed.inner_experts.converter == {"dispatcher": False}
+    assert routed.converter == {"dispatcher": False}
     model = cfg.build()
     (experts,) = _experts(model)
     assert ranks.settings(experts) == {"scale_mode": "rceil", "backend": "auto", "out_dtype": None,
@@ -112,10 +113,10 @@ def test_the_settings_the_ranks_compare_are_recorded_on_the_experts():
 
     cfg = _convert(_config(), scale_mode="floor", capacity_factor=2.0, max_tokens=64)
     (routed,) = _routed(cfg)
-    assert routed.inner_experts.converter == {"dispatcher": True, "wire": "mxfp8", "capacity_factor": 2.0,
-                                              "overflow": "error", "max_tokens": 64}
+    assert routed.converter == {"dispatcher": True, "wire": "mxfp8", "capacity_factor": 2.0, "overflow": "error",
+                                "max_tokens": 64}
     _convert(cfg, scale_mode="floor")
-    assert routed.inner_experts.converter["capacity_factor"] is None
+    assert _routed(cfg)[0].converter["capacity_factor"] is None
     (experts,) = _experts(cfg.build())
     s = ranks.settings(experts)
     assert (s["scale_mode"], s["dispatcher"], s["capacity_factor"]) == ("floor", True, None)
@@ -144,7 +145,7 @@ def test_converted_config_and_models_pickle(tmp_path):
     cfg = _convert(_config())
     back = pickle.loads(pickle.dumps(cfg))
     assert back.to_dict() == cfg.to_dict()
-    assert type(_routed(back)[0].inner_experts) is type(_routed(cfg)[0].inner_experts)
+    assert type(_routed(back)[0]) is type(_routed(cfg)[0])
     assert copy.deepcopy(cfg).to_dict() == cfg.to_dict()
 
     torch.manual_seed(0)
@@ -193,20 +194,22 @@ def _assert_same_state(a, b):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_converted_experts_config_per_class_object():
-    """Two experts ``Config`` classes of the same name (a factory, a re-definition) each get their own
-    converted ``Config``, a subclass of that very class."""
-    from moe_quant.ep.titan_classes import experts_config_class
+def test_converted_routed_experts_config_per_class_object():
+    """Two ``RoutedExperts.Config`` classes of the same name (a factory, a re-definition) each get their own
+    converted ``Config``, a subclass of that very class; anything else is refused."""
+    from moe_quant.ep.titan_classes import routed_config_class
 
     def make():
         @dataclasses.dataclass(kw_only=True, slots=True)
-        class Config(GroupedExperts.Config):
+        class Config(RoutedExperts.Config):
             pass
 
         return Config
 
     a, b = make(), make()
     assert a.__qualname__ == b.__qualname__ and a is not b
-    ca, cb = experts_config_class(a), experts_config_class(b)
+    ca, cb = routed_config_class(a), routed_config_class(b)
     assert ca is not cb and issubclass(ca, a) and issubclass(cb, b) and not issubclass(ca, b)
-    assert experts_config_class(ca) is ca
+    assert routed_config_class(ca) is ca
+    with pytest.raises(TypeError, match="converts RoutedExperts"):
+        routed_config_class(GroupedExperts.Config)

@@ -22,9 +22,9 @@ def _grads(block, x, scores, ids, counts, gout):
     return [out.detach(), x.grad, scores.grad] + [w.grad.clone() for w in ws]
 
 
-def run(wire: str, ep: bool, tokens=None) -> dict:
+def run(wire: str, ep: bool, tokens=None, dtype: str = "bfloat16") -> dict:
     """Per rank: for each of (output, input grad, score grad, w1/w2/w3 grads) whether ours equals
-    torchtitan's bit for bit, and the SQNR (dB) where not."""
+    torchtitan's bit for bit, and the SQNR (dB) where not. ``dtype``: the activations' (the experts are bf16)."""
     from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
@@ -35,7 +35,7 @@ def run(wire: str, ep: bool, tokens=None) -> dict:
     E, K = titan_ranks.E, titan_ranks.K
     theirs_cfg = (AllToAllTokenDispatcher if ep else LocalTokenDispatcher).Config(num_experts=E, top_k=K)
     ours_cfg = dispatcher_config(num_experts=E, top_k=K, wire=wire)
-    args = titan_ranks._inputs(tokens)
+    args = titan_ranks._inputs(tokens, getattr(torch, dtype))
     with WireLog() as log:
         ours = _grads(titan_ranks._block(ours_cfg, ep), *args)
     theirs = _grads(titan_ranks._block(theirs_cfg, ep), *args)

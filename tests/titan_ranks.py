@@ -53,18 +53,19 @@ def _block(dispatcher_cfg, ep: bool):
     return block
 
 
-def _inputs(tokens=None):
-    """This rank's tokens (``tokens[rank]`` of them, default T), routing and output gradient."""
+def _inputs(tokens=None, dtype=torch.bfloat16):
+    """This rank's tokens (``tokens[rank]`` of them, default T; activations and output gradient in ``dtype``),
+    routing and output gradient."""
     rank = dist.get_rank()
     t = tokens[rank] if tokens else T
     g = torch.Generator().manual_seed(10 + rank)
-    x = torch.randn(1, t, D, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, t, D, generator=g).to(dtype)
     logits = torch.randn(t, E, generator=g)
     if rank == 1:
         logits[:, 0] += 4  # uneven: most of this rank's copies to expert 0
     scores, ids = torch.topk(logits.softmax(-1), K, dim=-1)
     counts = torch.zeros(E, dtype=torch.int64).scatter_add(0, ids.reshape(-1), torch.ones(t * K, dtype=torch.int64))
-    gout = torch.randn(1, t, D, generator=g).to(torch.bfloat16)
+    gout = torch.randn(1, t, D, generator=g).to(dtype)
     return x, scores.view(1, t, K), ids.view(1, t, K), counts, gout
 
 

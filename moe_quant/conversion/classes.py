@@ -77,7 +77,7 @@ def _converted_methods(cls: type) -> Optional[dict]:
     known = _known(cls)
     if known is not None and cls.forward is known[0].forward:  # a subclass with its own forward keeps it
         return known[1]
-    if callable(getattr(cls, "_grouped_mm", None)):
+    if experts.is_seam(getattr(cls, "_grouped_mm", None)):  # by signature: a helper of that name is no seam
         return {"_grouped_mm": experts.grouped_mm_seam}
     if cls.forward is nn.Module.forward or cls.__module__.startswith("torch.nn."):
         return None

@@ -9,6 +9,8 @@ for bit, fewer quantization passes); otherwise the three GEMMs of :func:`moe_qua
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -89,3 +91,18 @@ def torchtitan_forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.
 def grouped_mm_seam(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The ``_grouped_mm(self, *, A, B_t, offs)`` seam of a module, converted."""
     return grouped_mm(A, B_t, offs, self._mxfp8_config)
+
+
+_SEAM_PARAMETERS = [("A", inspect.Parameter.KEYWORD_ONLY), ("B_t", inspect.Parameter.KEYWORD_ONLY),
+                    ("offs", inspect.Parameter.KEYWORD_ONLY)]
+
+
+def is_seam(method) -> bool:
+    """``method`` (a class attribute) has the seam's signature ``(self, *, A, B_t, offs)``, the one
+    :func:`grouped_mm_seam` replaces it with: a method of that name and another signature is the module's own helper
+    (calls of it would not bind to the converted seam)."""
+    if not inspect.isfunction(method):
+        return False
+    params = list(inspect.signature(method).parameters.values())
+    self_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return bool(params) and params[0].kind in self_kinds and [(p.name, p.kind) for p in params[1:]] == _SEAM_PARAMETERS

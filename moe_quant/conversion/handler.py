@@ -30,14 +30,14 @@ from .._torchao import default_filter_match, register_quantize_module_handler
 from .classes import base_class, converted_class, is_converted
 from .config import MXFP8MoEConfig
 from .hf import restore_experts_implementation
+from .own_forward import own_parameters
 
 logger = logging.getLogger("moe_quant.conversion")
 
 
 def _own_expert_weights(module: nn.Module) -> bool:
     """3-D floating-point parameters of the module itself (or of its ``ParameterList`` / ``ParameterDict``)."""
-    holders = [module] + [c for c in module.children() if isinstance(c, (nn.ParameterList, nn.ParameterDict))]
-    return any(p.ndim == 3 and p.is_floating_point() for h in holders for p in h.parameters(recurse=False))
+    return any(p.ndim == 3 and p.is_floating_point() for p in own_parameters(module))
 
 
 def _linear_only(module: nn.Module) -> bool:

@@ -19,6 +19,7 @@ Llama4's experts (``torch.bmm`` over every token) have no experts-interface forw
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import logging
 import re
@@ -189,15 +190,19 @@ def known_class(cls: type):
 def register_experts_implementation() -> str:
     """Register ``"moe_quant_mxfp8"`` in transformers' experts interface (idempotent); returns the name.
     ``import moe_quant`` does it already, whatever the import order (:func:`register_when_imported`), where the
-    transformers is a supported one. ``ImportError`` with another transformers than ``transformers>=5.23,<6``."""
+    transformers is a supported one. ``ImportError`` with another transformers than ``transformers>=5.23,<6``. A
+    model whose experts do not dispatch through the interface then refuses the name when it is built
+    (:func:`_refuse_models_off_the_interface`)."""
     require_supported_transformers()
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
+    _refuse_models_off_the_interface()
     return IMPLEMENTATION
 
 
 _INTERFACE = "transformers.integrations.moe"  # the module holding ALL_EXPERTS_FUNCTIONS
+_MODELING = "transformers.modeling_utils"  # the module holding PreTrainedModel (it imports _INTERFACE)
 logger = logging.getLogger("moe_quant.conversion")
 
 
@@ -212,19 +217,36 @@ def register_when_imported() -> None:
     """``import moe_quant``'s registration in transformers' experts interface, whatever the import order: now, if
     transformers is imported already; else when its experts interface module is first imported (a one-shot import
     hook; ``import moe_quant`` does not import transformers), so that ``from_pretrained(...,
-    experts_implementation="moe_quant_mxfp8")`` finds it."""
+    experts_implementation="moe_quant_mxfp8")`` finds it (and, once transformers' ``PreTrainedModel`` exists, the
+    name's check against the model, :func:`_refuse_models_off_the_interface`)."""
     if sys.modules.get("transformers") is not None:  # None: an import of it was blocked
         _register_if_supported()
-    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
+    else:
+        _refuse_models_off_the_interface()  # its hook first: the interface is imported inside transformers' modeling
+        _when_imported(_INTERFACE, _register_if_supported)
+
+
+def _when_imported(fullname: str, action) -> None:
+    """``action()`` now if module ``fullname`` is imported (fully: not one whose import is running), else right after
+    its import runs (a one-shot import hook, :class:`_RegisterOnImport`). Where its import is running now (this is
+    called from inside it) and no hook of ours waits for it, nothing."""
+    module = sys.modules.get(fullname)
+    if module is not None:
+        if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+            action()
+    elif not any(isinstance(f, _RegisterOnImport) and f.fullname == fullname for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport(fullname, action))
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for transformers' experts interface module it takes the spec the other finders give and
-    wraps its loader so that moe_quant registers right after the module runs; then it leaves ``sys.meta_path``."""
+    """Finds nothing itself: for module ``fullname`` it takes the spec the other finders give and wraps its loader
+    so that ``action`` runs right after the module does; then it leaves ``sys.meta_path``."""
+
+    def __init__(self, fullname: str, action):
+        self.fullname, self.action = fullname, action
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _INTERFACE:
+        if fullname != self.fullname:
             return None
         if self in sys.meta_path:
             sys.meta_path.remove(self)
@@ -233,17 +255,17 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
             spec = find(fullname, path, target) if find is not None else None
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RegisteringLoader(spec.loader)
+                    spec.loader = _RegisteringLoader(spec.loader, self.action)
                 return spec
         return None
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    """A module's own loader, then :func:`_register_if_supported` (a failure there is logged, never raised into the
-    user's import of transformers)."""
+    """A module's own loader, then ``action`` (a failure there is logged, never raised into the user's import of
+    transformers)."""
 
-    def __init__(self, loader):
-        self._loader = loader
+    def __init__(self, loader, action):
+        self._loader, self._action = loader, action
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
@@ -251,15 +273,57 @@ class _RegisteringLoader(importlib.abc.Loader):
     def exec_module(self, module):
         self._loader.exec_module(module)
         try:
-            _register_if_supported()
+            self._action()
         except Exception as e:  # noqa: BLE001 -- the user's import must go on; from_pretrained then says the name
-            logger.warning("moe_quant could not register %r in transformers' experts interface: %s: %s",
-                           IMPLEMENTATION, type(e).__name__, e)
+            logger.warning("moe_quant could not register %r in transformers: %s: %s", IMPLEMENTATION,
+                           type(e).__name__, e)
 
     def __getattr__(self, name):  # get_source, get_filename, ... as the module's own loader
-        if name == "_loader":
+        if name in ("_loader", "_action"):
             raise AttributeError(name)
         return getattr(self._loader, name)
+
+
+_CHECKS_INTERFACE = "_moe_quant_checks_interface"  # marks the wrapped validator (installed once)
+
+
+def off_interface_message(cls: type) -> str:
+    return (f"{cls.__name__} does not run its experts through transformers' experts interface (its modeling module "
+            f"{cls.__module__} has no @use_experts_implementation experts class; Llama4's experts are a torch.bmm "
+            f"forward), so experts_implementation={IMPLEMENTATION!r} would run none of its expert GEMMs in MXFP8. "
+            f"Load it with another implementation and convert its experts: moe_quant.convert(model, "
+            f"filter_fn=lambda mod, fqn: fqn.endswith('.experts')), or quantize_(model, MXFP8MoEConfig(), "
+            f"filter_fn=...) with that filter")
+
+
+def _refuse_models_off_the_interface() -> None:
+    """transformers validates an experts implementation name when a model is built (and in
+    ``set_experts_implementation``) by ``PreTrainedModel.get_correct_experts_implementation``, which accepts any
+    registered name for any model and checks only ``"grouped_mm"`` against the model (``_grouped_mm_can_dispatch``:
+    its class's modeling module must use ``@use_experts_implementation``). A model off the interface then keeps its
+    own experts' forward: it loads with ``"moe_quant_mxfp8"`` and runs nothing in MXFP8. This adds the same check
+    for this name (the model raises ``ValueError`` naming ``moe_quant.convert``), by wrapping that method once,
+    after ``transformers.modeling_utils`` has run (:func:`_when_imported`: the experts interface, where this name
+    is registered, is imported in the middle of it)."""
+    _when_imported(_MODELING, _wrap_validator)
+
+
+def _wrap_validator() -> None:
+    """:func:`_refuse_models_off_the_interface`'s wrapper of ``PreTrainedModel.get_correct_experts_implementation``
+    (``transformers.modeling_utils`` has run)."""
+    cls = sys.modules[_MODELING].PreTrainedModel
+    current = cls.get_correct_experts_implementation
+    if getattr(current, _CHECKS_INTERFACE, False):
+        return
+
+    @functools.wraps(current)
+    def get_correct_experts_implementation(self, requested_experts):
+        if requested_experts == IMPLEMENTATION and not self._can_set_experts_implementation():
+            raise ValueError(off_interface_message(type(self)))
+        return current(self, requested_experts)
+
+    setattr(get_correct_experts_implementation, _CHECKS_INTERFACE, True)
+    cls.get_correct_experts_implementation = get_correct_experts_implementation
 
 
 def _configs(config) -> dict:

@@ -53,12 +53,11 @@ import torch.distributed as dist
 
 from .. import backends
 from .. import prequantized as pq
-from .. import quantize as q
 from ..numerics import ScaleMode
 from .legs import Wire
 from .permute import dequantize_rows, permute_received
 from .pipeline import PostsAhead
-from .wire import WireLog, leg_range, row_bytes_view
+from .wire import WireLog, leg_range, quantize_rows, row_bytes_view
 
 _LEGS = ("dispatch", "combine", "combine backward", "dispatch backward")
 POSTINGS = ("per_block", "merged")  # how a range is posted (module doc); the default first
@@ -77,8 +76,9 @@ class BlockExchange(PostsAhead):
     posting = POSTINGS[0]  # the form of the next exchanges made (:func:`posting`)
 
     def __init__(self, group, *, wire: Wire, mode: ScaleMode, sent: list, recv: list,
-                 num_tokens_per_local_expert: torch.Tensor, ranges: list, recv_counts: torch.Tensor | None = None):
-        self.group, self.wire, self.mode = group, wire, mode
+                 num_tokens_per_local_expert: torch.Tensor, ranges: list, recv_counts: torch.Tensor | None = None,
+                 cast: torch.dtype | None = None):
+        self.group, self.wire, self.mode, self.cast = group, wire, mode, cast
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.peers = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world)]
         self.sent, self.recv = sent, recv
@@ -210,7 +210,7 @@ class BlockExchange(PostsAhead):
         dev, d = rows.device, rows.shape[1]
         rows = rows.contiguous()
         if self.wire is Wire.MXFP8:
-            data, scales = quantized if quantized is not None else q.quantize_rowwise(rows, self.mode)
+            data, scales = quantized if quantized is not None else quantize_rows(rows, self.mode, self.cast)
             src = [data.view(torch.uint8), scales.view(torch.uint8)]
             widths = [(d, torch.uint8), (d // 32, torch.uint8)]
         else:

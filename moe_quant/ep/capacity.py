@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 
 from .. import layouts
-from .. import quantize as q
 from ..numerics import ScaleMode
 from .legs import Wire, expert_major_values
 from .pipeline import PostsAhead
-from .wire import WireLog, all_to_all_mxfp8, all_to_all_rows, leg_range, row_bytes_view, row_words
+from .wire import (WireLog, all_to_all_mxfp8, all_to_all_rows, leg_range, quantize_rows, row_bytes_view,
+                   row_words)
 
 OVERFLOW = ("error", "drop")
 
@@ -80,6 +80,7 @@ class CapacityRoute:
     num_tokens_per_local_expert: torch.Tensor  # (E_local,) int32
     dropped: torch.Tensor  # 0-d int64: token copies of the whole group past capacity (or invalid)
     blocks: torch.Tensor  # (R, E_local + 1) int32: the received slots as blocks (plan_receive)
+    cast: torch.dtype | None = None  # the MXFP8 legs quantize the rows' rounding to it (wire.quantize_rows)
 
     @property
     def rows_received(self) -> int:
@@ -185,7 +186,7 @@ def _forward_leg(x_sorted: torch.Tensor, route: CapacityRoute, leg: str) -> torc
     """Sorted rows -> slots -> all-to-all -> expert-major rows (MXFP8 on that wire)."""
     s, total, rows = [route.slots] * route.world, route.rows_received, route.slot_rows
     if route.wire is Wire.MXFP8:
-        data, scales = q.quantize_rowwise(x_sorted, route.mode)
+        data, scales = quantize_rows(x_sorted, route.mode, route.cast)
         data_s = _scatter(data, route.slot_of_row, None, total)
         scales_s = _scatter(scales.view(torch.uint8), route.slot_of_row, None, total)
         data_r, scales_r = all_to_all_mxfp8(data_s, scales_s, s, s, route.group, leg)
@@ -233,8 +234,8 @@ class SlotExchange(PostsAhead):
     that range; a sorted row overflowing its range's slots contributes zero, counted like any overflow."""
 
     def __init__(self, group, *, wire: Wire, mode: ScaleMode, world: int, ranges: list, plans: list,
-                 receives: list, rows: int):
-        self.group, self.wire, self.mode, self.world = group, wire, mode, world
+                 receives: list, rows: int, cast: torch.dtype | None = None):
+        self.group, self.wire, self.mode, self.world, self.cast = group, wire, mode, world, cast
         self.ranges, self.plans, self.receives, self.rows = ranges, plans, receives, rows
         self._posted: dict = {}  # (leg, range) -> [(work, sent buffer, receive buffer)] (MXFP8: data, scales)
         self._issued: set = set()
@@ -270,7 +271,7 @@ class SlotExchange(PostsAhead):
         self._dtypes[leg] = (rows.dtype, rows.shape[1])
         parts = [rows]
         if self.wire is Wire.MXFP8:
-            data, scales = quantized if quantized is not None else q.quantize_rowwise(rows, self.mode)
+            data, scales = quantized if quantized is not None else quantize_rows(rows, self.mode, self.cast)
             parts = [data, scales.view(torch.uint8)]
         self._queue(leg, order, lambda c: self._post(leg, c, *(_gather(p, *self.plans[c][:2]) for p in parts)))
 

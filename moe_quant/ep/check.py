@@ -44,6 +44,8 @@ class CheckCase:
     transport: str = "all_to_all"  # the dispatcher's transport ("all_to_all" | "p2p")
     chunks: int = 1  # ranges of local experts ("p2p")
     sm_carveout: int | None = None  # SMs the experts' GEMMs leave to the exchange (chunks > 1)
+    capacity_factor: float | None = None  # the dispatcher's sync-free mode (None: synced)
+    experts_dtype: str | None = None  # the experts' weights' dtype ("bfloat16", ...), if not the activations'
 
     def tokens_of(self, rank: int) -> int:
         return self.tokens[rank] if len(self.tokens) > 1 else self.tokens[0]
@@ -133,8 +135,10 @@ def run_check(case: CheckCase, group=None, device="cpu", dtype=torch.bfloat16) -
     n_experts = case.experts_per_rank * world
     torch.manual_seed(case.seed)
     base = MoE(case.dim, case.hidden_dim, n_experts, case.top_k).to(device, dtype)
+    if case.experts_dtype is not None:  # e.g. fp32 activations (and router) into bf16 experts
+        base.experts.to(getattr(torch, case.experts_dtype))
     ep = EPMoE.from_moe(base, group=group, wire=case.wire, scale_mode=case.scale_mode, transport=case.transport,
-                        chunks=case.chunks, sm_carveout=case.sm_carveout)
+                        chunks=case.chunks, sm_carveout=case.sm_carveout, capacity_factor=case.capacity_factor)
     ref = copy.deepcopy(base)
     bf16 = copy.deepcopy(base)
     if case.convert:

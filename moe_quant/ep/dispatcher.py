@@ -14,7 +14,6 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import quantize as q
 from .. import validation as v
 from ..choices import Choice
 from ..numerics import ScaleMode
@@ -22,7 +21,7 @@ from ..routing import sort_tokens_by_expert, unsort_tokens
 from . import agree, blocks, capacity, pipeline
 from .legs import (HostRead, Route, Wire, combine_rows, constant as legs_constant, dispatch_rows, exchange_counts,
                    read_counts, received_counts, route_from_counts)
-from .wire import all_to_all_rows
+from .wire import all_to_all_rows, quantize_rows
 
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -95,6 +94,12 @@ class MXFP8TokenDispatcher:
             (:class:`moe_quant.ep.pipeline.SmWindow`); default None (every SM). A setting of this rank alone:
             the ranks need not agree, and the bits do not change.
 
+    ``experts_dtype`` (an attribute, default None): the dtype the experts quantize their input rows and output
+    gradients in, where it is narrower than the rows' (fp32 activations into experts that cast them to bf16): the
+    MXFP8 legs then quantize the rows' rounding to it, so that what arrives is what the experts would quantize
+    (:class:`moe_quant.moe.EPMoE` sets its experts' dtype; torchtitan's dispatcher bf16, the dtype torchtitan's
+    experts cast to). None: the rows as they are.
+
     Ranks that disagree (on num_experts, top_k, wire, scale mode, capacity_factor, overflow, max_tokens,
     transport, chunks: checked by a one-time handshake per group before the first dispatch; on the hidden size and the
     activation dtype: carried with every counts exchange) or whose arguments are invalid on one rank
@@ -150,6 +155,7 @@ class MXFP8TokenDispatcher:
         self.overflow = overflow
         self.max_tokens = max_tokens
         self.dropped_rows = None  # sync-free mode: device int64 counter of token copies past capacity
+        self.experts_dtype = None  # the dtype the experts quantize their rows in (None: the rows' own); see the doc
         self._agreed = ()  # (group,): the group the one-time handshake passed on
         self._bound = None  # sync-free mode: the token bound agreed on that group
 
@@ -280,7 +286,8 @@ class MXFP8TokenDispatcher:
             routed = pipeline.received(pipeline.send(x_sorted, ex, quantized)[0], ex, 0)
             route = ex
         else:
-            route = route_from_counts(recv, counts, self.group, wire=self.wire, mode=self.scale_mode)
+            route = route_from_counts(recv, counts, self.group, wire=self.wire, mode=self.scale_mode,
+                                      cast=self.experts_dtype)
             routed = dispatch_rows(x_sorted, route, quantized)
         metadata = EPDispatchMetadata(token_indices_experts_sorted_N=token_idx,
                                       topk_scores_experts_sorted_N=scores_sorted, route=route)
@@ -314,7 +321,7 @@ class MXFP8TokenDispatcher:
         x_sorted, token_idx, scores_sorted = sort_tokens_by_expert(x_TD, topk_scores_TK, topk_expert_ids_TK)
         # traced, nothing is read on the host (unbacked sizes): the leg quantizes inside its autograd function
         quantize = self.wire is Wire.MXFP8 and not torch.compiler.is_compiling()
-        quantized = q.quantize_rowwise(x_sorted, self.scale_mode) if quantize else None
+        quantized = quantize_rows(x_sorted, self.scale_mode, self.experts_dtype) if quantize else None
         counts = self._sync_token_count_exchange(msg, recv, rows, pending)
         return x_sorted, token_idx, scores_sorted, quantized, counts, recv
 
@@ -325,7 +332,8 @@ class MXFP8TokenDispatcher:
 
     def _block_exchange(self, counts, recv, chunks: int) -> blocks.BlockExchange:
         recv_counts = received_counts(recv)
-        return blocks.BlockExchange(self.group, wire=self.wire, mode=self.scale_mode, sent=counts.sent,
+        return blocks.BlockExchange(self.group, wire=self.wire, mode=self.scale_mode, cast=self.experts_dtype,
+                                    sent=counts.sent,
                                     recv=counts.received,
                                     ranges=pipeline.expert_ranges(self.num_local_experts, chunks),
                                     num_tokens_per_local_expert=recv_counts.sum(0, dtype=torch.int32),
@@ -358,7 +366,8 @@ class MXFP8TokenDispatcher:
             self._sync_free_checks(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
             x_sorted, token_idx, scores_sorted, plans, receives, total_dropped = self._sync_free_plan(
                 x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E, ranges)
-            ex = capacity.SlotExchange(self.group, wire=self.wire, mode=self.scale_mode, world=self.ep_size,
+            ex = capacity.SlotExchange(self.group, wire=self.wire, mode=self.scale_mode, cast=self.experts_dtype,
+                                       world=self.ep_size,
                                        ranges=ranges, plans=plans, receives=receives, rows=token_idx.shape[0])
             y = pipeline.run_ranges(ex, x_sorted, runners, sm_carveout=carve)
             scores_sorted = self._poisoned_if_dropped(scores_sorted, total_dropped)
@@ -394,7 +403,8 @@ class MXFP8TokenDispatcher:
             x_TD, topk_scores_TK, topk_expert_ids_TK, counts, [(0, self.num_local_experts)])
         (send_idx, send_valid, slot_of_row, slots, _), (src, valid, num_tokens_per_local_expert, blocks) = (
             plans[0], receives[0])
-        route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode, slots=slots,
+        route = capacity.CapacityRoute(group=self.group, wire=self.wire, mode=self.scale_mode,
+                                       cast=self.experts_dtype, slots=slots,
                                        world=self.ep_size, send_idx=send_idx, send_valid=send_valid,
                                        slot_of_row=slot_of_row, src=src, valid=valid,
                                        slot_rows=capacity.slot_rows(src, valid),

@@ -31,10 +31,9 @@ import torch.distributed as dist
 from .. import backends
 from ..choices import Choice
 from .. import prequantized as pq
-from .. import quantize as q
 from ..numerics import ScaleMode
 from . import agree, permute
-from .wire import all_to_all_mxfp8, all_to_all_rows, row_words
+from .wire import all_to_all_mxfp8, all_to_all_rows, quantize_rows, row_words
 
 
 class Wire(Choice):
@@ -54,6 +53,7 @@ class Route:
     output_splits: list  # rows received from each rank
     recv_counts: torch.Tensor  # (R, E_local) int32: rows from rank r for local expert e
     num_tokens_per_local_expert: torch.Tensor  # (E_local,) int32
+    cast: torch.dtype | None = None  # the MXFP8 legs quantize the rows' rounding to it (wire.quantize_rows)
     _src: torch.Tensor | None = None  # src, once made
 
     @property
@@ -223,14 +223,15 @@ def received_counts(recv: torch.Tensor) -> torch.Tensor:
     return recv[:, :recv.shape[1] - agree.SIZE].to(torch.int32)
 
 
-def route_from_counts(recv: torch.Tensor, counts: Counts, group, *, wire: Wire, mode: ScaleMode) -> Route:
+def route_from_counts(recv: torch.Tensor, counts: Counts, group, *, wire: Wire, mode: ScaleMode,
+                      cast: torch.dtype | None = None) -> Route:
     """The :class:`Route` of the counts read on the host (checked there: no negative count, each rank's sum its
     rows, so the received counts sum to ``sum(output_splits)`` and each expert's total is their column sum).
     ``src`` waits for its first use, except while tracing (made here, inside the graph)."""
     recv_counts = received_counts(recv)
     rows = sum(counts.output_splits)
     traced = torch.compiler.is_compiling()  # no attribute set on a traced object: made here, in the graph
-    return Route(group=group, wire=wire, mode=mode, input_splits=counts.input_splits,
+    return Route(group=group, wire=wire, mode=mode, cast=cast, input_splits=counts.input_splits,
                  output_splits=counts.output_splits, recv_counts=recv_counts,
                  num_tokens_per_local_expert=recv_counts.sum(0, dtype=torch.int32),
                  _src=permute._source_rows(recv_counts, rows)[0] if traced else None)
@@ -285,7 +286,7 @@ def _send_mxfp8(x: torch.Tensor, route: Route, leg: str, quantized: tuple | None
     """Quantize the rows of ``x`` 1x32 along the last dim (``quantized``: that quantization, made earlier),
     send them (splits of the forward direction), and return the received rows dequantized in expert-major
     order, registered as known MXFP8."""
-    data, scales = quantized if quantized is not None else q.quantize_rowwise(x, route.mode)
+    data, scales = quantized if quantized is not None else quantize_rows(x, route.mode, route.cast)
     data_r, scales_r = all_to_all_mxfp8(data, scales, route.output_splits, route.input_splits, route.group, leg)
     return expert_major_values(data_r, scales_r, route.recv_counts, x.dtype, route.mode)
 

@@ -19,9 +19,20 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ..numerics import BLOCK_SIZE
+from .. import quantize as q
+from ..numerics import BLOCK_SIZE, ScaleMode
 
 _E4M3 = torch.float8_e4m3fn
+
+
+def quantize_rows(rows: torch.Tensor, mode: ScaleMode, cast: torch.dtype | None = None):
+    """What an MXFP8 leg sends of ``rows (N, D)``: ``(data, scales)``, the 1x32 MXFP8 form of ``rows`` rounded to
+    ``cast`` where that is narrower (the dispatcher's ``experts_dtype``: the dtype the experts quantize them in; fp32
+    rows into experts that cast to bf16 are quantized as their bf16 rounding, as the experts would), else of the rows
+    themselves. The receiver dequantizes into the rows' own dtype."""
+    if cast is not None and cast.itemsize < rows.dtype.itemsize:
+        rows = rows.to(cast)
+    return q.quantize_rowwise(rows, mode)
 
 
 def mxfp8_row_bytes(hidden: int) -> int:
