@@ -138,7 +138,9 @@ def test_reuse_scope_fingerprints_with_the_kernel_and_syncs_once_on_exit(monkeyp
                 torch.cuda.set_sync_debug_mode("warn")  # counts the synchronizations of the exit check
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    # one warning per synchronizing call ("called a synchronizing CUDA operation"); torch 2.11 also warns once that
+    # the mode is a prototype, which is not a synchronization
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     # the second micro-batch's fwd and dgrad operands of w1, w3, w2 in two layers: the dgrad ones on the
     # autograd engine's device thread, served through the scopes its forward kept
     assert sources == 6 and scope.hits == 12
