@@ -78,7 +78,8 @@ class Variant:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.op in SWIGLU_OPS)
         if self.fused_grads is None:
-            object.__setattr__(self, "fused_grads", self.op == "dswiglu" and self.staged and self.fast_div and self.lean)
+            fused = self.op == "dswiglu" and self.staged and self.fast_div and self.lean
+            object.__setattr__(self, "fused_grads", fused)
         if self.fused_grads and not (self.op == "dswiglu" and self.staged and self.fast_div and self.lean):
             raise ValueError("fused_grads computes both dswiglu outputs from the staged inputs with the fast division "
                              f"and the lean range check: op must be 'dswiglu' with staged, fast_div and lean, got "
