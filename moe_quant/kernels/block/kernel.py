@@ -34,7 +34,10 @@ shared memory by ``cp.async`` (one commit group per token row, so row ``i`` wait
 no registers held while they travel), and the division and reciprocal take ptxas' own fast path without its
 per-element check and branch, so the unrolled tile is one basic block whose elements the compiler interleaves.
 That fast path is exact for ``a`` in [-80, bf16 max] (every bf16 value checked against PyTorch on the GPU); a
-tile holding any other ``a`` (NaN, Inf, below -80) is computed again with ``div.rn`` / ``rcp.rn``.
+tile holding any other ``a`` (NaN, Inf, below -80) is computed again with ``div.rn`` / ``rcp.rn``. Since
+2026-12-02 both also take ``lean`` (the short scale formula, the range checked by one running min) and
+``dswiglu`` ``fused_grads`` (both gradients of a tile in one CTA) by default; without ``fused_grads``
+neighbouring CTAs write grad_a and grad_b of one tile.
 """
 
 from __future__ import annotations
