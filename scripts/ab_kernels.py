@@ -261,7 +261,7 @@ FAMILIES = {
                    functools.partial(block_cases, "dual"), ("dual", "bfloat16"), []),
     "block-dual-fp8": (functools.partial(block_family, ("dual",), ("float8_e4m3fn",)), block_check,
                        functools.partial(block_cases, "dual", "float8_e4m3fn"), ("dual", "float8_e4m3fn"), []),
-    # each SwiGLU op's candidates in place for both its outputs (dswiglu has candidates of its own: fused-lean)
+    # each SwiGLU op's candidates in place for both its outputs (dswiglu has candidates of its own: lean-unfused)
     "block-swiglu": (functools.partial(block_family, ("swiglu",)), block_check,
                      functools.partial(block_cases, "swiglu"), ("swiglu", "bfloat16"), []),
     "block-dswiglu": (functools.partial(block_family, ("dswiglu",)), block_check,

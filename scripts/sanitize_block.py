@@ -5,8 +5,10 @@ each also checked byte for byte against the reference.
     compute-sanitizer --tool memcheck python scripts/sanitize_block.py [--quick] [--candidate NAME]
 
 Ragged groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000, R % 128 != 0, rows past the
-last group. ``--candidate NAME`` (of ``block.config.candidates``): every block variant that has that A/B candidate
-launches it instead (``ops.candidate_in_place``).
+last group. Without ``--candidate`` every op runs its default variants (since 2026-12-02: swiglu and dswiglu lean,
+dswiglu's two outputs in one CTA). ``--candidate NAME`` (of ``block.config.candidates``, e.g. ``pre-lean``, the
+SwiGLU ops' former default): every block variant that has that A/B candidate launches it instead
+(``ops.candidate_in_place``).
 """
 
 import contextlib

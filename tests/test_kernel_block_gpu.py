@@ -188,23 +188,27 @@ def test_degenerate_shapes(op, m, r, sizes):
 
 
 _SWIGLU_CANDIDATES = list(dict.fromkeys(name for op in config_block.SWIGLU_OPS
-                                        for name, fields in config_block.candidates(op, "bfloat16").items() if fields))
+                                        for name in config_block.candidates(op, "bfloat16")))  # "default" first
 
 
 @pytest.mark.parametrize("cand", _SWIGLU_CANDIDATES)
 def test_candidates_match_reference(cand):
-    """Each A/B candidate of the SwiGLU ops (``block.config.candidates``), put in place of the swiglu and dswiglu
-    variants that have it (both modes, both outputs, and the stacked form of dswiglu's fused candidates), byte for
-    byte: ragged groups with a tail and more columns than one tile, on values whose ``a`` stays in the fast path's
-    range (normal), crosses it (wide: magnitudes to 2^127), holds NaN and Inf, bf16 subnormals, and a tile of the
-    range's ends (-80, -80.5, -0, bf16 max, +-Inf); then offsets past M, negative and decreasing, long tails, and
-    M = 0."""
+    """The default and each A/B candidate of the SwiGLU ops (``block.config.candidates``), put in place of the swiglu
+    and dswiglu variants that have it (both modes, both outputs, and the stacked form of the default and of dswiglu's
+    staged fast-division candidates: pre-lean, lean-unfused), byte for byte: ragged groups with a tail and more
+    columns than one tile, on values whose ``a`` stays in the fast path's range (normal), crosses it (wide:
+    magnitudes to 2^127), holds NaN and Inf, bf16 subnormals, and a tile of the range's ends (-80, -80.5, -0, bf16
+    max, +-Inf); then offsets past M, negative and decreasing, long tails, and M = 0."""
     import contextlib
 
     with contextlib.ExitStack() as stack:
         dev = torch.device("cuda", torch.cuda.current_device())
-        served = ops_block.candidate_in_place(stack, cand, dev, config_block.SWIGLU_OPS)
+        fields = config_block.DSWIGLU_CANDIDATES[cand]  # every SwiGLU candidate is dswiglu's too; "default": {}
+        served = ops_block.candidate_in_place(stack, cand, dev, config_block.SWIGLU_OPS) if fields else list(
+            config_block.SWIGLU_OPS)
         assert served, cand
+        stacked = config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **fields)
+        stacked_checked = not fields or stacked in config_block.candidate_variants()  # in place of the stacked op too
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
         offs = offsets_from_sizes(sizes)
         m = sum(sizes) + tail
@@ -232,7 +236,7 @@ def test_candidates_match_reference(cand):
                         grad_a, grad_b = reference.dswiglu(g, a, b)
                         check_forms(got_a, reference_forms(grad_a, offs, mode, fake), f"dswiglu grad_a {what}")
                         check_forms(got_b, reference_forms(grad_b, offs, mode, fake), f"dswiglu grad_b {what}")
-                if "dswiglu" in served and config_block.DSWIGLU_CANDIDATES.get(cand, {}).get("fused_grads"):
+                if "dswiglu" in served and stacked_checked:
                     outs = ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), True, stacked=True)
                     check_stacked(outs, g, a, b, offs, mode, f"dswiglu stacked {what}")
 

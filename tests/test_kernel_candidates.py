@@ -23,18 +23,35 @@ def test_default_keys_unchanged():
     assert config_permute.Variant("blocked", order="scatter").key == "blocked-float8_e4m3fn-t256i4b1024-scatter"
     assert config_permute.Variant("blocked", order="gather", staging="registers").key == \
         "blocked-float8_e4m3fn-t256i4b1024"
-    # block: the SwiGLU ops staged with the fast division since 2026-11-29 (the A/B on the H200); dual unchanged
+    # block: the SwiGLU ops staged with the fast division since 2026-11-29, lean since 2026-12-02, and dswiglu's two
+    # outputs in one CTA since 2026-12-02 (the A/Bs on the H200); dual unchanged
     assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16").key == \
-        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv"
+        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean"
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16").key == \
+        "dswiglu-bfloat16-rceil-bfloat16-staged-fastdiv-fused-lean"
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True).key == \
-        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv"
-    assert config_block.Variant("dswiglu", "bfloat16", "rceil", staged=False, fast_div=False).key == \
-        "dswiglu-bfloat16-rceil-float8_e4m3fn"
+        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean"
+    # the former defaults, candidates now, keep their keys (the code they compile to): pre-lean is the default of
+    # 2026-11-29, registers the one before it
+    for op in config_block.SWIGLU_OPS:
+        for name, key in (("pre-lean", f"{op}-bfloat16-rceil-float8_e4m3fn-staged-fastdiv"),
+                          ("staged-plain-div", f"{op}-bfloat16-rceil-float8_e4m3fn-staged"),
+                          ("registers", f"{op}-bfloat16-rceil-float8_e4m3fn")):
+            kw = config_block.candidates(op, "float8_e4m3fn")[name]
+            assert config_block.Variant(op, "bfloat16", "rceil", **kw).key == key
+            assert config_block.Variant(op, "bfloat16", "rceil").replace(**kw).key == key  # as the A/B swaps it
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True).replace(
+        **config_block.DSWIGLU_CANDIDATES["pre-lean"]).key == "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv"
+    # an explicit field is honoured: lean without the fused outputs, and fused_grads off where fast_div is
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", fused_grads=False).key == \
+        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean"
+    assert not config_block.Variant("dswiglu", "bfloat16", "rceil", fast_div=False).fused_grads
+    assert not config_block.Variant("dswiglu", "bfloat16", "rceil", lean=False).fused_grads
     assert config_block.Variant("dual", "bfloat16", "rceil").key == "dual-bfloat16-rceil-float8_e4m3fn"
     # dual's candidate: the packed amax (the SwiGLU ops' default) under a 3-CTA register cap
     assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16", packed_amax=True, ctas_per_sm=3).key == \
         "dual-bfloat16-rceil-bfloat16-pamax-c3"
-    assert config_block.Variant("swiglu", "bfloat16", "rceil", packed_amax=False).key.endswith("-nopamax")
+    assert "-nopamax" in config_block.Variant("swiglu", "bfloat16", "rceil", packed_amax=False).key
     # the lean quantization and dswiglu's one CTA for both outputs (candidates since 2026-12-02)
     assert config_block.Variant("dual", "bfloat16", "rceil", lean=True, ctas_per_sm=3).key == \
         "dual-bfloat16-rceil-float8_e4m3fn-c3-lean"
@@ -59,11 +76,13 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert cands and not set(defaults) & set(cands)
         # every CTA order a variant may name is compiled (and so compile-checked) by some default or candidate
         assert {v.raster for v in cands + config.all_variants()} == set(config.RASTER_CHOICES)
-    elif config is config_block:  # every candidate of every op and output, and the fused ones' stacked variant
-        fused = [kw for kw in config.DSWIGLU_CANDIDATES.values() if kw.get("fused_grads")]
-        assert fused and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
-                                           for o in config.OUT_DTYPES) + len(fused)
-        assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(fused)
+    elif config is config_block:  # every candidate of every op and output, and the stacked variant of dswiglu's
+        # staged fast-division ones (the former defaults' stacked code)
+        stacked = [kw for kw in config.DSWIGLU_CANDIDATES.values()
+                   if kw and kw.get("staged", True) and kw.get("fast_div", True)]
+        assert len(stacked) == 2 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
+                                                       for o in config.OUT_DTYPES) + len(stacked)
+        assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(stacked)
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
             names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]
             assert names[0] ^ names[1] == (set() if op != "dual" else {"packed-c3"}), (op, names)
@@ -93,7 +112,9 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_block.Variant("dual", "bfloat16", "rceil", staged=True),  # dual has no SwiGLU inputs or math
     lambda: config_block.Variant("dual", "bfloat16", "rceil", fast_div=True),
     lambda: config_block.Variant("swiglu", "bfloat16", "rceil", lean=True, fused_grads=True),  # one output only
-    lambda: config_block.Variant("dswiglu", "bfloat16", "rceil", fused_grads=True),  # fused implies lean
+    lambda: config_block.Variant("dswiglu", "bfloat16", "rceil", lean=False, fused_grads=True),  # fused implies lean
+    lambda: config_block.Variant("dswiglu", "bfloat16", "rceil", fast_div=False, fused_grads=True),
+    lambda: config_block.Variant("dswiglu", "bfloat16", "rceil").replace(staged=False),  # replace keeps fused_grads
     lambda: config_block.Variant("dswiglu", "bfloat16", "rceil", lean=True, fused_grads=True, staged=False),
 ])
 def test_bad_tiles_raise(make):
@@ -177,7 +198,7 @@ def test_block_variant_in_place_reaches_every_op(launches):
     variants = [v for v in config_block.all_variants() if v.op in config_block.SWIGLU_OPS]  # dual has no candidates
     assert {v.op for v in variants} == set(config_block.SWIGLU_OPS) and any(v.stacked for v in variants)
     for v in variants:
-        cand = v.replace(staged=False, fast_div=False)
+        cand = v.replace(staged=False, fast_div=False, lean=False, fused_grads=False)
         assert cand != v
         with ops_block.variant_in_place(cand, cpu):
             ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)
@@ -217,7 +238,7 @@ def test_ab_kernels_families_offer_the_same_candidates_in_every_kind():
                 config_block.candidates(op, "bfloat16")), fam
 
 
-@pytest.mark.parametrize("name", ["lean", "fused-lean", "lean-c3", "registers"])
+@pytest.mark.parametrize("name", ["pre-lean", "lean-unfused", "lean-c3", "registers"])
 def test_block_candidate_in_place_reaches_the_ops_that_have_it(launches, name):
     """``ops.candidate_in_place`` (how the GPU tests and sanitize_block.py run a candidate) swaps exactly the ops
     whose config names the candidate (both outputs; the stacked dswiglu op where that candidate's stacked variant is
@@ -242,4 +263,7 @@ def test_block_candidate_in_place_reaches_the_ops_that_have_it(launches, name):
             if v.stacked and want.replace(mode="rceil") not in checked:
                 want = v
             assert log[-1] == want, (name, v, log[-1])
-    assert (name == "fused-lean") == any(v.fused_grads for v in log)
+    # the default's fused dswiglu runs where no candidate is put in place: dual's candidate, and the stacked op under
+    # registers (whose stacked variant is not compile-checked)
+    assert {v.fused_grads for v in log if v.op == "dswiglu" and not v.stacked} == {name == "lean-c3"}
+    assert {v.fused_grads for v in log if v.stacked} == {name in ("lean-c3", "registers")}

@@ -47,17 +47,18 @@ class Variant:
     # None: the op's default. Both forms' amax on the packed bf16x2 words (max.u16x2); on for the SwiGLU ops
     packed_amax: bool | None = None
     ctas_per_sm: int = 2  # the launch's register cap: 2 -> 128 registers a thread (256 threads a CTA), 3 -> 80
-    # fewer instructions, the same bytes (kernels/block/NOTES.md, 2026-12-02): each block's scale in 7 instructions
-    # instead of 17 and its reciprocal in one, no NaN select of the e4m3 words that bf16 outputs replace anyway,
-    # colwise store addresses advanced per column (at 2 CTAs per SM), and (swiglu / dswiglu) the fast division's range
-    # checked by one
-    # running min (a below -80); non-finite a take the fast path (their outputs are non-finite either way, and a
-    # block holding any non-finite element is NaN)
-    lean: bool = False
+    # None: the op's default, on for the SwiGLU ops since 2026-12-02 (the A/B on the H200 below, CANDIDATES), off for
+    # dual (its lean-c3 candidate not yet measured). Fewer instructions, the same bytes (kernels/block/NOTES.md,
+    # 2026-12-02): each block's scale in 7 instructions instead of 17 and its reciprocal in one, no NaN select of the
+    # e4m3 words that bf16 outputs replace anyway, colwise store addresses advanced per column (at 2 CTAs per SM), and
+    # (swiglu / dswiglu) the fast division's range checked by one running min (a below -80); non-finite a take the
+    # fast path (their outputs are non-finite either way, and a block holding any non-finite element is NaN)
+    lean: bool | None = None
     # dswiglu only: one CTA computes both grad_a and grad_b of its tile (exp(-a) and the reciprocal once for both,
     # grad_h and a read once), the two tiles parked in shared memory (over the staged inputs) and quantized one
-    # after the other by one copy of the quantization code
-    fused_grads: bool = False
+    # after the other by one copy of the quantization code. None: on for dswiglu where staged, fast_div and lean
+    # hold (the default since 2026-12-02, the A/B below), else off
+    fused_grads: bool | None = None
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -73,9 +74,12 @@ class Variant:
                              f"{self.op!r} with {self.out_dtype!r}")
         if self.ctas_per_sm not in CTAS_PER_SM:
             raise ValueError(f"ctas_per_sm must be one of {CTAS_PER_SM}, got {self.ctas_per_sm!r}")
-        for name in ("staged", "fast_div", "packed_amax"):
+        for name in ("staged", "fast_div", "packed_amax", "lean"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.op in SWIGLU_OPS)
+        if self.fused_grads is None:
+            fused = self.op == "dswiglu" and self.staged and self.fast_div and self.lean
+            object.__setattr__(self, "fused_grads", fused)
         if self.fused_grads and not (self.op == "dswiglu" and self.staged and self.fast_div and self.lean):
             raise ValueError("fused_grads computes both dswiglu outputs from the staged inputs with the fast division "
                              f"and the lean range check: op must be 'dswiglu' with staged, fast_div and lean, got "
@@ -106,20 +110,26 @@ def all_variants() -> list[Variant]:
 
 
 # A/B candidates of the SwiGLU ops (scripts/ab_kernels.py, families block-*): name -> fields that differ from the
-# default. Compile-checked for every arch (compile_check) for both ops and both output kinds (rceil). Measured on
-# one H200 (2026-11-29, 3 interleaved rounds, NOTES.md): staged + fast_div (the default since) against the
-# registers form (the default before) +1.1..+3.4 points of memcpy with bf16 outputs, +0.4..+2.5 with fp8; staged
-# alone -4..-5 points. fast_div without staged is not a candidate: ptxas spills 16 bytes in swiglu's fp8 variant,
-# and its loads in flight fall (2026-11-28, NOTES.md: "Division without ptxas' per-element branch").
-# "lean" (2026-12-02, not yet measured): the lean quantization and range check (the field's comment above); main-path
-# SASS per element (sm_90a, NOTES.md): swiglu 46.5 -> 42.6 (bf16 out), 42.0 -> 38.4 (fp8), dswiglu 95.8 -> 88.2.
-CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False}, "staged-plain-div": {"fast_div": False},
-              "lean": {"lean": True}}
+# default. Compile-checked for every arch (compile_check) for both ops and both output kinds (rceil). Each names every
+# field it changes, since Variant.replace keeps the default's resolved fields (lean, fused_grads among them).
+# Measured on one H200 (2026-11-29, 3 interleaved rounds, NOTES.md): staged + fast_div (the default since) against
+# the registers form (the default before) +1.1..+3.4 points of memcpy with bf16 outputs, +0.4..+2.5 with fp8;
+# staged alone -4..-5 points. fast_div without staged is not a candidate: ptxas spills 16 bytes in swiglu's fp8
+# variant, and its loads in flight fall (2026-11-28, NOTES.md: "Division without ptxas' per-element branch").
+# lean (the default since 2026-12-02): the lean quantization and range check (the field's comment above). One H200
+# (torch 2.11, 2026-12-02, `ab_kernels.py --family block-swiglu,block-dswiglu --candidates lean,fused-lean --rounds
+# 3`, bf16 outputs, % of memcpy, median of 3 interleaved rounds, every candidate byte-exact), swiglu at 98304x1408 /
+# 98304x2048 / 16384x2048 / 16384x7168: 62.1 / 62.6 / 65.6 / 64.7 (pre-lean, the default before) -> 64.0 / 64.4 /
+# 67.9 / 66.5 (lean). "pre-lean" keeps the former default measurable.
+CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False},
+              "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False},
+              "pre-lean": {"lean": False, "fused_grads": False}}
 
-# dswiglu's own: both outputs in one CTA, with the lean quantization (2026-12-02, not yet measured; NOTES.md): main-path
-# SASS per element 95.8 -> 71.1 (bf16 out), 86.2 -> 60.8 (fp8). Its stacked variant (bf16 outputs of a concatenated
-# gate-up weight) is compile-checked and byte-tested too.
-DSWIGLU_CANDIDATES = {**CANDIDATES, "fused-lean": {"fused_grads": True, "lean": True}}
+# dswiglu's own. fused_grads with lean (the default since 2026-12-02: one CTA for both outputs), the same H200 run
+# and shapes: 52.4 / 52.3 / 58.9 / 54.7 (pre-lean) -> 54.8 / 54.7 / 61.5 / 56.9 (lean-unfused: lean, two CTAs) ->
+# 66.4 / 66.5 / 73.4 / 68.8 (the default). The stacked variant (bf16 outputs of a concatenated gate-up weight) of each
+# candidate with the default's staged inputs and fast division is compile-checked and byte-tested too.
+DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
@@ -142,8 +152,9 @@ def candidates(op: str, out_dtype: str) -> dict:
 
 def candidate_variants() -> list[Variant]:
     """The candidates' variants other than the defaults (rceil): every op and output kind, and the stacked dswiglu
-    variant of each fused candidate."""
+    variant of each candidate with the default's staged inputs and fast division (the former defaults' stacked code:
+    pre-lean, lean-unfused)."""
     out = [Variant(op, "bfloat16", "rceil", o, **kw) for op in OPS for o in OUT_DTYPES
            for kw in candidates(op, o).values() if kw]
     return out + [Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **kw)
-                  for kw in DSWIGLU_CANDIDATES.values() if kw.get("fused_grads")]
+                  for kw in DSWIGLU_CANDIDATES.values() if kw and kw.get("staged", True) and kw.get("fast_div", True)]

@@ -34,7 +34,10 @@ shared memory by ``cp.async`` (one commit group per token row, so row ``i`` wait
 no registers held while they travel), and the division and reciprocal take ptxas' own fast path without its
 per-element check and branch, so the unrolled tile is one basic block whose elements the compiler interleaves.
 That fast path is exact for ``a`` in [-80, bf16 max] (every bf16 value checked against PyTorch on the GPU); a
-tile holding any other ``a`` (NaN, Inf, below -80) is computed again with ``div.rn`` / ``rcp.rn``.
+tile holding any other ``a`` (NaN, Inf, below -80) is computed again with ``div.rn`` / ``rcp.rn``. Since
+2026-12-02 both also take ``lean`` (the short scale formula, the range checked by one running min) and
+``dswiglu`` ``fused_grads`` (both gradients of a tile in one CTA) by default; without ``fused_grads``
+neighbouring CTAs write grad_a and grad_b of one tile.
 """
 
 from __future__ import annotations
@@ -407,8 +410,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             col_max = [cu.absmax_bf16x2([words[i][k] for i in range(TOKENS_PER_THREAD)])
                        for k in range(COLS_PER_THREAD // 2)]
         # lean with the 2-CTA register budget: the colwise store address advanced by one add per column (a 64-bit
-        # pointer live across the columns: under dual's 3-CTA cap ptxas spills it on sm_100a, so there it is not)
-        running = self.lean and self.v.ctas_per_sm == 2
+        # pointer live across the columns: under dual's 3-CTA cap ptxas spills it on sm_100a, so there it is not;
+        # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02)
+        running = self.lean and self.v.ctas_per_sm == 2 and not (self.fused and not self.fake and not self.rceil)
         col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
