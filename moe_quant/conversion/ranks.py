@@ -51,11 +51,10 @@ def settings(module) -> dict:
     return out
 
 
-def experts_settings(module) -> dict:
-    """What EP ranks compare of the experts they run: ``converted`` and, where converted, :func:`settings`."""
-    from .classes import is_converted
-
-    return {"converted": True, **settings(module)} if is_converted(module) else {"converted": False}
+def experts_settings(module, converted: bool) -> dict:
+    """What EP ranks compare of the experts they run: ``converted`` (``is_converted(module)``, which the caller
+    knows) and, where converted, :func:`settings`."""
+    return {"converted": True, **settings(module)} if converted else {"converted": False}
 
 
 def group_of(parallel_dims):

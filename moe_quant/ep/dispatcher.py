@@ -235,9 +235,9 @@ class MXFP8TokenDispatcher:
         world = dist.get_world_size(self.group)
         experts = None
         if self.compared_experts is not None:
-            from ..conversion.ranks import experts_settings
+            from ..conversion import is_converted, ranks
 
-            experts = experts_settings(self.compared_experts)
+            experts = ranks.experts_settings(self.compared_experts, is_converted(self.compared_experts))
         mine = agree.handshake_row(self._settings(None), capacity_factor=self.capacity_factor,
                                    overflow=self.overflow, max_tokens=self.max_tokens, transport=self.transport,
                                    chunks=self.chunks, experts=agree.digest(experts), tokens=tokens)
