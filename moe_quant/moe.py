@@ -133,6 +133,7 @@ class EPMoE(_RoutedBlock):
                                                sm_carveout=sm_carveout)
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, route_norm)
         self.experts = GroupedExperts(dim, hidden_dim, self.dispatcher.num_local_experts)
+        self.dispatcher.compared_experts = self.experts  # the ranks' conversions compared in its handshake
         self.top_k = top_k
 
     @classmethod
@@ -161,6 +162,8 @@ class EPMoE(_RoutedBlock):
     def forward_routed(self, x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E) -> torch.Tensor:
         """The block after the router, for this rank's tokens and their routing (global expert ids)."""
         self.dispatcher.experts_dtype = self.experts.w1.dtype  # GroupedExperts casts its input to its weights' dtype
+        if not torch.compiler.is_compiling():
+            self.dispatcher.compared_experts = self.experts  # (experts replaced since: these)
         return self.dispatcher.dispatch_combine(x_TD, top_scores_TK, expert_ids_TK, num_tokens_per_expert_E,
                                                 self.experts, self._expert_ranges)
 

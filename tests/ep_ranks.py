@@ -195,6 +195,51 @@ def _checkpointed(case: dict, how: str) -> dict:
             "blocks_checkpointed": calls["block"], "tokens": c.tokens_of(rank)}
 
 
+def _experts_settings(kind: str) -> dict:
+    """``EPMoE`` whose experts rank 1 converts otherwise than rank 0 (``kind``: "equal", "scale_mode": FLOOR there,
+    "unconverted": not at all, "handshake_scale_mode": FLOOR, the handshake called before the first forward, as
+    before compiling); one forward and backward. Returns the error raised (or None), how many ``all_to_all_single``
+    and ``all_gather_object`` calls ran, and whether the step's output was finite."""
+    from torchao.quantization import quantize_
+
+    from moe_quant.conversion import MXFP8MoEConfig
+    from moe_quant.moe import EPMoE, GroupedExperts
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ep = EPMoE(64, 96, num_experts=2 * dist.get_world_size(), top_k=2).to(torch.bfloat16)
+    mode = "floor" if rank == 1 and kind in ("scale_mode", "handshake_scale_mode") else "rceil"
+    if not (rank == 1 and kind == "unconverted"):
+        quantize_(ep, MXFP8MoEConfig(scale_mode=mode), filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))
+    calls = {"all_to_all_single": 0, "all_gather_object": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def spy(name):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return counted
+
+    for name in calls:
+        setattr(dist, name, spy(name))
+    out = []
+
+    def step():
+        if kind == "handshake_scale_mode":
+            ep.dispatcher.handshake(torch.device("cpu"))
+        x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+        y = ep(x)
+        y.float().square().sum().backward()
+        out.append(bool(torch.isfinite(y).all()))
+
+    try:
+        error = _error(step)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"error": error, "finite": out, **calls}
+
+
 def _job(job):
     from moe_quant import prequantized
     from moe_quant.ep.check import CheckCase, run_check
@@ -217,6 +262,8 @@ def _job(job):
         return _bad_dispatch(**arg)
     if kind == "checkpointed":
         return _checkpointed(**arg)
+    if kind == "experts_settings":
+        return _experts_settings(**arg)
     if kind == "titan":
         import titan_ranks
 

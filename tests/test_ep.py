@@ -108,6 +108,10 @@ CASES_2.update({
     "ckpt_sync_free_chunks": ("checkpointed", {"case": {**CHUNKED, "capacity_factor": 8.0, "chunks": 2},
                                                "how": "reentrant"}),
 })
+# EPMoE's experts converted otherwise on one rank (issue 55: the dispatcher compared only its own settings, so
+# the ranks trained silently apart)
+CASES_2.update({f"experts_{kind}": ("experts_settings", {"kind": kind})
+                for kind in ("equal", "scale_mode", "unconverted", "handshake_scale_mode")})
 CASES_4 = {
     "mxfp8_uneven": ("check", {**ROUTER, "tokens": (40, 17, 0, 33), "seed": 1}),
     "one_rank": ("check", {**ROUTER, "routing": "one_rank", "tokens": (10, 20, 5, 0), "seed": 2}),
@@ -466,3 +470,34 @@ def test_activation_checkpointing_recomputes_the_same_mxfp8_block(case, ep2):
     for r in ep2[case]:
         assert r["blocks"] >= 1 and r["blocks_checkpointed"] == 2 * r["blocks"], r
         assert all(r["equal"]), r
+
+
+
+def test_ranks_whose_experts_agree_exchange_nothing_more(ep2):
+    """EPMoE with its experts converted alike on every rank: the experts' settings travel in the dispatcher's
+    one-time handshake (a digest), so no other collective runs and the step trains."""
+    for r in ep2["experts_equal"]:
+        assert r["error"] is None and r["finite"] == [True] and r["all_gather_object"] == 0, r
+        assert r["all_to_all_single"] > 1, r  # precondition: the step exchanged tokens
+
+
+FLOOR_RANK = "(rank 0: scale_mode='rceil'; rank 1: scale_mode='floor')"
+
+
+@pytest.mark.parametrize("kind, ranks", [("scale_mode", FLOOR_RANK), ("handshake_scale_mode", FLOOR_RANK),
+                                         ("unconverted", "(rank 0: converted=True, scale_mode='rceil', ")])
+def test_ranks_whose_experts_differ_all_raise_before_any_token_moves(kind, ranks, ep2):
+    """EPMoE whose experts one rank converted with another scale mode, or did not convert: every rank raises the
+    same ``ValueError`` naming the setting and the ranks' values at the handshake (its first dispatch, or the
+    handshake called before compiling), after that one exchange and the one that gathers the ranks' settings; no
+    token moves (before: the dispatcher compared only its own settings, and the ranks trained silently apart)."""
+    res = ep2[f"experts_{kind}"]
+    errors = [r["error"] for r in res]
+    assert all(e is not None and e["type"] == "ValueError" for e in errors), res
+    assert errors[0]["message"] == errors[1]["message"], res
+    message = errors[0]["message"]
+    assert message.startswith(f"moe_quant: ranks disagree on the converted experts' settings {ranks}"), message
+    assert kind != "unconverted" or "; rank 1: converted=False)" in message, message
+    assert message.endswith("Checked by the EP dispatcher's one-time handshake (EPMoE: its first dispatch), before "
+                            "any token is sent"), message
+    assert all(r["all_to_all_single"] == 1 and r["all_gather_object"] == 1 and r["finite"] == [] for r in res), res

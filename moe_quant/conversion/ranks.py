@@ -12,6 +12,10 @@ The settings of a module: its :class:`MXFP8MoEConfig`'s fields, then the setting
 (:func:`attach`; torchtitan's model converter attaches its own: ``dispatcher`` and, with moe_quant's
 dispatcher, the dispatcher's). With ``MXFP8MoEConverter(dispatcher=False)`` this is the only comparison of the
 ranks' settings; with moe_quant's dispatcher its one-time handshake (:mod:`moe_quant.ep.agree`) follows.
+
+:class:`moe_quant.moe.EPMoE` (no ``parallelize``): its dispatcher's one-time handshake carries a digest of
+:func:`experts_settings` (its experts, converted or not); where the digests differ, the ranks exchange those
+settings once more (``all_gather_object``) and all raise :func:`diagnose`'s ``ValueError``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,12 @@ def settings(module) -> dict:
     return out
 
 
+def experts_settings(module, converted: bool) -> dict:
+    """What EP ranks compare of the experts they run: ``converted`` (``is_converted(module)``, which the caller
+    knows) and, where converted, :func:`settings`."""
+    return {"converted": True, **settings(module)} if converted else {"converted": False}
+
+
 def group_of(parallel_dims):
     """The process group whose ranks parallelize the same modules, or None (no check): see the module doc."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -57,9 +67,10 @@ def group_of(parallel_dims):
     return dist.group.WORLD
 
 
-def diagnose(rows: list) -> str | None:
+def diagnose(rows: list, checked: str = "when the model is parallelized") -> str | None:
     """``rows``: (global rank, :func:`settings`) of every rank of the group. The error every rank raises, or
-    None when all agree. Names the settings that differ, each rank's values (ranks with equal values grouped)."""
+    None when all agree. Names the settings that differ, each rank's values (ranks with equal values grouped),
+    and when that was ``checked``."""
     names = list(dict.fromkeys(name for _, s in rows for name in s))
     missing = object()
     differ = [n for n in names if len({repr(s.get(n, missing)) for _, s in rows}) > 1]
@@ -73,7 +84,7 @@ def diagnose(rows: list) -> str | None:
                       f"ranks {', '.join(map(str, ranks))}: {text}" for text, ranks in groups.items())
     return (f"moe_quant: ranks disagree on the converted experts' settings ({parts}). Launch every rank with the "
             f"same moe_quant settings (torchtitan: the same MXFP8MoEConverter / converter_config arguments; "
-            f"quantize_: the same MXFP8MoEConfig). Checked when the model is parallelized, before any token is sent")
+            f"quantize_: the same MXFP8MoEConfig). Checked {checked}, before any token is sent")
 
 
 def check(module, parallel_dims) -> None:
@@ -88,4 +99,4 @@ def check(module, parallel_dims) -> None:
         raise ValueError(message)
 
 
-__all__ = ["EXTRA", "attach", "check", "diagnose", "group_of", "settings"]
+__all__ = ["EXTRA", "attach", "check", "diagnose", "experts_settings", "group_of", "settings"]

@@ -14,12 +14,14 @@ counts exchange itself: :class:`moe_quant.ep.MXFP8TokenDispatcher` runs a fixed-
 that and every other setting of the dispatcher. The handshake message is the header followed by the
 sync-free settings (:data:`HANDSHAKE_FIELDS`: capacity factor, overflow, max tokens, which every rank
 must share, as they fix the sizes of every later exchange), the transport and its chunks (they fix which
-messages every later exchange posts) and this rank's token count T, from which
+messages every later exchange posts), a digest of the experts' conversion settings (:func:`digest`: where the
+dispatcher knows its experts, ``compared_experts``) and this rank's token count T, from which
 the sync-free mode takes its token bound (:func:`token_bound`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import torch
@@ -28,9 +30,9 @@ import torch
 NEGATIVE, BAD_SUM, MISMATCH, BAD_ARGS = 1, 2, 4, 8
 FIELDS = ("code", "hidden size", "num_experts", "top_k", "dtype", "wire", "scale mode")
 SIZE = len(FIELDS)
-# the one-time handshake: the header, the sync-free settings, the transport and its chunks, and this rank's
-# token count (-1: unknown)
-HANDSHAKE_FIELDS = FIELDS + ("capacity factor", "overflow", "max tokens", "transport", "chunks", "tokens")
+# the one-time handshake: the header, the sync-free settings, the transport and its chunks, the experts' settings
+# digest, and this rank's token count (-1: unknown)
+HANDSHAKE_FIELDS = FIELDS + ("capacity factor", "overflow", "max tokens", "transport", "chunks", "experts", "tokens")
 
 _DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 _WIRES = ("mxfp8", "bf16")
@@ -50,16 +52,24 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def digest(settings: dict | None) -> int:
+    """A 56-bit digest of the experts' settings (the same on every process for equal settings), 0 for None."""
+    if settings is None:
+        return 0
+    return 1 + int.from_bytes(hashlib.blake2b(repr(list(settings.items())).encode(), digest_size=7).digest(), "little")
+
+
 def handshake_row(settings: list, *, capacity_factor, overflow: str, max_tokens, tokens, transport="all_to_all",
-                  chunks: int = 1) -> list:
+                  chunks: int = 1, experts: int = 0) -> list:
     """The handshake message of one rank: ``settings`` (:func:`header`), then the capacity factor (its
     float64 bits, 0: synced mode), overflow, max tokens (0: none given), the transport and its chunks
-    (ranks on different transports would wait for each other's messages forever) and this rank's token
-    count T (-1: not known yet, e.g. a handshake before the first dispatch)."""
+    (ranks on different transports would wait for each other's messages forever), the :func:`digest` of the
+    experts' settings and this rank's token count T (-1: not known yet, e.g. a handshake before the first
+    dispatch)."""
     return list(settings) + [0 if capacity_factor is None else _float_bits(capacity_factor),
                              _OVERFLOW.index(overflow) + 1, 0 if max_tokens is None else int(max_tokens),
                              _TRANSPORTS.index(str(getattr(transport, "value", transport))) + 1, int(chunks),
-                             -1 if tokens is None else int(tokens)]
+                             int(experts), -1 if tokens is None else int(tokens)]
 
 
 def token_bound(rows: list) -> int | None:
@@ -119,5 +129,5 @@ def diagnose(headers: list, *, fields: tuple = FIELDS, skip: tuple = ()) -> str 
     return None
 
 
-__all__ = ["header", "handshake_row", "token_bound", "diagnose", "problems", "FIELDS", "HANDSHAKE_FIELDS", "SIZE",
+__all__ = ["header", "digest", "handshake_row", "token_bound", "diagnose", "problems", "FIELDS", "HANDSHAKE_FIELDS", "SIZE",
            "NEGATIVE", "BAD_SUM", "MISMATCH", "BAD_ARGS"]

@@ -100,6 +100,11 @@ class MXFP8TokenDispatcher:
     (:class:`moe_quant.moe.EPMoE` sets its experts' dtype; torchtitan's dispatcher bf16, the dtype torchtitan's
     experts cast to). None: the rows as they are.
 
+    ``compared_experts`` (an attribute, default None): the experts module the dispatcher feeds. Where set, the
+    one-time handshake also compares its conversion (converted or not, its ``MXFP8MoEConfig``) across the ranks, as a
+    digest, and ranks whose experts differ all raise one ``ValueError`` naming the settings
+    (:mod:`moe_quant.conversion.ranks`); :class:`moe_quant.moe.EPMoE` sets its own.
+
     Ranks that disagree (on num_experts, top_k, wire, scale mode, capacity_factor, overflow, max_tokens,
     transport, chunks: checked by a one-time handshake per group before the first dispatch; on the hidden size and the
     activation dtype: carried with every counts exchange) or whose arguments are invalid on one rank
@@ -161,6 +166,7 @@ class MXFP8TokenDispatcher:
 
     # combine's sum, ``scatter_add(out, index, src)`` (see moe_quant.routing.unsort_tokens); None: Tensor.scatter_add
     _scatter_add = None
+    compared_experts = None  # the experts module whose conversion the handshake compares (see the class doc)
 
     def wire_meshes(self, *, ep_mesh=None, **_unused) -> None:
         """Install the EP group (a ProcessGroup or a 1-D DeviceMesh), as torchtitan's dispatchers do:
@@ -227,14 +233,22 @@ class MXFP8TokenDispatcher:
         if not agreed:
             self._bound = None
         world = dist.get_world_size(self.group)
+        experts = None
+        if self.compared_experts is not None:
+            from ..conversion import is_converted, ranks
+
+            experts = ranks.experts_settings(self.compared_experts, is_converted(self.compared_experts))
         mine = agree.handshake_row(self._settings(None), capacity_factor=self.capacity_factor,
                                    overflow=self.overflow, max_tokens=self.max_tokens, transport=self.transport,
-                                   chunks=self.chunks, tokens=tokens)
+                                   chunks=self.chunks, experts=agree.digest(experts), tokens=tokens)
         if bad_args:
             mine[0] = agree.BAD_ARGS
         msg = torch.tensor(mine, dtype=torch.int64).to(device).expand(world, len(mine)).contiguous()
         got = all_to_all_rows(msg, [1] * world, [1] * world, self.group, "counts").tolist()
-        message = agree.diagnose(got, fields=agree.HANDSHAKE_FIELDS, skip=("hidden size", "dtype", "tokens"))
+        message = agree.diagnose(got, fields=agree.HANDSHAKE_FIELDS, skip=("hidden size", "dtype", "experts", "tokens"))
+        column = agree.HANDSHAKE_FIELDS.index("experts")
+        if message is None and len({row[column] for row in got}) > 1:  # every rank sees it: all gather the settings
+            message = self._experts_disagree(experts)
         if message is None and self.num_experts % world:
             message = f"num_experts = {self.num_experts} must be a multiple of the EP group size {world}"
         if message is not None:
@@ -243,6 +257,14 @@ class MXFP8TokenDispatcher:
             self._bound = agree.token_bound(got)
             self._counter(device)  # made here, eagerly: a compiled dispatch finds it (no retrace for it)
         self._agreed = (self.group,)
+
+    def _experts_disagree(self, experts: dict | None) -> str:
+        """The ranks' experts settings differ (their digests did): the message every rank raises, naming them."""
+        from ..conversion import ranks
+
+        rows = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(rows, (dist.get_rank(), experts or {}), group=self.group)
+        return ranks.diagnose(rows, checked="by the EP dispatcher's one-time handshake (EPMoE: its first dispatch)")
 
     @property
     def token_bound(self) -> int | None:
