@@ -36,14 +36,13 @@ divided by their number, so it compares with the others' one pass.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name
+from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name, write_json
 from moe_quant import (cli, mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13, reuse_quantized_weights, swiglu_experts_unfused,
                        swiglu_experts_w13_unfused)
 
@@ -207,10 +206,8 @@ def main(argv=None) -> int:
                 f"({args.rounds} interleaved rounds, E={e}, x {args.x}; peak: above the inputs, kept: from forward "
                 f"to backward besides the output)",
                 ["shape", "M", "variant", "mode", "ms", "vs bf16", "peak GiB", "kept GiB"], rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                           results=results), f, indent=1)
+    write_json(args.json, dict(device=device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                               results=results))
     return 0
 
 

@@ -19,7 +19,6 @@ its ratio to ``loop-bf16``. ``--device cpu --tiny`` is a smoke run of every path
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.bench_block import SHAPES, TINY_SHAPES, bf16_block, make_inputs
-from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name
+from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name, write_json
 from moe_quant import cli, convert, mxfp8_swiglu_experts
 
 GIB = 1 << 30
@@ -125,10 +124,8 @@ def main(argv=None) -> int:
     print_table(f"SwiGLU experts fwd+bwd, stacked and as a per-expert loop, on "
                 f"{device_name() if device.type == 'cuda' else 'cpu'} ({args.rounds} interleaved rounds, E={e})",
                 ["shape", "M", "variant", "ms", "vs bf16", "vs loop-bf16", "peak GiB"], rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                           results=results), f, indent=1)
+    write_json(args.json, dict(device=device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                               results=results))
     return 0
 
 
