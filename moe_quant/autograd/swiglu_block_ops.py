@@ -48,6 +48,8 @@ _bwd_op.register_fake(_backward_grads)
 
 
 def _setup_context(ctx, inputs, output):
+    """Save what the eager block saves: the weights, the offsets and the forward op's saved forms (not
+    differentiable: no gradient is ever materialized for them)."""
     x, w1, w3, w2, offs, mode, backend, _ = inputs
     saved = output[1:]
     ctx.mark_non_differentiable(*saved)
@@ -57,13 +59,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
+    """The backward op's gradients in the positions of the inputs they belong to."""
     grad_y = grads[0]
+    if grad_y is None:  # only the saved forms' (non-differentiable) gradients: nothing flows back
+        return (None,) * 8
     needs = [bool(n) for n in ctx.needs_input_grad[:4]]
     w1, w3, w2, offs, *saved = ctx.saved_tensors
-    if grad_y is None or not any(needs):  # y reaches no loss: the gradients are zero
-        return (None,) * 8
-    out = iter(_bwd_op(grad_y, w1, w3, w2, offs, saved, ctx.mode, ctx.backend, needs,
-                           ctx.x_dtype))
+    out = iter(_bwd_op(grad_y, w1, w3, w2, offs, saved, ctx.mode, ctx.backend, needs, ctx.x_dtype))
     grads = tuple(next(out) if n else None for n in needs)
     return (*first_order_only(grads, grad_y, w1, w3, w2), None, None, None, None)
 
