@@ -50,20 +50,29 @@ def test_reuse_scope_serves_the_bits_of_quantizing_every_time(hold, w_dtype):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
 
 
-def test_block_keeps_a_b_and_x_colwise_fp8_for_backward():
+@pytest.mark.parametrize("compiled", [None, "aot_eager", "inductor"])
+def test_block_keeps_a_b_and_x_colwise_fp8_for_backward(compiled):
     """What stays allocated from the forward to the backward besides the output, with x a copy only the block
     holds (as a MoE's routed tokens): a and b (bf16) and x's colwise form in fp8 with its scales and padded
-    offsets; not x, not h."""
+    offsets; not x, not h. Compiled the same (the block's custom ops)."""
     sizes, d, h = [4096, 2048, 0, 2000], 512, 384
     x, ws, gy, offs = block_inputs(sizes, d, h)
     m, e = x.shape[0], len(sizes)
-    step(x, ws, gy, offs)  # warm-up: kernels loaded, allocator pools made
+
+    def block(x, w1, w3, w2, offs):
+        return mxfp8_swiglu_experts(x * 1, w1, w3, w2, offs)  # a copy only the block could keep
+
+    if compiled:
+        torch._dynamo.reset()
+        block = torch.compile(block, fullgraph=True, backend=compiled)
+    x.grad = None
+    block(x, *ws, offs).backward(gy)  # warm-up: kernels loaded (compiled), allocator pools made
     torch.cuda.synchronize()
     # the bytes requested of the allocator: memory_allocated counts whole blocks, and a cached block the allocator
     # hands out unsplit (its rest too small to split) is larger than the tensor in it
     requested = "requested_bytes.all.current"
     before = torch.cuda.memory_stats()[requested]
-    y = mxfp8_swiglu_experts(x * 1, *ws, offs)  # a copy only the block could keep (x * 1 saves nothing)
+    y = block(x, *ws, offs)
     torch.cuda.synchronize()
     kept = torch.cuda.memory_stats()[requested] - before - y.untyped_storage().nbytes()
     mp = layouts.k_groups_padded_len(m, e)

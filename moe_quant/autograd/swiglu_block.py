@@ -79,15 +79,28 @@ def _mm_wgrad(g_col: tuple, a_col: tuple, offs: torch.Tensor, backend: GemmBacke
     return dw.to(w_dtype)
 
 
-# ----------------------------------------------------------------------------- the autograd function
+# ----------------------------------------------------------------------------- forward and backward
 
 
-def _gate_up_fwd(x_row: tuple, w1, w3, offs, mode, backend, scopes):
-    """``(a, b)`` = ``(x W1^T, x W3^T)``. With the gate and up weights concatenated (``w3`` None, ``w1`` the
+def _one_gate_up_gemm(w3, backend: GemmBackend) -> bool:
+    """Whether the gate-up projection is one GEMM whose output ``[a | b]`` the block keeps whole: a concatenated
+    weight (``w3`` None) on the scaled GEMM (:func:`_gate_up_fwd`)."""
+    return w3 is None and backend is not GemmBackend.EMULATED
+
+
+def _split_ab(ab: torch.Tensor) -> tuple:
+    """``(a, b)``: the halves of the one gate-up GEMM's output ``[a | b]`` (views)."""
+    h = ab.shape[1] // 2
+    return ab[:, :h], ab[:, h:]
+
+
+def _gate_up_fwd(x_row: tuple, w1, w3, offs, mode, backend, scopes) -> tuple:
+    """``(a, b)`` = ``(x W1^T, x W3^T)``, or ``([a | b],)`` where the gate-up projection is one GEMM
+    (:func:`_one_gate_up_gemm`). With the gate and up weights concatenated (``w3`` None, ``w1`` the
     ``(E, 2H, D)`` weight ``[W1; W3]``) the weight is quantized once and, on the emulated GEMM, each half of its
     operand runs its own GEMM: every output element is the same dot product as in one GEMM over ``w13`` (its
     columns are independent; byte-checked on the H100), and ``a`` and ``b`` come out row-major, as the fused
-    passes read them (halves of one output would be copied there). The scaled GEMM runs one GEMM and splits."""
+    passes read them (halves of one output would be copied there). The scaled GEMM runs one GEMM."""
     if w3 is not None:
         return (_mm_fwd(x_row, _w_fwd(w1, mode, backend, scopes), offs),
                 _mm_fwd(x_row, _w_fwd(w3, mode, backend, scopes), offs))
@@ -95,9 +108,7 @@ def _gate_up_fwd(x_row: tuple, w1, w3, offs, mode, backend, scopes):
     if len(x_row) == 1:  # emulated: w13 (E, D, 2H) bf16
         h = w13.shape[-1] // 2
         return _mm_fwd(x_row, w13[..., :h], offs), _mm_fwd(x_row, w13[..., h:], offs)
-    ab = _mm_fwd(x_row, w13, offs)
-    h = ab.shape[1] // 2
-    return ab[:, :h], ab[:, h:]
+    return (_mm_fwd(x_row, w13, offs),)
 
 
 def _scaled_concat_wgrad(ga_col: tuple, gb_col: tuple, x_col: tuple, offs, backend, w_dtype) -> torch.Tensor:
@@ -109,6 +120,96 @@ def _scaled_concat_wgrad(ga_col: tuple, gb_col: tuple, x_col: tuple, offs, backe
                       _mm_wgrad(gb_col, x_col, offs, backend, w_dtype)], dim=1)
 
 
+def block_forward(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple, keep_x: bool):
+    """The block's forward: ``(y, saved)``, ``saved`` the list of what its backward reads (:func:`block_backward`):
+    ``a`` and ``b`` (or ``[a | b]``, :func:`_one_gate_up_gemm`), then x's colwise form in fp8 and scales where
+    ``keep_x`` (w1's and w3's weight gradients are needed). The one home of the forward's math: the autograd
+    function's forward and the compiled path's forward op (:mod:`.swiglu_block_ops`) call it."""
+    fake = backend is GemmBackend.EMULATED
+    x_row = bq.rowwise(x, mode, offs, fake)
+    ab = _gate_up_fwd(x_row, w1, w3, offs, mode, backend, scopes)
+    del x_row
+    h_row, _ = bq.swiglu(*(_split_ab(*ab) if len(ab) == 1 else ab), mode, offs, fake)
+    y = _mm_fwd(h_row, _w_fwd(w2, mode, backend, scopes), offs)
+    del h_row
+    # x's colwise form (w1's and w3's wgrad operand) in fp8 instead of x: x itself is not kept (its routed
+    # copy is the caller's only for the forward); nothing where no weight gradient is needed
+    x_kept = bq.colwise_kept(x, mode, offs, fake) if keep_x else ()
+    return y, [*ab, *x_kept]
+
+
+def _no_free(indices) -> None:
+    """:func:`block_backward`'s ``free`` where nothing can be freed early (the compiled path)."""
+
+
+def block_backward(grad_y, w1, w3, w2, offs, saved: list, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
+                   needs: tuple, x_dtype: torch.dtype, free=_no_free) -> tuple:
+    """The block's backward: ``(dx, dw1, dw3, dw2)`` (None where ``needs``, the four input-grad flags, is False)
+    from ``grad_y`` and :func:`block_forward`'s ``saved``, which it empties (the caller keeps no reference, so
+    each saved tensor is freed once read: ``a`` and ``b`` after dSwiGLU, x's kept form once read back; ``free(i)``
+    is called with the indices into ``saved`` of those it is done with, for autograd to drop them too:
+    :func:`.saved.free_saved`). dx runs before dW1 and dW3. The one home of the backward's math."""
+    need_x, need_w1, need_w3, need_w2 = needs
+    concat = w3 is None
+    n_ab = 1 if _one_gate_up_gemm(w3, backend) else 2
+    a, b = _split_ab(saved[0]) if n_ab == 1 else saved[:2]
+    x_kept, n_saved = saved[n_ab:], len(saved)
+    saved.clear()
+    # each transient is freed once read, the saved a and b once dSwiGLU has read them, x's kept form once
+    # read back, and dx is summed in place: the peak stays near the bf16 block's
+    with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
+        fake = backend is GemmBackend.EMULATED
+        h_col = bq.swiglu_colwise(a, b, mode, offs, fake) if need_w2 else None  # made again from a and b
+        g_row, g_col = bq.dual(row_major(grad_y), mode, offs, fake)
+        dw2 = _mm_wgrad(g_col, h_col, offs, backend, w2.dtype) if need_w2 else None
+        del g_col, h_col
+        grad_h = _mm_dgrad(g_row, _w_dgrad(w2, mode, backend, scopes), offs)
+        del g_row
+        if concat and fake:  # [grad_a | grad_b]'s forms (dx's and dW13's operands) written in place, no copy
+            g13_row, g13_col = bq.dswiglu_stacked(grad_h, a, b, mode, offs)
+            ga_row = gb_row = ga_col = gb_col = None
+        else:
+            (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
+            g13_row = g13_col = None
+        del grad_h, a, b
+        free(range(n_ab))
+        # dx first: its GEMMs (and their weight operands) run before dW1 and dW3 exist, and the rowwise forms
+        # are freed before x's colwise form is read back for the weight gradients
+        dx = dw1 = dw3 = None
+        if need_x:
+            if concat:
+                if g13_row is None:  # scaled: the blocked scales concatenated tile by tile
+                    g13_row = bq.concat_rowwise(ga_row, gb_row)
+                ga_row = gb_row = None
+                dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend, scopes), offs).to(x_dtype)
+            else:
+                dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend, scopes), offs).to(x_dtype)
+                ga_row = None
+                dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend, scopes), offs).to(x_dtype))
+        ga_row = gb_row = g13_row = None
+        x_col = bq.colwise_operand(x_kept, fake) if need_w1 or need_w3 else None
+        del x_kept  # the emulated GEMM's fp8 form: read back into x_col, freed here
+        free(range(n_ab, n_saved))
+        if concat:
+            if need_w1:
+                dw1 = (_mm_wgrad(g13_col, x_col, offs, backend, w1.dtype) if fake
+                       else _scaled_concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype))
+        else:
+            dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
+            del ga_col
+            dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
+    return dx, dw1, dw3, dw2
+
+
+def first_order_only(grads: tuple, grad_y, w1, w3, w2) -> tuple:
+    """:func:`block_backward`'s ``(dx, dw1, dw3, dw2)``, made to raise if differentiated again
+    (grouped_mm.DOUBLE_BACKWARD_ERROR), as for mxfp8_grouped_mm."""
+    dx, dw1, dw3, dw2 = grads
+    dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))  # w3 None with w13
+    dw3, dw2 = _first_order_only((dw3, dw2), (grad_y, w3, w2))
+    return dx, dw1, dw3, dw2
+
+
 class _SwiGLUExperts(torch.autograd.Function):
     """The block over ``(x, w1, w3, w2)``, or over ``(x, w13, None, w2)`` with the gate and up weights
     concatenated (``w13 = [W1; W3]``, (E, 2H, D)): then the gate-up projection is one GEMM in each direction
@@ -118,80 +219,41 @@ class _SwiGLUExperts(torch.autograd.Function):
     x's colwise form in fp8 and scales (:func:`moe_quant.block_quantize.colwise_kept`); not ``x``, not ``h``:
     h's colwise form is made again from ``a`` and ``b`` in backward. In an eager backward ``a`` and ``b`` are
     freed once dSwiGLU has read them and x's kept form once read back for the weight gradients
-    (:func:`.saved.free_saved`); dx runs before dW1 and dW3."""
+    (:func:`.saved.free_saved`); dx runs before dW1 and dW3. Under ``torch.compile`` the block runs as two custom
+    ops instead (:mod:`.swiglu_block_ops`), which keep the same tensors."""
 
     @staticmethod
     def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend):
-        fake = backend is GemmBackend.EMULATED
         scopes = reuse.current()  # the reuse scopes this forward runs in serve its backward too
-        x_row = bq.rowwise(x, mode, offs, fake)
-        a, b = _gate_up_fwd(x_row, w1, w3, offs, mode, backend, scopes)
-        del x_row
-        h_row, _ = bq.swiglu(a, b, mode, offs, fake)
-        y = _mm_fwd(h_row, _w_fwd(w2, mode, backend, scopes), offs)
-        del h_row
-        # x's colwise form (w1's and w3's wgrad operand) in fp8 instead of x: x itself is not kept (its routed
-        # copy is the caller's only for the forward); nothing where no weight gradient is needed
-        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        x_kept = bq.colwise_kept(x, mode, offs, fake) if need_w else ()
-        ctx.save_for_backward(w1, w3, w2, offs, a, b, *x_kept)
+        keep_x = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        y, saved = block_forward(x, w1, w3, w2, offs, mode, backend, scopes, keep_x)
+        ctx.save_for_backward(w1, w3, w2, offs, *saved)
         ctx.mode, ctx.backend, ctx.x_dtype, ctx.reuse_scopes = mode, backend, x.dtype, scopes
-        ctx.saved_x_forms = len(x_kept)  # saved after a and b: indices 6, 7, ...
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        w1, w3, w2, offs, a, b, *x_kept = ctx.saved_tensors
-        mode, backend, scopes = ctx.mode, ctx.backend, ctx.reuse_scopes
-        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
-        concat = w3 is None
-        # each transient is freed once read, the saved a and b once dSwiGLU has read them, x's kept form once
-        # read back, and dx is summed in place: the peak stays near the bf16 block's
-        with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
-            fake = backend is GemmBackend.EMULATED
-            h_col = bq.swiglu_colwise(a, b, mode, offs, fake) if need_w2 else None  # made again from a and b
-            g_row, g_col = bq.dual(row_major(grad_y), mode, offs, fake)
-            dw2 = _mm_wgrad(g_col, h_col, offs, backend, w2.dtype) if need_w2 else None
-            del g_col, h_col
-            grad_h = _mm_dgrad(g_row, _w_dgrad(w2, mode, backend, scopes), offs)
-            del g_row
-            if concat and fake:  # [grad_a | grad_b]'s forms (dx's and dW13's operands) written in place, no copy
-                g13_row, g13_col = bq.dswiglu_stacked(grad_h, a, b, mode, offs)
-                ga_row = gb_row = ga_col = gb_col = None
-            else:
-                (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
-                g13_row = g13_col = None
-            del grad_h, a, b
-            free_saved(ctx, (4, 5))
-            # dx first: its GEMMs (and their weight operands) run before dW1 and dW3 exist, and the rowwise forms
-            # are freed before x's colwise form is read back for the weight gradients
-            dx = dw1 = dw3 = None
-            if need_x:
-                if concat:
-                    if g13_row is None:  # scaled: the blocked scales concatenated tile by tile
-                        g13_row = bq.concat_rowwise(ga_row, gb_row)
-                    ga_row = gb_row = None
-                    dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
-                else:
-                    dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend, scopes), offs).to(ctx.x_dtype)
-                    ga_row = None
-                    dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend, scopes), offs).to(ctx.x_dtype))
-            ga_row = gb_row = g13_row = None
-            x_col = bq.colwise_operand(x_kept, fake) if need_w1 or need_w3 else None
-            del x_kept  # the emulated GEMM's fp8 form: read back into x_col, freed here
-            free_saved(ctx, range(6, 6 + ctx.saved_x_forms))
-            if concat:
-                if need_w1:
-                    dw1 = (_mm_wgrad(g13_col, x_col, offs, backend, w1.dtype) if fake
-                           else _scaled_concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype))
-            else:
-                dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
-                del ga_col
-                dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
-        # differentiating these again raises (grouped_mm.DOUBLE_BACKWARD_ERROR), as for mxfp8_grouped_mm
-        dx, dw1 = _first_order_only((dx, dw1), (grad_y, w1, w3))  # w3 None with w13
-        dw3, dw2 = _first_order_only((dw3, dw2), (grad_y, w3, w2))
-        return dx, dw1, dw3, dw2, None, None, None
+        saved = list(ctx.saved_tensors)
+        w1, w3, w2, offs = saved[:4]
+        del saved[:4]  # block_backward empties the rest as it reads it
+
+        def free(indices):  # saved after the weights and offsets: indices 4, 5, ...
+            free_saved(ctx, [4 + i for i in indices])
+
+        grads = block_backward(grad_y, w1, w3, w2, offs, saved, ctx.mode, ctx.backend, ctx.reuse_scopes,
+                               ctx.needs_input_grad[:4], ctx.x_dtype, free)
+        return (*first_order_only(grads, grad_y, w1, w3, w2), None, None, None)
+
+
+def _apply(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend) -> torch.Tensor:
+    """The block on checked arguments: the autograd function in eager; under ``torch.compile`` its two custom ops
+    (:mod:`.swiglu_block_ops`: AOTAutograd's partitioner would otherwise save x and the weights' backward
+    operands instead of what the block keeps)."""
+    if torch.compiler.is_compiling():
+        from .swiglu_block_ops import swiglu_block
+
+        return swiglu_block(x, w1, w3, w2, offs, mode, backend)
+    return _SwiGLUExperts.apply(x, w1, w3, w2, offs, mode, backend)
 
 
 # ----------------------------------------------------------------------------- public entry points
@@ -253,7 +315,7 @@ def mxfp8_swiglu_experts(
     if _degenerate(x, w1):
         return swiglu_experts_unfused(x, w1, w3, w2, offs, scale_mode=mode, backend=gemm, validate_offsets=False)
     offs = sanitize_offsets(offs, x.shape[0]).to(torch.int32)
-    return _SwiGLUExperts.apply(row_major(x), w1, w3, w2, offs, mode, gemm)
+    return _apply(row_major(x), w1, w3, w2, offs, mode, gemm)
 
 
 def swiglu_experts_w13_unfused(x, w13, w2, offs, *, scale_mode: ScaleMode | str = ScaleMode.RCEIL,
@@ -302,7 +364,7 @@ def mxfp8_swiglu_experts_w13(
         # which needs grad_gate's scale columns in whole tiles; otherwise the per-GEMM form (the same bits)
         return swiglu_experts_w13_unfused(x, w13, w2, offs, scale_mode=mode, backend=gemm, validate_offsets=False)
     offs = sanitize_offsets(offs, x.shape[0]).to(torch.int32)
-    return _SwiGLUExperts.apply(row_major(x), w13, None, w2, offs, mode, gemm)
+    return _apply(row_major(x), w13, None, w2, offs, mode, gemm)
 
 
 __all__ = ["mxfp8_swiglu_experts", "mxfp8_swiglu_experts_w13", "swiglu_experts_unfused", "swiglu_experts_w13_unfused"]

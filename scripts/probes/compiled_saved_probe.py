@@ -4,9 +4,12 @@ tensor the autograd graph saves (a ``saved_tensors_hooks`` pack hook), the weigh
     python scripts/probes/compiled_saved_probe.py [--backend inductor|aot_eager]
 
 CPU or GPU (the device of the default tensor type: CPU). Eager keeps a, b and x's colwise fp8 form and scales (the
-block's ``ctx.save_for_backward``); compiled, AOTAutograd's partitioner decides instead, and on 2026-12-02 (torch
-2.13, CPU) it kept x in bf16, a third (M, H) bf16 tensor and three weight-sized bf16 tensors (the weights' dequantized
-backward operands, made in the forward): 1098 bytes a row eager against 3977 compiled at D 256, H 192, E 4.
+block's ``ctx.save_for_backward``). Compiled, AOTAutograd's partitioner decided instead until the block became two
+custom ops under compile (``moe_quant/autograd/swiglu_block_ops.py``): on 2026-12-02 (torch 2.13, CPU) it kept x in
+bf16, a third (M, H) bf16 tensor and three weight-sized bf16 tensors (the weights' dequantized backward operands,
+made in the forward), 3977 bytes a row against eager's 1098 at D 256, H 192, E 4; with the custom ops both keep
+the same storages, 1098 bytes a row (inductor and aot_eager; ``tests/test_compile_saved.py`` pins it). Run it from
+the repository root with ``PYTHONPATH=.`` to probe the checkout rather than an installed copy.
 """
 
 from __future__ import annotations
