@@ -250,9 +250,11 @@ def _apply(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend) -> torch.
     (:mod:`.swiglu_block_ops`: AOTAutograd's partitioner would otherwise save x and the weights' backward
     operands instead of what the block keeps)."""
     if torch.compiler.is_compiling():
-        from .swiglu_block_ops import swiglu_block
-
-        return swiglu_block(x, w1, w3, w2, offs, mode, backend)
+        # registered by .swiglu_block_ops when moe_quant.autograd is imported (called by name: no import cycle);
+        # x's colwise form is kept where a weight gradient is to be computed
+        keep_x = torch.is_grad_enabled() and (w1.requires_grad or (w3 is not None and w3.requires_grad))
+        return torch.ops.moe_quant.swiglu_block_fwd.default(x, w1, w3, w2, offs, mode.value, backend.value,
+                                                            keep_x)[0]
     return _SwiGLUExperts.apply(x, w1, w3, w2, offs, mode, backend)
 
 

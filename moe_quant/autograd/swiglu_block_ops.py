@@ -72,12 +72,4 @@ def _backward(ctx, grads):
 
 torch.library.register_autograd("moe_quant::swiglu_block_fwd", _backward, setup_context=_setup_context)
 
-
-def swiglu_block(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend) -> torch.Tensor:
-    """The block's output through the custom ops (the arguments of ``_SwiGLUExperts.apply``); x's colwise form
-    is kept where a weight gradient is to be computed."""
-    keep_x = torch.is_grad_enabled() and (w1.requires_grad or (w3 is not None and w3.requires_grad))
-    return _fwd_op(x, w1, w3, w2, offs, mode.value, backend.value, keep_x)[0]
-
-
-__all__ = ["swiglu_block"]
+__all__: list[str] = []  # registers torch.ops.moe_quant.swiglu_block_fwd / _bwd; nothing to import by name
