@@ -148,12 +148,21 @@ def compiled(fn):
     return torch.compile(fn, fullgraph=True, backend="inductor" if torch.cuda.is_available() else "aot_eager")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", type=cli.comma_choices(*SHAPES), default=["dsv3", "llama4"])
-    p.add_argument("--m", type=cli.positive_int_list, default=None, help="tokens per step (default 16384,131072)")
+def add_common_arguments(p: argparse.ArgumentParser, shapes: list[str], m: str) -> None:
+    """The options this benchmark shares with ``benchmarks.bench_per_expert``: ``--shapes`` (default ``shapes``),
+    ``--m`` (its default, ``m``, for the help), ``--experts``, ``--rounds``, ``--json``, ``--device``, ``--tiny``."""
+    p.add_argument("--shapes", type=cli.comma_choices(*SHAPES), default=shapes)
+    p.add_argument("--m", type=cli.positive_int_list, default=None, help=f"tokens per step (default {m})")
     p.add_argument("--experts", type=cli.positive_int, default=8)
     p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds")
+    p.add_argument("--json", type=cli.writable_file, default=None, help="write every measured number to this file")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="small shapes (smoke runs)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
+    add_common_arguments(p, ["dsv3", "llama4"], "16384,131072")
     p.add_argument("--variants", type=cli.comma_choices(*VARIANTS), default=DEFAULT_VARIANTS)
     p.add_argument("--modes", type=cli.comma_choices(*MODES), default=["eager"],
                    help="eager and/or compiled (torch.compile(fullgraph=True) of the block; not the +reuse variants)")
@@ -161,9 +170,6 @@ def main(argv=None) -> int:
                    help="routed: a fresh copy of x each step that only the block holds (as in a MoE); held: x itself")
     p.add_argument("--micro-batches", type=cli.positive_int, default=4,
                    help="fwd+bwd passes per step of the +reuse variants (weights quantized once per step)")
-    p.add_argument("--json", type=cli.writable_file, default=None, help="write every measured number to this file")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="small shapes (smoke runs)")
     args = p.parse_args(argv)
     device = cli.exit_unless_device_runs(p, args.device)
     shapes = TINY_SHAPES if args.tiny else SHAPES

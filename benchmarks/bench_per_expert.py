@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.bench_block import SHAPES, TINY_SHAPES, bf16_block, make_inputs
+from benchmarks.bench_block import SHAPES, TINY_SHAPES, add_common_arguments, bf16_block, make_inputs
 from benchmarks.timing import bench_ms, device_name, peak_memory_bytes, print_table, prog_name, write_json
 from moe_quant import cli, convert, mxfp8_swiglu_experts
 
@@ -83,14 +83,8 @@ def step_fn(variant, x, w1, w3, w2, offs, gy):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", type=cli.comma_choices(*SHAPES), default=["dsv3", "qwen3"])
-    p.add_argument("--m", type=cli.positive_int_list, default=None, help="tokens per step (default 16384)")
-    p.add_argument("--experts", type=cli.positive_int, default=8)
-    p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds")
+    add_common_arguments(p, ["dsv3", "qwen3"], "16384")
     p.add_argument("--variants", type=cli.comma_choices(*VARIANTS), default=list(VARIANTS))
-    p.add_argument("--json", type=cli.writable_file, default=None, help="write every measured number to this file")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="small shapes (smoke runs)")
     args = p.parse_args(argv)
     device = cli.exit_unless_device_runs(p, args.device)
     shapes = TINY_SHAPES if args.tiny else SHAPES
