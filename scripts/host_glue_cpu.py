@@ -33,6 +33,8 @@ class _NoKernel:
     def __call__(self, *tensors):
         pass
 
+    call = __call__
+
 
 def _kernel_path_without_kernels():
     """Route mxfp8_grouped_mm's CPU calls through the kernel path (as on an H100: emulated GEMM, kernels

@@ -41,7 +41,7 @@ def empty(shape, dtype, device) -> torch.Tensor:
     """An output buffer (0xFF bytes when :data:`POISON_OUTPUTS` is set)."""
     t = torch.empty(shape, dtype=dtype, device=device)
     if POISON_OUTPUTS:
-        t.view(torch.uint8).fill_(0xFF)
+        poison(t)
     return t
 
 
@@ -109,18 +109,20 @@ def tvm_ffi_available() -> bool:
 class Compiled:
     """A compiled variant and how to call it."""
 
-    __slots__ = ("fn", "tvm", "source", "owner")
+    __slots__ = ("fn", "tvm", "source", "owner", "call")
 
     def __init__(self, fn, tvm: bool, source: str, owner=None):
         self.fn = fn  # with TVM-FFI: the positional-only tvm_ffi.Function (the kernel's arguments, in order)
         self.tvm = tvm
         self.source = source  # "compiled" | "disk"
         self.owner = owner  # keeps the compiled module (and its engine) alive
+        # what :func:`launch` calls: the TVM-FFI function itself (no Python frame in between), else the DLPack path
+        self.call = fn if tvm else self._call_dlpack
 
     def __call__(self, *tensors):
-        if self.tvm:
-            self.fn(*tensors)
-            return
+        self.call(*tensors)
+
+    def _call_dlpack(self, *tensors):
         import cuda.bindings.driver as cuda
         from cutlass.cute.runtime import from_dlpack
 
@@ -267,11 +269,39 @@ def _fast_key(key: tuple, device: torch.device) -> tuple:
 def kernel_for(key: tuple, make_variant, device: torch.device) -> Compiled:
     """The compiled kernel for ``key`` (a hashable tuple unique to the variant, without the device) on
     ``device``; ``make_variant()`` builds the variant on the first call only."""
-    fast = _fast_key(key, device)
-    k = _FAST.get(fast)
+    return kernel_at(_fast_key(key, device), make_variant, device)
+
+
+def kernel_at(fast_key: tuple, make_variant, device: torch.device) -> Compiled:
+    """:func:`kernel_for` of the key with ``device``'s index appended (what a :func:`plan` keeps)."""
+    k = _FAST.get(fast_key)
     if k is None:
-        k = _FAST[fast] = get_kernel(make_variant(), arch(device))
+        k = _FAST[fast_key] = get_kernel(make_variant(), arch(device))
     return k
+
+
+PLAN_LIMIT = 4096  # plans one op keeps; past it the op's dict is emptied (shapes that vary without end)
+
+
+def plan(plans: dict, key: tuple, make):
+    """``plans[key]``, made by ``make(*key)`` on a miss: what an op's eager call at one shape needs beyond its
+    tensors (output shapes, the kernel's key with the device index, whether it launches), computed once per
+    shape. ``make`` may raise (a buffer past the int32 range): nothing is kept then. Keyed by every argument the
+    plan depends on, so a hit is the plain computation's answer; the ops read their dict first
+    (``plans.get(key) or cc.plan(plans, key, make)``: one lookup per call). Only eager calls use plans (under
+    tracing the ops' fake implementations run), so no compiled graph guards on them."""
+    p = make(*key)
+    if len(plans) >= PLAN_LIMIT:
+        plans.clear()
+    plans[key] = p
+    return p
+
+
+def poison(*tensors) -> None:
+    """Fill each output (``None`` skipped) with 0xFF bytes: see :data:`POISON_OUTPUTS`."""
+    for t in tensors:
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)
 
 
 @contextlib.contextmanager
@@ -312,6 +342,6 @@ def launch(kernel: Compiled, x, *tensors) -> None:
     """Run ``kernel(x, *tensors)`` on ``x``'s device and the current stream."""
     if x.get_device() != torch._C._cuda_getDevice():
         with torch.cuda.device(x.device):
-            kernel(x, *tensors)
+            kernel.call(x, *tensors)
     else:
-        kernel(x, *tensors)
+        kernel.call(x, *tensors)

@@ -58,29 +58,50 @@ def variants_in_place(device: torch.device, **fields):
         yield
 
 
+_PLANS: dict = {}  # the eager calls' plans (compile_cache.plan): key of _permute_impl -> _plan's
+
+
+def _plan(shape, n_experts, out, out_dtype, index):
+    """``(output dtype, scale shape or None, the kernel's key on device ``index`` or None where nothing launches,
+    make_variant)`` of a call on ``data`` of ``shape`` with ``n_experts`` experts."""
+    m, k = shape
+    scale_shape = None
+    if out != "dequant":
+        scale_shape = _shapes(m, k, n_experts, out)
+        if scale_shape[0] * scale_shape[1] > cc.INT32_MAX:
+            raise ValueError(f"permute_received: scale buffer of {scale_shape[0] * scale_shape[1]} bytes exceeds the "
+                             "int32 index range")
+        out_dtype = torch.uint8  # the kernel writes the e4m3 bytes
+    name = _DEQUANT_DTYPES[out_dtype] if out == "dequant" else "float8_e4m3fn"
+    return out_dtype, scale_shape, _key(out, name) + (index,) if m * k else None, lambda: Variant(out, name)
+
+
 def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):
-    m, k = data.shape
+    """``data`` and ``scales`` as their bytes (uint8), or as e4m3 / e8m0."""
+    # the launch path of every eager call (host time): one dict lookup for everything that follows from the shapes
+    device = data.device
     n_experts = counts.shape[1]
-    offs = cc.empty((n_experts,), torch.int32, data.device)
-    if out == "dequant":
-        res = cc.empty((m, k), out_dtype, data.device)
-        res_scales = None
-    else:
-        res = cc.empty((m, k), torch.float8_e4m3fn, data.device)
-        res_scales = cc.empty(_shapes(m, k, n_experts, out), torch.uint8, data.device)
-        if res_scales.numel() > cc.INT32_MAX:
-            raise ValueError(f"permute_received: scale buffer of {res_scales.numel()} bytes exceeds the int32 index range")
-    if data.numel():
-        cc.launch(_kernel(out, out_dtype, data.device), cc.aligned(data.view(torch.uint8)),
-                  cc.aligned(scales.view(torch.uint8)), counts, res.view(torch.uint8) if out != "dequant" else res,
+    key = (data.shape, n_experts, out, out_dtype, device.index)
+    res_dtype, scale_shape, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
+    offs = torch.empty(n_experts, dtype=torch.int32, device=device)
+    res = torch.empty(key[0], dtype=res_dtype, device=device)
+    res_scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.uint8, device=device)
+    if cc.POISON_OUTPUTS:
+        cc.poison(offs, res, res_scales)
+    if kernel_key is not None:
+        if data.dtype != torch.uint8:
+            data = data.view(torch.uint8)
+        if scales.dtype != torch.uint8:
+            scales = scales.view(torch.uint8)
+        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(data), cc.aligned(scales), counts, res,
                   res_scales, offs)
     else:  # no rows or K = 0: nothing to move, offs from the (device-side) table, scale buffer all zero
-        offs.copy_(layouts.received_group_table(counts, m)[3])
+        offs.copy_(layouts.received_group_table(counts, key[0][0])[3])
         if res_scales is not None:
             res_scales.zero_()
     if out == "dequant":
         return res, offs
-    return res, res_scales.view(torch.float8_e8m0fnu), offs
+    return res.view(torch.float8_e4m3fn), res_scales.view(torch.float8_e8m0fnu), offs
 
 
 @torch.library.custom_op("moe_quant::permute_mxfp8", mutates_args=(), device_types="cuda")
@@ -105,4 +126,4 @@ def permute_mxfp8(data: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor
     tensors, ``serves(counts)``). Byte-identical to :func:`moe_quant.ep.permute.reference_permute_received`."""
     if cc.via_dispatcher(data):
         return tuple(torch.ops.moe_quant.permute_mxfp8(data, scales, counts, out, out_dtype))
-    return _permute_impl(data, scales.view(torch.uint8), counts, out, out_dtype)
+    return _permute_impl(data, scales, counts, out, out_dtype)

@@ -51,10 +51,11 @@ def _check_offs(offs, x: torch.Tensor, fn: str) -> None:
         raise ValueError(f"{fn}: offs must be on the same device as x ({x.device}), got {offs.device}")
 
 
-def _scale_shape(m: int, k: int, offs, scale_layout: str) -> tuple[int, int]:
+def _scale_shape(m: int, k: int, g: int | None, scale_layout: str) -> tuple[int, int]:
+    """Shape of the scale buffer of ``x (m, k)`` with ``g`` groups (None: no offs)."""
     kb = k // BLOCK_SIZE
-    if offs is not None:
-        return layouts.m_groups_blocked_shape(m, kb, offs.shape[0])
+    if g is not None:
+        return layouts.m_groups_blocked_shape(m, kb, g)
     if scale_layout == "blocked":
         return layouts.blocked_shape(m, kb)
     return m, kb
@@ -71,26 +72,54 @@ def _kernel_for(x: torch.Tensor, mode: str, kind: str, out: str, as_bf16: bool =
     )
 
 
+_PLANS: dict = {}  # the eager calls' plans (compile_cache.plan): key of _quantize_impl / _fake_impl -> _plan's
+
+
+def _plan(shape, g, scale_layout, dtype, mode, as_bf16, out, index):
+    """``(scale shape or None, the kernel's key on device ``index`` (``compile_cache.kernel_at``; None where nothing
+    launches), make_variant)`` of a call on ``x`` of ``shape`` and ``dtype``; ``g``: offs' length or None; ``out``:
+    "float8_e4m3fn" to quantize, the output dtype's name to fake-quantize."""
+    m, k = shape
+    as_bf16 = as_bf16 and dtype == torch.float32  # a bf16 input is its own rounding
+    if out == "float8_e4m3fn":
+        kind = "mgroups" if g is not None else ("blocked" if scale_layout == "blocked" else "plain")
+        scale_shape = _scale_shape(m, k, g, scale_layout)
+        if scale_shape[0] * scale_shape[1] > cc.INT32_MAX:
+            raise ValueError(f"quantize_1x32: scale buffer of {scale_shape[0] * scale_shape[1]} bytes exceeds the "
+                             "int32 index range")
+        launches = m * k or scale_shape[0] * scale_shape[1]
+    else:
+        kind, scale_shape, launches = "fake", None, m * k
+    key = ("q1x32", dtype, mode, kind, out, as_bf16, index)
+    return scale_shape, key if launches else None, lambda: Variant(IN_DTYPES[dtype], mode, kind, out, as_bf16=as_bf16)
+
+
 def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str, as_bf16: bool = False):
-    # the launch path of every eager call: sizes as Python ints, no tensor method that is not needed (host time)
-    m, k = x.shape
+    # the launch path of every eager call (host time): one dict lookup for everything that follows from the shapes
+    shape = x.shape
     device = x.device
-    kind = "mgroups" if offs is not None else ("blocked" if scale_layout == "blocked" else "plain")
-    srows, scols = _scale_shape(m, k, offs, scale_layout)
-    if srows * scols > cc.INT32_MAX:
-        raise ValueError(f"quantize_1x32: scale buffer of {srows * scols} bytes exceeds the int32 index range")
-    data = cc.empty((m, k), torch.float8_e4m3fn, device)
-    scales = cc.empty((srows, scols), torch.uint8, device)
-    if m * k or srows * scols:
-        cc.launch(_kernel_for(x, mode, kind, "float8_e4m3fn", as_bf16), cc.aligned(x), data, scales, offs)
+    key = (shape, None if offs is None else offs.shape[0], scale_layout, x.dtype, mode, as_bf16, "float8_e4m3fn",
+           device.index)
+    scale_shape, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
+    data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.empty(scale_shape, dtype=torch.uint8, device=device)
+    if cc.POISON_OUTPUTS:
+        cc.poison(data, scales)
+    if kernel_key is not None:
+        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(x), data, scales, offs)
     return data, scales.view(torch.float8_e8m0fnu)
 
 
 def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False):
-    m, k = x.shape
-    out = cc.empty((m, k), out_dtype, x.device)
-    if m * k:
-        cc.launch(_kernel_for(x, mode, "fake", FAKE_OUT_DTYPES[out_dtype], as_bf16), cc.aligned(x), out, None, None)
+    shape = x.shape
+    device = x.device
+    key = (shape, None, None, x.dtype, mode, as_bf16, FAKE_OUT_DTYPES[out_dtype], device.index)
+    _, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
+    out = torch.empty(shape, dtype=out_dtype, device=device)
+    if cc.POISON_OUTPUTS:
+        cc.poison(out)
+    if kernel_key is not None:
+        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(x), out, None, None)
     return out
 
 
@@ -107,7 +136,7 @@ def _quantize_1x32_op(
 @_quantize_1x32_op.register_fake
 def _(x, mode, offs, scale_layout, as_bf16=False):
     m, k = x.shape
-    srows, scols = _scale_shape(m, k, offs, scale_layout)
+    srows, scols = _scale_shape(m, k, None if offs is None else offs.shape[0], scale_layout)
     data = x.new_empty((m, k), dtype=torch.float8_e4m3fn)
     scales = x.new_empty((srows, scols), dtype=torch.float8_e8m0fnu)
     return data, scales

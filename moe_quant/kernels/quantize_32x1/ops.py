@@ -41,41 +41,71 @@ def _k_groups_shapes(m: int, r: int, g: int):
     return (r, mp), layouts.k_groups_blocked_shape(r, m, g)
 
 
+# the eager calls' plans (compile_cache.plan): key of each impl below -> its _plan_* function's answer
+_K_GROUPS_PLANS: dict = {}
+_3D_PLANS: dict = {}
+
+
+def _plan_k_groups(shape, g, dtype, mode, out_dtype, index):
+    """``(data shape, scale shape or None, the kernel's key on device ``index`` or None where nothing launches,
+    make_variant)`` of a K-groups call on ``x`` of ``shape`` and ``dtype`` with ``g`` groups."""
+    m, r = shape
+    data_shape, scale_shape = _k_groups_shapes(m, r, g)
+    if out_dtype != torch.float8_e4m3fn:
+        scale_shape = None
+    elif scale_shape[0] * scale_shape[1] > cc.INT32_MAX:
+        raise ValueError(f"quantize_32x1: scale buffer of {scale_shape[0] * scale_shape[1]} bytes exceeds the int32 "
+                         "index range")
+    key = _key(dtype, mode, "kgroups", out_dtype, False) + (index,)
+    make = lambda: Variant(IN_DTYPES[dtype], mode, "kgroups", _OUT_NAMES[out_dtype])  # noqa: E731
+    return data_shape, scale_shape, key if data_shape[0] * data_shape[1] else None, make
+
+
 def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor, out_dtype: torch.dtype):
-    # the launch path of every eager call: sizes as Python ints, no tensor method that is not needed (host time)
-    m, r = x.shape
-    g = offs.shape[0]
+    # the launch path of every eager call (host time): one dict lookup for everything that follows from the shapes
     device = x.device
-    mp = layouts.k_groups_padded_len(m, g)
-    scales = None
-    if out_dtype == torch.float8_e4m3fn:
-        srows, scols = layouts.k_groups_blocked_shape(r, m, g)
-        if srows * scols > cc.INT32_MAX:
-            raise ValueError(f"quantize_32x1: scale buffer of {srows * scols} bytes exceeds the int32 index range")
-        scales = cc.empty((srows, scols), torch.uint8, device)
-    data = cc.empty((r, mp), out_dtype, device)
-    poffs = cc.empty((g,), torch.int32, device)
-    if r * mp:
-        cc.launch(_kernel_32x1(x, mode, "kgroups", out_dtype), cc.aligned(x), data, scales, offs, poffs)
+    key = (x.shape, offs.shape[0], x.dtype, mode, out_dtype, device.index)
+    data_shape, scale_shape, kernel_key, make = _K_GROUPS_PLANS.get(key) or cc.plan(_K_GROUPS_PLANS, key, _plan_k_groups)
+    data = torch.empty(data_shape, dtype=out_dtype, device=device)
+    scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.uint8, device=device)
+    poffs = torch.empty(key[1], dtype=torch.int32, device=device)
+    if cc.POISON_OUTPUTS:
+        cc.poison(data, scales, poffs)
+    if kernel_key is not None:
+        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(x), data, scales, offs, poffs)
     else:  # R = 0, or M = G = 0: no CTA, but the padded offsets still follow from offs
-        poffs.copy_(layouts.padded_group_offsets(offs, m))
+        poffs.copy_(layouts.padded_group_offsets(offs, key[0][0]))
     return data, (None if scales is None else scales.view(torch.float8_e8m0fnu)), poffs
 
 
-def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False):
-    e, n, k = w.shape
-    fp8 = out_dtype == torch.float8_e4m3fn
-    data = cc.empty((e, k, n), out_dtype, w.device)
-    scales = None
-    if fp8:
+def _plan_3d(shape, dtype, mode, out_dtype, as_bf16, index):
+    """``(data shape, scale shape or None, the kernel's key on device ``index`` or None where nothing launches,
+    make_variant)`` of a call on ``w`` of ``shape`` (E, N, K) and ``dtype``."""
+    e, n, k = shape
+    as_bf16 = as_bf16 and dtype == torch.float32  # a bf16 input is its own rounding
+    scale_shape = None
+    if out_dtype == torch.float8_e4m3fn:
         rp, cp = layouts.blocked_shape(k, n // BLOCK_SIZE)
-        scales = cc.empty((e, rp * cp), torch.uint8, w.device)
-    if w.numel():
-        cc.launch(_kernel_32x1(w, mode, "uniform", out_dtype, as_bf16), cc.aligned(w.view(e * n, k)), data, scales,
-                  None, None)
+        scale_shape = (e, rp * cp)
+    key = _key(dtype, mode, "uniform", out_dtype, as_bf16) + (index,)
+    make = lambda: Variant(IN_DTYPES[dtype], mode, "uniform", _OUT_NAMES[out_dtype], as_bf16=as_bf16)  # noqa: E731
+    return (e, k, n), scale_shape, key if e * n * k else None, make
+
+
+def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False):
+    device = w.device
+    key = (w.shape, w.dtype, mode, out_dtype, as_bf16, device.index)
+    data_shape, scale_shape, kernel_key, make = _3D_PLANS.get(key) or cc.plan(_3D_PLANS, key, _plan_3d)
+    data = torch.empty(data_shape, dtype=out_dtype, device=device)
+    scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.uint8, device=device)
+    if cc.POISON_OUTPUTS:
+        cc.poison(data, scales)
+    if kernel_key is not None:
+        e, n, k = key[0]
+        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(w.view(e * n, k)), data, scales, None, None)
     elif scales is not None:
         scales.zero_()
-    return data, (scales.view(torch.float8_e8m0fnu) if fp8 else None)
+    return data, (None if scales is None else scales.view(torch.float8_e8m0fnu))
 
 
 @torch.library.custom_op("moe_quant::quantize_32x1_k_groups", mutates_args=(), device_types="cuda")

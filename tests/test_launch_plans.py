@@ -1,0 +1,237 @@
+"""The quantize ops' eager launch path on CPU tensors, compiling and launching stubbed (issue 57, host time): the
+per-shape plans (``compile_cache.plan``) against the plain computation (the ops' fake implementations, the variant
+built from the arguments), and what one call costs in Python calls into moe_quant and in torch ops."""
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_quant.kernels import compile_cache as cc
+from moe_quant.kernels.permute import config as config_permute
+from moe_quant.kernels.permute import ops as ops_permute
+from moe_quant.kernels.quantize_1x32 import config as config_1x32
+from moe_quant.kernels.quantize_1x32 import ops as ops_1x32
+from moe_quant.kernels.quantize_32x1 import config as config_32x1
+from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
+
+NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8_e4m3fn"}
+
+
+class Stubs:
+    """Each launch records ``(variant, tensors)``: ``get_kernel`` returns the variant itself."""
+
+    def __init__(self, monkeypatch):
+        self.log = []
+        monkeypatch.setattr(cc, "_FAST", {})
+        monkeypatch.setattr(cc, "arch", lambda device: "sm_90a")
+        monkeypatch.setattr(cc, "get_kernel", lambda variant, arch: variant)
+        monkeypatch.setattr(cc, "launch", lambda kernel, *tensors: self.log.append((kernel, tensors)))
+        for mod, names in ((ops_1x32, ["_PLANS"]), (ops_32x1, ["_K_GROUPS_PLANS", "_3D_PLANS"]),
+                           (ops_permute, ["_PLANS"])):
+            for name in names:
+                monkeypatch.setattr(mod, name, {})
+        for mod in (ops_1x32, ops_32x1):  # the public functions' CUDA test: these tensors are on the CPU
+            monkeypatch.setattr(mod, "_check_device", lambda x, fn: None)
+
+    def launched(self):
+        """The variant and tensors of the call just made (None if it launched nothing); the log is emptied."""
+        got = self.log[-1] if self.log else None
+        self.log.clear()
+        return got
+
+
+@pytest.fixture
+def stubs(monkeypatch):
+    return Stubs(monkeypatch)
+
+
+def fresh_stubs():
+    """``Stubs`` with empty plans, undone on exit (one per hypothesis example)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        with pytest.MonkeyPatch.context() as mp:
+            yield Stubs(mp)
+
+    return ctx()
+
+
+def same_form(got, want):
+    """Outputs of the same shapes and dtypes (``want``: the fake implementation's, on the meta device)."""
+    got, want = [t for t in got if t is not None], [t for t in want if t is not None]
+    assert [(tuple(t.shape), t.dtype) for t in got] == [(tuple(t.shape), t.dtype) for t in want]
+
+
+def meta(t):
+    return None if t is None else t.to("meta")
+
+
+# small domains, so that calls of one example share shapes and differ in one argument (what a plan key must hold)
+MS = st.sampled_from([0, 1, 64, 130])
+DTYPES = st.sampled_from([torch.bfloat16, torch.float32])
+MODES = st.sampled_from(["rceil", "floor"])
+
+
+@given(st.lists(st.tuples(MS, st.sampled_from([32, 64]), st.sampled_from([None, 0, 2, 3]),
+                          st.sampled_from(["blocked", "plain", "fake-bf16", "fake-fp32"]), DTYPES, MODES, st.booleans()),
+                min_size=1, max_size=12))
+def test_1x32_plans_equal_the_plain_computation(calls):
+    with fresh_stubs() as stubs:
+        _1x32_calls(stubs, calls)
+
+
+def _1x32_calls(stubs, calls):
+    for m, k, g, what, dtype, mode, as_bf16 in calls:
+        x = torch.zeros(m, k, dtype=dtype)
+        offs = None if g is None else torch.full((g,), m, dtype=torch.int32)
+        as_bf16_eff = as_bf16 and dtype == torch.float32
+        if what.startswith("fake"):
+            out_dtype = torch.bfloat16 if what == "fake-bf16" else torch.float32
+            got = (ops_1x32._fake_impl(x, mode, out_dtype, as_bf16),)
+            want = (torch.ops.moe_quant.fake_quantize_1x32(meta(x), mode, out_dtype, as_bf16),)
+            variant = config_1x32.Variant(NAMES[dtype], mode, "fake", NAMES[out_dtype], as_bf16=as_bf16_eff)
+            launches = m * k > 0
+        else:
+            got = ops_1x32._quantize_impl(x, mode, offs, what, as_bf16)
+            want = torch.ops.moe_quant.quantize_1x32(meta(x), mode, meta(offs), what, as_bf16)
+            kind = "mgroups" if offs is not None else what
+            variant = config_1x32.Variant(NAMES[dtype], mode, kind, "float8_e4m3fn", as_bf16=as_bf16_eff)
+            launches = m * k > 0 or got[1].numel() > 0
+        same_form(got, want)
+        launched = stubs.launched()
+        assert (launched is not None) == launches
+        if launches:
+            kernel, tensors = launched
+            assert kernel == variant
+            assert tensors[0].shape == x.shape and tensors[0].dtype == x.dtype and tensors[1] is got[0]
+            if len(got) == 2:
+                assert tensors[2].data_ptr() == got[1].data_ptr() and tensors[3] is offs
+
+
+@given(st.lists(st.tuples(MS, st.sampled_from([0, 32, 64]), st.sampled_from([0, 1, 3]),
+                          st.sampled_from([torch.float8_e4m3fn, torch.bfloat16, torch.float32]), DTYPES, MODES,
+                          st.booleans(), st.booleans()),
+                min_size=1, max_size=12))
+def test_32x1_plans_equal_the_plain_computation(calls):
+    with fresh_stubs() as stubs:
+        _32x1_calls(stubs, calls)
+
+
+def _32x1_calls(stubs, calls):
+    for m, r, g, out_dtype, dtype, mode, three_d, as_bf16 in calls:
+        fp8 = out_dtype == torch.float8_e4m3fn
+        if three_d:  # w (E, N, K): E = g + 1, N = r, K = 32 (m // 32 + 1)
+            w = torch.zeros(g + 1, r, 32 * (m // 32 + 1), dtype=dtype)
+            got = ops_32x1._quantize_32x1_3d_impl(w, mode, out_dtype, as_bf16)
+            want = (torch.ops.moe_quant.quantize_32x1_3d(meta(w), mode, as_bf16) if fp8 else
+                    (torch.ops.moe_quant.fake_quantize_32x1_3d(meta(w), mode, out_dtype, as_bf16), None))
+            variant = config_32x1.Variant(NAMES[dtype], mode, "uniform", NAMES[out_dtype],
+                                          as_bf16=as_bf16 and dtype == torch.float32)
+            launches, first = w.numel() > 0, w
+        else:
+            x = torch.zeros(m, r, dtype=dtype)
+            offs = torch.full((g,), m, dtype=torch.int32)
+            got = ops_32x1._quantize_32x1_k_groups_impl(x, mode, offs, out_dtype)
+            want = (torch.ops.moe_quant.quantize_32x1_k_groups(meta(x), mode, meta(offs)) if fp8 else
+                    torch.ops.moe_quant.fake_quantize_32x1_k_groups(meta(x), mode, meta(offs), out_dtype))
+            variant = config_32x1.Variant(NAMES[dtype], mode, "kgroups", NAMES[out_dtype])
+            launches, first = got[0].numel() > 0, x
+        same_form(got, want)
+        launched = stubs.launched()
+        assert (launched is not None) == launches
+        if launches:
+            kernel, tensors = launched
+            assert kernel == variant
+            assert tensors[0].dtype == first.dtype and tensors[0].numel() == first.numel() and tensors[1] is got[0]
+            assert (tensors[2] is None) == (not fp8)
+
+
+@given(st.lists(st.tuples(MS, st.sampled_from([0, 32, 64]), st.sampled_from([(1, 1), (2, 3), (1, 2)]),
+                          st.sampled_from(["blocked", "plain", "dequant-bf16", "dequant-fp32"])),
+                min_size=1, max_size=12))
+def test_permute_plans_equal_the_plain_computation(calls):
+    with fresh_stubs() as stubs:
+        _permute_calls(stubs, calls)
+
+
+def _permute_calls(stubs, calls):
+    for m, k, (ranks, experts), what in calls:
+        data = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
+        scales = torch.zeros(m, k // 32, dtype=torch.float8_e8m0fnu)
+        counts = torch.zeros(ranks, experts, dtype=torch.int32)
+        out, out_dtype = (what, torch.bfloat16) if not what.startswith("dequant") else (
+            "dequant", torch.bfloat16 if what == "dequant-bf16" else torch.float32)
+        got = ops_permute.permute_mxfp8(data, scales, counts, out, out_dtype)
+        want = torch.ops.moe_quant.permute_mxfp8(meta(data), meta(scales), meta(counts), out, out_dtype)
+        same_form(got, want)
+        launched = stubs.launched()
+        assert (launched is not None) == (m * k > 0)
+        if launched:
+            kernel, tensors = launched
+            assert kernel == config_permute.Variant(out, NAMES[out_dtype] if out == "dequant" else "float8_e4m3fn")
+            assert tensors[0].data_ptr() == data.data_ptr() and tensors[3].data_ptr() == got[0].data_ptr()
+            assert (tensors[4] is None) == (out == "dequant")
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is not torch.ops.aten.detach:  # what a view shows under a dispatch mode
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def cost(fn):
+    """``(Python calls into moe_quant, torch ops)`` of one warm call of ``fn``."""
+    fn()
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "moe_quant" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    with _Ops() as mode:
+        fn()
+    return calls, mode.ops
+
+
+# (Python calls into moe_quant, torch ops) one call may cost: the ops' outputs (one allocation each) and the dtype
+# views the kernels' arguments and the returned outputs need; the Python of the public checks, one plan lookup
+# and the launch
+BUDGETS = {
+    "quantize_1x32": (9, ["empty", "empty", "view"]),
+    "quantize_32x1_k_groups": (9, ["empty", "empty", "empty", "view"]),
+    "permute_mxfp8": (6, ["empty", "empty", "empty", "view", "view", "view", "view"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BUDGETS))
+def test_one_call_costs_at_most_its_budget(stubs, name):
+    x = torch.zeros(256, 256, dtype=torch.bfloat16)
+    offs = torch.tensor([100, 256], dtype=torch.int32)
+    data = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(256, 8, dtype=torch.float8_e8m0fnu)
+    counts = torch.tensor([[60, 40], [100, 56]], dtype=torch.int32)
+    fn = {
+        "quantize_1x32": lambda: ops_1x32.quantize_1x32(x, "rceil", offs),
+        "quantize_32x1_k_groups": lambda: ops_32x1.quantize_32x1_k_groups(x, "rceil", offs),
+        "permute_mxfp8": lambda: ops_permute.permute_mxfp8(data, scales, counts, "blocked"),
+    }[name]
+    py, ops = cost(fn)
+    assert stubs.launched() is not None  # precondition: the call reached its launch
+    max_py, want_ops = BUDGETS[name]
+    assert len(py) <= max_py, f"{name}: {len(py)} Python calls into moe_quant: {py}"
+    assert sorted(ops) == sorted(want_ops), f"{name}: torch ops {ops}"
