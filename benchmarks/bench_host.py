@@ -18,7 +18,9 @@ Rows: ``torch._grouped_mm`` fwd+bwd (bf16) vs ``mxfp8_grouped_mm`` fwd+bwd (defa
 small-M size; each quantize kernel through its torch op (1x32 with M-groups, 32x1 K-groups, the permute
 kernel's blocked output), the compiled kernel called alone (the TVM-FFI call) and the op's output allocations
 alone (the rest of the op's time is its Python); for scale, a native torch op (``torch.neg``) and one CUDA
-allocation (``torch.empty``) on the same host. Targets (issue 20):
+allocation (``torch.empty``) on the same host, the 1x32 op's outputs allocated one ``torch.empty`` each against
+views of one allocation (and one view op alone), and TVM-FFI's no-op function with no and four tensor arguments
+(its cost per tensor argument). Targets (issue 20):
 ``mxfp8_grouped_mm`` fwd+bwd at most 2x ``torch._grouped_mm``'s host time; each kernel launch (its op) at
 most 10 us; no device-to-host synchronization (``syncs``: a call under ``torch.cuda.set_sync_debug_mode("error")``,
 which raises on ``.item()``, ``.cpu()``, stream synchronizations, must not raise).
@@ -125,20 +127,20 @@ def quantize_launches() -> list[tuple[str, object, object, object]]:
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
     d = torch.empty(256, 256, device="cuda", dtype=torch.float8_e4m3fn)
-    sc = torch.empty(layouts.m_groups_blocked_shape(256, 8, 2), device="cuda", dtype=torch.uint8)
+    sc = torch.empty(layouts.m_groups_blocked_shape(256, 8, 2), device="cuda", dtype=torch.float8_e8m0fnu)
     k1 = ops_1x32._kernel_for(x, "rceil", "mgroups", "float8_e4m3fn")
 
     (r, mp), (sr, sw) = ops_32x1._k_groups_shapes(256, 256, 2)
     d32 = torch.empty(r, mp, device="cuda", dtype=torch.float8_e4m3fn)
-    s32 = torch.empty(sr, sw, device="cuda", dtype=torch.uint8)
+    s32 = torch.empty(sr, sw, device="cuda", dtype=torch.float8_e8m0fnu)
     p32 = torch.empty(2, device="cuda", dtype=torch.int32)
     k32 = ops_32x1._kernel_32x1(x, "rceil", "kgroups", torch.float8_e4m3fn)
 
-    data = torch.randint(0, 127, (256, 256), device="cuda", dtype=torch.uint8)
-    scales = torch.randint(100, 140, (256, 8), device="cuda", dtype=torch.uint8)
+    data = torch.randint(0, 127, (256, 256), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.randint(100, 140, (256, 8), device="cuda", dtype=torch.uint8).view(torch.float8_e8m0fnu)
     counts = torch.tensor([[60, 40], [100, 56]], dtype=torch.int32, device="cuda")
-    pd = torch.empty(256, 256, device="cuda", dtype=torch.uint8)
-    ps = torch.empty(layouts.m_groups_blocked_shape(256, 8, 2), device="cuda", dtype=torch.uint8)
+    pd = torch.empty(256, 256, device="cuda", dtype=torch.float8_e4m3fn)
+    ps = torch.empty(layouts.m_groups_blocked_shape(256, 8, 2), device="cuda", dtype=torch.float8_e8m0fnu)
     po = torch.empty(2, device="cuda", dtype=torch.int32)
     kp = ops_permute._kernel("blocked", torch.bfloat16, x.device)
     def empties(*like):
@@ -152,6 +154,46 @@ def quantize_launches() -> list[tuple[str, object, object, object]]:
         ("permute_mxfp8 (blocked)", lambda: ops_permute.permute_mxfp8(data, scales, counts, "blocked"),
          lambda: kp(data, scales, counts, pd, ps, po), empties(pd, ps, po)),
     ]
+
+
+def allocation_peers(device: torch.device) -> list[tuple[str, object]]:
+    """What the outputs of one 1x32 call cost to allocate (256 x 256, M-groups scales of 2 groups): as the op
+    allocates them (one ``torch.empty`` each, in the dtypes the kernel takes), and as views of one allocation
+    (issue 57's idea: one ``torch.empty`` and a view per output, each view a dispatcher call too); and one view op
+    of each kind alone."""
+    from moe_quant import layouts
+
+    m, k = 256, 256
+    sr, sc = layouts.m_groups_blocked_shape(m, k // 32, 2)
+    e4m3, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+
+    def separate():
+        return torch.empty((m, k), dtype=e4m3, device=device), torch.empty((sr, sc), dtype=e8m0, device=device)
+
+    def one_buffer():
+        buf = torch.empty(m * k + sr * sc, dtype=e4m3, device=device)
+        return buf.as_strided((m, k), (k, 1)), buf.as_strided((sr, sc), (sc, 1), m * k).view(e8m0)
+
+    buf = torch.empty(m * k + sr * sc, dtype=e4m3, device=device)
+    return [("1x32's outputs: torch.empty each (the op)", separate),
+            ("1x32's outputs: views of one torch.empty", one_buffer),
+            ("  one as_strided view", lambda: buf.as_strided((sr, sc), (sc, 1), m * k)),
+            ("  one view(dtype)", lambda: buf.view(torch.uint8))]
+
+
+def tvm_ffi_peers(x: torch.Tensor) -> list[tuple[str, object]]:
+    """TVM-FFI's own cost per call and per tensor argument: its no-op function (``testing.nop``) with no tensor
+    and with four (what a 1x32 call passes); the compiled kernels' calls add their argument checks and the
+    launch. Empty without tvm_ffi."""
+    try:
+        import tvm_ffi
+
+        nop = tvm_ffi.get_global_func("testing.nop")
+    except Exception:
+        return []
+    offs = torch.zeros(2, dtype=torch.int32, device=x.device)
+    return [("TVM-FFI no-op call, no tensor", lambda: nop()),
+            ("TVM-FFI no-op call, 4 CUDA tensors", lambda: nop(x, x, x, offs))]
 
 
 def main(argv=None) -> int:
@@ -210,7 +252,8 @@ def main(argv=None) -> int:
     results["peers"] = {}
     for name, fn in (("torch.neg (a native op, one output)", lambda: torch.neg(x)),
                      ("torch.empty (one CUDA allocation)", lambda: torch.empty(256, 264, device="cuda",
-                                                                               dtype=torch.float8_e4m3fn))):
+                                                                               dtype=torch.float8_e4m3fn)),
+                     *allocation_peers(x.device), *tvm_ffi_peers(x)):
         us = results["peers"][name] = host_us(fn, args.n, args.reps)
         rows.append(["peer", "256x256", name, us, "", "", "", "", ""])
     print_table(f"host time per eager call ({results['device']}, torch {torch.__version__})",

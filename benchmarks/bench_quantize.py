@@ -110,7 +110,7 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> dict:
     kern = ops_1x32._kernel_for(x, "rceil", "mgroups", "float8_e4m3fn")
     rows, cols = layouts.m_groups_blocked_shape(256, 8, 2)
     d = torch.empty(256, 256, device="cuda", dtype=torch.float8_e4m3fn)
-    sc = torch.empty(rows, cols, device="cuda", dtype=torch.uint8)
+    sc = torch.empty(rows, cols, device="cuda", dtype=torch.float8_e8m0fnu)
     for name, fn in (
         ("quantize_1x32(offs)", lambda: ops.quantize_1x32(x, ScaleMode.RCEIL, offs)),
         ("  of which: compiled kernel call alone (TVM-FFI)", lambda: kern(x, d, sc, offs)),
@@ -240,7 +240,7 @@ def main():
                         if kind == "mxfp8":
                             rws, cls = layouts.m_groups_blocked_shape(m, k // 32, g)
                             o1 = torch.empty(m, k, device="cuda", dtype=torch.float8_e4m3fn)
-                            o2 = torch.empty(rws, cls, device="cuda", dtype=torch.uint8)
+                            o2 = torch.empty(rws, cls, device="cuda", dtype=torch.float8_e8m0fnu)
                             call = lambda: kern(rot.next()[0], o1, o2, offs)  # noqa: E731
                         else:
                             o1 = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)

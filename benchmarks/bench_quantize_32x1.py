@@ -209,7 +209,7 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> list[list]:
     kern = ops_32x1._kernel_32x1(x, MODE.value, "kgroups", torch.float8_e4m3fn)
     (r, mp), (sr, sc) = ops_32x1._k_groups_shapes(256, 256, 2)
     d = torch.empty(r, mp, device="cuda", dtype=torch.float8_e4m3fn)
-    sbuf = torch.empty(sr, sc, device="cuda", dtype=torch.uint8)
+    sbuf = torch.empty(sr, sc, device="cuda", dtype=torch.float8_e8m0fnu)
     pbuf = torch.empty(2, device="cuda", dtype=torch.int32)
     from moe_quant import quantize as q
 
@@ -217,7 +217,7 @@ def host_overhead_us(n: int = 100, reps: int = 20) -> list[list]:
         ("quantize_32x1_k_groups", lambda: ops.quantize_32x1_k_groups(x, MODE, offs)),
         ("  of which: compiled kernel call alone (TVM-FFI)", lambda: kern(x, d, sbuf, offs, pbuf)),
         ("  of which: torch.empty x3", lambda: (torch.empty(r, mp, device="cuda", dtype=torch.float8_e4m3fn),
-                                                torch.empty(sr, sc, device="cuda", dtype=torch.uint8),
+                                                torch.empty(sr, sc, device="cuda", dtype=torch.float8_e8m0fnu),
                                                 torch.empty(2, device="cuda", dtype=torch.int32))),
         ("moe_quant.quantize.quantize_colwise_k_groups (public, checked)",
          lambda: q.quantize_colwise_k_groups(x, offs, MODE)),

@@ -34,9 +34,10 @@ def check(kern, m, k, sizes):
     offs = offsets_from_sizes(sizes)
     d = torch.full((m, k), 0xFF, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     s = torch.full(layouts.m_groups_blocked_shape(m, k // 32, len(sizes)), 0xFF, dtype=torch.uint8, device="cuda")
+    s = s.view(torch.float8_e8m0fnu)
     kern(x.cuda(), d, s, offs.cuda())
     rd, rs = reference.quantize_rowwise(x, ScaleMode.RCEIL, offs)
-    return torch.equal(d.cpu().view(torch.uint8), rd.view(torch.uint8)) and torch.equal(s.cpu(), rs.view(torch.uint8))
+    return torch.equal(d.cpu().view(torch.uint8), rd.view(torch.uint8)) and torch.equal(s.cpu().view(torch.uint8), rs.view(torch.uint8))
 
 
 def main():
@@ -63,7 +64,7 @@ def main():
         offs = group_offsets(m, 8, ragged=True)
         rws, cls = layouts.m_groups_blocked_shape(m, k // 32, 8)
         d = torch.empty(m, k, device="cuda", dtype=torch.float8_e4m3fn)
-        s = torch.empty(rws, cls, device="cuda", dtype=torch.uint8)
+        s = torch.empty(rws, cls, device="cuda", dtype=torch.float8_e8m0fnu)
         per = {c: [] for c in kerns}
         for _ in range(a.reps):
             for c, kern in kerns.items():

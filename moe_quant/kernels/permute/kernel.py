@@ -59,9 +59,9 @@ CHUNK_WORDS = CHUNK // 4  # int32 words per chunk
 
 
 class PermuteMxfp8Kernel:
-    """Host entry ``__call__(data, scales, counts, out, out_scales, offs, stream)``: ``data (M, K)`` and
-    ``scales (M, K/32)`` uint8; ``counts (R, E)`` int32; ``out (M, K)`` (bf16/fp32 for dequant, else uint8);
-    ``out_scales`` uint8 (``None`` for dequant): ``(M, K/32)`` plain or ``(M + 128 E, 4 ceil(K/128))``
+    """Host entry ``__call__(data, scales, counts, out, out_scales, offs, stream)``: ``data (M, K)`` e4m3 and
+    ``scales (M, K/32)`` e8m0 (read as bytes); ``counts (R, E)`` int32; ``out (M, K)`` (bf16/fp32 for dequant,
+    else e4m3); ``out_scales`` e8m0 (``None`` for dequant): ``(M, K/32)`` plain or ``(M + 128 E, 4 ceil(K/128))``
     blocked; ``offs (E,)`` int32. Needs ``R * E <= MAX_BLOCKS`` and ``E <= MAX_BLOCKS``, and ``M K > 0``
     (the op launches nothing otherwise)."""
 
@@ -84,6 +84,12 @@ class PermuteMxfp8Kernel:
     @cute.jit
     def __call__(self, data: cute.Tensor, scales: cute.Tensor, counts: cute.Tensor, out: cute.Tensor,
                  out_scales, offs: cute.Tensor, stream):
+        # e4m3 / e8m0 from the caller (no views), their bytes here
+        data = cute.recast_tensor(data, cutlass.Uint8)
+        scales = cute.recast_tensor(scales, cutlass.Uint8)
+        if cutlass.const_expr(self.out != "dequant"):
+            out = cute.recast_tensor(out, cutlass.Uint8)
+            out_scales = cute.recast_tensor(out_scales, cutlass.Uint8)
         m = data.shape[0]
         k = data.shape[1]
         kb = k // BLOCK_SIZE
@@ -517,16 +523,17 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
     kb = cute.sym_int32(symbol="KB")
     r = cute.sym_int32(symbol="R")
     e = cute.sym_int32(symbol="E")
-    data = make_fake_compact_tensor(cutlass.Uint8, (m, k), stride_order=(1, 0), assumed_align=16)
-    scales = make_fake_compact_tensor(cutlass.Uint8, (m, kb), stride_order=(1, 0), assumed_align=16)
+    data = make_fake_compact_tensor(cutlass.Float8E4M3FN, (m, k), stride_order=(1, 0), assumed_align=16)
+    scales = make_fake_compact_tensor(cutlass.Float8E8M0FNU, (m, kb), stride_order=(1, 0), assumed_align=16)
     counts = make_fake_compact_tensor(cutlass.Int32, (r, e), stride_order=(1, 0), assumed_align=4)
-    out_dtype = cu.CUTLASS_DTYPES[variant.out_dtype] if variant.out == "dequant" else cutlass.Uint8
+    out_dtype = cu.CUTLASS_DTYPES[variant.out_dtype] if variant.out == "dequant" else cutlass.Float8E4M3FN
     out = make_fake_compact_tensor(out_dtype, (m, k), stride_order=(1, 0), assumed_align=16)
     out_scales = None
     if variant.out != "dequant":
         rows = cute.sym_int32(symbol="S_rows")
         cols = cute.sym_int32(symbol="S_cols")
-        out_scales = make_fake_compact_tensor(cutlass.Uint8, (rows, cols), stride_order=(1, 0), assumed_align=16)
+        out_scales = make_fake_compact_tensor(cutlass.Float8E8M0FNU, (rows, cols), stride_order=(1, 0),
+                                              assumed_align=16)
     offs = make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()
     return data, scales, counts, out, out_scales, offs, stream

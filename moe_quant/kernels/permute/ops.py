@@ -71,13 +71,13 @@ def _plan(shape, n_experts, out, out_dtype, index):
         if scale_shape[0] * scale_shape[1] > cc.INT32_MAX:
             raise ValueError(f"permute_received: scale buffer of {scale_shape[0] * scale_shape[1]} bytes exceeds the "
                              "int32 index range")
-        out_dtype = torch.uint8  # the kernel writes the e4m3 bytes
+        out_dtype = torch.float8_e4m3fn
     name = _DEQUANT_DTYPES[out_dtype] if out == "dequant" else "float8_e4m3fn"
     return out_dtype, scale_shape, _key(out, name) + (index,) if m * k else None, lambda: Variant(out, name)
 
 
 def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):
-    """``data`` and ``scales`` as their bytes (uint8), or as e4m3 / e8m0."""
+    """``data`` e4m3 and ``scales`` e8m0, or their bytes (uint8)."""
     # the launch path of every eager call (host time): one dict lookup for everything that follows from the shapes
     device = data.device
     n_experts = counts.shape[1]
@@ -85,23 +85,23 @@ def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):
     res_dtype, scale_shape, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
     offs = torch.empty(n_experts, dtype=torch.int32, device=device)
     res = torch.empty(key[0], dtype=res_dtype, device=device)
-    res_scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.uint8, device=device)
+    res_scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.float8_e8m0fnu, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(offs, res, res_scales)
     if kernel_key is not None:
-        if data.dtype != torch.uint8:
-            data = data.view(torch.uint8)
-        if scales.dtype != torch.uint8:
-            scales = scales.view(torch.uint8)
+        if data.dtype is not torch.float8_e4m3fn:  # its bytes
+            data = data.view(torch.float8_e4m3fn)
+        if scales.dtype is not torch.float8_e8m0fnu:  # its bytes
+            scales = scales.view(torch.float8_e8m0fnu)
         cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(data), cc.aligned(scales), counts, res,
                   res_scales, offs)
     else:  # no rows or K = 0: nothing to move, offs from the (device-side) table, scale buffer all zero
         offs.copy_(layouts.received_group_table(counts, key[0][0])[3])
         if res_scales is not None:
-            res_scales.zero_()
+            res_scales.view(torch.uint8).zero_()
     if out == "dequant":
         return res, offs
-    return res.view(torch.float8_e4m3fn), res_scales.view(torch.float8_e8m0fnu), offs
+    return res, res_scales, offs
 
 
 @torch.library.custom_op("moe_quant::permute_mxfp8", mutates_args=(), device_types="cuda")

@@ -58,7 +58,7 @@ class Quantize1x32Kernel:
     """Rowwise 1x32 MXFP8 quantization; see the module docstring.
 
     Host entry ``__call__(x, out, scales, offs, stream)``: ``x (M, K)``; ``out (M, K)``
-    (e4m3, or bf16/fp32 for ``fake``); ``scales`` uint8 (``None`` for ``fake``): plain
+    (e4m3, or bf16/fp32 for ``fake``); ``scales`` e8m0 (``None`` for ``fake``; stored as bytes): plain
     ``(M, K/32)``, blocked ``(128 ceil(M/128), 4 ceil(K/128))`` or M-groups
     ``(M + 128 G, 4 ceil(K/128))``; ``offs`` int32 ``(G,)`` for ``mgroups`` else ``None``.
     """
@@ -80,6 +80,8 @@ class Quantize1x32Kernel:
 
     @cute.jit
     def __call__(self, x: cute.Tensor, out: cute.Tensor, scales, offs, stream):
+        if cutlass.const_expr(scales is not None):
+            scales = cute.recast_tensor(scales, cutlass.Uint8)  # e8m0 from the caller (no view), bytes here
         m = x.shape[0]
         k = x.shape[1]
         kb = k // BLOCK_SIZE
@@ -352,7 +354,7 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
     if variant.kind != "fake":
         rows = cute.sym_int32(symbol="S_rows")
         cols = cute.sym_int32(symbol="S_cols")
-        scales = make_fake_compact_tensor(cutlass.Uint8, (rows, cols), stride_order=(1, 0), assumed_align=16)
+        scales = make_fake_compact_tensor(cutlass.Float8E8M0FNU, (rows, cols), stride_order=(1, 0), assumed_align=16)
     if variant.kind == "mgroups":
         g = cute.sym_int32(symbol="G")
         offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)

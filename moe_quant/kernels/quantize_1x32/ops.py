@@ -102,12 +102,12 @@ def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str, as_bf16:
            device.index)
     scale_shape, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
     data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
-    scales = torch.empty(scale_shape, dtype=torch.uint8, device=device)
+    scales = torch.empty(scale_shape, dtype=torch.float8_e8m0fnu, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(data, scales)
     if kernel_key is not None:
         cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(x), data, scales, offs)
-    return data, scales.view(torch.float8_e8m0fnu)
+    return data, scales
 
 
 def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False):

@@ -67,7 +67,7 @@ class Quantize32x1Kernel:
     * ``kgroups``: ``x (M, R)``, ``out (R, Mp)`` with ``Mp = round_up(M, 32) + 32 G``, ``scales``
       uint8 ``(round_up(R, 128), ceil(M/32) + 4 G)`` (``None`` for fake outputs), ``offs`` int32
       ``(G,)``, ``poffs`` int32 ``(G,)`` (written: padded group ends).
-    * ``uniform``: ``x (E*N, K)``, ``out (E, K, N)``, ``scales`` uint8 ``(E, round_up(K, 128) *
+    * ``uniform``: ``x (E*N, K)``, ``out (E, K, N)``, ``scales`` e8m0 ``(E, round_up(K, 128) *
       4 ceil(N/128))`` (or ``None``), ``offs`` and ``poffs`` ``None``.
     """
 
@@ -88,6 +88,8 @@ class Quantize32x1Kernel:
 
     @cute.jit
     def __call__(self, x: cute.Tensor, out: cute.Tensor, scales, offs, poffs, stream):
+        if cutlass.const_expr(scales is not None):
+            scales = cute.recast_tensor(scales, cutlass.Uint8)  # e8m0 from the caller (no view), bytes here
         r = x.shape[1]
         # whole 128-row scale tiles: a 64-column grid covers each with two CTAs (pad rows get zero scales)
         ny = (r + (TILE_ROWS - 1)) // TILE_ROWS * (TILE_ROWS // self.tile_cols)
@@ -350,7 +352,7 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
     if not variant.fake:
         rows = cute.sym_int32(symbol="S_rows")
         cols = cute.sym_int32(symbol="S_cols")
-        scales = make_fake_compact_tensor(cutlass.Uint8, (rows, cols), stride_order=(1, 0), assumed_align=16)
+        scales = make_fake_compact_tensor(cutlass.Float8E8M0FNU, (rows, cols), stride_order=(1, 0), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()
     return x, out, scales, offs, poffs, stream
 

@@ -67,7 +67,7 @@ def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor,
     key = (x.shape, offs.shape[0], x.dtype, mode, out_dtype, device.index)
     data_shape, scale_shape, kernel_key, make = _K_GROUPS_PLANS.get(key) or cc.plan(_K_GROUPS_PLANS, key, _plan_k_groups)
     data = torch.empty(data_shape, dtype=out_dtype, device=device)
-    scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.uint8, device=device)
+    scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.float8_e8m0fnu, device=device)
     poffs = torch.empty(key[1], dtype=torch.int32, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(data, scales, poffs)
@@ -75,7 +75,7 @@ def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor,
         cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(x), data, scales, offs, poffs)
     else:  # R = 0, or M = G = 0: no CTA, but the padded offsets still follow from offs
         poffs.copy_(layouts.padded_group_offsets(offs, key[0][0]))
-    return data, (None if scales is None else scales.view(torch.float8_e8m0fnu)), poffs
+    return data, scales, poffs
 
 
 def _plan_3d(shape, dtype, mode, out_dtype, as_bf16, index):
@@ -97,15 +97,15 @@ def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype, a
     key = (w.shape, w.dtype, mode, out_dtype, as_bf16, device.index)
     data_shape, scale_shape, kernel_key, make = _3D_PLANS.get(key) or cc.plan(_3D_PLANS, key, _plan_3d)
     data = torch.empty(data_shape, dtype=out_dtype, device=device)
-    scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.uint8, device=device)
+    scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.float8_e8m0fnu, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(data, scales)
     if kernel_key is not None:
         e, n, k = key[0]
         cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(w.view(e * n, k)), data, scales, None, None)
     elif scales is not None:
-        scales.zero_()
-    return data, (None if scales is None else scales.view(torch.float8_e8m0fnu))
+        scales.view(torch.uint8).zero_()
+    return data, scales
 
 
 @torch.library.custom_op("moe_quant::quantize_32x1_k_groups", mutates_args=(), device_types="cuda")
