@@ -109,8 +109,8 @@ def _1x32_calls(stubs, calls):
             kernel, tensors = launched
             assert kernel == variant
             assert tensors[0].shape == x.shape and tensors[0].dtype == x.dtype and tensors[1] is got[0]
-            if len(got) == 2:
-                assert tensors[2].data_ptr() == got[1].data_ptr() and tensors[3] is offs
+            if len(got) == 2:  # the scales as returned: e8m0, what the kernel is compiled for (no view between)
+                assert tensors[2] is got[1] and got[1].dtype == torch.float8_e8m0fnu and tensors[3] is offs
 
 
 @given(st.lists(st.tuples(MS, st.sampled_from([0, 32, 64]), st.sampled_from([0, 1, 3]),
@@ -148,11 +148,12 @@ def _32x1_calls(stubs, calls):
             kernel, tensors = launched
             assert kernel == variant
             assert tensors[0].dtype == first.dtype and tensors[0].numel() == first.numel() and tensors[1] is got[0]
+            assert tensors[2] is got[1] and (got[1] is None or got[1].dtype == torch.float8_e8m0fnu)
             assert (tensors[2] is None) == (not fp8)
 
 
 @given(st.lists(st.tuples(MS, st.sampled_from([0, 32, 64]), st.sampled_from([(1, 1), (2, 3), (1, 2)]),
-                          st.sampled_from(["blocked", "plain", "dequant-bf16", "dequant-fp32"])),
+                          st.sampled_from(["blocked", "plain", "dequant-bf16", "dequant-fp32"]), st.booleans()),
                 min_size=1, max_size=12))
 def test_permute_plans_equal_the_plain_computation(calls):
     with fresh_stubs() as stubs:
@@ -160,9 +161,9 @@ def test_permute_plans_equal_the_plain_computation(calls):
 
 
 def _permute_calls(stubs, calls):
-    for m, k, (ranks, experts), what in calls:
+    for m, k, (ranks, experts), what, scale_bytes in calls:
         data = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
-        scales = torch.zeros(m, k // 32, dtype=torch.float8_e8m0fnu)
+        scales = torch.zeros(m, k // 32, dtype=torch.uint8 if scale_bytes else torch.float8_e8m0fnu)
         counts = torch.zeros(ranks, experts, dtype=torch.int32)
         out, out_dtype = (what, torch.bfloat16) if not what.startswith("dequant") else (
             "dequant", torch.bfloat16 if what == "dequant-bf16" else torch.float32)
@@ -174,8 +175,10 @@ def _permute_calls(stubs, calls):
         if launched:
             kernel, tensors = launched
             assert kernel == config_permute.Variant(out, NAMES[out_dtype] if out == "dequant" else "float8_e4m3fn")
-            assert tensors[0].data_ptr() == data.data_ptr() and tensors[3].data_ptr() == got[0].data_ptr()
-            assert (tensors[4] is None) == (out == "dequant")
+            # the dtypes the kernel is compiled for: e4m3 / e8m0 in (scales given as their bytes viewed), out as returned
+            assert tensors[0] is data and tensors[1].data_ptr() == scales.data_ptr()
+            assert tensors[1].dtype == torch.float8_e8m0fnu and tensors[3] is got[0]
+            assert tensors[4] is (None if out == "dequant" else got[1])
 
 
 class _Ops(TorchDispatchMode):
