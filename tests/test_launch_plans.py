@@ -71,6 +71,19 @@ def meta(t):
     return None if t is None else t.to("meta")
 
 
+def launched_as_planned(stubs, got, want, launches, variant):
+    """The call's outputs have the fake implementation's forms (``want``), it launched iff ``launches``, and the
+    kernel of ``variant``: the tensors it launched with (None if it launched nothing)."""
+    same_form(got, want)
+    launched = stubs.launched()
+    assert (launched is not None) == launches
+    if not launches:
+        return None
+    kernel, tensors = launched
+    assert kernel == variant
+    return tensors
+
+
 # small domains, so that calls of one example share shapes and differ in one argument (what a plan key must hold)
 MS = st.sampled_from([0, 1, 64, 130])
 DTYPES = st.sampled_from([torch.bfloat16, torch.float32])
@@ -102,12 +115,8 @@ def _1x32_calls(stubs, calls):
             kind = "mgroups" if offs is not None else what
             variant = config_1x32.Variant(NAMES[dtype], mode, kind, "float8_e4m3fn", as_bf16=as_bf16_eff)
             launches = m * k > 0 or got[1].numel() > 0
-        same_form(got, want)
-        launched = stubs.launched()
-        assert (launched is not None) == launches
-        if launches:
-            kernel, tensors = launched
-            assert kernel == variant
+        tensors = launched_as_planned(stubs, got, want, launches, variant)
+        if tensors is not None:
             assert tensors[0].shape == x.shape and tensors[0].dtype == x.dtype and tensors[1] is got[0]
             if len(got) == 2:  # the scales as returned: e8m0, what the kernel is compiled for (no view between)
                 assert tensors[2] is got[1] and got[1].dtype == torch.float8_e8m0fnu and tensors[3] is offs
@@ -141,12 +150,8 @@ def _32x1_calls(stubs, calls):
                     torch.ops.moe_quant.fake_quantize_32x1_k_groups(meta(x), mode, meta(offs), out_dtype))
             variant = config_32x1.Variant(NAMES[dtype], mode, "kgroups", NAMES[out_dtype])
             launches, first = got[0].numel() > 0, x
-        same_form(got, want)
-        launched = stubs.launched()
-        assert (launched is not None) == launches
-        if launches:
-            kernel, tensors = launched
-            assert kernel == variant
+        tensors = launched_as_planned(stubs, got, want, launches, variant)
+        if tensors is not None:
             assert tensors[0].dtype == first.dtype and tensors[0].numel() == first.numel() and tensors[1] is got[0]
             assert tensors[2] is got[1] and (got[1] is None or got[1].dtype == torch.float8_e8m0fnu)
             assert (tensors[2] is None) == (not fp8)
@@ -169,12 +174,9 @@ def _permute_calls(stubs, calls):
             "dequant", torch.bfloat16 if what == "dequant-bf16" else torch.float32)
         got = ops_permute.permute_mxfp8(data, scales, counts, out, out_dtype)
         want = torch.ops.moe_quant.permute_mxfp8(meta(data), meta(scales), meta(counts), out, out_dtype)
-        same_form(got, want)
-        launched = stubs.launched()
-        assert (launched is not None) == (m * k > 0)
-        if launched:
-            kernel, tensors = launched
-            assert kernel == config_permute.Variant(out, NAMES[out_dtype] if out == "dequant" else "float8_e4m3fn")
+        variant = config_permute.Variant(out, NAMES[out_dtype] if out == "dequant" else "float8_e4m3fn")
+        tensors = launched_as_planned(stubs, got, want, m * k > 0, variant)
+        if tensors is not None:
             # the dtypes the kernel is compiled for: e4m3 / e8m0 in (scales given as their bytes viewed), out as returned
             assert tensors[0] is data and tensors[1].data_ptr() == scales.data_ptr()
             assert tensors[1].dtype == torch.float8_e8m0fnu and tensors[3] is got[0]
