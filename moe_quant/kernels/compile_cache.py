@@ -38,8 +38,13 @@ INT32_MAX = 2**31 - 1
 
 
 def empty(shape, dtype, device) -> torch.Tensor:
-    """An output buffer (0xFF bytes when :data:`POISON_OUTPUTS` is set)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
+    """An output buffer (0xFF bytes when :data:`POISON_OUTPUTS` is set).
+
+    The size goes by keyword, as in every op's eager allocations (``torch.empty(size=shape, ...)``, or one int
+    positionally): a positional tuple takes a slower path of torch's argument parser, 0.8-1.5 µs more per call,
+    a positional ``torch.Size`` 1.8-3 µs more, where the whole allocation costs 1.7 µs (CPU, torch 2.11 and 2.13,
+    2026-12-02)."""
+    t = torch.empty(size=(shape,) if isinstance(shape, int) else shape, dtype=dtype, device=device)
     if POISON_OUTPUTS:
         poison(t)
     return t

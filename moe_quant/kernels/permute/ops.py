@@ -84,8 +84,9 @@ def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):
     key = (data.shape, n_experts, out, out_dtype, device.index)
     res_dtype, scale_shape, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
     offs = torch.empty(n_experts, dtype=torch.int32, device=device)
-    res = torch.empty(key[0], dtype=res_dtype, device=device)
-    res_scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.float8_e8m0fnu, device=device)
+    res = torch.empty(size=key[0], dtype=res_dtype, device=device)
+    res_scales = (None if scale_shape is None else
+                  torch.empty(size=scale_shape, dtype=torch.float8_e8m0fnu, device=device))
     if cc.POISON_OUTPUTS:
         cc.poison(offs, res, res_scales)
     if kernel_key is not None:

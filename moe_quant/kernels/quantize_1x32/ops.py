@@ -101,8 +101,8 @@ def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str, as_bf16:
     key = (shape, None if offs is None else offs.shape[0], scale_layout, x.dtype, mode, as_bf16, "float8_e4m3fn",
            device.index)
     scale_shape, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
-    data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
-    scales = torch.empty(scale_shape, dtype=torch.float8_e8m0fnu, device=device)
+    data = torch.empty(size=shape, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.empty(size=scale_shape, dtype=torch.float8_e8m0fnu, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(data, scales)
     if kernel_key is not None:
@@ -115,7 +115,7 @@ def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool
     device = x.device
     key = (shape, None, None, x.dtype, mode, as_bf16, FAKE_OUT_DTYPES[out_dtype], device.index)
     _, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
-    out = torch.empty(shape, dtype=out_dtype, device=device)
+    out = torch.empty(size=shape, dtype=out_dtype, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(out)
     if kernel_key is not None:

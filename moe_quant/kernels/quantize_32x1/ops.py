@@ -65,9 +65,11 @@ def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor,
     # the launch path of every eager call (host time): one dict lookup for everything that follows from the shapes
     device = x.device
     key = (x.shape, offs.shape[0], x.dtype, mode, out_dtype, device.index)
-    data_shape, scale_shape, kernel_key, make = _K_GROUPS_PLANS.get(key) or cc.plan(_K_GROUPS_PLANS, key, _plan_k_groups)
-    data = torch.empty(data_shape, dtype=out_dtype, device=device)
-    scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.float8_e8m0fnu, device=device)
+    plans = _K_GROUPS_PLANS
+    data_shape, scale_shape, kernel_key, make = plans.get(key) or cc.plan(plans, key, _plan_k_groups)
+    data = torch.empty(size=data_shape, dtype=out_dtype, device=device)
+    scales = None if scale_shape is None else torch.empty(size=scale_shape, dtype=torch.float8_e8m0fnu,
+                                                          device=device)
     poffs = torch.empty(key[1], dtype=torch.int32, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(data, scales, poffs)
@@ -96,8 +98,9 @@ def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype, a
     device = w.device
     key = (w.shape, w.dtype, mode, out_dtype, as_bf16, device.index)
     data_shape, scale_shape, kernel_key, make = _3D_PLANS.get(key) or cc.plan(_3D_PLANS, key, _plan_3d)
-    data = torch.empty(data_shape, dtype=out_dtype, device=device)
-    scales = None if scale_shape is None else torch.empty(scale_shape, dtype=torch.float8_e8m0fnu, device=device)
+    data = torch.empty(size=data_shape, dtype=out_dtype, device=device)
+    scales = None if scale_shape is None else torch.empty(size=scale_shape, dtype=torch.float8_e8m0fnu,
+                                                          device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(data, scales)
     if kernel_key is not None:
