@@ -175,14 +175,18 @@ def backward_dswiglu(grad_y, w2, offs, ab: list, concat: bool, mode: ScaleMode, 
     return dw2, rows if need_rows else [], cols if need_cols else []
 
 
-def backward_dgrad(rows: list, w, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple, x_dtype) -> torch.Tensor:
-    """One of dx's GEMMs in x's dtype: ``grad_a W1`` or ``grad_b W3`` from one rowwise form (``rows``, emptied), or
-    ``[grad_a | grad_b] W13`` from the stacked form or from both halves' (the scaled GEMM: their blocked scales
-    concatenated tile by tile, the halves freed then)."""
+def backward_dgrad(rows: list, w, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple, x_dtype,
+                   acc: torch.Tensor | None) -> torch.Tensor:
+    """One of dx's GEMMs in x's dtype, plus ``acc`` (the other's, or None): ``grad_a W1`` or ``grad_b W3`` from one
+    rowwise form (``rows``, emptied), or ``[grad_a | grad_b] W13`` from the stacked form or from both halves' (the
+    scaled GEMM: their blocked scales concatenated tile by tile, the halves freed then). The sum is written into
+    the new product (an addition is the same either way round), so no third ``(M, D)`` tensor is made."""
     with torch.no_grad():
         row = rows.pop() if len(rows) == 1 else bq.concat_rowwise(*rows)
         rows.clear()
-        return _mm_dgrad(row, _w_dgrad(w, mode, backend, scopes), offs).to(x_dtype)
+        part = _mm_dgrad(row, _w_dgrad(w, mode, backend, scopes), offs).to(x_dtype)
+        del row
+        return part if acc is None else part.add_(acc)
 
 
 def backward_x_operand(x_kept: list, fake: bool) -> tuple:
@@ -232,8 +236,8 @@ def block_backward(grad_y, w1, w3, w2, offs, saved: list, mode: ScaleMode, backe
     n_ab = 1 if _one_gate_up_gemm(w3, backend) else 2
     ab, x_kept, n_saved = saved[:n_ab], saved[n_ab:], len(saved)
     saved.clear()
-    # the saved a and b freed once dSwiGLU has read them, x's kept form once read back, and dx summed in place:
-    # the peak stays near the bf16 block's
+    # the saved a and b freed once dSwiGLU has read them, x's kept form once read back, and dx's two products
+    # summed in place: the peak stays near the bf16 block's
     with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
         dw2, rows, cols = stages.dswiglu(grad_y, w2, offs, ab, concat, mode, backend, scopes, need_w2, need_x,
                                          need_w1 or need_w3)
@@ -243,9 +247,7 @@ def block_backward(grad_y, w1, w3, w2, offs, saved: list, mode: ScaleMode, backe
         # are freed before x's colwise form is read back for the weight gradients
         dx = None
         for w, forms in zip(weights, _per_weight(rows, concat)):
-            part = stages.dgrad(forms, w, offs, mode, backend, scopes, x_dtype)
-            dx = part if dx is None else dx.add_(part)
-            del part
+            dx = stages.dgrad(forms, w, offs, mode, backend, scopes, x_dtype, dx)
         dws = [None, None]
         if need_w1 or need_w3:
             x_col = stages.x_operand(x_kept, backend is GemmBackend.EMULATED)

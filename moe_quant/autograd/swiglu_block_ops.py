@@ -86,24 +86,25 @@ def _dswiglu(grad_y: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, ab: lis
 
 
 def _dgrad(rows: list[torch.Tensor], w: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
-           x_dtype: torch.dtype) -> torch.Tensor:
-    """One of dx's GEMMs (:func:`.swiglu_block.backward_dgrad`) from one or two rowwise forms' tensors."""
+           x_dtype: torch.dtype, acc: torch.Tensor | None) -> torch.Tensor:
+    """One of dx's GEMMs plus ``acc`` (:func:`.swiglu_block.backward_dgrad`) from one or two rowwise forms'
+    tensors."""
     gemm = GemmBackend(backend)
     fake = gemm is GemmBackend.EMULATED
     forms, _ = _unflat(list(rows), len(rows) // _arity(fake)[0], 0, fake)
-    return backward_dgrad(forms, w, offs, ScaleMode(mode), gemm, (), x_dtype)
+    return backward_dgrad(forms, w, offs, ScaleMode(mode), gemm, (), x_dtype, acc)
 
 
-def _x_operand(x_kept: list[torch.Tensor]) -> torch.Tensor:
+def _x_operand(x_kept: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
     """The emulated GEMM's bf16 colwise operand of x (:func:`.swiglu_block.backward_x_operand`), its padded offsets
-    left out (those of the kept form: an op returns no input)."""
+    left out (those of the kept form: an op returns no input). ``after``: read by nothing (:class:`_OpStages`)."""
     return backward_x_operand(list(x_kept), True)[0]
 
 
 def _wgrad(cols: list[torch.Tensor], x_col: list[torch.Tensor], offs: torch.Tensor, backend: str,
-           w_dtype: torch.dtype) -> torch.Tensor:
+           w_dtype: torch.dtype, after: list[torch.Tensor]) -> torch.Tensor:
     """A gate-up weight's gradient (:func:`.swiglu_block.backward_wgrad`) from one or two colwise forms' tensors
-    (:func:`_flat`) and x's colwise operand."""
+    (:func:`_flat`) and x's colwise operand. ``after``: read by nothing (:class:`_OpStages`)."""
     gemm = GemmBackend(backend)
     fake = gemm is GemmBackend.EMULATED
     _, forms = _unflat(list(cols), 0, (len(cols) - 1) // (_arity(fake)[1] - 1), fake)
@@ -122,11 +123,19 @@ for _op, _fn in ((_fwd_op, _forward), (_dswiglu_op, _dswiglu), (_dgrad_op, _dgra
 
 
 class _OpStages:
-    """:class:`.swiglu_block.BackwardStages` with each stage one op call: the same signatures, the forms
-    flattened into and out of the ops' tensor lists. Each empties the lists it is handed, as the stages do."""
+    """:class:`.swiglu_block.BackwardStages` with each stage one op call (one instance per backward): the same
+    signatures, the forms flattened into and out of the ops' tensor lists; each empties the lists it is handed, as
+    the stages do. The graph orders ops by their inputs alone, and inductor's scheduler moves an op whose inputs
+    exist earlier (on 2026-12-02 it ran x's operand op first, before dSwiGLU, its bf16 values then living beside
+    every GEMM), so the x-operand and weight-gradient ops also take ``after``, tensors that exist anyway then and
+    that they do not read: dx (the last dgrad op's output, which holds the sum: an op's output, so inductor passes
+    it as it is, where it copied a sum it computed itself once per op reading it) and the colwise forms; that keeps
+    :func:`.swiglu_block.block_backward`'s order."""
 
-    @staticmethod
-    def dswiglu(grad_y, w2, offs, ab, concat, mode, backend, scopes, need_w2, need_rows, need_cols):
+    def __init__(self):
+        self.dx, self.cols = None, []
+
+    def dswiglu(self, grad_y, w2, offs, ab, concat, mode, backend, scopes, need_w2, need_rows, need_cols):
         fake = backend is GemmBackend.EMULATED
         out = _dswiglu_op(grad_y, w2, offs, list(ab), mode.value, backend.value, concat, need_w2, need_rows,
                           need_cols)
@@ -134,30 +143,33 @@ class _OpStages:
         dw2 = out.pop(0) if need_w2 else None
         n = _n_forms(concat, fake)
         rows, cols = _unflat(out, n * need_rows, n * need_cols, fake)
+        self.cols = _flat([], cols)
         return dw2, rows, cols
 
-    @staticmethod
-    def dgrad(rows, w, offs, mode, backend, scopes, x_dtype):
+    def dgrad(self, rows, w, offs, mode, backend, scopes, x_dtype, acc):
         flat = _flat(rows, [])
         rows.clear()
-        return _dgrad_op(flat, w, offs, mode.value, backend.value, x_dtype)
+        self.dx = _dgrad_op(flat, w, offs, mode.value, backend.value, x_dtype, acc)
+        return self.dx
 
-    @staticmethod
-    def x_operand(x_kept, fake):
+    def _after(self) -> list[torch.Tensor]:
+        return ([] if self.dx is None else [self.dx]) + self.cols
+
+    def x_operand(self, x_kept, fake):
         if not fake:  # the scaled GEMM reads the kept form itself
             kept = tuple(x_kept)
             x_kept.clear()
             return kept
-        values = _x_operand_op(list(x_kept))
+        values = _x_operand_op(list(x_kept), self._after())
         poffs = x_kept[-1]
         x_kept.clear()
         return values, poffs
 
-    @staticmethod
-    def wgrad(cols, x_col, offs, backend, w_dtype):
+    def wgrad(self, cols, x_col, offs, backend, w_dtype):
         flat = _flat([], cols)
         cols.clear()
-        return _wgrad_op(flat, list(x_col), offs, backend.value, w_dtype)
+        self.cols = []  # each weight gradient's colwise forms freed after its op
+        return _wgrad_op(flat, list(x_col), offs, backend.value, w_dtype, self._after())
 
 
 def _setup_context(ctx, inputs, output):
@@ -179,7 +191,7 @@ def _backward(ctx, grads):
         return (None,) * 9
     w1, w3, w2, offs, *saved = ctx.saved_tensors
     grads = block_backward(grad_y, w1, w3, w2, offs, saved, ScaleMode(ctx.mode), GemmBackend(ctx.backend), (),
-                           tuple(bool(n) for n in ctx.needs_input_grad[:4]), ctx.x_dtype, stages=_OpStages)
+                           tuple(bool(n) for n in ctx.needs_input_grad[:4]), ctx.x_dtype, stages=_OpStages())
     return (*first_order_only(grads, grad_y, w1, w3, w2), None, None, None, None, None)
 
 
