@@ -24,6 +24,9 @@ PyTorch's silu) bit for bit, on every backend.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -303,11 +306,19 @@ class _SwiGLUExperts(torch.autograd.Function):
         return (*first_order_only(grads, grad_y, w1, w3, w2), None, None, None)
 
 
-# The compiled block's revision, an argument of its forward op that nothing reads: torch's compile caches
-# (AOTAutograd's, on by default with inductor) key a graph by its code, in which the op appears by name, not by
-# what its registered backward does, so a cached graph would keep running the backward ops of the moe_quant that
-# compiled it. Bumped whenever the ops' backward changes (2: one op per backward stage, issue 54).
-COMPILED_REVISION = 2
+def _compiled_revision() -> int:
+    """A hash of the sources of the compiled block (this module and :mod:`.swiglu_block_ops`): an argument of its
+    forward op that nothing reads. torch's compile caches (AOTAutograd's, on by default with inductor) key a graph
+    by its code, in which the op appears by name, not by what its registered backward does (which ops, which
+    forms between them), so a graph cached by another version of these modules would run that version's backward
+    ops (or ops that no longer exist); with the hash in the code, any change to them is a new key."""
+    h = hashlib.sha256()
+    for name in ("swiglu_block.py", "swiglu_block_ops.py"):
+        h.update((Path(__file__).parent / name).read_bytes())
+    return int.from_bytes(h.digest()[:7], "little")
+
+
+COMPILED_REVISION = _compiled_revision()
 
 
 def _apply(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend) -> torch.Tensor:
