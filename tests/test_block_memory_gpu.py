@@ -90,7 +90,7 @@ def test_compiled_block_peak_at_most_bf16_compiled():
     DeepSeek-V3 16B's experts (D 2048, H 1408, E 64) with 512 rows an expert. At the backward's end both blocks
     hold y, dx, the three weight gradients, x (bf16: its colwise operand here) and grad_b (its colwise form):
     ``M (6D + 2H) + 3 E D H 2`` bytes, 1.49 GiB, bf16's peak; the fused block's GEMMs before it stay below that
-    at this size (its dx GEMMs: ``M (7D + 6H) + 2 E D H 2``, 1.39 GiB; at 1536 rows an expert they are its peak,
+    at this size (its dx GEMMs: ``M (7D + D/32 + 6H) + 2 E D H 2``, 1.39 GiB; at 1536 rows an expert they are its peak,
     above bf16's). With one op for the whole backward, a, b and x's kept fp8 form (``M (4H + D + D/32)``, 0.24 GiB)
     lived until that op returned, past the weight gradients' GEMMs: 1.73 GiB."""
     from benchmarks.bench_block import bf16_block, compiled, make_inputs, step_fn
