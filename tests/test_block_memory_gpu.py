@@ -80,3 +80,31 @@ def test_block_keeps_a_b_and_x_colwise_fp8_for_backward(compiled):
     assert kept == want, (kept, want)
     assert kept < m * d * 2 + 4 * (m * h * 2)  # the bf16 block's x, a, silu(a), b, h
     y.backward(gy)
+
+
+def test_compiled_block_peak_at_most_bf16_compiled():
+    """The compiled block's fwd+bwd peak above its inputs (``max_memory_allocated``, as ``benchmarks.bench_block``
+    measures it: x routed, inductor) is at most the compiled bf16 block's, plus the rows by which the emulated
+    GEMM's colwise operands are padded (32 per expert; issue 54).
+
+    DeepSeek-V3 16B's experts (D 2048, H 1408, E 64) with 512 rows an expert. At the backward's end both blocks
+    hold y, dx, the three weight gradients, x (bf16: its colwise operand here) and grad_b (its colwise form):
+    ``M (6D + 2H) + 3 E D H 2`` bytes, 1.49 GiB, bf16's peak; the fused block's GEMMs before it stay below that
+    at this size (its dx GEMMs: ``M (7D + D/32 + 6H) + 2 E D H 2``, 1.39 GiB; at 1536 rows an expert they are its peak,
+    above bf16's). With one op for the whole backward, a, b and x's kept fp8 form (``M (4H + D + D/32)``, 0.24 GiB)
+    lived until that op returned, past the weight gradients' GEMMs: 1.73 GiB."""
+    from benchmarks.bench_block import bf16_block, compiled, make_inputs, step_fn
+    from benchmarks.timing import peak_memory_bytes
+
+    d, h, e, m = 2048, 1408, 64, 64 * 512
+    args = make_inputs(m, d, h, e, "cuda")
+    peaks = {}
+    for name, fn in (("bf16", bf16_block), ("fused", mxfp8_swiglu_experts)):
+        torch._dynamo.reset()
+        step = step_fn(compiled(fn), *args, routed=True)
+        step()
+        step()  # warm-up: compiled, allocator pools made
+        peaks[name] = peak_memory_bytes(step)
+    padded_rows = layouts.k_groups_padded_len(m, e) - m
+    slack = padded_rows * (2 * d + 2 * h) + (2 << 20)  # x's and grad_b's colwise operands' padding; rounding
+    assert peaks["fused"] <= peaks["bf16"] + slack, {k: v / 2**30 for k, v in peaks.items()}

@@ -3,9 +3,12 @@ keeps eager (a and b in bf16, x's colwise fp8 form, scales and padded offsets), 
 would choose from the traced joint graph (x in bf16 and the weights' dequantized backward operands: issue 54)."""
 
 import math
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from moe_quant import mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13
 
@@ -62,3 +65,78 @@ def test_compiled_block_saves_what_eager_saves(compile_backend, concat, train_we
     torch._dynamo.reset()
     compiled = saved_storages(torch.compile(block_of(concat), fullgraph=True, backend=compile_backend), x0, ws, offs)
     assert compiled == eager
+
+
+GEMM_OPS = ("aten._grouped_mm", "aten._scaled_grouped_mm")
+
+
+class LiveAtEachGemm(TorchDispatchMode):
+    """Records each op run under it that may run a GEMM (at the top level: a compiled graph's custom ops; eager's
+    grouped GEMMs): the shapes of its outputs and which of ``refs`` (weak references to saved tensors) were still
+    alive when it started."""
+
+    def __init__(self, refs):
+        super().__init__()
+        self.refs, self.calls = refs, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        alive = [r() is not None for r in self.refs]
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "moe_quant" or str(func.overloadpacket) in GEMM_OPS:
+            shapes = {tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+            self.calls.append((str(func), shapes, alive))
+        return out
+
+
+@pytest.mark.parametrize("compile_backend,concat", [
+    (None, False), (None, True),  # eager: the reference behaviour
+    ("aot_eager", False), ("inductor", False), ("aot_eager", True), ("inductor", True),
+])
+def test_backward_frees_a_b_and_x_form_before_the_gemms_that_do_not_read_them(compile_backend, concat):
+    """Compiled as eager, a and b are freed before a GEMM that makes dx or a gate-up weight's gradient runs, and x's
+    kept fp8 form (read back into the emulated GEMM's operand) before the weight gradients' GEMMs: the compiled
+    backward graph drops its inputs after the op that reads them last, so its peak is eager's (issue 54: one
+    backward op read them all and held them until it returned)."""
+    x0, ws, offs = inputs(concat, True)
+    m = x0.shape[0]
+    fn = block_of(concat)
+    if compile_backend:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, backend=compile_backend)
+    fn(x0.clone().requires_grad_(), *ws, offs).sum().backward()  # warm-up: forward and backward compiled
+    y = fn(x0.clone().requires_grad_(), *ws, offs)
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    ab = [weakref.ref(t) for t in saved if t.dtype == torch.bfloat16 and tuple(t.shape) == (m, H)]
+    fp8 = [weakref.ref(t) for t in saved if t.dtype == torch.float8_e4m3fn]
+    del saved
+    assert len(ab) == 2 and len(fp8) == 1 and all(r() is not None for r in ab + fp8)  # saved, alive until backward
+    grad = torch.ones_like(y)
+    with LiveAtEachGemm(ab + fp8) as seen:
+        y.backward(grad)
+    dx_ops = [c for c in seen.calls if (m, D) in c[1]]
+    dw_ops = [c for c in seen.calls if tuple(ws[0].shape) in c[1]]  # w1's (or w13's) gradient's shape
+    assert dx_ops and dw_ops
+    for name, _, alive in dx_ops + dw_ops:
+        assert alive[:2] == [False, False], f"a and b alive when {name} ran"
+    for name, _, alive in dw_ops:
+        assert alive[2] is False, f"x's kept fp8 form alive when {name} ran"
+    assert all(r() is None for r in ab + fp8)
+
+
+@pytest.mark.parametrize("fake", [True, False])
+@pytest.mark.parametrize("n_rows,n_cols", [(2, 2), (1, 1), (2, 0), (0, 2), (0, 1)])
+def test_forms_cross_the_backward_ops_as_they_were(fake, n_rows, n_cols):
+    """The backward ops' flat tensor lists give back the forms of grad_a and grad_b put in, for both GEMM backends
+    (the scaled GEMM's forms are run nowhere on a CPU): rowwise ``(values,)`` / ``(data, scales)``, colwise
+    ``(values_t, poffs)`` / ``(data_t, scales, poffs)``, their padded offsets one tensor crossing once."""
+    from moe_quant.autograd.swiglu_block_ops import _arity, _flat, _unflat
+
+    r, c = _arity(fake)
+    poffs = torch.arange(4)
+    rows = [tuple(torch.full((2,), 10 * i + j) for j in range(r)) for i in range(n_rows)]
+    cols = [(*(torch.full((3,), 100 + 10 * i + j) for j in range(c - 1)), poffs) for i in range(n_cols)]
+    flat = _flat(rows, cols)
+    assert len({id(t) for t in flat}) == len(flat)  # no tensor twice (an op may not return one twice)
+    back_rows, back_cols = _unflat(flat, n_rows, n_cols, fake)
+    assert [tuple(map(id, f)) for f in back_rows] == [tuple(map(id, f)) for f in rows]
+    assert [tuple(map(id, f)) for f in back_cols] == [tuple(map(id, f)) for f in cols]

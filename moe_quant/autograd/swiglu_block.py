@@ -24,6 +24,9 @@ PyTorch's silu) bit for bit, on every backend.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -142,21 +145,24 @@ def _no_free(indices) -> None:
     """:func:`block_backward`'s ``free`` where nothing can be freed early (the compiled path)."""
 
 
-def block_backward(grad_y, w1, w3, w2, offs, saved: list, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
-                   needs: tuple, x_dtype: torch.dtype, free=_no_free) -> tuple:
-    """The block's backward: ``(dx, dw1, dw3, dw2)`` (None where ``needs``, the four input-grad flags, is False)
-    from ``grad_y`` and :func:`block_forward`'s ``saved``, which it empties (the caller keeps no reference, so
-    each saved tensor is freed once read: ``a`` and ``b`` after dSwiGLU, x's kept form once read back; ``free(i)``
-    is called with the indices into ``saved`` of those it is done with, for autograd to drop them too:
-    :func:`.saved.free_saved`). dx runs before dW1 and dW3. The one home of the backward's math."""
-    need_x, need_w1, need_w3, need_w2 = needs
-    concat = w3 is None
-    n_ab = 1 if _one_gate_up_gemm(w3, backend) else 2
-    a, b = _split_ab(saved[0]) if n_ab == 1 else saved[:2]
-    x_kept, n_saved = saved[n_ab:], len(saved)
-    saved.clear()
-    # each transient is freed once read, the saved a and b once dSwiGLU has read them, x's kept form once
-    # read back, and dx is summed in place: the peak stays near the bf16 block's
+def _per_weight(forms: list, concat: bool) -> list:
+    """``forms`` (grad_a's and grad_b's forms of one kind, :func:`backward_dswiglu`) grouped by the gate-up weight
+    whose GEMM reads them: ``[forms]`` for a concatenated weight (one GEMM over both, or over the stacked form),
+    else ``[[grad_a's], [grad_b's]]``; none where none were made. Empties ``forms``."""
+    groups = [] if not forms else [list(forms)] if concat else [[f] for f in forms]
+    forms.clear()
+    return groups
+
+
+def backward_dswiglu(grad_y, w2, offs, ab: list, concat: bool, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
+                     need_w2: bool, need_rows: bool, need_cols: bool) -> tuple:
+    """The backward's first stage, the last to read ``a`` and ``b`` (``ab``: the forward's saved ``[a, b]`` or
+    ``[[a | b]]``, emptied): ``(dw2, rows, cols)``. ``dw2`` (None unless ``need_w2``) from h's colwise form, made
+    again from ``a`` and ``b``; ``rows`` and ``cols``, the rowwise (dx's operands, where ``need_rows``) and colwise
+    (dW1's and dW3's, where ``need_cols``) forms of grad_a and grad_b made by dSwiGLU: ``[grad_a's, grad_b's]``,
+    or the one form of ``[grad_a | grad_b]`` (a concatenated weight on the emulated GEMM, written in place)."""
+    a, b = _split_ab(*ab) if len(ab) == 1 else ab
+    ab.clear()
     with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
         fake = backend is GemmBackend.EMULATED
         h_col = bq.swiglu_colwise(a, b, mode, offs, fake) if need_w2 else None  # made again from a and b
@@ -166,39 +172,93 @@ def block_backward(grad_y, w1, w3, w2, offs, saved: list, mode: ScaleMode, backe
         grad_h = _mm_dgrad(g_row, _w_dgrad(w2, mode, backend, scopes), offs)
         del g_row
         if concat and fake:  # [grad_a | grad_b]'s forms (dx's and dW13's operands) written in place, no copy
-            g13_row, g13_col = bq.dswiglu_stacked(grad_h, a, b, mode, offs)
-            ga_row = gb_row = ga_col = gb_col = None
+            rows, cols = (list(forms) for forms in zip(bq.dswiglu_stacked(grad_h, a, b, mode, offs)))
         else:
-            (ga_row, ga_col), (gb_row, gb_col) = bq.dswiglu(grad_h, a, b, mode, offs, fake)
-            g13_row = g13_col = None
-        del grad_h, a, b
+            rows, cols = (list(forms) for forms in zip(*bq.dswiglu(grad_h, a, b, mode, offs, fake)))
+    return dw2, rows if need_rows else [], cols if need_cols else []
+
+
+def backward_dgrad(rows: list, w, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple, x_dtype,
+                   acc: torch.Tensor | None) -> torch.Tensor:
+    """One of dx's GEMMs in x's dtype, plus ``acc`` (the other's, or None): ``grad_a W1`` or ``grad_b W3`` from one
+    rowwise form (``rows``, emptied), or ``[grad_a | grad_b] W13`` from the stacked form or from both halves' (the
+    scaled GEMM: their blocked scales concatenated tile by tile, the halves freed then). The sum is written into
+    the new product (an addition is the same either way round), so no third ``(M, D)`` tensor is made."""
+    with torch.no_grad():
+        row = rows.pop() if len(rows) == 1 else bq.concat_rowwise(*rows)
+        rows.clear()
+        part = _mm_dgrad(row, _w_dgrad(w, mode, backend, scopes), offs).to(x_dtype)
+        del row
+        return part if acc is None else part.add_(acc)
+
+
+def backward_x_operand(x_kept: list, fake: bool) -> tuple:
+    """x's colwise form as the weight-gradient GEMMs read it, from the kept one (``x_kept``, emptied): the emulated
+    GEMM's bf16 dequantization (the fp8 form freed then), the scaled GEMM's kept form itself."""
+    with torch.no_grad():
+        kept = tuple(x_kept)
+        x_kept.clear()
+        return bq.colwise_operand(kept, fake)
+
+
+def backward_wgrad(cols: list, x_col: tuple, offs, backend: GemmBackend, w_dtype) -> torch.Tensor:
+    """A gate-up weight's gradient in its dtype from grad_a's or grad_b's colwise form, or from the stacked form of
+    both (``cols``, emptied), and x's (:func:`backward_x_operand`); ``dW13`` on the scaled GEMM from both halves'
+    forms (:func:`_scaled_concat_wgrad`)."""
+    with torch.no_grad():
+        if len(cols) == 1:
+            return _mm_wgrad(cols.pop(), x_col, offs, backend, w_dtype)
+        ga_col, gb_col = cols
+        cols.clear()
+        return _scaled_concat_wgrad(ga_col, gb_col, x_col, offs, backend, w_dtype)
+
+
+class BackwardStages:
+    """:func:`block_backward`'s stages, each the last reader of some of what the earlier ones made: ``dswiglu``
+    (of ``a`` and ``b``), ``dgrad`` (of a rowwise form), ``x_operand`` (of x's kept form), ``wgrad`` (of a colwise
+    form). Eager they run as they are; the compiled path runs each as a custom op (:mod:`.swiglu_block_ops`), so
+    that the compiled backward graph frees each input after the op that reads it last."""
+
+    dswiglu = staticmethod(backward_dswiglu)
+    dgrad = staticmethod(backward_dgrad)
+    x_operand = staticmethod(backward_x_operand)
+    wgrad = staticmethod(backward_wgrad)
+
+
+def block_backward(grad_y, w1, w3, w2, offs, saved: list, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
+                   needs: tuple, x_dtype: torch.dtype, free=_no_free, stages=BackwardStages) -> tuple:
+    """The block's backward: ``(dx, dw1, dw3, dw2)`` (None where ``needs``, the four input-grad flags, is False)
+    from ``grad_y`` and :func:`block_forward`'s ``saved``, which it empties (the caller keeps no reference, so
+    each saved tensor is freed once read: ``a`` and ``b`` after dSwiGLU, x's kept form once read back; ``free(i)``
+    is called with the indices into ``saved`` of those it is done with, for autograd to drop them too:
+    :func:`.saved.free_saved`). dx runs before dW1 and dW3. The one home of the backward's order; its math is
+    in the ``stages`` (:class:`BackwardStages`, or the custom ops that run them under ``torch.compile``), each
+    handed lists it empties, so every transient is freed once its last reader returns."""
+    need_x, need_w1, need_w3, need_w2 = needs
+    concat = w3 is None
+    n_ab = 1 if _one_gate_up_gemm(w3, backend) else 2
+    ab, x_kept, n_saved = saved[:n_ab], saved[n_ab:], len(saved)
+    saved.clear()
+    # the saved a and b freed once dSwiGLU has read them, x's kept form once read back, and dx's two products
+    # summed in place: the peak stays near the bf16 block's
+    with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
+        dw2, rows, cols = stages.dswiglu(grad_y, w2, offs, ab, concat, mode, backend, scopes, need_w2, need_x,
+                                         need_w1 or need_w3)
         free(range(n_ab))
+        weights = (w1,) if concat else (w1, w3)
         # dx first: its GEMMs (and their weight operands) run before dW1 and dW3 exist, and the rowwise forms
         # are freed before x's colwise form is read back for the weight gradients
-        dx = dw1 = dw3 = None
-        if need_x:
-            if concat:
-                if g13_row is None:  # scaled: the blocked scales concatenated tile by tile
-                    g13_row = bq.concat_rowwise(ga_row, gb_row)
-                ga_row = gb_row = None
-                dx = _mm_dgrad(g13_row, _w_dgrad(w1, mode, backend, scopes), offs).to(x_dtype)
-            else:
-                dx = _mm_dgrad(ga_row, _w_dgrad(w1, mode, backend, scopes), offs).to(x_dtype)
-                ga_row = None
-                dx.add_(_mm_dgrad(gb_row, _w_dgrad(w3, mode, backend, scopes), offs).to(x_dtype))
-        ga_row = gb_row = g13_row = None
-        x_col = bq.colwise_operand(x_kept, fake) if need_w1 or need_w3 else None
-        del x_kept  # the emulated GEMM's fp8 form: read back into x_col, freed here
-        free(range(n_ab, n_saved))
-        if concat:
-            if need_w1:
-                dw1 = (_mm_wgrad(g13_col, x_col, offs, backend, w1.dtype) if fake
-                       else _scaled_concat_wgrad(ga_col, gb_col, x_col, offs, backend, w1.dtype))
-        else:
-            dw1 = _mm_wgrad(ga_col, x_col, offs, backend, w1.dtype) if need_w1 else None
-            del ga_col
-            dw3 = _mm_wgrad(gb_col, x_col, offs, backend, w3.dtype) if need_w3 else None
-    return dx, dw1, dw3, dw2
+        dx = None
+        for w, forms in zip(weights, _per_weight(rows, concat)):
+            dx = stages.dgrad(forms, w, offs, mode, backend, scopes, x_dtype, dx)
+        dws = [None, None]
+        if need_w1 or need_w3:
+            x_col = stages.x_operand(x_kept, backend is GemmBackend.EMULATED)
+            free(range(n_ab, n_saved))
+            for i, (w, forms, need) in enumerate(zip(weights, _per_weight(cols, concat), (need_w1, need_w3))):
+                dws[i] = stages.wgrad(forms, x_col, offs, backend, w.dtype) if need else None
+                forms.clear()
+    return dx, dws[0], dws[1], dw2
 
 
 def first_order_only(grads: tuple, grad_y, w1, w3, w2) -> tuple:
@@ -219,8 +279,9 @@ class _SwiGLUExperts(torch.autograd.Function):
     x's colwise form in fp8 and scales (:func:`moe_quant.block_quantize.colwise_kept`); not ``x``, not ``h``:
     h's colwise form is made again from ``a`` and ``b`` in backward. In an eager backward ``a`` and ``b`` are
     freed once dSwiGLU has read them and x's kept form once read back for the weight gradients
-    (:func:`.saved.free_saved`); dx runs before dW1 and dW3. Under ``torch.compile`` the block runs as two custom
-    ops instead (:mod:`.swiglu_block_ops`), which keep the same tensors."""
+    (:func:`.saved.free_saved`); dx runs before dW1 and dW3. Under ``torch.compile`` the block runs as custom ops
+    instead (:mod:`.swiglu_block_ops`: the forward, and each stage of the backward), which keep the same tensors
+    and free them at the same points."""
 
     @staticmethod
     def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend):
@@ -245,8 +306,23 @@ class _SwiGLUExperts(torch.autograd.Function):
         return (*first_order_only(grads, grad_y, w1, w3, w2), None, None, None)
 
 
+def _compiled_revision() -> int:
+    """A hash of the sources of the compiled block (this module and :mod:`.swiglu_block_ops`): an argument of its
+    forward op that nothing reads. torch's compile caches (AOTAutograd's, on by default with inductor) key a graph
+    by its code, in which the op appears by name, not by what its registered backward does (which ops, which
+    forms between them), so a graph cached by another version of these modules would run that version's backward
+    ops (or ops that no longer exist); with the hash in the code, any change to them is a new key."""
+    h = hashlib.sha256()
+    for name in ("swiglu_block.py", "swiglu_block_ops.py"):
+        h.update((Path(__file__).parent / name).read_bytes())
+    return int.from_bytes(h.digest()[:7], "little")
+
+
+COMPILED_REVISION = _compiled_revision()
+
+
 def _apply(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend) -> torch.Tensor:
-    """The block on checked arguments: the autograd function in eager; under ``torch.compile`` its two custom ops
+    """The block on checked arguments: the autograd function in eager; under ``torch.compile`` its custom ops
     (:mod:`.swiglu_block_ops`: AOTAutograd's partitioner would otherwise save x and the weights' backward
     operands instead of what the block keeps)."""
     if torch.compiler.is_compiling():
@@ -254,7 +330,7 @@ def _apply(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend) -> torch.
         # x's colwise form is kept where a weight gradient is to be computed
         keep_x = torch.is_grad_enabled() and (w1.requires_grad or (w3 is not None and w3.requires_grad))
         return torch.ops.moe_quant.swiglu_block_fwd.default(x, w1, w3, w2, offs, mode.value, backend.value,
-                                                            keep_x)[0]
+                                                            keep_x, COMPILED_REVISION)[0]
     return _SwiGLUExperts.apply(x, w1, w3, w2, offs, mode, backend)
 
 

@@ -1,7 +1,7 @@
 """What the fused SwiGLU block keeps for its backward, eager and under ``torch.compile(fullgraph=True)``: every
 tensor the autograd graph saves (a ``saved_tensors_hooks`` pack hook), the weights left out, in bytes a routed row.
 
-    python scripts/probes/compiled_saved_probe.py [--backend inductor|aot_eager]
+    python scripts/probes/compiled_saved_probe.py [--backend inductor|aot_eager] [--path fused|unfused]
 
 CPU or GPU (the device of the default tensor type: CPU). Eager keeps a, b and x's colwise fp8 form and scales (the
 block's ``ctx.save_for_backward``). Compiled, AOTAutograd's partitioner decided instead until the block became two
@@ -19,7 +19,9 @@ import math
 
 import torch
 
-from moe_quant import mxfp8_swiglu_experts
+from moe_quant import mxfp8_swiglu_experts, swiglu_experts_unfused
+
+PATHS = {"fused": mxfp8_swiglu_experts, "unfused": swiglu_experts_unfused}  # unfused: three mxfp8_grouped_mm
 
 
 def saved_rows(fn, x0, ws, offs):
@@ -40,6 +42,8 @@ def saved_rows(fn, x0, ws, offs):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
+    p.add_argument("--path", default="fused", choices=list(PATHS),
+                   help="fused: mxfp8_swiglu_experts; unfused: the per-GEMM path (swiglu_experts_unfused)")
     args = p.parse_args(argv)
     sizes, d, h = [256, 128, 0, 128], 256, 192
     g = torch.Generator().manual_seed(0)
@@ -50,7 +54,7 @@ def main(argv=None):
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
 
     def block(x, w1, w3, w2, offs):
-        return mxfp8_swiglu_experts(x * 1, w1, w3, w2, offs)  # x * 1: a routed copy only the block could keep
+        return PATHS[args.path](x * 1, w1, w3, w2, offs)  # x * 1: a routed copy only the block could keep
 
     for mode, fn in (("eager", block), ("compiled", torch.compile(block, fullgraph=True, backend=args.backend))):
         rows = saved_rows(fn, x0, ws, offs)
