@@ -19,10 +19,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 def pytest_collection_finish(session):
     """Selected test modules with a ``start_in_background()`` (``tests/test_kernel_compile.py``) start their
-    background work now; their ``stop_background()`` runs when the session ends. Not for ``--collect-only``, nor in
-    pytest-xdist's workers."""
-    if session.config.option.collectonly or in_xdist_worker():  # every worker collects every test: under xdist the
-        return  # worker that runs such a module does its work in the module's fixture, beside the other worker
+    background work now; their ``stop_background()`` runs when the session ends. Not for ``--collect-only``."""
+    if session.config.option.collectonly:
+        return
     for module in {item.module for item in getattr(session, "items", ()) if getattr(item, "module", None) is not None}:
         if hasattr(module, "start_in_background"):
             module.start_in_background()
@@ -34,48 +33,13 @@ def pytest_sessionfinish(session):
             module.stop_background()
 
 
-# Running the suite on two cores (README's command, ``.ci/run``): ``-n 2 --dist loadgroup --no-loadscope-reorder``
-# (pytest-xdist). Each test file is one unit of work, as with ``--dist loadfile`` (its module fixtures run once),
-# except the tests of SHARED_RUNS: the tests of those files that use that fixture are one unit of their own (one
-# process: one run of the 2-rank torchtitan checks the two files share, ``titan_checks.all_checks``), beside the
-# rest of their file. Units are handed out in SLOW_FIRST's order (each took over 30 s on 2 idle cores, 2026-12-02),
-# then in the collection's order, so that no long unit starts last while the other worker idles.
-SHARED_RUNS = {("test_titan_trainer.py", "checks"): "titan_checks", ("test_titan_trainer_faults.py", "checks"): "titan_checks"}
-SLOW_FIRST = ("titan_checks", "test_titan_trainer.py", "test_torchtitan_ep.py", "test_torchtitan_model_ep.py",
-              "test_compile_moe.py", "test_kernel_compile.py", "test_converted_is_plain.py", "test_ep_bench.py",
-              "test_ep.py", "test_grouped_mm.py", "test_moe_training.py", "test_swiglu_block.py", "test_torchtitan.py",
-              "test_reuse.py", "test_hf_block.py", "test_compile_unbacked.py", "test_docs.py", "test_hf_transformers.py",
-              "test_compile_warnings.py", "test_checkpointing.py", "test_fsdp2.py")
-
-
-def _unit_of(item) -> str:
-    """The unit of work ``item`` belongs to under ``--dist loadgroup``: its file's name or a SHARED_RUNS group."""
-    name = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    for (file, fixture), group in SHARED_RUNS.items():
-        if name == file and fixture in getattr(item, "fixturenames", ()):
-            return group
-    return name
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="needs a CUDA GPU")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
-    if getattr(config.option, "dist", "no") == "loadgroup":  # the units of work and their order (SHARED_RUNS)
-        rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-        units = {item: _unit_of(item) for item in items}
-        items.sort(key=lambda item: rank.get(units[item], len(rank)))  # stable: a unit's tests keep their order
-        for item in items:
-            if item.get_closest_marker("xdist_group") is None:
-                item.add_marker(pytest.mark.xdist_group(units[item]))
-
-
-def in_xdist_worker() -> bool:
-    """This process is one of pytest-xdist's workers (``-n``)."""
-    return "PYTEST_XDIST_WORKER" in os.environ
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

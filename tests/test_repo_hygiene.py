@@ -29,7 +29,7 @@ def test_docs_exist_and_reference_nothing_outside_the_repository():
 
 
 def test_ci_runs_the_readme_test_command():
-    command = "HYPOTHESIS_PROFILE=ci python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder"  # conftest.py
+    command = "HYPOTHESIS_PROFILE=ci python -m pytest -q"
     assert command in (ROOT / "README.md").read_text()
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert ci_lines[-1] == command
@@ -129,15 +129,3 @@ def test_traced_check_messages_bind_no_closure():
             if m and not re.match(r"""['"]""", m.group(1).strip()):
                 bad.append(f"{path.name}:{no}: {line.strip()}")
     assert not bad, "message lambdas reading a closure:\n" + "\n".join(bad)
-
-
-def test_the_units_of_work_under_xdist_name_what_exists():
-    """conftest.py's SLOW_FIRST and SHARED_RUNS name test files that exist, and fixtures those files use: a renamed
-    file would silently fall back to the collection's order, a renamed fixture would split the shared run in two."""
-    import conftest
-
-    groups = set(conftest.SHARED_RUNS.values())
-    for name in conftest.SLOW_FIRST:
-        assert name in groups or (ROOT / "tests" / name).is_file(), name
-    for (file, fixture), _ in conftest.SHARED_RUNS.items():
-        assert f"def {fixture}(" in (ROOT / "tests" / file).read_text(), (file, fixture)
