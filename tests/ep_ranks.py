@@ -351,7 +351,7 @@ def _worker(rank, world, store, out_dir, jobs):
     os._exit(0)
 
 
-def run_session(world: int, jobs: list, timeout_s: float = 100.0, clean_teardown: bool = False) -> list:
+def run_session(world: int, jobs: list, timeout_s: float = 400.0, clean_teardown: bool = False) -> list:
     """Runs ``jobs`` on ``world`` gloo ranks; returns ``results[rank][job]``. Never hangs: ranks still
     running after ``timeout_s`` are terminated and the missing results raise. ``clean_teardown``: raise if
     a rank's gloo threads outlived ``destroy_process_group`` (its backend kept alive)."""
