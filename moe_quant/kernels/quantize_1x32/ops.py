@@ -64,12 +64,15 @@ def _scale_shape(m: int, k: int, g: int | None, scale_layout: str) -> tuple[int,
 # ----------------------------------------------------------------------------- implementations
 
 
+def _spec(dtype: torch.dtype, mode: str, kind: str, out: str, as_bf16: bool) -> tuple:
+    """``(key, make_variant)`` of the variant for an input of ``dtype`` (``compile_cache.kernel_for``): the one
+    home of both."""
+    as_bf16 = as_bf16 and dtype == torch.float32  # a bf16 input is its own rounding
+    return ("q1x32", dtype, mode, kind, out, as_bf16), lambda: Variant(IN_DTYPES[dtype], mode, kind, out, as_bf16=as_bf16)
+
+
 def _kernel_for(x: torch.Tensor, mode: str, kind: str, out: str, as_bf16: bool = False) -> cc.Compiled:
-    as_bf16 = as_bf16 and x.dtype == torch.float32  # a bf16 input is its own rounding
-    return cc.kernel_for(
-        ("q1x32", x.dtype, mode, kind, out, as_bf16),
-        lambda: Variant(IN_DTYPES[x.dtype], mode, kind, out, as_bf16=as_bf16), x.device
-    )
+    return cc.kernel_for(*_spec(x.dtype, mode, kind, out, as_bf16), x.device)
 
 
 _PLANS: dict = {}  # the eager calls' plans (compile_cache.plan): key of _quantize_impl / _fake_impl -> _plan's
@@ -80,7 +83,6 @@ def _plan(shape, g, scale_layout, dtype, mode, as_bf16, out, index):
     launches), make_variant)`` of a call on ``x`` of ``shape`` and ``dtype``; ``g``: offs' length or None; ``out``:
     "float8_e4m3fn" to quantize, the output dtype's name to fake-quantize."""
     m, k = shape
-    as_bf16 = as_bf16 and dtype == torch.float32  # a bf16 input is its own rounding
     if out == "float8_e4m3fn":
         kind = "mgroups" if g is not None else ("blocked" if scale_layout == "blocked" else "plain")
         scale_shape = _scale_shape(m, k, g, scale_layout)
@@ -90,8 +92,8 @@ def _plan(shape, g, scale_layout, dtype, mode, as_bf16, out, index):
         launches = m * k or scale_shape[0] * scale_shape[1]
     else:
         kind, scale_shape, launches = "fake", None, m * k
-    key = ("q1x32", dtype, mode, kind, out, as_bf16, index)
-    return scale_shape, key if launches else None, lambda: Variant(IN_DTYPES[dtype], mode, kind, out, as_bf16=as_bf16)
+    key, make = _spec(dtype, mode, kind, out, as_bf16)
+    return scale_shape, key + (index,) if launches else None, make
 
 
 def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str, as_bf16: bool = False):

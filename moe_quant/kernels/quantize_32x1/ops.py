@@ -19,13 +19,15 @@ def _key(in_dtype: torch.dtype, mode: str, groups: str, out_dtype: torch.dtype, 
     return ("q32x1", in_dtype, mode, groups, out_dtype, as_bf16)
 
 
+def _spec(dtype: torch.dtype, mode: str, groups: str, out_dtype: torch.dtype, as_bf16: bool) -> tuple:
+    """``(key, make_variant)`` of the default variant for an input of ``dtype``: the one home of both."""
+    as_bf16 = as_bf16 and dtype == torch.float32  # a bf16 input is its own rounding
+    return (_key(dtype, mode, groups, out_dtype, as_bf16),
+            lambda: Variant(IN_DTYPES[dtype], mode, groups, _OUT_NAMES[out_dtype], as_bf16=as_bf16))
+
+
 def _kernel_32x1(x: torch.Tensor, mode: str, groups: str, out_dtype: torch.dtype, as_bf16: bool = False) -> cc.Compiled:
-    as_bf16 = as_bf16 and x.dtype == torch.float32  # a bf16 input is its own rounding
-    return cc.kernel_for(
-        _key(x.dtype, mode, groups, out_dtype, as_bf16),
-        lambda: Variant(IN_DTYPES[x.dtype], mode, groups, _OUT_NAMES[out_dtype], as_bf16=as_bf16),
-        x.device,
-    )
+    return cc.kernel_for(*_spec(x.dtype, mode, groups, out_dtype, as_bf16), x.device)
 
 
 def variant_in_place(variant: Variant, device: torch.device):
@@ -56,8 +58,8 @@ def _plan_k_groups(shape, g, dtype, mode, out_dtype, index):
     elif scale_shape[0] * scale_shape[1] > cc.INT32_MAX:
         raise ValueError(f"quantize_32x1: scale buffer of {scale_shape[0] * scale_shape[1]} bytes exceeds the int32 "
                          "index range")
-    key = _key(dtype, mode, "kgroups", out_dtype, False) + (index,)
-    make = lambda: Variant(IN_DTYPES[dtype], mode, "kgroups", _OUT_NAMES[out_dtype])  # noqa: E731
+    key, make = _spec(dtype, mode, "kgroups", out_dtype, False)
+    key += (index,)
     return data_shape, scale_shape, key if data_shape[0] * data_shape[1] else None, make
 
 
@@ -84,13 +86,12 @@ def _plan_3d(shape, dtype, mode, out_dtype, as_bf16, index):
     """``(data shape, scale shape or None, the kernel's key on device ``index`` or None where nothing launches,
     make_variant)`` of a call on ``w`` of ``shape`` (E, N, K) and ``dtype``."""
     e, n, k = shape
-    as_bf16 = as_bf16 and dtype == torch.float32  # a bf16 input is its own rounding
     scale_shape = None
     if out_dtype == torch.float8_e4m3fn:
         rp, cp = layouts.blocked_shape(k, n // BLOCK_SIZE)
         scale_shape = (e, rp * cp)
-    key = _key(dtype, mode, "uniform", out_dtype, as_bf16) + (index,)
-    make = lambda: Variant(IN_DTYPES[dtype], mode, "uniform", _OUT_NAMES[out_dtype], as_bf16=as_bf16)  # noqa: E731
+    key, make = _spec(dtype, mode, "uniform", out_dtype, as_bf16)
+    key += (index,)
     return (e, k, n), scale_shape, key if e * n * k else None, make
 
 
