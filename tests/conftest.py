@@ -65,6 +65,25 @@ def spy_on(monkeypatch, owner, name: str) -> list:
     return calls
 
 
+@pytest.fixture(scope="session")
+def warm_torchrun():
+    """From here to the session's end, torchrun started by any test (``python -m torch.distributed.run``, in
+    this process's environment) runs each rank as a fork of a server that imported torch and torchtitan once
+    (``repo_subprocess.warm_ranks``, ``tests/warm_ranks.py``): waits for that server (about 12 s, once)."""
+    from repo_subprocess import warm_ranks, warm_ranks_ready
+
+    env = warm_ranks()
+    warm_ranks_ready(120)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture
 def gloo_group():
     """A one-rank gloo default process group for the test (in this process), destroyed after it."""

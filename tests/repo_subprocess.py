@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,3 +105,72 @@ class _WarmServer:
 
 
 _WARM = _WarmServer()
+
+
+def rank_client(folder: Path) -> str:
+    """``folder/python``: ``tests/warm_rank.py`` under a ``#!`` line that runs this interpreter isolated and without
+    site (``-IS``: it starts in milliseconds), for torchrun's ``PYTHON_EXEC`` (one executable, no shell between:
+    a shell would change the environment, e.g. ``PWD``)."""
+    exe = folder / "python"
+    exe.write_text(f"#!{sys.executable} -IS\n" + (ROOT / "tests" / "warm_rank.py").read_text())
+    exe.chmod(0o755)
+    return str(exe)
+
+
+class _WarmRanks:
+    """The fork server of ``tests/warm_ranks.py`` for torchrun's ranks (see :func:`warm_ranks`)."""
+
+    def __init__(self):
+        self.proc = None
+        self.env = None
+        self.dir = None
+
+    def start(self) -> dict:
+        if self.env is not None:
+            return self.env
+        if not (sys.platform.startswith("linux") and hasattr(os, "pidfd_open")) or len(sys.executable) > 120 or any(
+                c.isspace() for c in sys.executable):  # a "#!" line holds no blank and, on older kernels, 127 bytes
+            self.env = {}
+            return self.env
+        self.dir = tempfile.mkdtemp(prefix="warm_ranks_")
+        sock = os.path.join(self.dir, "socket")
+        exe = rank_client(Path(self.dir))
+        with open(os.path.join(self.dir, "server.log"), "w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "warm_ranks.py"), sock], cwd=ROOT,
+                                         env=_env(False, ()), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                         stderr=log)
+        atexit.register(self.stop)
+        self.env = {"PYTHON_EXEC": exe, "MOE_QUANT_WARM_RANKS": sock}
+        return self.env
+
+    def stop(self):
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except Exception:  # noqa: BLE001 - on the way out
+                self.proc.kill()
+            self.proc = None
+
+
+_RANKS = _WarmRanks()
+
+
+def warm_ranks_ready(timeout: float) -> bool:
+    """Wait until the server of :func:`warm_ranks` listens (its preload done); False if it did not."""
+    sock = (_RANKS.env or {}).get("MOE_QUANT_WARM_RANKS")
+    deadline = time.monotonic() + timeout
+    while sock and not os.path.exists(sock):
+        if time.monotonic() > deadline or _RANKS.proc is None or _RANKS.proc.poll() is not None:
+            return False
+        time.sleep(0.1)
+    return bool(sock)
+
+
+def warm_ranks() -> dict:
+    """The environment under which torchrun (``python -m torch.distributed.run``) starts each rank as a fork of a
+    server that imported torch, torch._dynamo, torchao and torchtitan's trainer once (``tests/warm_ranks.py``),
+    instead of a fresh interpreter (about 12 s of a core a rank): ``PYTHON_EXEC``, torchrun's own override of
+    the interpreter, and the server's socket. The server starts on the first call (in the background: ranks
+    started before its preload is done run cold) and ends with this process; ``{}`` where it cannot run."""
+    return _RANKS.start()

@@ -319,7 +319,7 @@ def repo_paths(cmd: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("block", BASH, ids=[b.id for b in BASH])
-def test_shell_block(block, monkeypatch, capsys):
+def test_shell_block(block, monkeypatch, capsys, request):
     monkeypatch.chdir(ROOT)
     cmds = commands(block.code)
     assert cmds, f"{block.id}: no command"
@@ -342,6 +342,8 @@ def test_shell_block(block, monkeypatch, capsys):
     if block.marker != "run":
         return
     for cmd in cmds:
+        if cmd[0] == "torchrun":
+            request.getfixturevalue("warm_torchrun")  # its ranks warm: conftest
         argv = executable(cmd)
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -19,6 +19,8 @@ import ep_wire_fit  # noqa: E402
 from p2p_probe import FORMS  # noqa: E402
 from benchmarks import bench_ep  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("warm_torchrun")  # torchrun's ranks warm: conftest
+
 D = 7168
 MX_ROW, BF16_ROW = D + D // 32, 2 * D
 LEGS = ("dispatch", "combine", "combine backward", "dispatch backward")

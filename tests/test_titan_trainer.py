@@ -39,7 +39,7 @@ from process_checks import gone, wait_until
 from repo_subprocess import run_python
 from titan_checks import CPU_COMPUTE, NEEDS_GLOO, SAVE_AT, STEPS, all_checks, assert_all_passed
 
-pytestmark = NEEDS_GLOO
+pytestmark = [NEEDS_GLOO, pytest.mark.usefixtures("warm_torchrun")]  # torchrun's ranks warm: conftest
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from titan_checks import KILL_AT, NEEDS_GLOO, SAVE_AT, all_checks, assert_all_passed
 
-pytestmark = NEEDS_GLOO
+pytestmark = [NEEDS_GLOO, pytest.mark.usefixtures("warm_torchrun")]  # torchrun's ranks warm: conftest
 
 
 @pytest.fixture(scope="module")

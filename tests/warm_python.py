@@ -34,7 +34,8 @@ _BASE_PATH = sys.path[1:]  # what the installation adds (sys.path[0] is this fil
 _ENV = dict(os.environ)
 
 
-_ENV_FREE = ("PYTHONPATH", "PYTEST_CURRENT_TEST")  # may differ: torch reads neither
+# may differ: torch reads none of them (the last two: repo_subprocess.warm_ranks, for torchrun's ranks)
+_ENV_FREE = ("PYTHONPATH", "PYTEST_CURRENT_TEST", "PYTHON_EXEC", "MOE_QUANT_WARM_RANKS")
 
 
 def _same_env(env: dict) -> bool:

@@ -50,6 +50,14 @@ def stub_missing_fsdp_names() -> list[str]:
     return [STUBBED_NAME]
 
 
+def torchtitan_imports_alone() -> bool:
+    """Whether torchtitan 0.3.0 imports on this torch without :func:`stub_missing_fsdp_names` (torch >= 2.12 has
+    the real name; not this module's placeholder)."""
+    import torch.distributed.fsdp as fsdp
+
+    return getattr(getattr(fsdp, "DataParallelMeshDims", None), "__module__", __name__) != __name__
+
+
 def provide_set_timeout() -> list[str]:
     """``torch.distributed.set_timeout`` where torch lacks it: torch's ``_set_pg_timeout``. Returns the names it set."""
     import torch.distributed as dist

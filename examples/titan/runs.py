@@ -140,7 +140,8 @@ def free_port() -> int:
 
 
 def run_ranks(rank_args: list[list[str]], logs: list[str], *, timeout: float) -> list[Job]:
-    """One process per rank started by hand (no torchrun), rank ``r`` with its own arguments ``rank_args[r]``."""
+    """One process per rank started by hand (no torchrun), rank ``r`` with its own arguments ``rank_args[r]``; the
+    interpreter torchrun would start (``PYTHON_EXEC``, else this one)."""
     world, port = len(rank_args), free_port()
     started = time.monotonic()
     procs = []
@@ -149,7 +150,8 @@ def run_ranks(rank_args: list[list[str]], logs: list[str], *, timeout: float) ->
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
         log_file = open(log, "w", encoding="utf-8")
-        procs.append((subprocess.Popen([sys.executable, "-m", "examples.titan.launch", *targs], cwd=ROOT, env=env,
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        procs.append((subprocess.Popen([python, "-m", "examples.titan.launch", *targs], cwd=ROOT, env=env,
                                        stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp), log_file))
     deadline = started + timeout
     try:
