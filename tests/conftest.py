@@ -19,7 +19,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 def pytest_collection_finish(session):
     """Selected test modules with a ``start_in_background()`` (``tests/test_kernel_compile.py``) start their
-    background work now; their ``stop_background()`` runs when the session ends. Not for ``--collect-only``."""
+    background work now (their tests run last: ``pytest_collection_modifyitems``); their ``stop_background()``
+    runs when the session ends. Not for ``--collect-only``."""
     if session.config.option.collectonly:
         return
     for module in {item.module for item in getattr(session, "items", ()) if getattr(item, "module", None) is not None}:
@@ -34,6 +35,9 @@ def pytest_sessionfinish(session):
 
 
 def pytest_collection_modifyitems(config, items):
+    # the tests of modules with background work (tests/test_kernel_compile.py) last: the work then fills the idle
+    # core of the whole session instead of being waited for at the module's place in the order
+    items.sort(key=lambda item: hasattr(getattr(item, "module", None), "start_in_background"))  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

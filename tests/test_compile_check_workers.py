@@ -170,3 +170,14 @@ def test_conftest_starts_background_work_after_collection_and_stops_it_at_the_en
     assert calls == []
     conftest.pytest_collection_finish(_session([types.SimpleNamespace(module=a)]))  # b's tests not selected
     assert calls == [("start", "a")]
+
+
+def test_conftest_runs_the_tests_of_modules_with_background_work_last():
+    import conftest
+
+    calls = []
+    a, plain, other = _module("a", calls), _module("plain", calls, with_hooks=False), _module("other", calls, False)
+    items = [types.SimpleNamespace(module=m, keywords={}, name=f"{m.__name__}{i}")
+             for i, m in enumerate((a, plain, a, other, plain))]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.name for i in items] == ["plain1", "other3", "plain4", "a0", "a2"]  # the rest keep their order
