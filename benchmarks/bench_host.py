@@ -143,8 +143,9 @@ def quantize_launches() -> list[tuple[str, object, object, object]]:
     ps = torch.empty(layouts.m_groups_blocked_shape(256, 8, 2), device="cuda", dtype=torch.float8_e8m0fnu)
     po = torch.empty(2, device="cuda", dtype=torch.int32)
     kp = ops_permute._kernel("blocked", torch.bfloat16, x.device)
-    def empties(*like):
-        return lambda: [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in like]
+    def empties(*like):  # as the ops allocate: the size by keyword, a torch.device (the faster argument parsing)
+        shapes = [(tuple(t.shape), t.dtype) for t in like]
+        return lambda: [torch.empty(size=shape, dtype=dtype, device=x.device) for shape, dtype in shapes]
 
     return [
         ("quantize_1x32 (M-groups)", lambda: ops.quantize_1x32(x, "rceil", offs), lambda: k1(x, d, sc, offs),
@@ -168,10 +169,11 @@ def allocation_peers(device: torch.device) -> list[tuple[str, object]]:
     e4m3, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 
     def separate():
-        return torch.empty((m, k), dtype=e4m3, device=device), torch.empty((sr, sc), dtype=e8m0, device=device)
+        return (torch.empty(size=(m, k), dtype=e4m3, device=device),
+                torch.empty(size=(sr, sc), dtype=e8m0, device=device))
 
     def one_buffer():
-        buf = torch.empty(m * k + sr * sc, dtype=e4m3, device=device)
+        buf = torch.empty(size=(m * k + sr * sc,), dtype=e4m3, device=device)
         return buf.as_strided((m, k), (k, 1)), buf.as_strided((sr, sc), (sc, 1), m * k).view(e8m0)
 
     buf = torch.empty(m * k + sr * sc, dtype=e4m3, device=device)
