@@ -19,16 +19,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from fsdp2_check import backend_threads, release_mesh_process_groups  # noqa: E402  (the teardown checks)
-from warm_python import PRELOAD  # noqa: E402
-
-from examples.titan.launch import torchtitan_imports_alone  # noqa: E402
-
-# The ranks are forks of one server per test process that imported these third-party modules once (7-12 s of a
-# core a rank otherwise; torchtitan's trainer where it imports without the launcher's stand-ins); each rank imports
-# moe_quant and this repository's modules itself. The server keeps the environment it started with: no caller
-# here changes os.environ for its ranks.
-mp.get_context("forkserver").set_forkserver_preload(
-    [*PRELOAD, "torch.distributed", *(("torchtitan.train",) if torchtitan_imports_alone() else ())])
+from repo_subprocess import forkserver  # noqa: E402
 
 
 def _error(fn):
@@ -366,6 +357,7 @@ def run_session(world: int, jobs: list, timeout_s: float = 400.0, clean_teardown
     running after ``timeout_s`` are terminated and the missing results raise. ``clean_teardown``: raise if
     a rank's gloo threads outlived ``destroy_process_group`` (its backend kept alive)."""
     with tempfile.TemporaryDirectory() as tmp:
+        forkserver()  # the ranks are forks of one server per test process that imported torch and torchtitan once
         ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, jobs), nprocs=world,
                                  join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout_s

@@ -133,32 +133,46 @@ def test_single_converted_grouped_gemm_meets_design_bounds():
 # ----------------------------------------------------------------------------- training
 
 
-@pytest.fixture(scope="module")
-def trained():
+def train_one_thread(kind: str) -> dict:
+    """One 300-step training of the demo's task (``demo.train``) in this process, on one CPU thread as the demo
+    runs (the model is too small to gain from more; on a loaded 2-core machine PyTorch's intra-op threads waiting
+    on each other made the trainings take 991 s, not 47): ``kind`` ``bf16``, ``mxfp8`` (the experts converted)
+    or ``no_experts`` (the bf16 student with its experts frozen at zero output). Returns the run's result and
+    what the checks read of the model."""
+    torch.set_num_threads(1)
     cfg = TaskConfig(steps=300, tokens=256)
     student, teacher = make_models(cfg, "cpu")
-    bf16 = copy.deepcopy(student)
-    mx = copy.deepcopy(student)
-    quantize_(mx, MXFP8MoEConfig(), filter_fn=EXPERTS)
+    if kind == "mxfp8":
+        quantize_(student, MXFP8MoEConfig(), filter_fn=EXPERTS)
+    elif kind == "no_experts":
+        for mod in student.modules():
+            if hasattr(mod, "w2") and mod.w2.ndim == 3:
+                mod.requires_grad_(False)
+                torch.nn.init.zeros_(mod.w2)
     reset_fallback_counts()
-    return train_one_thread(bf16, teacher, cfg), train_one_thread(mx, teacher, cfg), mx
+    result = train(student, teacher, cfg, "cpu")
+    return {"result": result, "fallbacks": dict(fallback_counts()),
+            "experts_converted": [is_converted(m) for n, m in student.named_modules() if n.endswith(".experts")]}
 
 
-def train_one_thread(model, teacher, cfg):
-    """``demo.train`` on one CPU thread, as the demo runs: the model is too small to gain from more, and on a loaded
-    2-core machine PyTorch's intra-op threads waiting on each other made the 300-step trainings take 991 s, not 47."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return train(model, teacher, cfg, "cpu")
-    finally:
-        torch.set_num_threads(threads)
+@pytest.fixture(scope="module")
+def trained():
+    """The three trainings at once, each a process of its own (forked from a server that imported torch: the
+    suite's 2 cores run them side by side)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from repo_subprocess import forkserver
+
+    kinds = ("bf16", "mxfp8", "no_experts")
+    with ProcessPoolExecutor(len(kinds), mp_context=forkserver()) as pool:
+        return dict(zip(kinds, pool.map(train_one_thread, kinds)))
 
 
 def test_mxfp8_training_loss_within_3_percent_of_bf16(trained):
-    bf16, mx, model = trained
-    assert not fallback_counts()
-    assert all(is_converted(m) for n, m in model.named_modules() if n.endswith(".experts"))
+    bf16, mx = trained["bf16"]["result"], trained["mxfp8"]["result"]
+    assert not trained["mxfp8"]["fallbacks"]
+    converted = trained["mxfp8"]["experts_converted"]
+    assert converted and all(converted)
     for r in (bf16, mx):  # both actually learn
         assert r.eval_loss < 0.5 * r.losses[0]
     gap = abs(mx.eval_loss - bf16.eval_loss) / bf16.eval_loss
@@ -169,12 +183,6 @@ def test_mxfp8_training_loss_within_3_percent_of_bf16(trained):
 def test_task_needs_the_experts(trained):
     # The loss gap above only means something if the experts matter: the same student with
     # its experts frozen at zero output must end clearly worse than the bf16 run.
-    bf16, _, _ = trained
-    cfg = TaskConfig(steps=300, tokens=256)
-    student, teacher = make_models(cfg, "cpu")
-    for mod in student.modules():
-        if hasattr(mod, "w2") and mod.w2.ndim == 3:
-            mod.requires_grad_(False)
-            torch.nn.init.zeros_(mod.w2)
-    no_experts = train_one_thread(student, teacher, cfg)
+    bf16, no_experts = trained["bf16"]["result"], trained["no_experts"]["result"]
+    assert trained["no_experts"]["experts_converted"] == [False] * len(trained["bf16"]["experts_converted"])
     assert no_experts.eval_loss > 1.2 * bf16.eval_loss, (no_experts.eval_loss, bf16.eval_loss)
