@@ -43,6 +43,17 @@ def run_python(*args, pythonpath=True, timeout=240, extra_paths=(), warm=False):
     )
 
 
+def _end(proc):
+    """End a server of ours: EOF on its stdin, then SIGKILL if it is still there 10 s later. Returns None."""
+    if proc is not None:
+        try:
+            proc.stdin.close()
+            proc.wait(10)
+        except Exception:  # noqa: BLE001 - on the way out
+            proc.kill()
+    return None
+
+
 class _WarmServer:
     """The fork server of ``tests/warm_python.py``, started on first use, ended with this process."""
 
@@ -64,13 +75,7 @@ class _WarmServer:
         return not self.failed
 
     def _stop(self):
-        if self.proc is not None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(10)
-            except Exception:  # noqa: BLE001 - on the way out
-                self.proc.kill()
-            self.proc = None
+        self.proc = _end(self.proc)
 
     def _reply(self, timeout):
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -144,13 +149,7 @@ class _WarmRanks:
         return self.env
 
     def stop(self):
-        if self.proc is not None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(10)
-            except Exception:  # noqa: BLE001 - on the way out
-                self.proc.kill()
-            self.proc = None
+        self.proc = _end(self.proc)
 
 
 _RANKS = _WarmRanks()

@@ -45,8 +45,8 @@ def _same_env(env: dict) -> bool:
 
 def _child(req: dict, proto: tuple, server: int) -> None:
     """In the forked child: become the command; never returns."""
-    code = 1
-    try:
+
+    def setup():
         os.setpgid(0, 0)
         _die_with(server)
         for fd in proto:
@@ -59,11 +59,21 @@ def _child(req: dict, proto: tuple, server: int) -> None:
         os.dup2(err, 2)
         for fd in (null, out, err):
             os.close(fd)
+
+    become(setup, req["argv"], req["env"], req["cwd"])
+
+
+def become(setup, argv: list, env: dict, cwd: str) -> None:
+    """In a forked child: ``setup()`` (its process group, descriptors), then the command ``argv`` in the
+    environment ``env`` and the working directory ``cwd``; exits with its status (never returns)."""
+    code = 1
+    try:
+        setup()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
-        os.environ.update(req["env"])
-        os.chdir(req["cwd"])
-        code = _run(req["argv"], req["env"].get("PYTHONPATH", ""))
+        os.environ.update(env)
+        os.chdir(cwd)
+        code = _run(argv, env.get("PYTHONPATH", ""))
     except BaseException:  # noqa: BLE001 - the child reports anything, as the interpreter would
         try:
             sys.excepthook(*sys.exc_info())

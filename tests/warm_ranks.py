@@ -87,8 +87,8 @@ def _streams(unbuffered: bool) -> None:
 
 def _child(req: dict, fds: list, command: list, unbuffered: bool, server: int, sockets: list, pidfds: list) -> None:
     """In the forked child: become the rank; never returns."""
-    code = 1
-    try:
+
+    def setup():
         os.setpgid(0, 0)
         warm_python._die_with(server)
         for s in sockets:
@@ -102,22 +102,12 @@ def _child(req: dict, fds: list, command: list, unbuffered: bool, server: int, s
                 os.close(fd)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         _streams(unbuffered)
-        os.environ.clear()
-        os.environ.update(req["env"])
-        os.chdir(req["cwd"])
         threads = req["env"].get("OMP_NUM_THREADS")
         if threads and threads.isdigit() and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(int(threads))
-        code = warm_python._run(command, req["env"].get("PYTHONPATH", ""))
-    except BaseException:  # noqa: BLE001 - the child reports anything, as the interpreter would
-        try:
-            sys.excepthook(*sys.exc_info())
-        except BaseException:  # noqa: BLE001
-            pass
-    finally:
-        os._exit(warm_python._finish(code))
+
+    warm_python.become(setup, command, req["env"], req["cwd"])
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list]:
