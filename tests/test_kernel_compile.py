@@ -3,8 +3,8 @@
 Runs moe_quant.kernels.compile_check (one subprocess per arch, in parallel) and checks that
 ptxas reports no register spills and no local-memory stack frame for any variant. The subprocesses start
 when the session's tests are collected (``start_in_background``, called by ``tests/conftest.py``), niced,
-so that the ~3 CPU-minutes of compiling fill the core the (mostly single-threaded) tests before this module
-leave idle; the fixture then waits for what is left. The
+so that the ~6 CPU-minutes of compiling (about 3 an arch) fill the core the (mostly single-threaded) other tests
+leave idle; this module's tests run last (conftest) and its fixture waits for what is left. The
 per-variant report (registers, spills, compile time) goes to the log, not to the terminal:
 ``pytest tests/test_kernel_compile.py --log-cli-level=INFO`` shows it, and a failure
 includes it in the assertion message.
