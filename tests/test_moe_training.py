@@ -1,6 +1,10 @@
 """The reference MoE, and training it in bf16 vs MXFP8 (converted with quantize_)."""
 
 import copy
+import os
+import pickle
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -155,17 +159,59 @@ def train_one_thread(kind: str) -> dict:
             "experts_converted": [is_converted(m) for n, m in student.named_modules() if n.endswith(".experts")]}
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """The three trainings at once, each a process of its own (forked from a server that imported torch: the
-    suite's 2 cores run them side by side)."""
-    from concurrent.futures import ProcessPoolExecutor
+KINDS = ("bf16", "mxfp8", "no_experts")
+BACKGROUND_NICE = 10
+_BACKGROUND: dict = {}
 
+
+def _train_to_file(kind: str, path: str, nice: int) -> None:
+    """In a forkserver process: :func:`train_one_thread`, its result pickled to ``path``."""
+    os.nice(nice)
+    out = train_one_thread(kind)
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(out, f)
+    os.replace(path + ".tmp", path)
+
+
+def start_in_background() -> None:
+    """The three trainings start when the session's tests are collected (``tests/conftest.py``), each a process of
+    its own forked from a server that imported torch, niced: they fill the core the (mostly single-threaded) other
+    tests leave idle, and this module's tests, which run last, read them."""
+    if _BACKGROUND:
+        return
     from repo_subprocess import forkserver
 
-    kinds = ("bf16", "mxfp8", "no_experts")
-    with ProcessPoolExecutor(len(kinds), mp_context=forkserver()) as pool:
-        return dict(zip(kinds, pool.map(train_one_thread, kinds)))
+    ctx = forkserver()
+    folder = tempfile.mkdtemp(prefix="moe_training_")
+    procs = {k: ctx.Process(target=_train_to_file, args=(k, os.path.join(folder, f"{k}.pkl"), BACKGROUND_NICE))
+             for k in KINDS}
+    for p in procs.values():
+        p.start()
+    _BACKGROUND.update(folder=folder, procs=procs)
+
+
+def stop_background() -> None:
+    """Kill the trainings where the session ends before the fixture collected them."""
+    for p in _BACKGROUND.pop("procs", {}).values():
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+    shutil.rmtree(_BACKGROUND.pop("folder", ""), ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The three trainings' results (started at collection, or now where this module was not collected so)."""
+    start_in_background()
+    out = {}
+    for kind, p in _BACKGROUND["procs"].items():
+        p.join(1200)  # a hang's limit: the three take about 100 s of CPU
+        path = os.path.join(_BACKGROUND["folder"], f"{kind}.pkl")
+        assert p.exitcode == 0 and os.path.exists(path), f"the {kind} training ended with {p.exitcode}"
+        with open(path, "rb") as f:
+            out[kind] = pickle.load(f)
+    stop_background()
+    return out
 
 
 def test_mxfp8_training_loss_within_3_percent_of_bf16(trained):
