@@ -23,9 +23,17 @@ def pytest_collection_finish(session):
     runs when the session ends. Not for ``--collect-only``."""
     if session.config.option.collectonly:
         return
-    for module in {item.module for item in getattr(session, "items", ()) if getattr(item, "module", None) is not None}:
+    for module in {item.module for item in getattr(session, "items", ())
+                   if getattr(item, "module", None) is not None and not _skipped(item)}:
         if hasattr(module, "start_in_background"):
             module.start_in_background()
+
+
+def _skipped(item) -> bool:
+    """The item carries a skip mark, or a skipif mark whose condition is a true bool (string conditions: not)."""
+    marks = getattr(item, "iter_markers", lambda name=None: ())
+    return any(True for _ in marks(name="skip")) or any(
+        m.args and isinstance(m.args[0], bool) and m.args[0] for m in marks(name="skipif"))
 
 
 def pytest_sessionfinish(session):

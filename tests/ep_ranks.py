@@ -7,6 +7,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -307,8 +308,9 @@ def _job(job):
     raise ValueError(kind)
 
 
-def _worker(rank, world, store, out_dir, jobs):
+def _worker(rank, world, store, out_dir, jobs, nice=0, collective_timeout_s=60.0):
     torch.set_num_threads(1)
+    os.nice(nice)
     # Before the process group: torch._dynamo (which moe_quant and torchao import) imported after
     # init_process_group keeps the gloo backend alive past destroy_process_group (torch 2.13), so its
     # threads were torn down at interpreter exit, which aborted a rank now and then ("terminate called
@@ -325,7 +327,7 @@ def _worker(rank, world, store, out_dir, jobs):
     results = []
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
         for job in jobs:
             results.append(_job(job))
         dist.barrier()
@@ -352,27 +354,38 @@ def _worker(rank, world, store, out_dir, jobs):
     os._exit(0)
 
 
-def run_session(world: int, jobs: list, timeout_s: float = 400.0, clean_teardown: bool = False) -> list:
-    """Runs ``jobs`` on ``world`` gloo ranks; returns ``results[rank][job]``. Never hangs: ranks still
-    running after ``timeout_s`` are terminated and the missing results raise. ``clean_teardown``: raise if
-    a rank's gloo threads outlived ``destroy_process_group`` (its backend kept alive)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        forkserver()  # the ranks are forks of one server per test process that imported torch and torchtitan once
-        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, jobs), nprocs=world,
-                                 join=False, start_method="forkserver")
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                for p in ctx.processes:
-                    p.join(10)
-                raise TimeoutError(f"EP session of {world} ranks did not finish in {timeout_s} s")
-        out = []
-        for r in range(world):
-            with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                out.append(json.load(f))
+def start_session(world: int, jobs: list, folder: str, *, nice: int = 0, collective_timeout_s: float = 60.0):
+    """Start ``jobs`` on ``world`` gloo ranks writing into ``folder`` (forks of one server per test process that
+    imported torch and torchtitan once); :func:`finish_session` reads them. ``nice``: the ranks' niceness;
+    ``collective_timeout_s``: gloo's timeout (a collective waiting longer for a peer raises)."""
+    forkserver()
+    return mp.start_processes(_worker, args=(world, os.path.join(folder, "store"), folder, jobs, nice,
+                                             collective_timeout_s),
+                              nprocs=world, join=False, start_method="forkserver")
+
+
+def stop_session(ctx) -> None:
+    for p in ctx.processes:
+        if p.is_alive():
+            p.terminate()
+    for p in ctx.processes:
+        p.join(10)
+
+
+def finish_session(ctx, folder: str, timeout_s: float = 400.0, clean_teardown: bool = False) -> list:
+    """The results of :func:`start_session`'s ranks, ``results[rank][job]``. Never hangs: ranks still running
+    after ``timeout_s`` are terminated and the missing results raise. ``clean_teardown``: raise if a rank's gloo
+    threads outlived ``destroy_process_group`` (its backend kept alive)."""
+    world = len(ctx.processes)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            stop_session(ctx)
+            raise TimeoutError(f"EP session of {world} ranks did not finish in {timeout_s} s")
+    out = []
+    for r in range(world):
+        with open(os.path.join(folder, f"rank{r}.json")) as f:
+            out.append(json.load(f))
     for r, res in enumerate(out):
         for item in res:
             if isinstance(item, dict) and "fatal" in item:
@@ -381,3 +394,44 @@ def run_session(world: int, jobs: list, timeout_s: float = 400.0, clean_teardown
         if clean_teardown and left:
             raise RuntimeError(f"rank {r}: gloo threads alive after destroy_process_group: {left}")
     return out
+
+
+def run_session(world: int, jobs: list, timeout_s: float = 400.0, clean_teardown: bool = False) -> list:
+    """Runs ``jobs`` on ``world`` gloo ranks (:func:`start_session`, :func:`finish_session`); returns
+    ``results[rank][job]``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return finish_session(start_session(world, jobs, tmp), tmp, timeout_s, clean_teardown)
+
+
+class BackgroundSession:
+    """A test module's EP session started when the session's tests are collected (the module's
+    ``start_in_background``, called by ``tests/conftest.py``, which runs the module's tests last), niced, so that it
+    fills the core the (mostly single-threaded) other tests leave idle; gloo's timeout 900 s (a starved peer is
+    not a hang). ``jobs(folder)``: the jobs, given the session's folder."""
+
+    NICE = 10
+
+    def __init__(self, world: int, jobs):
+        self.world, self.jobs, self.started = world, jobs, None
+
+    def start(self) -> None:
+        if self.started is None:
+            folder = tempfile.mkdtemp(prefix="ep_session_")
+            ctx = start_session(self.world, self.jobs(folder), folder, nice=self.NICE, collective_timeout_s=900.0)
+            self.started = (ctx, folder)
+
+    def stop(self) -> None:
+        if self.started is not None:
+            ctx, folder = self.started
+            self.started = None
+            stop_session(ctx)
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def results(self, timeout_s: float) -> list:
+        """Started now where it was not yet; its results, as :func:`run_session`'s."""
+        self.start()
+        ctx, folder = self.started
+        try:
+            return finish_session(ctx, folder, timeout_s)
+        finally:
+            self.stop()

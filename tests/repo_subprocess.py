@@ -189,4 +189,34 @@ def forkserver():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, "torch.distributed",
                                 *(("torchtitan.train",) if torchtitan_imports_alone() else ())])
+    _start_quietly()
     return ctx
+
+
+FORKSERVER_LOG = os.path.join(tempfile.gettempdir(), f"moe_quant_tests_forkserver_{os.getpid()}.log")
+
+
+def _start_quietly() -> None:
+    """Start the forkserver, and multiprocessing's resource tracker, with stdout on /dev/null and stderr into
+    :data:`FORKSERVER_LOG`: their processes keep the descriptors of their start, and a session starts them outside
+    any test's capture (at collection), where the preload's import-time notes (torchao's), a process's traceback
+    and the tracker's notes at exit would reach the terminal. A forked process writes there too."""
+    from multiprocessing import forkserver as _fs, resource_tracker
+
+    if getattr(_fs._forkserver, "_forkserver_pid", None) is not None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = os.dup(1), os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    log = os.open(FORKSERVER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(null, 1)
+        os.dup2(log, 2)
+        resource_tracker.ensure_running()
+        _fs.ensure_running()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null, log):
+            os.close(fd)

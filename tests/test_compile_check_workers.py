@@ -181,3 +181,19 @@ def test_conftest_runs_the_tests_of_modules_with_background_work_last():
              for i, m in enumerate((a, plain, a, other, plain))]
     conftest.pytest_collection_modifyitems(None, items)
     assert [i.name for i in items] == ["plain1", "other3", "plain4", "a0", "a2"]  # the rest keep their order
+
+
+def test_conftest_starts_no_background_work_for_a_module_whose_tests_all_skip():
+    import conftest
+
+    calls = []
+    a, b, c = _module("a", calls), _module("b", calls), _module("c", calls)
+    marks = {"a": [pytest.mark.skipif(True, reason="x").mark], "b": [pytest.mark.skipif(False, reason="x").mark],
+             "c": [pytest.mark.skip(reason="x").mark]}
+
+    def item(m):
+        return types.SimpleNamespace(module=m, iter_markers=lambda name=None: [
+            k for k in marks[m.__name__] if name is None or k.name == name])
+
+    conftest.pytest_collection_finish(_session([item(a), item(b), item(c)]))
+    assert calls == [("start", "b")]

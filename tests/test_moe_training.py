@@ -14,6 +14,7 @@ from torchao.quantization import quantize_
 from moe_quant.conversion import MXFP8MoEConfig, fallback_counts, is_converted, reset_fallback_counts
 from moe_quant.demo import TaskConfig, make_models, train
 from moe_quant.moe import MoE, TinyMoEModel
+from repo_subprocess import FORKSERVER_LOG, forkserver
 
 EXPERTS = lambda mod, fqn: "experts" in fqn  # noqa: E731
 
@@ -179,8 +180,6 @@ def start_in_background() -> None:
     tests leave idle, and this module's tests, which run last, read them."""
     if _BACKGROUND:
         return
-    from repo_subprocess import forkserver
-
     ctx = forkserver()
     folder = tempfile.mkdtemp(prefix="moe_training_")
     procs = {k: ctx.Process(target=_train_to_file, args=(k, os.path.join(folder, f"{k}.pkl"), BACKGROUND_NICE))
@@ -207,7 +206,8 @@ def trained():
     for kind, p in _BACKGROUND["procs"].items():
         p.join(1200)  # a hang's limit: the three take about 100 s of CPU
         path = os.path.join(_BACKGROUND["folder"], f"{kind}.pkl")
-        assert p.exitcode == 0 and os.path.exists(path), f"the {kind} training ended with {p.exitcode}"
+        assert p.exitcode == 0 and os.path.exists(path), \
+            f"the {kind} training ended with {p.exitcode}; its output: {FORKSERVER_LOG}"
         with open(path, "rb") as f:
             out[kind] = pickle.load(f)
     stop_background()

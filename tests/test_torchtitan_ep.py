@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 pytest.importorskip("torchtitan.models.common.token_dispatcher", reason="torchtitan not importable")
-from ep_ranks import run_session  # noqa: E402
+from ep_ranks import BackgroundSession  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with gloo")
@@ -30,11 +30,14 @@ JOBS = {
 }
 
 
+_SESSION = BackgroundSession(2, lambda folder: [JOBS[n] for n in JOBS])
+start_in_background, stop_background = _SESSION.start, _SESSION.stop  # the session starts at collection
+
+
 @pytest.fixture(scope="module")
 def titan2():
-    names = list(JOBS)
-    results = run_session(2, [JOBS[n] for n in names], timeout_s=2400.0)  # 9 compiles, shared 2 cores
-    return {name: [results[r][i] for r in range(2)] for i, name in enumerate(names)}
+    results = _SESSION.results(timeout_s=2400.0)  # 9 compiles, shared 2 cores
+    return {name: [results[r][i] for r in range(2)] for i, name in enumerate(JOBS)}
 
 
 @pytest.mark.parametrize("job", [j for j in JOBS if j not in ("ours_ep_uneven", "ours_ep_sync_free_unbounded")])

@@ -33,12 +33,13 @@ Substituted on this CPU machine, and why:
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch.distributed as dist
 
 pytest.importorskip("torchtitan.models.deepseek_v3", reason="torchtitan not importable")
-from ep_ranks import run_session  # noqa: E402
+from ep_ranks import BackgroundSession  # noqa: E402
 
 
 def _torch_has_fsdp_mesh_dims() -> bool:
@@ -66,14 +67,19 @@ JOBS = {
 }
 
 
+def _jobs(folder: str) -> list:
+    state = os.path.join(folder, "state.pt")
+    return [("titan_model_state", {"path": state})] + [("titan_model", {**JOBS[n], "state_path": state}) for n in JOBS]
+
+
+_SESSION = BackgroundSession(2, _jobs)
+start_in_background, stop_background = _SESSION.start, _SESSION.stop  # the session starts at collection
+
+
 @pytest.fixture(scope="module")
-def titan_model(tmp_path_factory):
-    state = str(tmp_path_factory.mktemp("titan_model") / "state.pt")
-    names = list(JOBS)
-    jobs = [("titan_model_state", {"path": state})] + [("titan_model", {**JOBS[n], "state_path": state})
-                                                        for n in names]
-    results = run_session(2, jobs, timeout_s=900.0)
-    return {name: [results[r][i + 1] for r in range(2)] for i, name in enumerate(names)}
+def titan_model():
+    results = _SESSION.results(timeout_s=900.0)
+    return {name: [results[r][i + 1] for r in range(2)] for i, name in enumerate(JOBS)}
 
 
 def test_converted_experts_run_mxfp8_behind_our_dispatcher(titan_model):
