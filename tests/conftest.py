@@ -86,14 +86,10 @@ def warm_torchrun():
 
     env = warm_ranks()
     warm_ranks_ready(120)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        yield
 
 
 @pytest.fixture

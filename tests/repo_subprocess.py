@@ -127,8 +127,7 @@ class _WarmRanks:
 
     def __init__(self):
         self.proc = None
-        self.env = None
-        self.dir = None
+        self.env = None  # once started: what warm_ranks() returns
 
     def start(self) -> dict:
         if self.env is not None:
@@ -137,13 +136,13 @@ class _WarmRanks:
                 c.isspace() for c in sys.executable):  # a "#!" line holds no blank and, on older kernels, 127 bytes
             self.env = {}
             return self.env
-        self.dir = tempfile.mkdtemp(prefix="warm_ranks_")
-        sock = os.path.join(self.dir, "socket")
-        exe = rank_client(Path(self.dir))
-        with open(os.path.join(self.dir, "server.log"), "w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "warm_ranks.py"), sock], cwd=ROOT,
-                                         env=_env(False, ()), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                         stderr=log)
+        folder = tempfile.mkdtemp(prefix="warm_ranks_")
+        sock = os.path.join(folder, "socket")
+        exe = rank_client(Path(folder))
+        with open(os.path.join(folder, "server.log"), "w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "warm_ranks.py"), sock,
+                                          ",".join(rank_preload())], cwd=ROOT, env=_env(False, ()),
+                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log)
         atexit.register(self.stop)
         self.env = {"PYTHON_EXEC": exe, "MOE_QUANT_WARM_RANKS": sock}
         return self.env
@@ -175,20 +174,25 @@ def warm_ranks() -> dict:
     return _RANKS.start()
 
 
-def forkserver():
-    """multiprocessing's forkserver context, its server preloading what ``tests/warm_python.py`` preloads (and
-    torch.distributed, and torchtitan's trainer where it imports on its own): a process of it starts in
-    milliseconds instead of the seconds of a fresh interpreter's imports. The server starts on the first
-    process and keeps the environment of that moment (no caller changes os.environ for its processes)."""
-    import multiprocessing
-
+def rank_preload() -> list:
+    """What the servers of ranks import once (:func:`warm_ranks`' and :func:`forkserver`'s): what
+    ``tests/warm_python.py`` preloads, torch.distributed, and torchtitan's trainer where it imports on its own
+    (torch 2.11 lacks a name torchtitan 0.3.0 imports: a rank puts the launcher's stand-in in place first)."""
     from warm_python import PRELOAD
 
     from examples.titan.launch import torchtitan_imports_alone
 
+    return [*PRELOAD, "torch.distributed", *(("torchtitan.train",) if torchtitan_imports_alone() else ())]
+
+
+def forkserver():
+    """multiprocessing's forkserver context, its server preloading :func:`rank_preload`: a process of it starts in
+    milliseconds instead of the seconds of a fresh interpreter's imports. The server starts on the first
+    process and keeps the environment of that moment (no caller changes os.environ for its processes)."""
+    import multiprocessing
+
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([*PRELOAD, "torch.distributed",
-                                *(("torchtitan.train",) if torchtitan_imports_alone() else ())])
+    ctx.set_forkserver_preload(rank_preload())
     _start_quietly()
     return ctx
 

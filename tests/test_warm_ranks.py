@@ -26,10 +26,8 @@ pytestmark = pytest.mark.skipif(not (sys.platform.startswith("linux") and hasatt
 SERVER = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])  # as `python tests/warm_ranks.py` has it
-    import warm_python, warm_ranks
-    warm_python.PRELOAD = tuple(sys.argv[3].split(","))
-    warm_ranks.OPTIONAL_PRELOAD = ()
-    warm_ranks.serve(sys.argv[2])
+    import warm_ranks
+    warm_ranks.serve(sys.argv[2], sys.argv[3].split(","))
 """)
 
 
@@ -111,8 +109,8 @@ OUTCOMES = {"ok": 0, "exit3": 3, "raise": 1, "lost": 4, "SIGKILL": -signal.SIGKI
 @pytest.mark.parametrize("unbuffered", [True, False])
 @pytest.mark.parametrize("form", ["-m", "FILE"])
 def test_a_rank_does_what_the_interpreter_does(server, tree, form, unbuffered, outcome):
-    argv = [*(["-u"] if unbuffered else []), *(["-m", "probe_main"] if form == "-m" else ["../scripts/probe_script.py"]),
-            "--flag", "two words", outcome]
+    command = ["-m", "probe_main"] if form == "-m" else ["../scripts/probe_script.py"]
+    argv = [*(["-u"] if unbuffered else []), *command, "--flag", "two words", outcome]
     env = dict(server.env, RANK="1", WORLD_SIZE="2")  # what torchrun adds may differ from the server's
     client, rc, out, err = _run([server.exe, *argv], tree / "work", env)
     _, cold_rc, cold_out, cold_err = _run([sys.executable, *argv], tree / "work", env)
@@ -123,7 +121,8 @@ def test_a_rank_does_what_the_interpreter_does(server, tree, form, unbuffered, o
         assert out == cold_out == ""  # buffered, then lost: as the interpreter loses it
         return
     got, want = json.loads(out), json.loads(cold_out)
-    assert got["warm"] and not want["warm"], (got, want, server.log.read_text()[-2000:])  # forked from the server, which preloaded colorsys
+    # forked from the server, which preloaded colorsys
+    assert got["warm"] and not want["warm"], (got, want, server.log.read_text()[-2000:])
     assert got["pid"] != client  # not the client: a child of the server
     for key in ("argv", "path0", "cwd", "rank", "stdin"):
         assert got[key] == want[key], key
@@ -223,7 +222,8 @@ if sys.argv[1] == "fail" and rank == 1:
 @pytest.mark.parametrize("outcome", ["ok", "fail"])
 def test_torchrun_runs_its_ranks_warm(tmp_path, outcome):
     """``torchrun`` with the client as ``PYTHON_EXEC``: its ranks are forks of the server (torch preloaded), with
-    torchrun's one thread a rank (``OMP_NUM_THREADS=1``); a rank killed by SIGKILL is reported as torchrun reports it."""
+    torchrun's one thread a rank (``OMP_NUM_THREADS=1``); a rank killed by SIGKILL is reported as torchrun reports
+    it."""
     s = RankServer(tmp_path, preload="torch")
     try:
         (tmp_path / "rank.py").write_text(RANK)

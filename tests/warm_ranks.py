@@ -1,5 +1,6 @@
-"""A fork server for torchrun's ranks: ``python tests/warm_ranks.py SOCKET``, with ``tests/warm_rank.py`` as the
-interpreter torchrun starts (its ``PYTHON_EXEC``); :func:`repo_subprocess.warm_ranks` sets both up.
+"""A fork server for torchrun's ranks: ``python tests/warm_ranks.py SOCKET MODULES``, with ``tests/warm_rank.py``
+as the interpreter torchrun starts (its ``PYTHON_EXEC``); :func:`repo_subprocess.warm_ranks` sets both up and names
+the modules to preload (``MODULES``, comma separated: :func:`repo_subprocess.rank_preload`).
 
 A rank of a torchtitan job spends about 12 s of a CPU core importing torch, torch._dynamo, torchtitan and torchao
 before its first line of work; a 2-rank job of the CPU suite trains for a few seconds. This server imports those
@@ -7,11 +8,12 @@ third-party modules once (:mod:`warm_python`'s preload, and torchtitan's trainer
 listens on a Unix socket. ``warm_rank.py``, started by torchrun as ``PYTHON_EXEC -u -m MOD ARGS`` (or ``-u FILE
 ARGS``), connects, sends its command line, environment and working directory with its descriptors 0, 1 and 2, and
 the server forks a child that becomes that command as :mod:`warm_python` runs one (its ``sys.argv``, ``sys.path``,
-``__main__``, exit status), on the rank's own stdin, stdout and stderr, unbuffered for ``-u`` as the interpreter
-is (or with ``PYTHONUNBUFFERED``), with ``torch.set_num_threads`` from the rank's ``OMP_NUM_THREADS`` (the OpenMP runtime read the variable when
-this server loaded torch). The client relays what torchrun does to it: a signal it gets is sent to the child's
-process group; the child's exit status is its own (a child killed by signal N kills the client with N, the
-``exitcode: -N`` torchrun reports). A client that dies (torchrun's SIGKILL) takes the child's process group with it.
+``__main__``, exit status), on the rank's own stdin, stdout and stderr, unbuffered for ``-u`` (or
+``PYTHONUNBUFFERED``) as the interpreter is, with ``torch.set_num_threads`` from the rank's ``OMP_NUM_THREADS`` (the
+OpenMP runtime read the variable when this server loaded torch). The client relays what torchrun does to it: a
+signal it gets is sent to the child's process group; the child's exit status is its own (a child killed by signal N
+kills the client with N, the ``exitcode: -N`` torchrun reports). A client that dies (torchrun's SIGKILL) takes the
+child's process group with it.
 
 What torch reads at import is this server's: a request whose environment differs from the server's in anything
 but what torchrun sets for a rank (:data:`RANK_VARS`), ``PYTHONPATH``, ``PYTEST_CURRENT_TEST`` and moe_quant's own
@@ -46,9 +48,6 @@ RANK_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORL
              "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
              "TORCHELASTIC_ENABLE_FILE_TIMER", "TORCHELASTIC_TIMER_FILE", "OMP_NUM_THREADS")
 FREE_PREFIXES = ("MOE_QUANT_",)
-# torchtitan's trainer where it imports without moe_quant's help (torch 2.11 lacks a name it imports: the
-# launcher's stub runs in the child then; a failed preload is undone)
-OPTIONAL_PRELOAD = ("torchtitan.train",)
 
 
 def _free(name: str) -> bool:
@@ -149,21 +148,13 @@ def _kill_group(pid: int, sig: int) -> None:
             pass
 
 
-def serve(path: str) -> None:
-    """Preload, listen on ``path``, fork a rank per connection until stdin ends."""
+def serve(path: str, preload: list) -> None:
+    """Import the modules ``preload`` names, listen on ``path``, fork a rank per connection until stdin ends."""
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 1)  # nothing imported writes where a rank's output would go
     os.close(null)
-    for name in warm_python.PRELOAD:
+    for name in preload:
         importlib.import_module(name)
-    for name in OPTIONAL_PRELOAD:
-        before = set(sys.modules)
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the child imports it its own way
-            for mod in set(sys.modules) - before:
-                if mod.split(".")[0] == name.split(".")[0]:
-                    del sys.modules[mod]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -236,4 +227,4 @@ def serve(path: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2].split(","))
