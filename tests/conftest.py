@@ -18,15 +18,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 def pytest_collection_finish(session):
-    """Selected test modules with a ``start_in_background()`` (``tests/test_kernel_compile.py``) start their
-    background work now (their tests run last: ``pytest_collection_modifyitems``); their ``stop_background()``
-    runs when the session ends. Not for ``--collect-only``."""
+    """Selected test modules with a ``start_in_background(selected)`` (``tests/test_kernel_compile.py``) start their
+    background work now (their tests run last: ``pytest_collection_modifyitems``), given the names of their
+    selected tests (functions' names, without parameters); their ``stop_background()`` runs when the session ends.
+    Not for ``--collect-only``."""
     if session.config.option.collectonly:
         return
-    for module in {item.module for item in getattr(session, "items", ())
-                   if getattr(item, "module", None) is not None and not _skipped(item)}:
+    selected: dict = {}
+    for item in getattr(session, "items", ()):
+        if getattr(item, "module", None) is not None and not _skipped(item):
+            selected.setdefault(item.module, set()).add(getattr(item, "originalname", None) or item.name)
+    for module, names in selected.items():
         if hasattr(module, "start_in_background"):
-            module.start_in_background()
+            module.start_in_background(frozenset(names))
 
 
 def _skipped(item) -> bool:

@@ -414,7 +414,7 @@ class BackgroundSession:
     def __init__(self, world: int, jobs):
         self.world, self.jobs, self.started = world, jobs, None
 
-    def start(self) -> None:
+    def start(self, selected=frozenset()) -> None:
         if self.started is None:
             folder = tempfile.mkdtemp(prefix="ep_session_")
             ctx = start_session(self.world, self.jobs(folder), folder, nice=self.NICE, collective_timeout_s=900.0)

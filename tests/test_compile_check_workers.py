@@ -143,7 +143,7 @@ def test_a_worker_dies_when_the_process_that_started_it_is_killed(tmp_path):
 def _module(name: str, calls: list, with_hooks: bool = True) -> types.ModuleType:
     m = types.ModuleType(name)
     if with_hooks:
-        m.start_in_background = lambda: calls.append(("start", name))
+        m.start_in_background = lambda selected: calls.append(("start", name, selected))
         m.stop_background = lambda: calls.append(("stop", name))
     return m
 
@@ -158,18 +158,21 @@ def test_conftest_starts_background_work_after_collection_and_stops_it_at_the_en
 
     calls = []
     a, b, plain = _module("a", calls), _module("b", calls), _module("plain", calls, with_hooks=False)
-    items = [types.SimpleNamespace(module=m) for m in (a, a, plain, b)] + [types.SimpleNamespace(module=None)]
+    names = [("test_x[1]", "test_x"), ("test_x[2]", "test_x"), ("test_p", "test_p"), ("test_y", "test_y")]
+    items = [types.SimpleNamespace(module=m, name=n, originalname=o) for m, (n, o) in zip((a, a, plain, b), names)]
+    items += [types.SimpleNamespace(module=None, name="test_z", originalname="test_z")]
     session = _session(items)
     conftest.pytest_collection_finish(session)
-    assert sorted(calls) == [("start", "a"), ("start", "b")]  # once per selected module with the hook
+    # once per selected module with the hook, given its selected tests' function names
+    assert sorted(calls) == [("start", "a", {"test_x"}), ("start", "b", {"test_y"})]
     calls.clear()
     conftest.pytest_sessionfinish(session)
     assert sorted(calls) == [("stop", "a"), ("stop", "b")]
     calls.clear()
     conftest.pytest_collection_finish(_session(items, collectonly=True))  # --collect-only starts nothing
     assert calls == []
-    conftest.pytest_collection_finish(_session([types.SimpleNamespace(module=a)]))  # b's tests not selected
-    assert calls == [("start", "a")]
+    conftest.pytest_collection_finish(_session(items[:1]))  # b's tests not selected
+    assert calls == [("start", "a", {"test_x"})]
 
 
 def test_conftest_runs_the_tests_of_modules_with_background_work_last():
@@ -192,8 +195,8 @@ def test_conftest_starts_no_background_work_for_a_module_whose_tests_all_skip():
              "c": [pytest.mark.skip(reason="x").mark]}
 
     def item(m):
-        return types.SimpleNamespace(module=m, iter_markers=lambda name=None: [
+        return types.SimpleNamespace(module=m, name="test_t", originalname="test_t", iter_markers=lambda name=None: [
             k for k in marks[m.__name__] if name is None or k.name == name])
 
     conftest.pytest_collection_finish(_session([item(a), item(b), item(c)]))
-    assert calls == [("start", "b")]
+    assert calls == [("start", "b", {"test_t"})]

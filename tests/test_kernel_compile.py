@@ -23,7 +23,7 @@ BACKGROUND_NICE = 10
 _STARTED: list = []
 
 
-def start_in_background() -> None:
+def start_in_background(selected=frozenset()) -> None:
     """Start the compile subprocesses now (at the end of collection), behind the other tests (niced)."""
     if not _STARTED:
         _STARTED.append(compile_check.start(list(ARCHS), nice=BACKGROUND_NICE))

@@ -174,7 +174,7 @@ def _train_to_file(kind: str, path: str, nice: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def start_in_background() -> None:
+def start_in_background(selected=frozenset()) -> None:
     """The three trainings start when the session's tests are collected (``tests/conftest.py``), each a process of
     its own forked from a server that imported torch, niced: they fill the core the (mostly single-threaded) other
     tests leave idle, and this module's tests, which run last, read them."""

@@ -8,8 +8,9 @@ ranks, torchtitan's DCP checkpoints, and checks: a job resumed from the step-2 c
 one bit for bit; ranks launched with another ``scale_mode`` all exit with the same error (moe_quant's dispatcher,
 and torchtitan's: ``converted``).
 ``tests/test_titan_trainer_faults.py`` reads the fault and cross-loading checks of the same run (one run of every
-check, ``titan_checks.all_checks``: 7 jobs and two mismatch launches, about 160 s). The other tests here cover the
-pieces in-process.
+check, ``titan_checks.all_checks``: 7 jobs and two mismatch launches, about 160 s). The torchrun jobs of both
+modules run behind the other tests of the session (``titan_checks.JOBS``: started at collection, read by these
+tests, which run last). The other tests here cover the pieces in-process.
 
 Substituted on this CPU machine (each through a torchtitan option or the smallest hook; none on CUDA):
 
@@ -37,39 +38,85 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 from process_checks import gone, wait_until
 from repo_subprocess import run_python
-from titan_checks import CPU_COMPUTE, NEEDS_GLOO, SAVE_AT, STEPS, all_checks, assert_all_passed
+from titan_checks import (CPU_COMPUTE, JOB_TIMEOUT, JOBS, NEEDS_GLOO, SAVE_AT, STEPS, WAIT, all_checks, assert_all_passed,
+                          checks_argv, checks_result, submit, submit_all_checks)
+
+from examples.titan import runs
 
 pytestmark = [NEEDS_GLOO, pytest.mark.usefixtures("warm_torchrun")]  # torchrun's ranks warm: conftest
 
-
-@pytest.fixture(scope="module")
-def checks(tmp_path_factory):
-    return all_checks(tmp_path_factory)
-
-
 SHORT_JOB = (*CPU_COMPUTE, "--training.steps", "3", "--metrics.log_freq", "1")  # a 3-step job of the debug model
+WIRE_VARIANTS = {"mxfp8": 7, "converted": 5}  # the slow wire test's variants: EP exchanges per MoE layer and step
+
+
+def _trainer_job(variant: str, *args):
+    """``make(folder)`` of a 2-rank torchtitan job of the debug model (``SHORT_JOB`` and ``args``), dump ``folder``."""
+    return lambda out: (runs.torchrun(2, runs.trainer_args("debugmodel", variant, str(out), (*SHORT_JOB, *args))),
+                        JOB_TIMEOUT)
+
+
+_MAKE = {  # the torchrun jobs of this module's tests (titan_checks.JOBS' keys)
+    "resume_compiled": lambda out: (checks_argv(out, "--variants", "mxfp8", "--checks", "resume", "--modes", "compiled",
+                                                job_args=("--compile.backend", "aot_eager")), 1200.0),
+    **{f"plain_{v}": _trainer_job(v) for v in WIRE_VARIANTS},
+    **{f"held_{v}": _trainer_job(v, "--moe_quant.wire_gbps", "50") for v in WIRE_VARIANTS},
+    **{f"ac_{ac}": _trainer_job("mxfp8", f"activation-checkpoint:{ac}") for ac in ("selective", "full")},
+    "plain_loop": lambda out: ([sys.executable, "-m", "examples.titan.plain_loop", "--dump-folder", out, "--flavor",
+                                "debugmodel", "--layers", "2", "--steps", "2", "--local-batch-size", "1", "--seq-len",
+                                "16"], 600.0),
+}
+_READS = {  # test -> the jobs it reads, in the order of the tests in this file ("all": titan_checks.all_checks)
+    "test_every_check_passes": ["all"],
+    "test_resumed_job_equals_the_uninterrupted_one_bit_for_bit": ["all"],
+    "test_the_trainer_built_moe_quant_behind_fsdp_and_ep": ["all"],
+    "test_ranks_with_another_scale_mode_all_raise_the_same_error": ["all"],
+    "test_resume_under_torchtitans_compile_equals_the_uninterrupted_job": ["resume_compiled"],
+    "test_the_slow_wire_holds_every_ep_exchange_of_the_trainer": [f"{k}_{v}" for v in WIRE_VARIANTS
+                                                                  for k in ("held", "plain")],
+    "test_plain_loop_trains_the_bf16_model_in_bf16": ["plain_loop"],
+    "test_activation_checkpointing_trains_the_same_steps": ["plain_mxfp8", "ac_selective", "ac_full"],
+}
+
+
+def _submit(test: str) -> None:
+    for key in _READS[test]:
+        if key == "all":
+            submit_all_checks()
+        else:
+            submit(key, _MAKE[key])
+
+
+def start_in_background(selected) -> None:
+    """The torchrun jobs of the selected tests start now, behind the other tests (``tests/conftest.py``)."""
+    for test in _READS:
+        if test in selected:
+            _submit(test)
+
+
+def stop_background() -> None:
+    JOBS.stop()
+
+
+def _job(key: str, test: str):
+    """The dump folder and result of ``JOBS``' ``key`` (queued now where ``test``'s jobs were not), which passed."""
+    _submit(test)
+    job = JOBS.result(key, WAIT)
+    assert job.rc == 0, job.tail()
+    return JOBS.folder(key), job
+
+
+def _plain_job(variant: str, test: str):
+    """The dump folder of the variant's 3-step job (``SHORT_JOB``: EP and FSDP over 2 gloo ranks, the real wire, no
+    activation checkpointing): the reference of the slow wire test and of the activation checkpointing test alike
+    (one torchrun job for both)."""
+    dump, job = _job(f"plain_{variant}", test)
+    assert "activation checkpointing" not in job.log.read_text(encoding="utf-8")  # none: the default
+    return dump
 
 
 @pytest.fixture(scope="module")
-def plain_job(tmp_path_factory):
-    """``plain_job(variant)``: the dump folder and job of the variant's 3-step job (``SHORT_JOB``: EP and FSDP over
-    2 gloo ranks, the real wire, no activation checkpointing), run once per module: the reference of the slow wire
-    test and of the activation checkpointing test alike (one torchrun job less)."""
-    from examples.titan import runs
-
-    made = {}
-
-    def job_of(variant):
-        if variant not in made:
-            out = tmp_path_factory.mktemp(f"plain_{variant}")
-            job = runs.run(runs.torchrun(2, runs.trainer_args("debugmodel", variant, str(out / "dump"), SHORT_JOB)),
-                           str(out / "plain.log"), timeout=900)
-            assert job.rc == 0, runs.log_tail(job.log)
-            assert "activation checkpointing" not in open(job.log, encoding="utf-8").read()  # none: the default
-            made[variant] = (out / "dump", job)
-        return made[variant]
-
-    return job_of
+def checks():
+    return all_checks()
 
 
 def test_every_check_passes(checks):
@@ -114,42 +161,34 @@ def test_ranks_with_another_scale_mode_all_raise_the_same_error(checks, variant)
     assert max(c["seconds"]) < 240 and not any(c["hang_words"]), c
 
 
-def test_resume_under_torchtitans_compile_equals_the_uninterrupted_job(tmp_path):
+def test_resume_under_torchtitans_compile_equals_the_uninterrupted_job():
     """The resume check with torchtitan's compile option (``--compile.enable``: its per-block ``torch.compile``,
     here with the ``aot_eager`` backend, which needs no C++ compiler): the steps after resuming from the
     checkpoint equal the uninterrupted compiled job's bit for bit, on both ranks."""
-    from titan_checks import run_checks
-
-    c = run_checks(tmp_path, "--variants", "mxfp8", "--checks", "resume", "--modes", "compiled",
-                   job_args=("--compile.backend", "aot_eager"))
+    _submit("test_resume_under_torchtitans_compile_equals_the_uninterrupted_job")
+    c = checks_result("resume_compiled")
     (check,) = c["report"]["checks"]
     assert (check["check"], check["variant"], check["mode"]) == ("resume", "mxfp8", "compiled"), check
-    assert check["passed"] and c["proc"].returncode == 0, json.dumps(check, indent=1)[-6000:]
+    assert check["passed"] and c["job"].rc == 0, json.dumps(check, indent=1)[-6000:]
     for rank in (0, 1):  # the precondition: the blocks were compiled, with moe_quant's experts and dispatcher
-        setup = json.loads((tmp_path / "ref_mxfp8_compiled" / "setup" / f"rank{rank}.json").read_text())
+        setup = json.loads((c["out"] / "ref_mxfp8_compiled" / "setup" / f"rank{rank}.json").read_text())
         assert setup["compiled_blocks"] >= 2 and setup["compile_backend"] == "aot_eager", setup
         assert setup["experts_converted"] == [True] and setup["dispatchers"] == ["TitanMXFP8TokenDispatcher"]
     got = {int(s): v for s, v in check["resumed"]["0"].items()}
     assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
 
 
-@pytest.mark.parametrize("variant, per_layer", [("mxfp8", 7), ("converted", 5)])
-def test_the_slow_wire_holds_every_ep_exchange_of_the_trainer(variant, per_layer, tmp_path, plain_job):
+@pytest.mark.parametrize("variant, per_layer", list(WIRE_VARIANTS.items()))
+def test_the_slow_wire_holds_every_ep_exchange_of_the_trainer(variant, per_layer):
     """``--moe_quant.wire_gbps 50``: every EP all-to-all of the trainer goes through the emulated wire
     (``benchmarks.slow_wire.HeldExchanges``), moe_quant's dispatcher (``mxfp8``: counts, dispatch data and scales,
     combine; backward: the combine's gradient data and scales, the dispatch's: 7 per MoE layer and step) and
     torchtitan's (``converted``: counts, dispatch, combine and the two backward legs: 5) alike; the setup records
     the wire, and the losses equal the job on the real wire bit for bit (on gloo the held exchange is the same
     exchange: only the GPU's emulated transfer time differs)."""
-    from examples.titan import runs
-
     steps = 3  # SHORT_JOB's
-    dump = tmp_path / "held"
-    job = runs.run(runs.torchrun(2, runs.trainer_args("debugmodel", variant, str(dump),
-                                                      (*SHORT_JOB, "--moe_quant.wire_gbps", "50"))),
-                   str(tmp_path / "held.log"), timeout=900)
-    assert job.rc == 0, runs.log_tail(job.log)
-    dumps = {"held": dump, "plain": plain_job(variant)[0]}
+    test = "test_the_slow_wire_holds_every_ep_exchange_of_the_trainer"
+    dumps = {"held": _job(f"held_{variant}", test)[0], "plain": _plain_job(variant, test)}
     setup = runs.setup(str(dumps["held"]))
     moe_layers = len(setup[0]["dispatchers"])
     assert moe_layers >= 1 and all(s["wire_gbps"] == 50.0 for s in setup.values()), setup
@@ -593,12 +632,10 @@ def test_report_only_takes_the_final_loss_again_over_another_tail(tmp_path, caps
     assert "final loss: mean of the last 20 steps" in (tmp_path / "bench.md").read_text()
 
 
-def test_plain_loop_trains_the_bf16_model_in_bf16(tmp_path):
+def test_plain_loop_trains_the_bf16_model_in_bf16():
     """``examples.titan.plain_loop`` (the bench's ``plain_bf16`` row) at debug size: every step logged with the keys the
     bench reads, the parameters bf16, no FSDP, the loss finite."""
-    proc = run_python("-m", "examples.titan.plain_loop", "--dump-folder", str(tmp_path), "--flavor", "debugmodel",
-                      "--layers", "2", "--steps", "2", "--local-batch-size", "1", "--seq-len", "16", timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    tmp_path, _ = _job("plain_loop", "test_plain_loop_trains_the_bf16_model_in_bf16")
     rows = [json.loads(line) for line in (tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -608,27 +645,23 @@ def test_plain_loop_trains_the_bf16_model_in_bf16(tmp_path):
     assert setup["param_dtypes"] == ["torch.bfloat16"] and setup["fsdp_modules"] == 0, setup
 
 
-def test_activation_checkpointing_trains_the_same_steps(tmp_path, plain_job):
+def test_activation_checkpointing_trains_the_same_steps():
     """torchtitan's trainer with its activation checkpointing (``activation-checkpoint:selective``, its per-op
     policy, and ``:full``) around every block of the mxfp8 variant (moe_quant's experts and dispatcher, EP and FSDP
     over 2 gloo ranks): every step's loss equals the job's without checkpointing bit for bit (issue 55 items 2 and
     3: the recompute runs the same MXFP8 GEMMs and exchanges), and no GEMM fell back."""
-    from examples.titan import runs
-
+    test = "test_activation_checkpointing_trains_the_same_steps"
     losses = {}
     for ac in ("none", "selective", "full"):
         if ac == "none":  # the plain job (the slow wire test's reference too)
-            dump, job = plain_job("mxfp8")
+            dump = _plain_job("mxfp8", test)
         else:
-            dump = tmp_path / ac
-            targs = runs.trainer_args("debugmodel", "mxfp8", str(dump), [*SHORT_JOB, f"activation-checkpoint:{ac}"])
-            job = runs.run(runs.torchrun(2, targs), str(tmp_path / f"{ac}.log"), timeout=900)
-            assert job.rc == 0, runs.log_tail(job.log)
+            dump, job = _job(f"ac_{ac}", test)
         rows = runs.metrics(str(dump))
         assert sorted(rows) == [0, 1] and all(r["moe_quant/fallbacks"] == 0 for rs in rows.values() for r in rs)
         losses[ac] = runs.losses(str(dump))
         if ac != "none":
             assert f"Applied {'SelectiveAC' if ac == 'selective' else 'FullAC'} activation checkpointing" in \
-                open(job.log, encoding="utf-8").read()  # the precondition: torchtitan wrapped the blocks
+                job.log.read_text(encoding="utf-8")  # the precondition: torchtitan wrapped the blocks
     assert sorted(losses["none"][0]) == [1, 2, 3] and len(set(losses["none"][0].values())) == 3
     assert losses["selective"] == losses["none"] == losses["full"]

@@ -6,20 +6,29 @@ job in the same dump folder resumes from the step-2 checkpoint: every step's los
 job's bit for bit; the bf16 job's step-2 checkpoint loads into the converted model (moe_quant's experts and
 dispatcher) and the converted one's into bf16, each continuing at step 3 (DCP raises on a key the checkpoint
 lacks: the state dict keys are the same). The run is the one ``tests/test_titan_trainer.py`` reads too
-(``titan_checks.all_checks``: whichever module runs first makes it).
+(``titan_checks.all_checks``, run behind the other tests of the session: ``titan_checks.JOBS``).
 """
 
 from __future__ import annotations
 
 import pytest
-from titan_checks import KILL_AT, NEEDS_GLOO, SAVE_AT, all_checks, assert_all_passed
+from titan_checks import JOBS, KILL_AT, NEEDS_GLOO, SAVE_AT, all_checks, assert_all_passed, submit_all_checks
 
 pytestmark = [NEEDS_GLOO, pytest.mark.usefixtures("warm_torchrun")]  # torchrun's ranks warm: conftest
 
 
+def start_in_background(selected) -> None:
+    """The checks' run starts now, behind the other tests (``tests/conftest.py``), where no other module started it."""
+    submit_all_checks()
+
+
+def stop_background() -> None:
+    JOBS.stop()
+
+
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory):
-    return all_checks(tmp_path_factory)
+def checks():
+    return all_checks()
 
 
 def test_every_check_passes(checks):
