@@ -88,8 +88,8 @@ class BackgroundCommands:
     def _next(self):
         with self._lock:
             while not self._queue:
-                if not self._lock.wait(5.0):
-                    return None  # idle: the thread ends; a later submit starts another
+                if self._stopped or not self._lock.wait(5.0):
+                    return None  # stopped, or idle: the thread ends; a later submit starts another
             return self._queue.pop(0)
 
     def _work(self) -> None:
