@@ -3,7 +3,8 @@
 a thread, so that their processes fill the core the mostly single-threaded tests leave idle; the tests read their
 results (:meth:`BackgroundCommands.result`) when their turn comes.
 
-A command runs from the repository root in a process group of its own, its output into ``<its folder>.log``; at
+A command runs from the repository root in a process group of its own, its output into ``<its folder>.log`` (its
+standard error there too, or into ``<its folder>.err`` with ``submit(..., stderr_apart=True)``); at
 the session's end (:meth:`BackgroundCommands.stop`) the commands not started are dropped and a running one's group
 is sent SIGTERM, then SIGKILL. A test whose command was not submitted at collection (the module imported without
 ``tests/conftest.py``) submits it and waits all the same.
@@ -11,6 +12,7 @@ is sent SIGTERM, then SIGKILL. A test whose command was not submitted at collect
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -31,11 +33,20 @@ class Done:
     rc: int | None
     seconds: float
     log: Path
+    err: Path | None = None  # standard error, where kept apart
+
+    @property
+    def stdout(self) -> str:
+        return self.log.read_text(encoding="utf-8", errors="replace") if self.log.exists() else ""
+
+    @property
+    def stderr(self) -> str:
+        return self.err.read_text(encoding="utf-8", errors="replace") if self.err and self.err.exists() else ""
 
     def tail(self, chars: int = 3000) -> str:
         if not self.log.exists():
             return f"(no log: {self.log} was never started)"
-        return self.log.read_text(encoding="utf-8", errors="replace")[-chars:]
+        return (self.stdout[-chars:] + ("\n-- stderr --\n" + self.stderr[-chars:] if self.err else ""))
 
 
 class BackgroundCommands:
@@ -56,7 +67,7 @@ class BackgroundCommands:
     def folder(self, key: str) -> Path:
         return Path(self._jobs[key]["folder"])
 
-    def submit(self, key: str, make, env: dict | None = None) -> None:
+    def submit(self, key: str, make, env: dict | None = None, stderr_apart: bool = False) -> None:
         with self._lock:
             if key in self._jobs:
                 return
@@ -70,7 +81,8 @@ class BackgroundCommands:
                 [str(ROOT)] + [p for p in full.get("PYTHONPATH", "").split(os.pathsep) if p])
             full.update(env or {})
             self._jobs[key] = {"argv": [str(a) for a in argv], "env": full, "timeout": timeout, "folder": folder,
-                               "done": threading.Event(), "result": None}
+                               "err": Path(folder + ".err") if stderr_apart else None, "done": threading.Event(),
+                               "result": None}
             self._queue.append(key)
             self._stopped = False
             if self._thread is None or not self._thread.is_alive():
@@ -102,9 +114,10 @@ class BackgroundCommands:
                 with self._lock:
                     if self._stopped:
                         continue
-                with open(log, "w", encoding="utf-8") as out:
+                with open(log, "w", encoding="utf-8") as out, \
+                        (open(job["err"], "w", encoding="utf-8") if job["err"] else contextlib.nullcontext()) as err:
                     self._proc = subprocess.Popen(job["argv"], cwd=ROOT, env=job["env"], stdout=out,
-                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                  stderr=err or subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                   start_new_session=True)
                     try:
                         rc = self._proc.wait(job["timeout"])
@@ -112,7 +125,7 @@ class BackgroundCommands:
                         _end_group(self._proc)
             finally:
                 self._proc = None
-                job["result"] = Done(rc, time.monotonic() - started, log)
+                job["result"] = Done(rc, time.monotonic() - started, log, job["err"])
                 job["done"].set()
 
     def stop(self) -> None:
@@ -122,7 +135,7 @@ class BackgroundCommands:
             dropped, self._queue = self._queue, []
             self._lock.notify_all()
         for key in dropped:
-            self._jobs[key]["result"] = Done(None, 0.0, Path(self._jobs[key]["folder"] + ".log"))
+            self._jobs[key]["result"] = Done(None, 0.0, Path(self._jobs[key]["folder"] + ".log"), self._jobs[key]["err"])
             self._jobs[key]["done"].set()
         proc = self._proc
         if proc is not None:

@@ -26,7 +26,7 @@ def test_commands_run_in_order_each_in_its_folder_with_the_environment():
         jobs.submit("a", _script("raise SystemExit(9)"))  # a key already queued: ignored
         a, b = jobs.result("a", 60), jobs.result("b", 60)
         assert (a.rc, b.rc) == (0, 3), (a.tail(), b.tail())
-        assert "a out 1" in a.tail()
+        assert "a out 1" in a.tail() and a.stderr == ""
         ta, tb = (float((jobs.folder(k) / "t").read_text()) for k in ("a", "b"))
         assert tb - ta >= 0.5  # b started after a ended: one at a time, in order
     finally:
@@ -70,5 +70,18 @@ def test_a_result_not_done_in_time_raises_naming_the_command():
         jobs.submit("slow", _script("import time; time.sleep(30)"))
         with pytest.raises(TimeoutError, match="'slow' not done after 0 s"):
             jobs.result("slow", 0.2)
+    finally:
+        jobs.stop()
+
+
+def test_standard_error_apart_where_asked():
+    jobs = BackgroundCommands("test_bg_")
+    try:
+        code = "import sys; print('to out'); print('to err', file=sys.stderr)"
+        jobs.submit("apart", _script(code), stderr_apart=True)
+        jobs.submit("merged", _script(code))
+        apart, merged = jobs.result("apart", 60), jobs.result("merged", 60)
+        assert (apart.stdout, apart.stderr) == ("to out\n", "to err\n")
+        assert sorted(merged.stdout.splitlines()) == ["to err", "to out"] and merged.stderr == ""
     finally:
         jobs.stop()

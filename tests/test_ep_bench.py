@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from repo_subprocess import ROOT, run_python
+from background import BackgroundCommands
+from repo_subprocess import ROOT, run_python, warm_ranks
 
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "probes")]
 import ep_timeline  # noqa: E402
@@ -21,18 +22,46 @@ from benchmarks import bench_ep  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("warm_torchrun")  # torchrun's ranks warm: conftest
 
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+_MAKE = {  # test -> make(folder) of its 2-rank job (tests/background.py), which writes folder/out.json
+    "test_bench_ep_runs_every_row_on_two_gloo_ranks": lambda f: (
+        [*TORCHRUN_2, "-m", "benchmarks.bench_ep", "--device", "cpu", "--rounds", "2", "--steps", "1", "--json",
+         f / "out.json"], 600.0),
+    "test_p2p_probe_times_every_form_on_two_gloo_ranks": lambda f: (
+        [*TORCHRUN_2, "scripts/probes/p2p_probe.py", "--mb", "1,2", "--iters", "1", "--rounds", "1", "--json",
+         f / "out.json"], 300.0),
+    "test_bench_ep_timelines_of_every_rank_and_their_peers_view": lambda f: (
+        [*TORCHRUN_2, "-m", "benchmarks.bench_ep", "--device", "cpu", "--rows", "bf16,p2p_c2", "--rounds", "1",
+         "--steps", "1", "--timeline", "--json", f / "out.json"], 600.0),
+}
+JOBS = BackgroundCommands("ep_bench_jobs_")
+
+
+def start_in_background(selected) -> None:
+    """The torchrun jobs of the selected tests start now, behind the other tests (``tests/conftest.py``)."""
+    for test in _MAKE:
+        if test in selected:
+            JOBS.submit(test, _MAKE[test], env=warm_ranks(), stderr_apart=True)
+
+
+def stop_background() -> None:
+    JOBS.stop()
+
+
+def _ran(test: str):
+    """The result of ``test``'s job (queued now where it was not) and its JSON output's path."""
+    JOBS.submit(test, _MAKE[test], env=warm_ranks(), stderr_apart=True)
+    return JOBS.result(test, 1800.0), JOBS.folder(test) / "out.json"
+
 D = 7168
 MX_ROW, BF16_ROW = D + D // 32, 2 * D
 LEGS = ("dispatch", "combine", "combine backward", "dispatch backward")
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
-def test_bench_ep_runs_every_row_on_two_gloo_ranks(tmp_path):
-    out = tmp_path / "ep.json"
-    res = run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-                     "benchmarks.bench_ep", "--device", "cpu", "--rounds", "2", "--steps", "1", "--json", str(out),
-                     timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_bench_ep_runs_every_row_on_two_gloo_ranks():
+    res, out = _ran("test_bench_ep_runs_every_row_on_two_gloo_ranks")
+    assert res.rc == 0, res.tail()
     record = json.loads(out.read_text())
     rows = {r["row"]: r for r in record["rows"]}
     want = {"bf16", "conv_bf16", "conv_mxfp8", "p2p", "p2p_c2", "p2p_c4", "p2p_c4_sm4", "sync_free", "sync_free_c2"}
@@ -157,14 +186,11 @@ def test_slow_wire_counts_the_bytes_each_rank_puts_on_the_wire():
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
-def test_p2p_probe_times_every_form_on_two_gloo_ranks(tmp_path):
+def test_p2p_probe_times_every_form_on_two_gloo_ranks():
     """scripts/probes/p2p_probe.py (on GPUs: which forms of exchange NCCL moves how fast) on two gloo ranks: a row
     per form, a record per form and size; without torchrun, one line and exit status 2."""
-    out = tmp_path / "probe.json"
-    res = run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                     "scripts/probes/p2p_probe.py", "--mb", "1,2", "--iters", "1", "--rounds", "1", "--json", str(out),
-                     timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res, out = _ran("test_p2p_probe_times_every_form_on_two_gloo_ranks")
+    assert res.rc == 0, res.tail()
     rows = json.loads(out.read_text())["rows"]
     assert {(r["form"], r["bytes_per_peer"]) for r in rows} == {(f, m << 20) for f in FORMS for m in (1, 2)}
     assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
@@ -488,14 +514,11 @@ def test_peers_lines_up_every_ranks_communication_kernels():
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
-def test_bench_ep_timelines_of_every_rank_and_their_peers_view(tmp_path):
+def test_bench_ep_timelines_of_every_rank_and_their_peers_view():
     """``bench_ep --timeline`` records every rank's profiled step with its wall-clock start (the same clock on
     one host: the ranks' starts lie within the step), and ``ep_timeline.py --peers`` reads them."""
-    out = tmp_path / "ep.json"
-    res = run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-                     "benchmarks.bench_ep", "--device", "cpu", "--rows", "bf16,p2p_c2", "--rounds", "1", "--steps",
-                     "1", "--timeline", "--json", str(out), timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res, out = _ran("test_bench_ep_timelines_of_every_rank_and_their_peers_view")
+    assert res.rc == 0, res.tail()
     record = json.loads(out.read_text())
     for r in record["rows"]:
         tls = r["timelines"]
