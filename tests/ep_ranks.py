@@ -405,19 +405,23 @@ def run_session(world: int, jobs: list, timeout_s: float = 400.0, clean_teardown
 
 class BackgroundSession:
     """A test module's EP session started when the session's tests are collected (the module's
-    ``start_in_background``, called by ``tests/conftest.py``, which runs the module's tests last), niced, so that it
-    fills the core the (mostly single-threaded) other tests leave idle; gloo's timeout 900 s (a starved peer is
-    not a hang). ``jobs(folder)``: the jobs, given the session's folder."""
+    ``start_in_background``, called by ``tests/conftest.py``, which runs the module's tests last), so that it fills
+    the core the (mostly single-threaded) other tests leave idle. ``jobs(folder)``: the jobs, given the session's
+    folder. By default niced, with gloo's timeout 900 s (a starved peer is not a hang); ``clean_teardown`` as
+    :func:`finish_session`'s."""
 
     NICE = 10
 
-    def __init__(self, world: int, jobs):
+    def __init__(self, world: int, jobs, *, nice: int = NICE, collective_timeout_s: float = 900.0,
+                 clean_teardown: bool = False):
         self.world, self.jobs, self.started = world, jobs, None
+        self.nice, self.collective_timeout_s, self.clean_teardown = nice, collective_timeout_s, clean_teardown
 
     def start(self, selected=frozenset()) -> None:
         if self.started is None:
             folder = tempfile.mkdtemp(prefix="ep_session_")
-            ctx = start_session(self.world, self.jobs(folder), folder, nice=self.NICE, collective_timeout_s=900.0)
+            ctx = start_session(self.world, self.jobs(folder), folder, nice=self.nice,
+                                collective_timeout_s=self.collective_timeout_s)
             self.started = (ctx, folder)
 
     def stop(self) -> None:
@@ -432,6 +436,6 @@ class BackgroundSession:
         self.start()
         ctx, folder = self.started
         try:
-            return finish_session(ctx, folder, timeout_s)
+            return finish_session(ctx, folder, timeout_s, self.clean_teardown)
         finally:
             self.stop()

@@ -1,16 +1,19 @@
-"""Expert parallelism on gloo CPU ranks (2 and 4, torch.multiprocessing spawn): the EP MoE block against
-the single-process converted block, the bytes on the wire, the skipped quantizations, and bad input.
+"""Expert parallelism on gloo CPU ranks (2 and 4, forks of a server that imported torch: ``tests/ep_ranks.py``): the
+EP MoE block against the single-process converted block, the bytes on the wire, the skipped quantizations, and bad
+input.
 
-Each world size is one process-group session (module-scoped fixture) running every case; the tests
-below assert on its per-rank results. ``moe_quant.ep.check.run_check`` is the comparison.
+Each world size is one process-group session (started behind the other tests at collection, read by a
+module-scoped fixture) running every case; the tests below assert on its per-rank results. ``moe_quant.ep.check.run_check`` is the comparison.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch.distributed as dist
 
-from ep_ranks import run_session
+from ep_ranks import BackgroundSession
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with gloo")
@@ -137,21 +140,28 @@ CASES_4 = {
 }
 
 
-def _session(world, cases, timeout_s: float = 400.0, clean_teardown: bool = True):  # a hang's limit, not a speed
-    # test: 4 ranks on 2 cores beside another pytest-xdist worker took over 100 s (2026-12-02)
+# Each session starts when the tests are collected (tests/conftest.py: this module's tests run last), not niced, its
+# collectives' timeout 300 s (a hang's limit, not a speed test: 4 ranks on 2 cores beside other work took over 100 s)
+def _session(world, cases, clean_teardown: bool = True):
     names = list(cases)
-    results = run_session(world, [cases[n] for n in names], timeout_s=timeout_s, clean_teardown=clean_teardown)
-    return {name: [results[r][i] for r in range(world)] for i, name in enumerate(names)}
+    return names, BackgroundSession(world, lambda folder: [cases[n] for n in names], nice=0, collective_timeout_s=300.0,
+                                    clean_teardown=clean_teardown)
+
+
+def _results(session, timeout_s: float = 1800.0):  # it may queue behind the session's other background work
+    names, background = session
+    results = background.results(timeout_s)
+    return {name: [results[r][i] for r in range(background.world)] for i, name in enumerate(names)}
 
 
 @pytest.fixture(scope="module")
 def ep2():
-    return _session(2, CASES_2)
+    return _results(_SESSIONS["ep2"])
 
 
 @pytest.fixture(scope="module")
 def ep4():
-    return _session(4, CASES_4)
+    return _results(_SESSIONS["ep4"])
 
 
 # compiled dispatches (aot_eager, fullgraph) whose counts or per-call settings are bad on one rank
@@ -165,9 +175,25 @@ CASES_COMPILED = {
 
 @pytest.fixture(scope="module")
 def ep2_compiled():
-    # three compiles (aot_eager) on a shared 2-core machine; the compiled code keeps the gloo group alive past
-    # destroy_process_group (as in tests/test_torchtitan_ep.py's sessions), so no clean-teardown check
-    return _session(2, CASES_COMPILED, timeout_s=600.0, clean_teardown=False)
+    # three compiles (aot_eager); the compiled code keeps the gloo group alive past destroy_process_group (as in
+    # tests/test_torchtitan_ep.py's sessions), so no clean-teardown check
+    return _results(_SESSIONS["ep2_compiled"])
+
+
+_SESSIONS = {"ep2": _session(2, CASES_2), "ep4": _session(4, CASES_4),
+             "ep2_compiled": _session(2, CASES_COMPILED, clean_teardown=False)}
+
+
+def start_in_background(selected) -> None:
+    """The sessions the selected tests read (their fixtures) start now, behind the other tests."""
+    for name, (_, background) in _SESSIONS.items():
+        if any(name in inspect.signature(globals()[test]).parameters for test in selected):
+            background.start()
+
+
+def stop_background() -> None:
+    for _, background in _SESSIONS.values():
+        background.stop()
 
 
 def _checks(res):
