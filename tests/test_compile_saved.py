@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from moe_quant.autograd.grouped_mm import COMPILED_REVISION
 from moe_quant import mxfp8_grouped_mm, mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13, swiglu_experts_unfused
 
 SIZES, D, H = [256, 128, 0, 128], 256, 192
@@ -225,3 +226,26 @@ def test_gemm_backward_frees_a_before_dgrad_when_compiled(compile_backend):
     gemms = [g for g in gemms if g[0]]
     assert gemms == ([("wgrad", [True]), ("dgrad", [True])] if compile_backend is None
                      else [("wgrad", [True]), ("dgrad", [False])])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_compiled_scaled_gemm_runs_its_ops_through_pytorch_meta_checks(out_dtype):
+    """The SM100 (scaled) GEMM's ops compiled, on meta tensors: the forward and both backward ops run (their fake
+    implementations traced, their real ones on meta tensors), every ``torch._scaled_grouped_mm`` call inside them
+    going through PyTorch's own shape / dtype / stride / scale-size checks; the gradients have their inputs' shapes."""
+    m, e = 300, 4
+    A = torch.empty(m, D, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    W = torch.empty(e, N_OUT, D, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    offs = torch.empty(e, dtype=torch.int32, device="meta")
+    torch._dynamo.reset()
+    fwd = torch.ops.moe_quant.grouped_mm_fwd.default  # what mxfp8_grouped_mm calls under compile (which refuses
+    # backend="scaled" off SM100)
+    fn = torch.compile(lambda a, w, o: fwd(a, w.transpose(-2, -1), o, "rceil", out_dtype, "scaled", COMPILED_REVISION),
+                       fullgraph=True, backend="aot_eager")
+    out = fn(A, W, offs)
+    assert (out.shape, out.dtype) == ((m, N_OUT), out_dtype)
+    with LiveAtEachGemm([]) as seen:  # (no dispatch mode while dynamo traces)
+        out.backward(torch.empty_like(out))
+    assert A.grad.shape == A.shape and W.grad.shape == W.shape
+    assert [c[0] for c in seen.calls] == ["moe_quant.grouped_mm_bwd_wgrad.default",
+                                          "moe_quant.grouped_mm_bwd_dgrad.default"]

@@ -387,19 +387,16 @@ def mxfp8_grouped_mm(
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
     offs = sanitize_offsets(offs, A.shape[0], torch.int32)
-    transforms = torch._C._are_functorch_transforms_active()
-    if torch.compiler.is_compiling() and not transforms:
+    compiling, transforms = torch.compiler.is_compiling(), torch._C._are_functorch_transforms_active()
+    if compiling and not transforms:
         # the custom ops (.grouped_mm_ops, registered when moe_quant.autograd is imported; called by name: no import
-        # cycle): AOTAutograd's partitioner would otherwise save the weights' dgrad operands, made in the forward
+        # cycle): AOTAutograd's partitioner would otherwise save the weights' dgrad operands, made in the forward.
+        # Inside torch.func transforms the traced Function stays: custom ops' autograd does not serve functorch's
         return torch.ops.moe_quant.grouped_mm_fwd.default(row_major(A), W_t, offs, mode.value, out_dtype, gemm.value,
                                                           COMPILED_REVISION)
-    fn = _MXFP8GroupedMM
-    if torch.compiler.is_compiling():
-        fn = _MXFP8GroupedMMTransforms
-    else:
+    if not compiling:
         _check_no_forward_ad(A, W_t)
-        if transforms:
-            fn = _MXFP8GroupedMMTransforms  # transforms need the setup_context form
+    fn = _MXFP8GroupedMMTransforms if transforms else _MXFP8GroupedMM  # transforms need the setup_context form
     return fn.apply(row_major(A), W_t, offs, mode, out_dtype, gemm)
 
 
