@@ -1,6 +1,8 @@
-"""What the SwiGLU expert block keeps for its backward under ``torch.compile(fullgraph=True)``: exactly what it
-keeps eager (a and b in bf16, x's colwise fp8 form, scales and padded offsets), not what AOTAutograd's partitioner
-would choose from the traced joint graph (x in bf16 and the weights' dequantized backward operands: issue 54)."""
+"""What the SwiGLU expert block and the per-GEMM path (``mxfp8_grouped_mm``) keep for their backward under
+``torch.compile(fullgraph=True)``: exactly what they keep eager (the block: a and b in bf16, x's colwise fp8 form,
+scales and padded offsets; a GEMM: its input where the weight's gradient is needed, the weight, the offsets), not what
+AOTAutograd's partitioner would choose from the traced joint graph (x in bf16 and the weights' dequantized backward
+operands, made in the forward: issue 54)."""
 
 import math
 import weakref
@@ -10,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from moe_quant import mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13
+from moe_quant.autograd.grouped_mm import COMPILED_REVISION
+from moe_quant import mxfp8_grouped_mm, mxfp8_swiglu_experts, mxfp8_swiglu_experts_w13, swiglu_experts_unfused
 
 SIZES, D, H = [256, 128, 0, 128], 256, 192
 
@@ -34,13 +37,13 @@ def block_of(concat: bool):
     return fn
 
 
-def saved_storages(fn, x0, ws, offs) -> list:
+def saved_storages(fn, x0, ws, offs, x_grad: bool = True) -> list:
     """Sorted ``(shape, dtype, bytes)`` of the distinct storages autograd saves for ``fn``'s backward (a pack
     hook sees every one), the weights left out; after one warm-up step (compiled then)."""
-    fn(x0.clone().requires_grad_(), *ws, offs).sum().backward()
+    fn(x0.clone().requires_grad_(x_grad), *ws, offs).sum().backward()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = fn(x0.clone().requires_grad_(), *ws, offs)
+        y = fn(x0.clone().requires_grad_(x_grad), *ws, offs)
     seen, rows = {w.untyped_storage().data_ptr() for w in ws}, []
     for t in saved:
         if t.untyped_storage().data_ptr() not in seen:
@@ -140,3 +143,109 @@ def test_forms_cross_the_backward_ops_as_they_were(fake, n_rows, n_cols):
     back_rows, back_cols = _unflat(flat, n_rows, n_cols, fake)
     assert [tuple(map(id, f)) for f in back_rows] == [tuple(map(id, f)) for f in rows]
     assert [tuple(map(id, f)) for f in back_cols] == [tuple(map(id, f)) for f in cols]
+
+
+# ----------------------------------------------------------------------------- the per-GEMM path
+
+N_OUT = 160  # the GEMM's N (its weight (E, N_OUT, D))
+
+
+def gemm_inputs(train_weight: bool):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(SIZES), D, generator=g).bfloat16()
+    w = (torch.randn(len(SIZES), N_OUT, D, generator=g) / math.sqrt(D)).bfloat16().requires_grad_(train_weight)
+    return x, w, torch.tensor(SIZES).cumsum(0).to(torch.int32)
+
+
+def gemm_of(out_dtype=torch.bfloat16):
+    def fn(x, w, offs):
+        return mxfp8_grouped_mm(x * 1, w.transpose(-2, -1), offs, out_dtype=out_dtype)  # x * 1: a routed copy
+
+    return fn
+
+
+@pytest.mark.parametrize("compile_backend,x_grad,train_weight,out_dtype", [
+    ("aot_eager", True, True, torch.bfloat16), ("inductor", True, True, torch.bfloat16),
+    ("inductor", True, True, torch.float32),
+    ("aot_eager", True, False, torch.bfloat16), ("inductor", True, False, torch.bfloat16),  # frozen weight: no A
+])
+def test_compiled_gemm_saves_what_eager_saves(compile_backend, x_grad, train_weight, out_dtype):
+    """Compiled, the per-GEMM path keeps the storages eager keeps: A where the weight's gradient is needed, the
+    weight, the offsets; the weight's dgrad operand is made in the backward (issue 54: the partitioner kept its bf16
+    dequantization, made in the forward)."""
+    x0, w, offs = gemm_inputs(train_weight)
+    m = x0.shape[0]
+    eager = saved_storages(gemm_of(out_dtype), x0, [w], offs, x_grad)
+    assert [r for r in eager if r[1] != torch.int32] == ([((m, D), torch.bfloat16, m * D * 2)] if train_weight else [])
+    torch._dynamo.reset()
+    fn = torch.compile(gemm_of(out_dtype), fullgraph=True, backend=compile_backend)
+    assert saved_storages(fn, x0, [w], offs, x_grad) == eager
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_compiled_unfused_block_keeps_no_weight_operand_and_no_more_than_eager(compile_backend):
+    """The SwiGLU block written per GEMM (three ``mxfp8_grouped_mm`` and PyTorch's silu and mul, as unfused
+    conversions run it): compiled, nothing of a weight's shape is saved (the weights' dgrad operands are made in the
+    backward) and no more bytes than eager (x, a, silu(a), b, h: 2048 bytes a row here; the compiler may recompute
+    silu(a) from a). Issue 54: 3968 bytes a row, three weight-sized bf16 operands among them."""
+    x0, ws, offs = inputs(False, True)
+    fn = lambda x, *ws_offs: swiglu_experts_unfused(x * 1, *ws_offs)  # noqa: E731
+    eager = saved_storages(fn, x0, ws, offs)
+    assert sum(r[2] for r in eager if r[1] == torch.bfloat16) == sum(SIZES) * (2 * D + 4 * 2 * H)  # precondition
+    torch._dynamo.reset()
+    compiled = saved_storages(torch.compile(fn, fullgraph=True, backend=compile_backend), x0, ws, offs)
+    weight_shapes = {tuple(w.shape) for w in ws} | {tuple(w.transpose(-2, -1).shape) for w in ws}
+    assert not [r for r in compiled if r[0] in weight_shapes]
+    assert sum(r[2] for r in compiled) <= sum(r[2] for r in eager)
+
+
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager", "inductor"])
+def test_gemm_backward_frees_a_before_dgrad_when_compiled(compile_backend):
+    """The tensors the GEMM saved that are alive when its backward's GEMMs start: eager (the reference) keeps A
+    until the backward returns; compiled, the wgrad op runs first (as eager) and is A's last reader, so A is freed
+    before the dgrad GEMM (the compiled backward graph drops its inputs after their last use), and nothing else is
+    saved (issue 54: the weight's dequantized dgrad operand was saved beside A, and inductor ran dgrad first)."""
+    x0, w, offs = gemm_inputs(True)
+    m = x0.shape[0]
+    fn = gemm_of()
+    if compile_backend:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, backend=compile_backend)
+    fn(x0.clone().requires_grad_(), w, offs).sum().backward()  # warm-up: forward and backward compiled
+    y = fn(x0.clone().requires_grad_(), w, offs)
+    w_storage = w.untyped_storage().data_ptr()
+    saved = [t for t in y.grad_fn.saved_tensors
+             if t is not None and t.dtype != torch.int32 and t.untyped_storage().data_ptr() != w_storage]
+    assert [(tuple(t.shape), t.dtype) for t in saved] == [((m, D), torch.bfloat16)]  # A alone
+    refs = [weakref.ref(t) for t in saved]
+    del saved
+    with LiveAtEachGemm(refs) as seen:
+        y.backward(torch.ones_like(y))
+    gemms = [("wgrad" if tuple(w.shape) in shapes else "dgrad" if (m, D) in shapes else None, alive)
+             for _, shapes, alive in seen.calls]
+    gemms = [g for g in gemms if g[0]]
+    assert gemms == ([("wgrad", [True]), ("dgrad", [True])] if compile_backend is None
+                     else [("wgrad", [True]), ("dgrad", [False])])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_compiled_scaled_gemm_runs_its_ops_through_pytorch_meta_checks(out_dtype):
+    """The SM100 (scaled) GEMM's ops compiled, on meta tensors: the forward and both backward ops run (their fake
+    implementations traced, their real ones on meta tensors), every ``torch._scaled_grouped_mm`` call inside them
+    going through PyTorch's own shape / dtype / stride / scale-size checks; the gradients have their inputs' shapes."""
+    m, e = 300, 4
+    A = torch.empty(m, D, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    W = torch.empty(e, N_OUT, D, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    offs = torch.empty(e, dtype=torch.int32, device="meta")
+    torch._dynamo.reset()
+    fwd = torch.ops.moe_quant.grouped_mm_fwd.default  # what mxfp8_grouped_mm calls under compile (which refuses
+    # backend="scaled" off SM100)
+    fn = torch.compile(lambda a, w, o: fwd(a, w.transpose(-2, -1), o, "rceil", out_dtype, "scaled", COMPILED_REVISION),
+                       fullgraph=True, backend="aot_eager")
+    out = fn(A, W, offs)
+    assert (out.shape, out.dtype) == ((m, N_OUT), out_dtype)
+    with LiveAtEachGemm([]) as seen:  # (no dispatch mode while dynamo traces)
+        out.backward(torch.empty_like(out))
+    assert A.grad.shape == A.shape and W.grad.shape == W.shape
+    assert [c[0] for c in seen.calls] == ["moe_quant.grouped_mm_bwd_wgrad.default",
+                                          "moe_quant.grouped_mm_bwd_dgrad.default"]

@@ -16,6 +16,9 @@ Two GEMM backends with the same numerics (``backends.py`` picks one):
 
 Both GEMMs accumulate in fp32 and round the result to bf16 (PyTorch's grouped GEMMs emit bf16);
 ``out_dtype=torch.float32`` widens that result.
+
+Saved for backward: ``A`` where the weight's gradient is needed, ``W_t`` where ``A``'s is, the offsets. Under
+``torch.compile`` the same functions run as custom ops (:mod:`.grouped_mm_ops`), which save the same.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ..layouts import row_major, sanitize_offsets
 from ..numerics import BLOCK_SIZE, ScaleMode
 from .. import reuse
 from ..validation import check_grouped_mm_args
+from .revision import source_revision
 
 _GEMM_DTYPE = torch.bfloat16
 
@@ -146,7 +150,7 @@ def _empty_contraction(A, W_t) -> bool:
     return A.shape[1] == 0 or W_t.shape[2] == 0
 
 
-def _output(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, scopes: tuple):
+def output(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, scopes: tuple):
     if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
         return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
     fwd, _, _ = _GEMMS[backend]
@@ -158,31 +162,43 @@ def _output(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: Gemm
 
 
 def _forward(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend):
-    """The transforms form's forward: it runs under ``torch.compile`` and ``torch.func``, where no reuse scope
-    serves. (No ``scopes`` parameter with a default: ``apply`` would bind it as a seventh input.)"""
-    return _output(A, W_t, offs, mode, out_dtype, backend, ())
+    """The transforms form's forward: it runs under ``torch.func`` transforms, where no reuse scope serves. (No
+    ``scopes`` parameter with a default: ``apply`` would bind it as a seventh input.)"""
+    return output(A, W_t, offs, mode, out_dtype, backend, ())
+
+
+def save_for_backward(ctx, A, W_t, offs) -> None:
+    """Save only what backward reads, as the plain op: A for wgrad (dW), W_t for dgrad (dA). A write to a saved
+    tensor before backward raises autograd's "modified by an inplace operation" error. The eager forms'
+    and the compiled forward op's (:mod:`.grouped_mm_ops`) ``setup_context``."""
+    need_A, need_W = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ctx.save_for_backward(A if need_W else None, W_t if need_A else None, offs)
+    ctx.shapes = (A.shape, A.dtype, W_t.shape, W_t.dtype)
 
 
 def _setup_context(ctx, inputs, output):
     A, W_t, offs, mode, _, backend = inputs
-    # only what backward reads, as the plain op: A for wgrad (dW), W_t for dgrad (dA). A write to a
-    # saved tensor before backward raises autograd's "modified by an inplace operation" error.
-    need_A, need_W = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    ctx.save_for_backward(A if need_W else None, W_t if need_A else None, offs)
-    ctx.shapes = (A.shape, A.dtype, W_t.shape, W_t.dtype)
+    save_for_backward(ctx, A, W_t, offs)
     ctx.mode, ctx.backend = mode, backend
     ctx.reuse_scopes = ()  # the reuse scopes that serve dgrad: the eager form's forward sets its own
 
 
-def _backward(ctx, grad_out):
+def backward(ctx, grad_out, stages=None):
+    """``(dA, dW_t)`` from ``grad_out`` and what :func:`save_for_backward` saved in ``ctx`` (which also holds
+    ``mode``, ``backend`` and ``reuse_scopes``): :func:`input_grads` with ``stages``, made first-order only.
+    The one backward of the eager forms and of the compiled forward op."""
     A, W_t, offs = ctx.saved_tensors
+    args = (grad_out, A, W_t, offs, ctx.mode, ctx.backend, ctx.reuse_scopes, ctx.needs_input_grad[:2], ctx.shapes,
+            stages or BackwardStages)
     if not torch.is_grad_enabled():  # the usual backward (no create_graph): grad mode is off already
-        grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
-        return grad_A, grad_W_t, None, None, None, None
+        return input_grads(*args)
     with torch.no_grad():  # gradients of quantized operands: first order only, see _first_order_only
-        grad_A, grad_W_t = _input_grads(ctx, grad_out, A, W_t, offs)
-    grad_A, grad_W_t = _first_order_only((grad_A, grad_W_t), (grad_out, A, W_t))
-    return grad_A, grad_W_t, None, None, None, None
+        grads = input_grads(*args)
+    return _first_order_only(grads, (grad_out, A, W_t))
+
+
+def _backward(ctx, grad_out):
+    return (*backward(ctx, grad_out), None, None, None, None)
 
 
 class _MXFP8GroupedMM(torch.autograd.Function):
@@ -192,7 +208,7 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     the Function defines ``setup_context`` (whatever its defaults), which costs more host time than
     the rest of the call's Python; so eager calls outside ``torch.func`` transforms and ``torch.compile``
     take this form, which has none. :class:`_MXFP8GroupedMMTransforms` is the same function in the
-    ``forward`` + ``setup_context`` form that transforms need; both share ``_output``,
+    ``forward`` + ``setup_context`` form that transforms need; both share :func:`output`,
     ``_setup_context`` and ``_backward``.
     """
 
@@ -200,7 +216,7 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     def forward(ctx, A, W_t, offs, mode, out_dtype, backend):
         inputs = (A, W_t, offs, mode, out_dtype, backend)
         scopes = reuse.current()
-        out = _output(*inputs, scopes)
+        out = output(*inputs, scopes)
         _setup_context(ctx, inputs, out)
         ctx.reuse_scopes = scopes  # the scopes this forward ran in serve its dgrad, on whatever thread
         return out
@@ -210,7 +226,7 @@ class _MXFP8GroupedMM(torch.autograd.Function):
 
 class _MXFP8GroupedMMTransforms(torch.autograd.Function):
     """:class:`_MXFP8GroupedMM` in the ``forward`` + ``setup_context`` form that ``torch.func`` transforms
-    need (``vmap``, ``grad``); also the form traced under ``torch.compile``.
+    need (``vmap``, ``grad``).
 
     ``generate_vmap_rule``: under ``torch.vmap`` forward and backward run op by op on batched
     tensors, so a batch of ``A``, ``W_t`` and/or ``offs`` needs no rule of our own. Every op here
@@ -224,27 +240,53 @@ class _MXFP8GroupedMMTransforms(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
-def _input_grads(ctx, grad_out, A, W_t, offs):
-    """``(dA, dW_t)`` (each ``None`` where not needed): dgrad and wgrad of quantized operands."""
-    _, dgrad, wgrad = _GEMMS[ctx.backend]
+def backward_wgrad(grad_out, A, offs, mode: ScaleMode, backend: GemmBackend, w_dtype: torch.dtype) -> torch.Tensor:
+    """The weight gradient ``dW (E, N, K)`` in ``w_dtype`` from ``grad_out`` (row-major) and ``A``; an expert
+    without tokens gets exact zeros."""
+    _, _, wgrad = _GEMMS[backend]
+    dW = wgrad(grad_out, A, offs, mode)
+    if not (backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
+        dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
+    return dW if dW.dtype == w_dtype else dW.to(w_dtype)
+
+
+def backward_dgrad(grad_out, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
+                   a_dtype: torch.dtype) -> torch.Tensor:
+    """The input gradient ``dA (M, K)`` in ``a_dtype`` from ``grad_out`` (row-major) and the weight's dgrad operand,
+    made here (or served by ``scopes``)."""
+    _, dgrad, _ = _GEMMS[backend]
+    grad_A = dgrad(grad_out, W_t, offs, mode, scopes)
+    return grad_A if grad_A.dtype == a_dtype else grad_A.to(a_dtype)
+
+
+class BackwardStages:
+    """:func:`input_grads`' stages: ``wgrad`` (the last reader of ``A``) and ``dgrad`` (of ``W_t``; it makes the
+    weight's dgrad operand). Eager they run as they are; under ``torch.compile`` each runs as a custom op
+    (:mod:`.grouped_mm_ops`), so that the weight's operand is made in the backward and the compiled backward graph
+    frees ``A`` after the op that reads it last."""
+
+    wgrad = staticmethod(backward_wgrad)
+    dgrad = staticmethod(backward_dgrad)
+
+
+def input_grads(grad_out, A, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple, needs: tuple,
+                shapes: tuple, stages=BackwardStages):
+    """``(dA, dW_t)`` (each ``None`` where ``needs``, the two input-grad flags, is False): dgrad and wgrad of
+    quantized operands; ``shapes``: ``(A.shape, A.dtype, W_t.shape, W_t.dtype)``. The one home of the backward's
+    order; its GEMMs are the ``stages`` (:class:`BackwardStages`, or the custom ops that run them under compile)."""
     grad_out = row_major(grad_out)  # an expanded (stride 0) gradient stays one with M = 0 under .contiguous()
     grad_A = grad_W_t = None
-    a_shape, a_dtype, w_shape, w_dtype = ctx.shapes
+    a_shape, a_dtype, w_shape, w_dtype = shapes
     if a_shape[1] == 0 or w_shape[2] == 0:  # dA (M, K) sums over N = 0 terms; dW_t (E, K, N) is zero or empty
-        grad_A = grad_out.new_zeros(a_shape, dtype=a_dtype) if ctx.needs_input_grad[0] else None
-        grad_W_t = grad_out.new_zeros(w_shape, dtype=w_dtype) if ctx.needs_input_grad[1] else None
+        grad_A = grad_out.new_zeros(a_shape, dtype=a_dtype) if needs[0] else None
+        grad_W_t = grad_out.new_zeros(w_shape, dtype=w_dtype) if needs[1] else None
         return grad_A, grad_W_t
     # wgrad first: its two dequantized operands (the size of A and grad_out) are freed before dA
     # (the size of A) is allocated, which keeps the backward's peak memory low
-    if ctx.needs_input_grad[1]:
-        dW = wgrad(grad_out, A, offs, ctx.mode)
-        if not (ctx.backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
-            dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
-        grad_W_t = (dW if dW.dtype == w_dtype else dW.to(w_dtype)).transpose(-2, -1)
-    if ctx.needs_input_grad[0]:
-        grad_A = dgrad(grad_out, W_t, offs, ctx.mode, ctx.reuse_scopes)
-        if grad_A.dtype != a_dtype:
-            grad_A = grad_A.to(a_dtype)
+    if needs[1]:
+        grad_W_t = stages.wgrad(grad_out, A, offs, mode, backend, w_dtype).transpose(-2, -1)
+    if needs[0]:
+        grad_A = stages.dgrad(grad_out, W_t, offs, mode, backend, scopes, a_dtype)
     return grad_A, grad_W_t
 
 
@@ -293,6 +335,10 @@ def _first_order_only(grads, inputs):
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
         return grads
     return _NotDifferentiable.apply(*grads, *inputs)
+
+
+# the compiled path's revision (:func:`.revision.source_revision`): its forward op's argument that nothing reads
+COMPILED_REVISION = source_revision("grouped_mm.py", "grouped_mm_ops.py")
 
 
 def mxfp8_grouped_mm(
@@ -344,13 +390,16 @@ def mxfp8_grouped_mm(
     gemm = resolve_gemm_backend(backend, A.device)
     # unvalidated offsets must not reach the GEMMs' device-side asserts: clamp on the device
     offs = sanitize_offsets(offs, A.shape[0], torch.int32)
-    fn = _MXFP8GroupedMM
-    if torch.compiler.is_compiling():
-        fn = _MXFP8GroupedMMTransforms
-    else:
+    compiling, transforms = torch.compiler.is_compiling(), torch._C._are_functorch_transforms_active()
+    if compiling and not transforms:
+        # the custom ops (.grouped_mm_ops, registered when moe_quant.autograd is imported; called by name: no import
+        # cycle): AOTAutograd's partitioner would otherwise save the weights' dgrad operands, made in the forward.
+        # Inside torch.func transforms the traced Function stays: custom ops' autograd does not serve functorch's
+        return torch.ops.moe_quant.grouped_mm_fwd.default(row_major(A), W_t, offs, mode.value, out_dtype, gemm.value,
+                                                          COMPILED_REVISION)
+    if not compiling:
         _check_no_forward_ad(A, W_t)
-        if torch._C._are_functorch_transforms_active():
-            fn = _MXFP8GroupedMMTransforms  # transforms need the setup_context form
+    fn = _MXFP8GroupedMMTransforms if transforms else _MXFP8GroupedMM  # transforms need the setup_context form
     return fn.apply(row_major(A), W_t, offs, mode, out_dtype, gemm)
 
 

@@ -24,9 +24,6 @@ PyTorch's silu) bit for bit, on every backend.
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +36,7 @@ from ..layouts import row_major, sanitize_offsets
 from ..numerics import BLOCK_SIZE, ScaleMode
 from ..validation import check_swiglu_experts_args, check_swiglu_experts_w13_args
 from .grouped_mm import _GEMM_DTYPE, _first_order_only, _zero_empty_experts, mxfp8_grouped_mm, weight_operand
+from .revision import source_revision
 from .saved import free_saved
 
 # ----------------------------------------------------------------------------- GEMMs on quantized forms
@@ -306,19 +304,8 @@ class _SwiGLUExperts(torch.autograd.Function):
         return (*first_order_only(grads, grad_y, w1, w3, w2), None, None, None)
 
 
-def _compiled_revision() -> int:
-    """A hash of the sources of the compiled block (this module and :mod:`.swiglu_block_ops`): an argument of its
-    forward op that nothing reads. torch's compile caches (AOTAutograd's, on by default with inductor) key a graph
-    by its code, in which the op appears by name, not by what its registered backward does (which ops, which
-    forms between them), so a graph cached by another version of these modules would run that version's backward
-    ops (or ops that no longer exist); with the hash in the code, any change to them is a new key."""
-    h = hashlib.sha256()
-    for name in ("swiglu_block.py", "swiglu_block_ops.py"):
-        h.update((Path(__file__).parent / name).read_bytes())
-    return int.from_bytes(h.digest()[:7], "little")
-
-
-COMPILED_REVISION = _compiled_revision()
+# the compiled block's revision (:func:`.revision.source_revision`): its forward op's argument that nothing reads
+COMPILED_REVISION = source_revision("swiglu_block.py", "swiglu_block_ops.py")
 
 
 def _apply(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend) -> torch.Tensor:

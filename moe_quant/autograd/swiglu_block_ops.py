@@ -38,7 +38,7 @@ from .swiglu_block import (backward_dgrad, backward_dswiglu, backward_wgrad, bac
 
 def _forward(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor, offs: torch.Tensor,
              mode: str, backend: str, keep_x: bool, revision: int) -> list[torch.Tensor]:
-    """``[y, *saved]`` (:func:`.swiglu_block.block_forward`); ``revision``: :func:`.swiglu_block._compiled_revision`,
+    """``[y, *saved]`` (:func:`.swiglu_block.block_forward`); ``revision``: :data:`.swiglu_block.COMPILED_REVISION`,
     read by nothing, there to be in the traced graph's code."""
     y, saved = block_forward(x, w1, w3, w2, offs, ScaleMode(mode), GemmBackend(backend), (), keep_x)
     return [y, *saved]

@@ -4,12 +4,18 @@ tensor the autograd graph saves (a ``saved_tensors_hooks`` pack hook), the weigh
     python scripts/probes/compiled_saved_probe.py [--backend inductor|aot_eager] [--path fused|unfused]
 
 CPU or GPU (the device of the default tensor type: CPU). Eager keeps a, b and x's colwise fp8 form and scales (the
-block's ``ctx.save_for_backward``). Compiled, AOTAutograd's partitioner decided instead until the block became two
+block's ``ctx.save_for_backward``). Compiled, AOTAutograd's partitioner decided instead until the block became
 custom ops under compile (``moe_quant/autograd/swiglu_block_ops.py``): on 2026-12-02 (torch 2.13, CPU) it kept x in
 bf16, a third (M, H) bf16 tensor and three weight-sized bf16 tensors (the weights' dequantized backward operands,
 made in the forward), 3977 bytes a row against eager's 1098 at D 256, H 192, E 4; with the custom ops both keep
-the same storages, 1098 bytes a row (inductor and aot_eager; ``tests/test_compile_saved.py`` pins it). Run it from
-the repository root with ``PYTHONPATH=.`` to probe the checkout rather than an installed copy.
+the same storages, 1098 bytes a row (inductor and aot_eager; ``tests/test_compile_saved.py`` pins it).
+
+``--path unfused``: the same block as three ``mxfp8_grouped_mm`` calls, PyTorch's silu and mul. Eager keeps x, a,
+silu(a), b and h (2048 bytes a row). Compiled it kept 3968 on 2026-12-02 (x, three (M, H) tensors and the three
+weights' dequantized dgrad operands, made in the forward), until the per-GEMM path became custom ops under compile
+as well (``moe_quant/autograd/grouped_mm_ops.py``): 1664 bytes a row (inductor and aot_eager), each GEMM keeping
+what it keeps eager, the compiler recomputing one of the four (M, H) tensors. Run it from the repository root with
+``PYTHONPATH=.`` to probe the checkout rather than an installed copy.
 """
 
 from __future__ import annotations

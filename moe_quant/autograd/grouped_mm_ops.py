@@ -1,0 +1,94 @@
+"""The per-GEMM MXFP8 path (:func:`.grouped_mm.mxfp8_grouped_mm`) under ``torch.compile``: its forward as the custom
+op ``torch.ops.moe_quant.grouped_mm_fwd``, its backward as one custom op per stage of
+:func:`.grouped_mm.input_grads` (``grouped_mm_bwd_wgrad``, ``grouped_mm_bwd_dgrad``), joined by
+``torch.library.register_autograd``.
+
+Traced through, the autograd function is inlined into AOTAutograd's joint graph, whose partitioner then chooses
+what the forward keeps for the backward: on 2026-12-02 (torch 2.13, CPU) the three GEMMs of a SwiGLU block written
+per GEMM (:func:`.swiglu_block.swiglu_experts_unfused`) kept the weights' dequantized dgrad operands, made in the
+forward, beside x and the block's ``(M, H)`` tensors: 3968 bytes a routed row against eager's 2048 at D 256, H 192
+(``scripts/probes/compiled_saved_probe.py --path unfused``). Opaque ops leave it nothing to choose: the forward op
+returns the output alone, ``setup_context`` saves what the eager function saves (``A`` where the weight's gradient
+is needed, ``W_t`` where ``A``'s is, the offsets), and the backward ops make the weight's dgrad operand themselves.
+
+Two backward ops, not one, because an op's inputs live until it returns while the compiled backward graph frees
+each of its inputs after the last op that reads it: ``A`` dies when the wgrad op returns, before the dgrad GEMM
+(eager holds it until the whole backward returns). The dgrad op also takes the weight gradient, which it does not
+read, so that it runs after the wgrad op as in eager (whose order keeps the peak low: wgrad's operands are freed
+before dA exists); the graph orders ops by their inputs alone.
+
+Every op runs the functions the eager autograd function runs (:func:`.grouped_mm.output`,
+:func:`.grouped_mm.backward_wgrad`, :func:`.grouped_mm.backward_dgrad`, in :func:`.grouped_mm.input_grads`'
+order): the same bits. The fake implementations are the same functions on fake tensors (every pass in them has a
+fake implementation), so shapes, dtypes and strides are the real ones by construction, for symbolic and unbacked M
+alike. No reuse scope serves a compiled GEMM (:mod:`moe_quant.reuse`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import GemmBackend
+from ..numerics import ScaleMode
+from .grouped_mm import backward, backward_dgrad, backward_wgrad, output, save_for_backward
+
+
+def _forward(A: torch.Tensor, W_t: torch.Tensor, offs: torch.Tensor, mode: str, out_dtype: torch.dtype,
+             backend: str, revision: int) -> torch.Tensor:
+    """``A @ W_t`` per group (:func:`.grouped_mm.output`); ``revision``: :data:`.grouped_mm.COMPILED_REVISION`,
+    read by nothing, there to be in the traced graph's code."""
+    return output(A, W_t, offs, ScaleMode(mode), out_dtype, GemmBackend(backend), ())
+
+
+def _wgrad(grad_out: torch.Tensor, A: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
+           w_dtype: torch.dtype) -> torch.Tensor:
+    """``dW (E, N, K)`` (:func:`.grouped_mm.backward_wgrad`)."""
+    return backward_wgrad(grad_out, A, offs, ScaleMode(mode), GemmBackend(backend), w_dtype)
+
+
+def _dgrad(grad_out: torch.Tensor, W_t: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
+           a_dtype: torch.dtype, after: list[torch.Tensor]) -> torch.Tensor:
+    """``dA (M, K)`` (:func:`.grouped_mm.backward_dgrad`). ``after``: read by nothing (:class:`_OpStages`)."""
+    return backward_dgrad(grad_out, W_t, offs, ScaleMode(mode), GemmBackend(backend), (), a_dtype)
+
+
+_fwd_op = torch.library.custom_op("moe_quant::grouped_mm_fwd", _forward, mutates_args=())
+_wgrad_op = torch.library.custom_op("moe_quant::grouped_mm_bwd_wgrad", _wgrad, mutates_args=())
+_dgrad_op = torch.library.custom_op("moe_quant::grouped_mm_bwd_dgrad", _dgrad, mutates_args=())
+# the fake implementations are the functions themselves, on fake tensors
+for _op, _fn in ((_fwd_op, _forward), (_wgrad_op, _wgrad), (_dgrad_op, _dgrad)):
+    _op.register_fake(_fn)
+
+
+class _OpStages:
+    """:class:`.grouped_mm.BackwardStages` with each stage one op call (one instance per backward). The dgrad op
+    takes the weight gradient where the wgrad op made one (``after``): inductor's scheduler may otherwise run it
+    first, its dA then living beside wgrad's operands."""
+
+    def __init__(self):
+        self.dW = None
+
+    def wgrad(self, grad_out, A, offs, mode, backend, w_dtype):
+        self.dW = _wgrad_op(grad_out, A, offs, mode.value, backend.value, w_dtype)
+        return self.dW
+
+    def dgrad(self, grad_out, W_t, offs, mode, backend, scopes, a_dtype):
+        after = [] if self.dW is None else [self.dW]
+        return _dgrad_op(grad_out, W_t, offs, mode.value, backend.value, a_dtype, after)
+
+
+def _setup_context(ctx, inputs, output):
+    """Save what the eager function saves (:func:`.grouped_mm.save_for_backward`)."""
+    A, W_t, offs, mode, _, backend, _ = inputs
+    save_for_backward(ctx, A, W_t, offs)
+    ctx.mode, ctx.backend, ctx.reuse_scopes = ScaleMode(mode), GemmBackend(backend), ()
+
+
+def _backward(ctx, grad_out):
+    """:func:`.grouped_mm.backward` with its stages as ops; the gradients in the positions of ``A`` and ``W_t``."""
+    return (*backward(ctx, grad_out, _OpStages()), None, None, None, None, None)
+
+
+torch.library.register_autograd("moe_quant::grouped_mm_fwd", _backward, setup_context=_setup_context)
+
+__all__: list[str] = []  # registers the torch.ops.moe_quant.grouped_mm_* ops; nothing to import by name
