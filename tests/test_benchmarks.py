@@ -481,3 +481,66 @@ def test_bench_block_modes_routed_x_and_reuse_hold(tmp_path, monkeypatch):
         bench_block.step_fn(bench_block.VARIANTS[variant], *inputs, micro_batches=2, routed=True,
                             hold="bf16" if variant.endswith("-bf16") else "fp8")()
     assert holds == ["fp8", "bf16"]
+
+
+def test_bench_block_breakdown_attributes_every_kernel_to_one_operand_pass(tmp_path, capsys):
+    """bench_block_breakdown on the CPU (the reference quantization: aten ops for kernels): one table per variant
+    whose categories add up to every profiled op's time, each operand pass of the block named (the weights' forward
+    and dgrad operands, the reuse scope's fp8 forms made and read back and its fingerprint, x's passes, the SwiGLU
+    passes), none in the bf16 block, which has only GEMMs and torch ops; the summary and weight-pass tables."""
+    from benchmarks import bench_block_breakdown as bbd
+
+    out = tmp_path / "bd.json"
+    assert bbd.main(["--device", "cpu", "--tiny", "--shapes", "ds16b", "--experts", "2", "--m", "64",
+                     "--micro-batches", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    res = json.loads(out.read_text())["results"]
+    steps = {r["variant"]: r for r in res if "variant" in r}
+    assert list(steps) == ["bf16", "fused", "fused+reuse"] and steps["fused+reuse"]["micro_batches"] == 2
+    for v, r in steps.items():
+        assert r["kernel_ms"] > 0 and r["wall_ms"] > 0 and r["idle_ms"] is None and r["host_ms"] is None
+        assert math.isclose(sum(c["ms"] for c in r["categories"]), r["kernel_ms"], rel_tol=1e-9), v
+        assert len({(c["operand"], c["family"]) for c in r["categories"]}) == len(r["categories"])  # one row each
+        assert f"ds16b M=64 E=2 {v}: kernel time per micro-batch" in text
+    ops = {v: {c["operand"] for c in r["categories"]} for v, r in steps.items()}
+    fams = {v: {c["family"] for c in r["categories"]} for v, r in steps.items()}
+    assert ops["bf16"] == {bbd.UNLABELED} and {"GEMM fwd", "GEMM bwd"} <= fams["bf16"]
+    passes = {"weights fwd", "weights dgrad", "x rowwise", "x colwise kept", "x colwise read back", "grad_y dual",
+              "swiglu", "swiglu colwise", "dswiglu"}
+    assert passes <= ops["fused"] and not any("/" in o or o == "fingerprint" for o in ops["fused"])
+    assert {"GEMM fwd", "GEMM bwd"} <= fams["fused"]
+    # the scope: each weight's fp8 forms made on the first micro-batch, read back at every use, fingerprinted
+    assert {"weights fwd / fp8 form made", "weights dgrad / fp8 form made", "weights fwd / fp8 form read back",
+            "weights dgrad / fp8 form read back", "weights fwd / fingerprint", "fingerprint"} <= ops["fused+reuse"]
+    # every table: its header, then the total row, whose % is the categories' sum over the profiled total
+    for line in text.splitlines():
+        if line.strip().startswith("total") and "kernels" in line:
+            assert line.split()[-1] == "100.0"
+    assert text.count("operand      family") + text.count("operand  ") >= 3
+    (passes_rec,) = [r for r in res if "weight_passes" in r]
+    names = [p["name"] for p in passes_rec["weight_passes"]]
+    assert len(names) == 12 and names[0] == "bf16 operand along K (fwd)"
+    assert all(p["bytes"] > 0 and p["ms"] > 0 and p["memcpy_ms"] > 0 for p in passes_rec["weight_passes"])
+    assert "wall vs bf16" in text and "% of memcpy" in text
+
+
+@pytest.mark.parametrize("name, scopes, operand, family", [
+    ("kernel_cutlass_kernel_moe_quantkernelsquantize_1x32Quantize1x32Kernel_object_at_0", ("bd: weights fwd",),
+     "weights fwd", "1x32"),
+    ("kernel_cutlass_kernel_moe_quantkernelsblockQuantizeBlockKernel_object_at_0",
+     ("bd: swiglu", "bd: swiglu colwise", BWD), "swiglu colwise", "block"),
+    ("kernel_cutlass_kernel_moe_quantkernelspermutePermuteMxfp8Kernel_object_at_0",
+     ("bd: fp8 form read back", "bd: weights dgrad", BWD), "weights dgrad / fp8 form read back", "dequant (permute)"),
+    ("kernel_cutlass_kernel_moe_quantkernelsfingerprintFingerprintKernel_object_at_0",
+     ("bd: fingerprint", "bd: weights fwd"), "weights fwd / fingerprint", "fingerprint"),
+    ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<",
+     ("aten::_grouped_mm", BWD), "-", "GEMM bwd"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_TNT", ("aten::_grouped_mm",), "-", "GEMM fwd"),
+    (ELEMENTWISE, ("aten::add_", BWD), "-", "torch aten::add_"),
+    (ELEMENTWISE, ("aten::where", "aten::_something", "bd: x colwise kept"), "x colwise kept", "torch aten::where"),
+    ("Memcpy DtoD (Device -> Device)", (), "-", "torch copy"),
+])
+def test_bench_block_breakdown_categories(name, scopes, operand, family):
+    from benchmarks import bench_block_breakdown as bbd
+
+    assert (bbd.operand(scopes), bbd.family(name, scopes)) == (operand, family)
