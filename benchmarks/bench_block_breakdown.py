@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import functools
-import statistics
 import sys
 import time
-from unittest import mock
 
 import torch
 
 from benchmarks.bench_block import SHAPES, TINY_SHAPES, VARIANTS, make_inputs, micro_batches_of, step_fn
-from benchmarks.timing import bench_ms, device_name, print_table, prog_name, profile_device_ops, write_json
+from benchmarks.timing import (bench_ms, device_name, print_table, prog_name, profile_device_ops, profiler_ranges,
+                               write_json)
 from moe_quant import block_quantize, cli, reuse
 from moe_quant.autograd import grouped_mm, swiglu_block
 from moe_quant.backends import GemmBackend
@@ -71,27 +69,16 @@ UNLABELED = "-"
 
 
 def _label_of(label: str, args: tuple, kwargs: dict) -> str:
+    """``label`` of a call with ``args`` and ``kwargs``, its ``{gemm}`` filled in."""
     if "{gemm}" in label:  # weight_operand(W_t, mode, backend, gemm, scopes)
         return label.format(gemm=kwargs.get("gemm", args[3] if len(args) > 3 else "?"))
     return label
 
 
-@contextlib.contextmanager
 def operand_ranges():
-    """Within it, each function of :data:`RANGES` runs inside a profiler range ``"bd: <label>"`` (patched on its
-    module, where the block looks it up at each call)."""
-    def ranged(label, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            with torch.profiler.record_function(RANGE + _label_of(label, args, kwargs)):
-                return fn(*args, **kwargs)
-
-        return wrapper
-
-    with contextlib.ExitStack() as stack:
-        for module, name, label in RANGES:
-            stack.enter_context(mock.patch.object(module, name, ranged(label, getattr(module, name))))
-        yield
+    """Within it, each function of :data:`RANGES` runs inside a profiler range ``"bd: <label>"``."""
+    return profiler_ranges((module, name, functools.partial(_label_of, RANGE + label))
+                           for module, name, label in RANGES)
 
 
 def family(name: str, scopes: tuple) -> str:
@@ -160,8 +147,8 @@ def breakdown(step, micro_batches: int, device, steps: int = 1) -> dict:
     per = micro_batches * steps
     kernel = sum(op["us"] for op in ops) / per / 1e3
     return dict(wall_ms=wall, kernel_ms=kernel, idle_ms=wall - kernel if device.type == "cuda" else None,
-                host_ms=None if host is None else host / micro_batches, categories=categorize(ops, micro_batches, steps),
-                unlinked_ms=sum(op["us"] for op in ops if not op["linked"]) / per / 1e3)
+                host_ms=None if host is None else host / micro_batches,
+                categories=categorize(ops, micro_batches, steps), unlinked_ms=sum(op["us"] for op in ops if not op["linked"]) / per / 1e3)
 
 
 # ----------------------------------------------------------------------------- the weight passes alone

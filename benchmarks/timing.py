@@ -6,6 +6,8 @@ elsewhere). Bandwidth counts bytes read + bytes written once each.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 
@@ -151,6 +153,28 @@ def peak_memory_bytes(fn, device="cuda") -> int | None:
     fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+@contextlib.contextmanager
+def profiler_ranges(targets):
+    """Within it, each function ``module.name`` of ``targets`` (``(module, name, label)`` triples) runs inside a
+    profiler range (``torch.profiler.record_function``) named ``label``, or ``label(args, kwargs)`` where it is
+    callable: patched on its module, so the callers that look it up there at each call run it inside the range,
+    which :func:`profile_device_ops` reports in the ``scopes`` of every kernel launched within."""
+    from unittest import mock
+
+    def ranged(label, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(label(args, kwargs) if callable(label) else label):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for module, name, label in targets:
+            stack.enter_context(mock.patch.object(module, name, ranged(label, getattr(module, name))))
+        yield
 
 
 def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:
