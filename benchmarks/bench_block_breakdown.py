@@ -1,50 +1,51 @@
 """Where the time of the SwiGLU expert block's fwd+bwd goes: per variant (``bf16``, ``fused``, ``fused+reuse``,
-eager) the device time of one step by category, the step's wall time against the sum of its kernels, and each
-weight pass's bytes against a memcpy of as many.
+``fused+reuse-fp8``, eager) the step's time by operand pass and its kernels by family, the step against the sum
+of its kernels (the device's idle time), and each weight pass's bytes against a memcpy of as many.
 
     python -m benchmarks.bench_block_breakdown [--shapes dsv3] [--experts 64] [--m 16384,98304]
-        [--variants bf16,fused,fused+reuse] [--micro-batches 4] [--json PATH] [--device cpu --tiny]
+        [--variants bf16,fused,fused+reuse,fused+reuse-fp8] [--micro-batches 4] [--json PATH] [--device cpu --tiny]
 
-Categories (torch.profiler, one profiled step, per micro-batch): every kernel is attributed to the operand pass
-that launched it by a profiler range this benchmark puts around the block's quantization entry points
-(:data:`RANGES`: a weight's forward or dgrad operand, and inside it the reuse scope's fp8 form made or read back
-and the byte fingerprint; x's rowwise, colwise-kept and read-back passes; ``dual(grad_y)``, ``swiglu``,
-``swiglu_colwise``, ``dswiglu``), and to a family by its name (the CuTe-DSL kernels by class: 1x32, 32x1,
-block, the permute kernel's dequantization, fingerprint; the grouped GEMMs, forward or backward; any other
-kernel by the torch op that launched it, so copies and elementwise passes show by name). The categories add up
-to the step's kernel sum. ``wall``: the step's time (``do_bench`` median); ``idle`` = wall - kernel sum: time the
-GPU waited for the host (one stream, so kernels never overlap); ``host``: the Python time to enqueue a step.
-The weight passes' table times each pass alone on the block's weights and gives its bytes (read + written)
+By operand pass (one step, per micro-batch): the benchmark marks each call of the block's quantization entry points
+(:data:`SPANS`: a weight's forward or dgrad operand, and inside it the reuse scope's fp8 form made or read back and
+the byte fingerprint; x's rowwise, colwise-kept and read-back passes; ``dual(grad_y)``, ``swiglu``,
+``swiglu_colwise``, ``dswiglu``) with CUDA events on the stream (:class:`Spans`; the host's clock on the CPU): each
+pass's time is the device time between its marks, less the passes nested in it; ``outside`` is the rest of the
+step (the GEMMs, torch's ops, idle time). They add up to the marked step. By kernel family (torch.profiler, one
+step): the CuTe-DSL kernels by class (1x32, 32x1, block, the permute kernel's dequantization, fingerprint), the
+grouped GEMMs, the rest by name (on the CPU: the aten ops' self time). (Not by profiler ranges: torch 2.11's
+profiler linked no kernel to its launching op on the H200, 2026-12-02.) ``wall``: ``do_bench`` median;
+``idle`` = marked step - kernel sum (one stream: time the device waited); ``host``: the Python time to enqueue a
+step. The weight passes' table times each pass alone on the block's weights and gives its bytes (read + written)
 against a memcpy of as many bytes in the same run: the floor of a pass that must move them.
 
-``--device cpu --tiny`` is a smoke run of every path (the reference quantization: aten ops' self CPU time for
-kernels, timings meaningless).
+``--device cpu --tiny`` is a smoke run of every path (the reference quantization; timings meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import sys
+import threading
 import time
 
 import torch
 
-from benchmarks.bench_block import SHAPES, TINY_SHAPES, VARIANTS, make_inputs, micro_batches_of, step_fn
-from benchmarks.timing import (bench_ms, device_name, print_table, prog_name, profile_device_ops, profiler_ranges,
+from benchmarks.bench_block import SHAPES, TINY_SHAPES, VARIANTS, hold_of, make_inputs, micro_batches_of, step_fn
+from benchmarks.timing import (bench_ms, device_name, print_table, prog_name, patched_around, profile_device_ops,
                                write_json)
 from moe_quant import block_quantize, cli, reuse
 from moe_quant.autograd import grouped_mm, swiglu_block
 from moe_quant.backends import GemmBackend
 from moe_quant.numerics import BLOCK_SIZE, ScaleMode
 
-DEFAULT_VARIANTS = ["bf16", "fused", "fused+reuse"]
-RANGE = "bd: "  # the prefix of this benchmark's profiler ranges
+DEFAULT_VARIANTS = ["bf16", "fused", "fused+reuse", "fused+reuse-fp8"]
 # (module, function, label): the block's quantization entry points; a label with "{gemm}" names the weight
-# operand's GEMM ("fwd": blocks along K, "dgrad": along N). Sub-ranges (:data:`SUB`) name what part of a weight
+# operand's GEMM ("fwd": blocks along K, "dgrad": along N). Sub-spans (:data:`SUB`) name what part of a weight
 # operand ran: the reuse scope's fp8 form made, read back, or its byte fingerprint.
-RANGES = (
+SPANS = (
     (swiglu_block, "weight_operand", "weights {gemm}"),
     (grouped_mm, "weight_operand", "weights {gemm}"),
     (grouped_mm, "_kept_weight", "fp8 form made"),
@@ -60,12 +61,12 @@ RANGES = (
     (block_quantize, "dswiglu_stacked", "dswiglu"),
 )
 SUB = ("fp8 form made", "fp8 form read back", "fingerprint")
+OUTSIDE = "outside (GEMMs, torch ops, idle)"
 # CuTe-DSL kernels by the class their name carries (the block kernel's class subclasses the 32x1 kernel's: first)
 KERNEL_FAMILIES = (("QuantizeBlock", "block"), ("Quantize1x32", "1x32"), ("Quantize32x1", "32x1"),
                    ("PermuteMxfp8", "dequant (permute)"), ("Fingerprint", "fingerprint"))
 GEMM_MARKS = ("gemm", "cutlass::device_kernel", "nvjet", "xmma", "wgmma")  # lower-case name substrings
 GEMM_OPS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm", "aten::mm")  # CPU: the grouped mm's aten::mm loop
-UNLABELED = "-"
 
 
 def _label_of(label: str, args: tuple, kwargs: dict) -> str:
@@ -75,50 +76,98 @@ def _label_of(label: str, args: tuple, kwargs: dict) -> str:
     return label
 
 
-def operand_ranges():
-    """Within it, each function of :data:`RANGES` runs inside a profiler range ``"bd: <label>"``."""
-    return profiler_ranges((module, name, functools.partial(_label_of, RANGE + label))
-                           for module, name, label in RANGES)
+class Spans:
+    """Marks on the step's timeline around each call of :data:`SPANS`: CUDA events recorded on the current stream
+    (the device's timeline: one stream, so a call's span holds exactly the work it enqueued, and the idle time
+    inside it), or the host's clock on any other device. Nested calls (a weight operand's fp8 form inside it) are
+    the children of the call they run in, on the thread they run on."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.calls: list = []  # [path of labels, outermost first; start mark; end mark; parent index or None]
+        self._stack = threading.local()
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else 1e3 * (b - a)
+
+    @contextlib.contextmanager
+    def span(self, label: str):
+        stack = self._stack.__dict__.setdefault("open", [])
+        parent = stack[-1] if stack else None
+        path = (self.calls[parent][0] if parent is not None else ()) + (label,)
+        call = [path, self.mark(), None, parent]
+        self.calls.append(call)
+        stack.append(len(self.calls) - 1)
+        try:
+            yield
+        finally:
+            stack.pop()
+            call[2] = self.mark()
+
+    def around(self):
+        """Within it, each function of :data:`SPANS` is marked."""
+        return patched_around(((module, name, functools.partial(_label_of, label)) for module, name, label in SPANS),
+                              self.span)
+
+    def categories(self, start, end) -> list[dict]:
+        """The time between the marks ``start`` and ``end`` by operand pass: each call's exclusive time (its span less
+        its children's) under :func:`operand` of its path, the rest under :data:`OUTSIDE`; ms and calls, largest
+        first. They add up to the span from ``start`` to ``end``."""
+        incl = [self.ms(c[1], c[2]) for c in self.calls]
+        excl = list(incl)
+        for i, c in enumerate(self.calls):
+            if c[3] is not None:
+                excl[c[3]] -= incl[i]
+        cats: dict = collections.defaultdict(lambda: [0.0, 0])
+        for c, t in zip(self.calls, excl):
+            cat = cats[operand(c[0])]
+            cat[0] += t
+            cat[1] += 1
+        top = sum(t for c, t in zip(self.calls, incl) if c[3] is None)
+        cats[OUTSIDE] = [self.ms(start, end) - top, 0]
+        return sorted(({"operand": k, "ms": v[0], "calls": v[1]} for k, v in cats.items()), key=lambda r: -r["ms"])
 
 
-def family(name: str, scopes: tuple) -> str:
-    """A kernel's family: a CuTe-DSL class (:data:`KERNEL_FAMILIES`), ``GEMM fwd`` / ``GEMM bwd`` (by name or the
-    grouped-mm op that launched it; bwd where an autograd node runs it), else ``torch <op>`` (the aten op that
-    launched it, or on the CPU the op itself; ``torch copy`` / ``torch memset`` / ``torch kernel`` where the
-    profiler names none)."""
+def family(name: str, scopes: tuple = ()) -> str:
+    """A kernel's family: a CuTe-DSL class (:data:`KERNEL_FAMILIES`), ``GEMM`` (by name or, where the profiler links
+    it, the grouped-mm op that launched it), else ``torch <op>`` (on the CPU the op itself, on CUDA the op that
+    launched it where the profiler links it) or ``torch copy`` / ``torch memset`` / ``torch kernel`` by its name."""
     for marker, fam in KERNEL_FAMILIES:
         if marker in name:
             return fam
     low = name.lower()
     if any(m in low for m in GEMM_MARKS) or any(s in GEMM_OPS for s in scopes) or name in GEMM_OPS:
-        return "GEMM bwd" if any("Backward" in s for s in scopes) else "GEMM fwd"
+        return "GEMM"
     op = next((s for s in scopes if s.startswith("aten::")), None)
     if op is not None:
         return f"torch {op}"
     return "torch copy" if "memcpy" in low or "copy" in low else "torch memset" if "memset" in low else "torch kernel"
 
 
-def operand(scopes: tuple) -> str:
-    """The operand pass a kernel belongs to: the outermost of this benchmark's ranges around its launch, with the
-    innermost sub-range (:data:`SUB`) after a slash; :data:`UNLABELED` outside them."""
-    labels = [s[len(RANGE):] for s in scopes if s.startswith(RANGE)]  # innermost first
-    if not labels:
-        return UNLABELED
-    top = next((lab for lab in reversed(labels) if lab not in SUB), None)
-    sub = next((lab for lab in labels if lab in SUB), None)
+def operand(path: tuple) -> str:
+    """The operand pass of a call whose spans are ``path`` (outermost first): the outermost that is not a
+    sub-span, with the innermost sub-span (:data:`SUB`) after a slash."""
+    top = next((lab for lab in path if lab not in SUB), None)
+    sub = next((lab for lab in reversed(path) if lab in SUB), None)
     return " / ".join(x for x in (top, sub) if x)
 
 
-def categorize(ops: list[dict], micro_batches: int, steps: int) -> list[dict]:
-    """``ops`` (:func:`benchmarks.timing.profile_device_ops` of ``steps`` steps) by ``(operand, family)``: ms and
-    launches per micro-batch, largest first. Every op is in exactly one category."""
-    cats: dict = collections.defaultdict(lambda: [0.0, 0])
+def families(ops: list[dict], micro_batches: int) -> list[dict]:
+    """``ops`` (:func:`benchmarks.timing.profile_device_ops` of one step) by :func:`family`: ms and launches per
+    micro-batch, largest first."""
+    fams: dict = collections.defaultdict(lambda: [0.0, 0])
     for op in ops:
-        c = cats[operand(op["scopes"]), family(op["name"], op["scopes"])]
-        c[0] += op["us"]
-        c[1] += 1
-    per = micro_batches * steps
-    rows = [{"operand": o, "family": f, "ms": us / per / 1e3, "count": n / per} for (o, f), (us, n) in cats.items()]
+        f = fams[family(op["name"], op["scopes"])]
+        f[0] += op["us"]
+        f[1] += 1
+    rows = [{"family": k, "ms": us / micro_batches / 1e3, "count": n / micro_batches} for k, (us, n) in fams.items()]
     return sorted(rows, key=lambda r: -r["ms"])
 
 
@@ -134,21 +183,30 @@ def host_ms(step, device) -> float | None:
     return 1e3 * t
 
 
-def breakdown(step, micro_batches: int, device, steps: int = 1) -> dict:
-    """One variant's numbers per micro-batch: ``wall_ms``, ``kernel_ms`` (every profiled kernel's time: what the
-    categories add up to), ``idle_ms``, ``host_ms`` (for a ``+reuse`` step it includes the scope's exit check, which
-    waits for the device), ``categories`` (:func:`categorize`), ``unlinked_ms`` (kernels the profiler tied to no
-    op)."""
+def breakdown(step, micro_batches: int, device) -> dict:
+    """One variant's numbers per micro-batch: ``wall_ms`` (``do_bench``), ``host_ms`` (enqueue time; for a
+    ``+reuse`` step it includes the scope's exit check, which waits for the device), ``operands`` (one marked step:
+    :meth:`Spans.categories`; ``step_ms``, the marked step's span, what they add up to), ``families`` (one profiled
+    step: :func:`families`; ``kernel_ms``, their sum) and ``idle_ms`` = ``step_ms`` - ``kernel_ms`` (CUDA: time the
+    device waited, one stream)."""
     step()  # warm: kernels compiled, the allocator's blocks cached
     wall = bench_ms(step, device) / micro_batches
     host = host_ms(step, device)
-    with operand_ranges():
-        ops = profile_device_ops(step, device, iters=steps)
-    per = micro_batches * steps
-    kernel = sum(op["us"] for op in ops) / per / 1e3
-    return dict(wall_ms=wall, kernel_ms=kernel, idle_ms=wall - kernel if device.type == "cuda" else None,
-                host_ms=None if host is None else host / micro_batches,
-                categories=categorize(ops, micro_batches, steps), unlinked_ms=sum(op["us"] for op in ops if not op["linked"]) / per / 1e3)
+    spans = Spans(device)
+    with spans.around():
+        if spans.cuda:
+            torch.cuda.synchronize(device)
+        start = spans.mark()
+        step()
+        end = spans.mark()
+        if spans.cuda:
+            torch.cuda.synchronize(device)
+    step_ms = spans.ms(start, end) / micro_batches
+    ops = [dict(c, ms=c["ms"] / micro_batches, calls=c["calls"] / micro_batches) for c in spans.categories(start, end)]
+    fams = families(profile_device_ops(step, device, iters=1), micro_batches)
+    kernel = sum(f["ms"] for f in fams)
+    return dict(wall_ms=wall, step_ms=step_ms, kernel_ms=kernel, idle_ms=step_ms - kernel if spans.cuda else None,
+                host_ms=None if host is None else host / micro_batches, operands=ops, families=fams)
 
 
 # ----------------------------------------------------------------------------- the weight passes alone
@@ -190,7 +248,6 @@ def main(argv=None) -> int:
     p.add_argument("--variants", type=cli.comma_choices(*VARIANTS), default=DEFAULT_VARIANTS)
     p.add_argument("--micro-batches", type=cli.positive_int, default=4,
                    help="fwd+bwd passes per step of the +reuse variants (weights quantized once per step)")
-    p.add_argument("--profile-steps", type=cli.positive_int, default=1, help="steps profiled per variant")
     p.add_argument("--json", type=cli.writable_file, default=None, help="write every measured number to this file")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes (smoke runs)")
@@ -200,7 +257,7 @@ def main(argv=None) -> int:
     ms_list = args.m or ([1024] if args.tiny else [16384, 98304])
     e = args.experts
     mode = ScaleMode.RCEIL
-    where = device_name() if device.type == "cuda" else "cpu (aten ops' self time, not kernels)"
+    where = device_name() if device.type == "cuda" else "cpu: the host's clock, aten ops' self time"
     results = []
     for shape in args.shapes:
         d, h = shapes[shape]
@@ -211,27 +268,32 @@ def main(argv=None) -> int:
             for v in args.variants:
                 mbs = micro_batches_of(v, args.micro_batches)
                 step = step_fn(VARIANTS[v], *inputs, micro_batches=mbs, concatenated="w13" in v, routed=True,
-                               hold="bf16" if v.endswith("-bf16") else "fp8")
+                               hold=hold_of(v))
                 rec = dict(shape=shape, m=m, d=d, h=h, experts=e, variant=v, micro_batches=mbs,
-                           **breakdown(step, mbs, device, args.profile_steps))
+                           **breakdown(step, mbs, device))
                 results.append(rec)
-                total = rec["kernel_ms"]
-                rows = [[c["operand"], c["family"], c["ms"], f"{c['count']:g}",
-                         f"{100 * c['ms'] / total:.1f}" if total else "-"] for c in rec["categories"]]
-                rows.append(["total", "kernels", total, f"{sum(c['count'] for c in rec['categories']):g}",
-                             f"{100 * sum(c['ms'] for c in rec['categories']) / total:.1f}" if total else "-"])
-                print_table(f"\n{shape} M={m} E={e} {v}: kernel time per micro-batch by operand pass and family "
-                            f"({where}, {args.profile_steps} profiled step(s) of {mbs} micro-batch(es))",
-                            ["operand", "family", "ms", "count", "%"], rows)
-                if rec["unlinked_ms"]:
-                    print(f"note: {rec['unlinked_ms']:.3g} ms per micro-batch of kernels the profiler tied to no "
-                          "launching op or range (operand '-', family by kernel name)")
+                total = rec["step_ms"]
+                rows = [[c["operand"], c["ms"], f"{c['calls']:g}", f"{100 * c['ms'] / total:.1f}" if total else "-"]
+                        for c in rec["operands"]]
+                rows.append(["step", total, f"{sum(c['calls'] for c in rec['operands']):g}",
+                             f"{100 * sum(c['ms'] for c in rec['operands']) / total:.1f}" if total else "-"])
+                print_table(f"\n{shape} M={m} E={e} {v}: the step by operand pass, ms per micro-batch ({where}, "
+                            f"{mbs} micro-batch(es); a pass's nested passes counted apart)",
+                            ["operand pass", "ms", "calls", "%"], rows)
+                kernel = rec["kernel_ms"]
+                rows = [[f["family"], f["ms"], f"{f['count']:g}", f"{100 * f['ms'] / kernel:.1f}" if kernel else "-"]
+                        for f in rec["families"]]
+                rows.append(["kernels", kernel, f"{sum(f['count'] for f in rec['families']):g}", "100.0"])
+                print_table(f"\n{shape} M={m} E={e} {v}: kernels by family, ms per micro-batch ({where})",
+                            ["family", "ms", "count", "%"], rows)
                 summary.append(rec)
             base = next((r for r in summary if r["variant"] == "bf16"), None)
             fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-            print_table(f"\n{shape} M={m} E={e}: per micro-batch (ms; idle = wall - kernels; host: enqueue time)",
-                        ["variant", "wall", "kernels", "idle", "host", "wall vs bf16", "gap to bf16"],
-                        [[r["variant"], fmt(r["wall_ms"]), fmt(r["kernel_ms"]), fmt(r["idle_ms"]), fmt(r["host_ms"]),
+            print_table(f"\n{shape} M={m} E={e}: per micro-batch (ms; wall: do_bench; step: the marked step; idle = "
+                        f"step - kernels; host: enqueue time)",
+                        ["variant", "wall", "step", "kernels", "idle", "host", "wall vs bf16", "gap to bf16"],
+                        [[r["variant"], fmt(r["wall_ms"]), fmt(r["step_ms"]), fmt(r["kernel_ms"]), fmt(r["idle_ms"]),
+                          fmt(r["host_ms"]),
                           "-" if base is None else f"{r['wall_ms'] / base['wall_ms']:.3f}x",
                           "-" if base is None else fmt(r["wall_ms"] - base["wall_ms"])] for r in summary])
             del inputs
