@@ -103,11 +103,11 @@ def serve(scopes: tuple, W_t: torch.Tensor, kind: tuple, compute: Callable[[], o
         return compute()
     for scope in reversed(scopes):
         how = held.get(scope.hold, AS_MADE) if held else AS_MADE
-        if how is NOT_HELD:
+        if how == NOT_HELD:
             if scope.holds(W_t):
                 return compute()
             continue
-        if how is AS_MADE:
+        if how == AS_MADE:
             value = scope.operand(W_t, kind, compute)
             if value is not _NOT_HERE:
                 return value
