@@ -10,9 +10,10 @@ what the forward keeps for the backward.
 
 ``bf16-w13``, ``unfused-w13`` (``swiglu_experts_w13_unfused``: transformers' experts converted per GEMM),
 ``fused-w13`` (``mxfp8_swiglu_experts_w13``) and ``fused-w13+reuse`` are the same block with the gate and up
-weights one ``(E, 2H, D)`` weight (transformers' experts); their ratio is to ``bf16-w13``. ``fused+reuse-bf16``
-(not in the default list): the reuse scope holding the emulated GEMM's dequantized bf16 weight operands
-(``hold="bf16"``) instead of their fp8 form.
+weights one ``(E, 2H, D)`` weight (transformers' experts); their ratio is to ``bf16-w13``. ``fused+reuse-fp8`` and
+``fused+reuse-bf16`` (not in the default list): the reuse scope with ``hold="fp8"`` (both weight operands of the
+emulated GEMM in fp8, dequantized per GEMM) or ``hold="bf16"`` (both as bf16 values) instead of its default
+(``"bf16-fwd"``: the forward operand as bf16 values, the dgrad operand made at each backward).
 
 Shapes: ``dsv3`` D = 7168, H = 2048 (w1/w3 ``(E, 2048, 7168)``, i.e. w13 ``(E, 4096, 7168)``; w2
 ``(E, 7168, 2048)``); ``llama4`` D = 5120, H = 8192; ``qwen3`` D = 2048, H = 768 (Qwen3-30B-A3B's experts, with
@@ -68,8 +69,9 @@ VARIANTS = {"bf16": bf16_block, "unfused": swiglu_experts_unfused, "fused": mxfp
             "unfused+reuse": swiglu_experts_unfused, "fused+reuse": mxfp8_swiglu_experts,
             # the same block with w13 = [w1; w3] one (E, 2H, D) weight; compared with bf16-w13
             "bf16-w13": bf16_block_w13, "unfused-w13": swiglu_experts_w13_unfused, "fused-w13": mxfp8_swiglu_experts_w13,
-            "fused-w13+reuse": mxfp8_swiglu_experts_w13, "fused+reuse-bf16": mxfp8_swiglu_experts}
-DEFAULT_VARIANTS = [v for v in VARIANTS if v != "fused+reuse-bf16"]
+            "fused-w13+reuse": mxfp8_swiglu_experts_w13, "fused+reuse-fp8": mxfp8_swiglu_experts,
+            "fused+reuse-bf16": mxfp8_swiglu_experts}
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("fused+reuse-fp8", "fused+reuse-bf16")]
 MODES = ("eager", "compiled")
 
 
@@ -84,6 +86,11 @@ class Routed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+def hold_of(variant: str) -> str | None:
+    """The reuse scope's ``hold`` a ``+reuse`` variant names (None: the scope's default)."""
+    return next((h for h in ("fp8", "bf16") if variant.endswith("+reuse-" + h)), None)
 
 
 def baseline_of(variant: str) -> str:
@@ -103,9 +110,9 @@ def make_inputs(m, d, h, e, device):
 
 
 def step_fn(fn, x, w1, w3, w2, offs, gy, w13, micro_batches: int = 1, concatenated: bool = False,
-            routed: bool = False, hold: str = "fp8"):
+            routed: bool = False, hold: str | None = None):
     """One fwd+bwd; with ``micro_batches`` > 1 that many inside one reuse scope (weights quantized once, held as
-    ``hold``). ``concatenated``: ``fn(x, w13, w2, offs)``; ``routed``: the block gets :class:`Routed` x."""
+    ``hold``; None: the scope's default). ``concatenated``: ``fn(x, w13, w2, offs)``; ``routed``: the block gets :class:`Routed` x."""
     weights = (w13, w2) if concatenated else (w1, w3, w2)
 
     def one():
@@ -118,7 +125,7 @@ def step_fn(fn, x, w1, w3, w2, offs, gy, w13, micro_batches: int = 1, concatenat
         return one
 
     def step():
-        with (reuse_quantized_weights(weights) if hold == "fp8" else reuse_quantized_weights(weights, hold=hold)):
+        with (reuse_quantized_weights(weights) if hold is None else reuse_quantized_weights(weights, hold=hold)):
             for _ in range(micro_batches):
                 one()
 
@@ -185,7 +192,7 @@ def main(argv=None) -> int:
             mbs = {v: micro_batches_of(v, args.micro_batches) for v, _ in runs}
             fns = {(v, mode): VARIANTS[v] if mode == "eager" else compiled(VARIANTS[v]) for v, mode in runs}
             steps = {(v, mode): step_fn(fns[v, mode], *inputs, micro_batches=mbs[v], concatenated="w13" in v,
-                                        routed=routed, hold="bf16" if v.endswith("-bf16") else "fp8")
+                                        routed=routed, hold=hold_of(v))
                      for v, mode in runs}
             times = {r: [] for r in steps}
             for _ in range(args.rounds):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import functools
 import inspect
 import math
 import platform
@@ -39,6 +38,7 @@ from benchmarks.timing import (
     peak_memory_bytes,
     print_table,
     profile_device_ops,
+    profiler_ranges,
     prog_name,
     write_json,
 )
@@ -168,26 +168,14 @@ GEMM_OPS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")  # e.g. the CPU gro
 ELEMENTWISE_MARKS = ("elementwise", "reduce", "scatter", "gather", "index", "catarray", "fill", "copy", "scan", "sort")
 
 
-@contextlib.contextmanager
 def quantize_ranges():
     """Wrap every public function of ``moe_quant.quantize`` (what the autograd function calls to
     quantize its operands) in a profiler range ``moe_quant.quantize.<name>``, so that the
     reference quantization's kernels can be told from the layer's other elementwise kernels."""
     import moe_quant.quantize as q
 
-    def ranged(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            with torch.profiler.record_function(QUANT_RANGE + name):
-                return fn(*args, **kwargs)
-
-        return wrapper
-
-    with contextlib.ExitStack() as stack:
-        for name, obj in list(vars(q).items()):
-            if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == q.__name__:
-                stack.enter_context(mock.patch.object(q, name, ranged(name, obj)))
-        yield
+    return profiler_ranges((q, name, QUANT_RANGE + name) for name, obj in list(vars(q).items())
+                           if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == q.__name__)
 
 
 def categorize(name: str, scopes: tuple, scopes_known: bool) -> str:

@@ -6,6 +6,8 @@ elsewhere). Bandwidth counts bytes read + bytes written once each.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 
@@ -151,6 +153,34 @@ def peak_memory_bytes(fn, device="cuda") -> int | None:
     fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+@contextlib.contextmanager
+def patched_around(targets, around):
+    """Within it, each function ``module.name`` of ``targets`` (``(module, name, label)`` triples) runs inside the
+    context manager ``around(label)``, ``label`` a string or ``label(args, kwargs)`` where it is callable: patched on
+    its module, so the callers that look it up there at each call run it inside."""
+    from unittest import mock
+
+    def wrapped(label, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with around(label(args, kwargs) if callable(label) else label):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for module, name, label in targets:
+            stack.enter_context(mock.patch.object(module, name, wrapped(label, getattr(module, name))))
+        yield
+
+
+def profiler_ranges(targets):
+    """:func:`patched_around` with a profiler range (``torch.profiler.record_function``) named ``label`` around each
+    function of ``targets``, which :func:`profile_device_ops` reports in the ``scopes`` of every kernel the profiler
+    links to a launching op."""
+    return patched_around(targets, torch.profiler.record_function)
 
 
 def profile_device_ops(fn, device="cuda", iters: int = 3) -> list[dict]:

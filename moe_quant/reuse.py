@@ -47,11 +47,17 @@ that a ``copy_`` on the weight undoes): swap with ``.data =``, ``copy_`` on the 
 
 Costs: a fingerprint (one read of the bytes; on Hopper and newer a CuTe-DSL kernel) of each source at its
 first use and of each reused one on exit, and a few microseconds of host time per lookup. What the scope holds
-until it exits, per served weight view: its two operands (forward: blocks along K; dgrad: blocks along N),
-each once, as fp8 data and e8m0 scales (``E N K`` + ``E N K / 32`` bytes each: plain scales for the emulated
-GEMM, which dequantizes each when a GEMM reads it, into a bf16 copy freed after; the scaled GEMM's blocked
-scales), or with ``hold="bf16"`` on the emulated GEMM as their dequantized bf16 values (``2 E N K`` bytes each,
-no pass per GEMM); and the storage of each source (with ``.data`` swaps, also that of each storage swapped in).
+until it exits, per served weight view, with ``hold`` (:data:`HOLDS`; what it keeps of the emulated GEMM's
+operands, Hopper and the CPU): ``"bf16-fwd"`` (the default) its forward operand (blocks along K) once, as the
+bf16 values the GEMM reads (``2 E N K`` bytes), its dgrad operand (blocks along N) made at each backward as
+outside a scope; ``"fp8"`` both operands once each as fp8 data and plain e8m0 scales (``E N K + E N K / 32``
+bytes each), dequantized to bf16 when a GEMM reads them, into a copy freed after; ``"bf16"`` both as their bf16
+values (``2 E N K`` bytes each, no pass per GEMM). ``"bf16-fwd"`` holds less than ``"fp8"`` and moves fewer
+bytes for any number of micro-batches: a dequantization reads ``1 + 1/32`` bytes an element and writes 2, so
+the fp8 forms' passes (making both, then one per GEMM) cost more than quantizing the dgrad operand anew (2 read,
+2 written) and nothing for the forward (docs/performance.md, "Where the block's time goes"). The scaled GEMM
+(SM100) reads fp8 and scales itself: every ``hold`` keeps both operands so. And the storage of each source (with
+``.data`` swaps, also that of each storage swapped in).
 """
 
 from __future__ import annotations
@@ -81,25 +87,35 @@ def current() -> tuple:
     return scopes
 
 
-def serve(scopes: tuple, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object],
-          narrow: tuple[Callable[[], object], Callable[[object], object]] | None = None):
+AS_MADE = "as made"  # a scope of that hold keeps the operand itself (:func:`serve`'s ``held``)
+NOT_HELD = "not held"  # a scope of that hold keeps nothing of the operand: it is made at each use
+
+
+def serve(scopes: tuple, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object], held: dict | None = None):
     """``compute()`` -- the quantized operand ``kind`` of the weight view ``W_t`` -- or the one the
     innermost of ``scopes`` (from :func:`current`) that holds ``W_t``'s weight made from the same bytes.
 
-    ``narrow``: ``(make, read)`` where the operand has a narrower exact form (the emulated GEMM's: fp8 data and
-    scales for its bf16 values): a scope that holds ``"fp8"`` (the default, :func:`reuse_quantized_weights`) keeps
-    ``make()`` and serves ``read(kept)``, made at each use and freed by the GEMM once read."""
+    ``held``: what a scope keeps of this operand, by the scope's ``hold`` (:data:`HOLDS`; absent: the operand as
+    made, :data:`AS_MADE`): ``(make, read)`` where it keeps a narrower exact form (the emulated GEMM's fp8 data and
+    scales for its bf16 values: it keeps ``make()`` and serves ``read(kept)``, made at each use and freed by the
+    GEMM once read), :data:`NOT_HELD` where it keeps none (``compute()`` at each use)."""
     if not scopes or torch.compiler.is_compiling():  # compiled autograd traces an eager forward's backward
         return compute()
     for scope in reversed(scopes):
-        if narrow is not None and scope.hold == "fp8":
-            value = scope.operand(W_t, kind + ("fp8",), narrow[0])
-            if value is not _NOT_HERE:
-                return narrow[1](value)
+        how = held.get(scope.hold, AS_MADE) if held else AS_MADE
+        if how == NOT_HELD:
+            if scope.holds(W_t):
+                return compute()
             continue
-        value = scope.operand(W_t, kind, compute)
+        if how == AS_MADE:
+            value = scope.operand(W_t, kind, compute)
+            if value is not _NOT_HERE:
+                return value
+            continue
+        make, read = how
+        value = scope.operand(W_t, kind + (scope.hold,), make)
         if value is not _NOT_HERE:
-            return value
+            return read(value)
     return compute()
 
 
@@ -134,7 +150,8 @@ class _Source:
         self.hits = 0
 
 
-HOLDS = ("fp8", "bf16")
+HOLDS = ("bf16-fwd", "fp8", "bf16")  # what a scope keeps of the emulated GEMM's weight operands (module doc)
+DEFAULT_HOLD = HOLDS[0]
 
 
 class Scope:
@@ -142,7 +159,7 @@ class Scope:
     on this thread without the exit check (benchmarks time the steady state with it). ``hold``: what it keeps of
     an emulated GEMM's weight operand (see :func:`reuse_quantized_weights`)."""
 
-    def __init__(self, weights, hold: str = "fp8"):
+    def __init__(self, weights, hold: str = DEFAULT_HOLD):
         if hold not in HOLDS:
             raise ValueError(f"hold must be one of {list(HOLDS)}, got {hold!r}")
         self.hold = hold
@@ -153,6 +170,10 @@ class Scope:
         self.misses = 0
         self._active = 0
         self._lock = threading.Lock()  # backward device threads of one forward thread may share the scope
+
+    def holds(self, W_t: torch.Tensor) -> bool:
+        """Whether this scope is open and ``W_t`` is a view of one of its weights (it serves ``W_t``'s operands)."""
+        return self.roots.get(id(_root(W_t))) is _root(W_t) and bool(self._active)
 
     def operand(self, W_t: torch.Tensor, kind: tuple, compute: Callable[[], object]):
         """The operand ``kind`` of ``W_t`` from this scope (made now unless made before from its current
@@ -247,7 +268,7 @@ class Scope:
 
 
 @contextlib.contextmanager
-def reuse_quantized_weights(model, *, hold: str = "fp8"):
+def reuse_quantized_weights(model, *, hold: str = DEFAULT_HOLD):
     """Quantize each expert weight of ``model`` (an ``nn.Module``, or an iterable of weight tensors for
     direct :func:`moe_quant.mxfp8_grouped_mm` calls on their views) once for all micro-batches run
     inside, on this thread; every use checks that the weight still holds the bytes its operands were
@@ -255,11 +276,13 @@ def reuse_quantized_weights(model, *, hold: str = "fp8"):
     reused changed (see the module doc). Yields the scope (its ``hits`` and ``misses`` count the weight
     operands reused and made).
 
-    ``hold``: what the scope keeps of each weight operand of the emulated GEMM (Hopper, the CPU): ``"fp8"``
-    (default) its fp8 data and e8m0 scales (1 + 1/32 bytes an element), dequantized to bf16 when a GEMM reads it
-    and freed after (one pass over the bytes, cheaper than the quantization it saves); ``"bf16"`` the dequantized
-    operand itself (2 bytes an element, no pass per GEMM). The scaled GEMM (SM100) reads fp8 and scales itself:
-    both keep those."""
+    ``hold``: what the scope keeps of a weight's operands on the emulated GEMM (Hopper, the CPU):
+    ``"bf16-fwd"`` (default) the forward operand as the bf16 values the GEMM reads (2 bytes a weight element, no
+    pass per forward), the dgrad operand made at each backward as outside a scope; ``"fp8"`` both operands as fp8
+    data and e8m0 scales (1 + 1/32 bytes an element each), each dequantized to bf16 when a GEMM reads it and freed
+    after (more memory than the default and more bytes moved: the module doc); ``"bf16"`` both operands as bf16
+    values (4 bytes a weight element, no pass per GEMM: the fastest). The scaled GEMM (SM100) reads fp8 and scales
+    itself: every ``hold`` keeps both operands so."""
     if hold not in HOLDS:
         raise ValueError(f"hold must be one of {list(HOLDS)}, got {hold!r}")
     if isinstance(model, nn.Module):

@@ -340,27 +340,29 @@ def test_plot_script_rejects_an_unwritable_out_before_reading(tmp_path, capsys):
     assert exc.value.code == 2 and "argument --out" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("variant", ["fused+reuse", "unfused+reuse"])
+@pytest.mark.parametrize("variant", ["fused+reuse", "unfused+reuse", "fused+reuse-fp8"])
 def test_bench_block_reuse_variants_quantize_weights_once_per_step(variant, monkeypatch):
-    """A ``+reuse`` step runs its micro-batches in one reuse scope: every weight operand after the first
-    micro-batch's is served from the scope."""
+    """A ``+reuse`` step runs its micro-batches in one reuse scope: every weight operand the scope holds (the
+    forward ones with the default hold, "bf16-fwd"; with "fp8" the dgrad ones too) after the first micro-batch's is
+    served from the scope."""
     from benchmarks import bench_block
 
     scopes = []
     real = bench_block.reuse_quantized_weights
 
     @contextlib.contextmanager
-    def spy(weights):
-        with real(weights) as scope:
+    def spy(weights, **kw):
+        with real(weights, **kw) as scope:
             scopes.append(scope)
             yield scope
 
     monkeypatch.setattr(bench_block, "reuse_quantized_weights", spy)
     inputs = bench_block.make_inputs(64, 64, 32, 2, torch.device("cpu"))
     mbs = bench_block.micro_batches_of(variant, 3)
-    bench_block.step_fn(bench_block.VARIANTS[variant], *inputs, micro_batches=mbs)()
+    bench_block.step_fn(bench_block.VARIANTS[variant], *inputs, micro_batches=mbs, hold=bench_block.hold_of(variant))()
     assert mbs == 3 and len(scopes) == 1
-    assert scopes[0].misses == 6 and scopes[0].hits == 2 * 6  # fwd and dgrad operands of w1, w3, w2
+    held = 6 if variant.endswith("-fp8") else 3  # fwd and dgrad operands of w1, w3, w2, or the fwd ones
+    assert scopes[0].misses == held and scopes[0].hits == 2 * held
 
 
 @pytest.mark.parametrize("fake", [True, False])
@@ -477,7 +479,91 @@ def test_bench_block_modes_routed_x_and_reuse_hold(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_block, "reuse_quantized_weights", spy)
     inputs = bench_block.make_inputs(64, 64, 32, 2, torch.device("cpu"))
-    for variant, hold in (("fused+reuse", "fp8"), ("fused+reuse-bf16", "bf16")):
+    variants = ("fused+reuse", "fused+reuse-fp8", "fused+reuse-bf16")
+    for variant in variants:
         bench_block.step_fn(bench_block.VARIANTS[variant], *inputs, micro_batches=2, routed=True,
-                            hold="bf16" if variant.endswith("-bf16") else "fp8")()
-    assert holds == ["fp8", "bf16"]
+                            hold=bench_block.hold_of(variant))()
+    assert holds == ["bf16-fwd", "fp8", "bf16"]  # the scope's default, then the named ones
+
+
+def test_bench_block_breakdown_attributes_the_step_to_its_operand_passes(tmp_path, capsys):
+    """bench_block_breakdown on the CPU (the reference quantization, the host's clock): per variant a table of the
+    step by operand pass whose rows add up to the marked step, each pass of the block named (the weights' forward and
+    dgrad operands, the reuse scope's fp8 forms made and read back and its fingerprint, x's passes, the SwiGLU
+    passes) and none in the bf16 block; a table of its kernels (aten ops) by family; the summary and weight-pass
+    tables."""
+    from benchmarks import bench_block_breakdown as bbd
+
+    out = tmp_path / "bd.json"
+    assert bbd.main(["--device", "cpu", "--tiny", "--shapes", "ds16b", "--experts", "2", "--m", "64",
+                     "--micro-batches", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    res = json.loads(out.read_text())["results"]
+    steps = {r["variant"]: r for r in res if "variant" in r}
+    assert list(steps) == ["bf16", "fused", "fused+reuse", "fused+reuse-fp8"]
+    assert [steps[v]["micro_batches"] for v in steps] == [1, 1, 2, 2]
+    for v, r in steps.items():
+        assert r["step_ms"] > 0 and r["wall_ms"] > 0 and r["idle_ms"] is None and r["host_ms"] is None
+        assert math.isclose(sum(c["ms"] for c in r["operands"]), r["step_ms"], rel_tol=1e-9), v
+        outside = [c for c in r["operands"] if c["operand"] == bbd.OUTSIDE]
+        assert len(outside) == 1 and outside[0]["ms"] > 0, v  # the GEMMs at least
+        assert all(c["ms"] >= 0 for c in r["operands"]), r["operands"]  # nested passes counted apart, once
+        assert math.isclose(sum(f["ms"] for f in r["families"]), r["kernel_ms"], rel_tol=1e-9)
+        assert "GEMM" in {f["family"] for f in r["families"]}
+        assert f"ds16b M=64 E=2 {v}: the step by operand pass" in text
+    ops = {v: {c["operand"] for c in r["operands"]} for v, r in steps.items()}
+    calls = {v: {c["operand"]: c["calls"] for c in r["operands"]} for v, r in steps.items()}
+    assert ops["bf16"] == {bbd.OUTSIDE}
+    passes = {"weights fwd", "weights dgrad", "x rowwise", "x colwise kept", "x colwise read back", "grad_y dual",
+              "swiglu", "swiglu colwise", "dswiglu"}
+    assert ops["fused"] == passes | {bbd.OUTSIDE}
+    assert calls["fused"]["weights fwd"] == calls["fused"]["weights dgrad"] == 3  # w1, w3, w2
+    # the default scope: the forward operands made once a step, nothing in fp8; the exit check's fingerprints
+    assert {"weights fwd / fingerprint", "fingerprint"} <= ops["fused+reuse"]
+    assert not any("fp8 form" in o for o in ops["fused+reuse"])
+    # hold="fp8": each weight's fp8 forms made on the first micro-batch and read back at every use
+    assert {"weights fwd / fp8 form made", "weights dgrad / fp8 form made", "weights fwd / fp8 form read back",
+            "weights dgrad / fp8 form read back", "weights fwd / fingerprint", "fingerprint"} <= ops["fused+reuse-fp8"]
+    assert calls["fused+reuse-fp8"]["weights dgrad / fp8 form read back"] == 3  # per micro-batch
+    assert calls["fused+reuse-fp8"]["weights dgrad / fp8 form made"] == 1.5  # 3 a step of 2 micro-batches
+    # every operand table ends with the step row, whose % is the rows' sum over the step
+    assert sum(line.split()[:1] == ["step"] for line in text.splitlines()) == 4
+    for line in text.splitlines():
+        if line.strip().startswith("step ") or line.strip().startswith("kernels "):
+            assert line.split()[-1] == "100.0", line
+    (passes_rec,) = [r for r in res if "weight_passes" in r]
+    names = [p["name"] for p in passes_rec["weight_passes"]]
+    assert len(names) == 12 and names[0] == "bf16 operand along K (fwd)"
+    assert all(p["bytes"] > 0 and p["ms"] > 0 and p["memcpy_ms"] > 0 for p in passes_rec["weight_passes"])
+    assert "wall vs bf16" in text and "% of memcpy" in text
+
+
+@pytest.mark.parametrize("path, operand", [
+    (("weights fwd",), "weights fwd"),
+    (("swiglu colwise", "swiglu"), "swiglu colwise"),  # the outermost pass names it
+    (("weights dgrad", "fp8 form read back"), "weights dgrad / fp8 form read back"),
+    (("weights fwd", "fingerprint"), "weights fwd / fingerprint"),
+    (("fingerprint",), "fingerprint"),  # the scope's exit check
+])
+def test_bench_block_breakdown_operand_of_nested_spans(path, operand):
+    from benchmarks import bench_block_breakdown as bbd
+
+    assert bbd.operand(path) == operand
+
+
+@pytest.mark.parametrize("name, family", [
+    ("kernel_cutlass_kernel_moe_quantkernelsquantize_1x32Quantize1x32Kernel_object_at_0", "1x32"),
+    ("kernel_cutlass_kernel_moe_quantkernelsblockQuantizeBlockKernel_object_at_0", "block"),
+    ("kernel_cutlass_kernel_moe_quantkernelsquantize_32x1Quantize32x1Kernel_object_at_0", "32x1"),
+    ("kernel_cutlass_kernel_moe_quantkernelspermutePermuteMxfp8Kernel_object_at_0", "dequant (permute)"),
+    ("kernel_cutlass_kernel_moe_quantkernelsfingerprintFingerprintKernel_object_at_0", "fingerprint"),
+    ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<",
+     "GEMM"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_TNT", "GEMM"),
+    (ELEMENTWISE, "torch kernel"),
+    ("Memcpy DtoD (Device -> Device)", "torch copy"),
+])
+def test_bench_block_breakdown_kernel_families(name, family):
+    from benchmarks import bench_block_breakdown as bbd
+
+    assert bbd.family(name) == family

@@ -129,7 +129,7 @@ def test_reuse_scope_fingerprints_with_the_kernel_and_syncs_once_on_exit(monkeyp
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with reuse_quantized_weights(m) as scope:
+            with reuse_quantized_weights(m, hold="fp8") as scope:  # both operands held: the dgrad ones served too
                 for x in xs:
                     m(x).float().sum().backward()
                 sources = len(scope.served)

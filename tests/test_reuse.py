@@ -12,6 +12,7 @@ from conftest import spy_on
 from torchao.quantization import quantize_
 
 import moe_quant.autograd.grouped_mm as gm
+from moe_quant import reuse
 from moe_quant import MXFP8MoEConfig, mxfp8_grouped_mm, reuse_quantized_weights
 from moe_quant.moe import GroupedExperts, TinyMoEModel
 
@@ -39,9 +40,9 @@ def weight_quantizations(monkeypatch):
     return calls
 
 
-def accumulate(m, xs, reuse):
+def accumulate(m, xs, reuse, hold=reuse.DEFAULT_HOLD):
     if reuse:
-        with reuse_quantized_weights(m) as scope:
+        with reuse_quantized_weights(m, hold=hold) as scope:
             for x in xs:
                 m(x).float().pow(2).mean().backward()
         return scope
@@ -50,9 +51,11 @@ def accumulate(m, xs, reuse):
     return None
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adamw_forloop", "adamw_foreach", "adamw_fused"])
+# each optimizer with one of the holds (every hold with two of them)
+@pytest.mark.parametrize("opt, hold", [("sgd", "bf16-fwd"), ("adamw_forloop", "fp8"), ("adamw_foreach", "bf16"),
+                                       ("adamw_fused", "bf16-fwd"), ("sgd", "fp8"), ("adamw_fused", "bf16")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32_master"])
-def test_gradient_accumulation_with_optimizer_steps_equals_no_reuse(opt, dtype, weight_quantizations):
+def test_gradient_accumulation_with_optimizer_steps_equals_no_reuse(opt, hold, dtype, weight_quantizations):
     ref, m = model(dtype), model(dtype)
     make = {
         "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
@@ -66,9 +69,12 @@ def test_gradient_accumulation_with_optimizer_steps_equals_no_reuse(opt, dtype, 
         n0 = len(weight_quantizations)
         accumulate(ref, xs, reuse=False)
         n_plain = len(weight_quantizations) - n0
-        scope = accumulate(m, xs, reuse=True)
+        scope = accumulate(m, xs, reuse=True, hold=hold)
         n_reuse = len(weight_quantizations) - n0 - n_plain
-        assert n_reuse * 3 == n_plain > 0  # once per step, not once per micro-batch
+        if hold == "bf16-fwd":  # the forward operands once per step, the dgrad ones (half of them) per micro-batch
+            assert n_reuse * 3 == n_plain // 2 + 3 * n_plain // 2 and n_plain > 0
+        else:
+            assert n_reuse * 3 == n_plain > 0  # once per step, not once per micro-batch
         assert scope.hits > 0 and not scope.served  # operands freed on exit
         for (n, p), q in zip(ref.named_parameters(), m.parameters()):
             assert torch.equal(p.grad, q.grad), (step, n)
@@ -390,7 +396,7 @@ def test_the_backward_of_a_forward_inside_the_scope_is_served_on_another_thread(
     m = model()
     xs = micro_batches(2)
     want = fresh(m, xs[1])
-    with reuse_quantized_weights(m) as scope:
+    with reuse_quantized_weights(m, hold="fp8") as scope:  # both operands held: the dgrad ones served too
         run(m, xs[0])
         x = xs[1].clone().requires_grad_()
         out = m(x)
@@ -408,7 +414,7 @@ def test_scopes_on_two_threads_at_once_serve_their_own_thread():
     got = {}
 
     def worker(i):
-        with reuse_quantized_weights(m) as scope:
+        with reuse_quantized_weights(m, hold="fp8") as scope:
             both_open.wait()
             outs = [run(m, x) for x in xs]
             both_open.wait()
@@ -426,12 +432,12 @@ def test_nested_scopes_the_innermost_that_holds_the_weight_serves():
     torch.manual_seed(0)
     w = torch.randn(4, 64, 96, dtype=torch.bfloat16)
     a, offs = direct_problem()
-    with reuse_quantized_weights(m) as outer:
+    with reuse_quantized_weights(m, hold="fp8") as outer:  # both operands held (bf16-fwd: the next test)
         run(m, xs[0])
-        with reuse_quantized_weights([w]) as inner:
+        with reuse_quantized_weights([w], hold="fp8") as inner:
             run(m, xs[1])  # the outer scope holds m's weights
             gemm(a, w, offs), gemm(a, w, offs)
-            with reuse_quantized_weights(m) as innermost:
+            with reuse_quantized_weights(m, hold="fp8") as innermost:
                 run(m, xs[2])
         assert (outer.hits, outer.misses) == (12, 12)
         assert (inner.hits, inner.misses) == (1, 1) and (innermost.hits, innermost.misses) == (0, 12)
@@ -439,6 +445,30 @@ def test_nested_scopes_the_innermost_that_holds_the_weight_serves():
             gemm(a, w, offs)
         assert same(run(m, xs[2]), fresh(m, xs[2]))
     assert (outer.hits, outer.misses) == (24, 12)
+
+
+def test_a_bf16_fwd_scope_makes_the_dgrad_operand_at_each_use_never_from_an_outer_scope(weight_quantizations):
+    """``hold="bf16-fwd"`` (the default): the forward operands are served, the dgrad operands made at each backward,
+    also on another thread (the engine's device thread on CUDA), and never taken from an outer scope that holds
+    them: the innermost scope that holds the weight decides. The same bits as without a scope."""
+    m = model()
+    xs = micro_batches(3)
+    want = [fresh(m, x) for x in xs]
+    with reuse_quantized_weights(m, hold="fp8") as outer:
+        got0 = run(m, xs[0])  # the outer scope makes both operands of w1, w3, w2 in two layers
+        with reuse_quantized_weights(m) as inner:
+            assert inner.hold == "bf16-fwd"
+            n0 = len(weight_quantizations)
+            got1 = run(m, xs[1])
+            x = xs[2].clone().requires_grad_()
+            out = m(x)  # the forward operands served
+            n1 = len(weight_quantizations)
+            on_threads(lambda: out.float().pow(2).mean().backward())
+            n2 = len(weight_quantizations)
+        assert (inner.hits, inner.misses) == (6, 6)  # the forward operands: made once, served once
+        assert n1 - n0 == 12 and n2 - n1 == 6  # the dgrad operands: made at each backward
+        assert (outer.hits, outer.misses) == (0, 12)  # nothing taken from the outer scope
+    assert same(got0, want[0]) and same(got1, want[1]) and same((out, x.grad), want[2])
 
 
 def test_a_compiled_forward_inside_the_scope_is_not_served_and_sees_writes():
@@ -506,11 +536,12 @@ def test_exit_reads_no_weight_whose_operands_were_not_reused(monkeypatch):
     assert len(calls) == 6
 
 
-@pytest.mark.parametrize("hold", ["fp8", "bf16"])
+@pytest.mark.parametrize("hold", ["bf16-fwd", "fp8", "bf16"])
 def test_the_scope_holds_each_weight_operand_once_in_the_form_it_says(hold, weight_quantizations):
-    """What a scope holds (emulated GEMM), per weight: its forward and dgrad operands, each once, as fp8 data and plain
-    e8m0 scales (E N K + E N K / 32 bytes; ``hold="fp8"``, the default) or as the dequantized bf16 operand (2 E N K
-    bytes, ``hold="bf16"``); nothing else but the weight's own storage. Either way the gradients equal quantizing
+    """What a scope holds (emulated GEMM), per weight: its forward operand alone as the bf16 values the GEMM reads
+    (2 E N K bytes, ``hold="bf16-fwd"``, the default); its forward and dgrad operands, each once, as fp8 data and plain
+    e8m0 scales (E N K + E N K / 32 bytes each, ``hold="fp8"``) or as the dequantized bf16 operands (2 E N K bytes
+    each, ``hold="bf16"``); nothing else but the weight's own storage. Either way the gradients equal quantizing
     every time, bit for bit."""
     ref, m = model(), model()
     xs = micro_batches(3)
@@ -523,7 +554,8 @@ def test_the_scope_holds_each_weight_operand_once_in_the_form_it_says(hold, weig
         for source in scope.served.values():
             w = weights[source.view.untyped_storage().data_ptr()]
             assert source.view.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()  # a view, no copy
-            assert sorted(k[1] for k in source.operands) == ["dgrad", "fwd"], source.operands.keys()
+            gemms = ["fwd"] if hold == "bf16-fwd" else ["dgrad", "fwd"]
+            assert sorted(k[1] for k in source.operands) == gemms, source.operands.keys()
             n = w.numel()
             for kind, op in source.operands.items():
                 tensors = op if isinstance(op, tuple) else (op,)

@@ -72,9 +72,11 @@ def _read_kept(kept, gemm: str) -> torch.Tensor:
 def weight_operand(W_t, mode: ScaleMode, backend: GemmBackend, gemm: str, scopes: tuple):
     """The ``gemm`` ("fwd" or "dgrad") operand of the weight view ``W_t`` on ``backend``: made here, or
     reused from one of ``scopes`` (:func:`moe_quant.reuse.current` where the forward ran: the forward passes
-    them, its backward the ones the forward kept in ``ctx``; on the emulated GEMM a scope keeps it in fp8,
-    read back per GEMM). The one place the GEMMs of :func:`mxfp8_grouped_mm` and of the SwiGLU expert block
-    get their weight operands."""
+    them, its backward the ones the forward kept in ``ctx``). The one place the GEMMs of
+    :func:`mxfp8_grouped_mm` and of the SwiGLU expert block get their weight operands. What a scope keeps of
+    an emulated operand depends on its ``hold`` (:func:`moe_quant.reuse_quantized_weights`): the bf16
+    operand (``"bf16"``; ``"bf16-fwd"``, the forward's only), its fp8 form (``"fp8"``, read back per GEMM),
+    or nothing (``"bf16-fwd"``'s dgrad operand, made here at each use)."""
     form = _WEIGHT_FORMS[backend, gemm]
 
     def weight():  # read as bf16 (fp32 master weights: their bf16 rounding, made by the kernels as they load)
@@ -83,10 +85,11 @@ def weight_operand(W_t, mode: ScaleMode, backend: GemmBackend, gemm: str, scopes
     def compute():
         return form(weight(), mode)
 
-    narrow = None
+    held = None
     if backend is GemmBackend.EMULATED and scopes:
-        narrow = (lambda: _kept_weight(weight(), mode, gemm), lambda kept: _read_kept(kept, gemm))
-    return reuse.serve(scopes, W_t, (backend.value, gemm, mode), compute, narrow)
+        held = {"fp8": (lambda: _kept_weight(weight(), mode, gemm), lambda kept: _read_kept(kept, gemm)),
+                "bf16-fwd": reuse.AS_MADE if gemm == "fwd" else reuse.NOT_HELD}
+    return reuse.serve(scopes, W_t, (backend.value, gemm, mode), compute, held)
 
 
 def emulated_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):
