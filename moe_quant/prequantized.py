@@ -10,8 +10,9 @@ quantizing again.
 Entries are keyed weakly by the tensor object and hold only while it is unchanged: the same storage (by
 identity: the entry holds it, so a replacement at the same address is another storage), data pointer,
 offset, shape, strides, dtype and autograd version counter (an in-place write is a miss). A miss, a
-different scale mode, ``torch.compile`` or ``inference_mode`` fall back to quantizing, which gives
-the same values: re-quantizing the dequantized values of a 1x32 MXFP8 tensor with the same mode and
+different scale mode, ``inference_mode`` or code being traced by ``torch.compile`` (which records and looks up
+nothing; the compiled per-GEMM custom ops run their stages at run time, where a lookup can hit) fall back to
+quantizing, which gives the same values: re-quantizing the dequantized values of a 1x32 MXFP8 tensor with the same mode and
 blocks reproduces them (``tests/test_ep_prequantized.py``), so a hit only saves the pass.
 """
 
