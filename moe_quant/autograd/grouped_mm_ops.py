@@ -30,7 +30,7 @@ import torch
 
 from ..backends import GemmBackend
 from ..numerics import ScaleMode
-from .grouped_mm import backward, backward_dgrad, backward_wgrad, output, save_for_backward
+from .grouped_mm import backward, backward_a_operand, backward_dgrad, backward_wgrad, output, save_for_backward
 
 
 def _forward(A: torch.Tensor, W_t: torch.Tensor, offs: torch.Tensor, mode: str, out_dtype: torch.dtype,
@@ -40,10 +40,17 @@ def _forward(A: torch.Tensor, W_t: torch.Tensor, offs: torch.Tensor, mode: str, 
     return output(A, W_t, offs, ScaleMode(mode), out_dtype, GemmBackend(backend), ())
 
 
-def _wgrad(grad_out: torch.Tensor, A: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
+def _a_operand(A: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
+               after: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A's wgrad operand's tensors (:func:`.grouped_mm.backward_a_operand`). ``after``: read by nothing
+    (:class:`_OpStages`)."""
+    return list(backward_a_operand([A], offs, ScaleMode(mode), GemmBackend(backend)))
+
+
+def _wgrad(grad_out: torch.Tensor, a_col: list[torch.Tensor], offs: torch.Tensor, mode: str, backend: str,
            w_dtype: torch.dtype) -> torch.Tensor:
-    """``dW (E, N, K)`` (:func:`.grouped_mm.backward_wgrad`)."""
-    return backward_wgrad(grad_out, A, offs, ScaleMode(mode), GemmBackend(backend), w_dtype)
+    """``dW (E, N, K)`` (:func:`.grouped_mm.backward_wgrad`) from A's operand's tensors."""
+    return backward_wgrad(grad_out, tuple(a_col), offs, ScaleMode(mode), GemmBackend(backend), w_dtype)
 
 
 def _dgrad(grad_out: torch.Tensor, W_t: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
@@ -53,23 +60,29 @@ def _dgrad(grad_out: torch.Tensor, W_t: torch.Tensor, offs: torch.Tensor, mode: 
 
 
 _fwd_op = torch.library.custom_op("moe_quant::grouped_mm_fwd", _forward, mutates_args=())
+_a_operand_op = torch.library.custom_op("moe_quant::grouped_mm_bwd_a_operand", _a_operand, mutates_args=())
 _wgrad_op = torch.library.custom_op("moe_quant::grouped_mm_bwd_wgrad", _wgrad, mutates_args=())
 _dgrad_op = torch.library.custom_op("moe_quant::grouped_mm_bwd_dgrad", _dgrad, mutates_args=())
 # the fake implementations are the functions themselves, on fake tensors
-for _op, _fn in ((_fwd_op, _forward), (_wgrad_op, _wgrad), (_dgrad_op, _dgrad)):
+for _op, _fn in ((_fwd_op, _forward), (_a_operand_op, _a_operand), (_wgrad_op, _wgrad), (_dgrad_op, _dgrad)):
     _op.register_fake(_fn)
 
 
 class _OpStages:
-    """:class:`.grouped_mm.BackwardStages` with each stage one op call (one instance per backward). The dgrad op
-    takes the weight gradient where the wgrad op made one (``after``): inductor's scheduler may otherwise run it
-    first, its dA then living beside wgrad's operands."""
+    """:class:`.grouped_mm.BackwardStages` with each stage one op call (one instance per backward). The graph orders
+    ops by their inputs alone, and inductor's scheduler may run an op whose inputs exist earlier: so A's operand op
+    takes grad_out (``after``; A exists from the backward's start, grad_out only once this GEMM's backward can run),
+    and the dgrad op the weight gradient where the wgrad op made one (run first, its dA would live beside wgrad's
+    operands)."""
 
     def __init__(self):
-        self.dW = None
+        self.dW, self.grad_out = None, None
 
-    def wgrad(self, grad_out, A, offs, mode, backend, w_dtype):
-        self.dW = _wgrad_op(grad_out, A, offs, mode.value, backend.value, w_dtype)
+    def a_operand(self, held, offs, mode, backend):
+        return tuple(_a_operand_op(held.pop(), offs, mode.value, backend.value, [self.grad_out]))
+
+    def wgrad(self, grad_out, a_col, offs, mode, backend, w_dtype):
+        self.dW = _wgrad_op(grad_out, list(a_col), offs, mode.value, backend.value, w_dtype)
         return self.dW
 
     def dgrad(self, grad_out, W_t, offs, mode, backend, scopes, a_dtype):
@@ -86,7 +99,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     """:func:`.grouped_mm.backward` with its stages as ops; the gradients in the positions of ``A`` and ``W_t``."""
-    return (*backward(ctx, grad_out, _OpStages()), None, None, None, None, None)
+    stages = _OpStages()
+    stages.grad_out = grad_out
+    return (*backward(ctx, grad_out, stages), None, None, None, None, None)
 
 
 torch.library.register_autograd("moe_quant::grouped_mm_fwd", _backward, setup_context=_setup_context)
