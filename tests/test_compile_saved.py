@@ -250,4 +250,5 @@ def test_compiled_scaled_gemm_runs_its_ops_through_pytorch_meta_checks(out_dtype
     assert A.grad.shape == A.shape and W.grad.shape == W.shape
     assert [c[0] for c in seen.calls] == ["moe_quant.grouped_mm_bwd_a_operand.default",
                                           "moe_quant.grouped_mm_bwd_wgrad.default",
+                                          "moe_quant.grouped_mm_bwd_g_operand.default",
                                           "moe_quant.grouped_mm_bwd_dgrad.default"]

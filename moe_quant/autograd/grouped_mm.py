@@ -23,6 +23,8 @@ Saved for backward: ``A`` where the weight's gradient is needed, ``W_t`` where `
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from .. import layouts
@@ -99,10 +101,14 @@ def emulated_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):
     return torch._grouped_mm(a, w, offs=offs)
 
 
-def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode, scopes: tuple):
-    g = pq.rowwise_values(grad_out, mode)
+def emulated_g_operand(grad_out, offs, mode: ScaleMode) -> tuple:
+    """grad_out's dgrad operand ``(values (M, N) bf16,)``: its rowwise form's values."""
+    return (pq.rowwise_values(grad_out, mode),)
+
+
+def emulated_dgrad(g_row: tuple, W_t, offs, mode: ScaleMode, scopes: tuple):
     w = weight_operand(W_t, mode, GemmBackend.EMULATED, "dgrad", scopes)
-    return torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(g_row[0], w.transpose(-2, -1), offs=offs)
 
 
 def emulated_a_operand(A, offs, mode: ScaleMode) -> tuple:
@@ -128,8 +134,13 @@ def scaled_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):
     return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
-def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode, scopes: tuple):
-    g, g_s = pq.rowwise_operand(grad_out, mode, offs)
+def scaled_g_operand(grad_out, offs, mode: ScaleMode) -> tuple:
+    """grad_out's dgrad operand ``(data (M, N) e4m3, M-groups blocked scales)``."""
+    return tuple(pq.rowwise_operand(grad_out, mode, offs))
+
+
+def scaled_dgrad(g_row: tuple, W_t, offs, mode: ScaleMode, scopes: tuple):
+    g, g_s = g_row
     w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "dgrad", scopes)
     return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
@@ -145,10 +156,19 @@ def scaled_wgrad(grad_out, a_col: tuple, offs, mode: ScaleMode):
     return torch._scaled_grouped_mm(g_t, a_t.t(), g_s, a_s, offs=padded_offs, out_dtype=_GEMM_DTYPE)
 
 
-# per backend: (fwd, dgrad, A's wgrad operand, wgrad)
+class _Gemms(NamedTuple):
+    """One GEMM backend's functions: the forward GEMM, then the backward's operands and GEMMs."""
+
+    fwd: Callable
+    g_operand: Callable  # grad_out's rowwise form (dgrad operand)
+    dgrad: Callable
+    a_operand: Callable  # A's colwise form (wgrad operand)
+    wgrad: Callable
+
+
 _GEMMS = {
-    GemmBackend.EMULATED: (emulated_fwd, emulated_dgrad, emulated_a_operand, emulated_wgrad),
-    GemmBackend.SCALED: (scaled_fwd, scaled_dgrad, scaled_a_operand, scaled_wgrad),
+    GemmBackend.EMULATED: _Gemms(emulated_fwd, emulated_g_operand, emulated_dgrad, emulated_a_operand, emulated_wgrad),
+    GemmBackend.SCALED: _Gemms(scaled_fwd, scaled_g_operand, scaled_dgrad, scaled_a_operand, scaled_wgrad),
 }
 
 
@@ -166,8 +186,7 @@ def _empty_contraction(A, W_t) -> bool:
 def output(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, scopes: tuple):
     if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
         return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
-    fwd = _GEMMS[backend][0]
-    out = fwd(A, W_t, offs, mode, scopes)
+    out = _GEMMS[backend].fwd(A, W_t, offs, mode, scopes)
     # never ``out.to(out_dtype)`` when it is already that dtype: that returns ``out`` itself, and torch 2.11's
     # dynamo then traces this Function's backward with a zero output gradient (every gradient zero; fixed in
     # later torch; tests/test_grouped_mm.py::test_compiled_gradients_equal_eager)
@@ -265,35 +284,43 @@ def _free_a(ctx) -> None:
 def backward_a_operand(held: list, offs, mode: ScaleMode, backend: GemmBackend) -> tuple:
     """A's colwise form as the wgrad GEMM reads it, from ``held`` (``[A]``, emptied: this is A's last reader, so A
     is freed once it returns where nothing else holds it)."""
-    return _GEMMS[backend][2](held.pop(), offs, mode)
+    return _GEMMS[backend].a_operand(held.pop(), offs, mode)
 
 
 def backward_wgrad(grad_out, a_col: tuple, offs, mode: ScaleMode, backend: GemmBackend,
                    w_dtype: torch.dtype) -> torch.Tensor:
     """The weight gradient ``dW (E, N, K)`` in ``w_dtype`` from ``grad_out`` (row-major) and A's colwise form
     (:func:`backward_a_operand`); an expert without tokens gets exact zeros."""
-    dW = _GEMMS[backend][3](grad_out, a_col, offs, mode)
+    dW = _GEMMS[backend].wgrad(grad_out, a_col, offs, mode)
     if not (backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(dW.device)):
         dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
     return dW if dW.dtype == w_dtype else dW.to(w_dtype)
 
 
-def backward_dgrad(grad_out, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
+def backward_g_operand(grad_out, offs, mode: ScaleMode, backend: GemmBackend) -> tuple:
+    """grad_out's (row-major) rowwise form as the dgrad GEMM reads it; the known form where it arrived in MXFP8
+    (:mod:`moe_quant.prequantized`)."""
+    return _GEMMS[backend].g_operand(grad_out, offs, mode)
+
+
+def backward_dgrad(g_row: tuple, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
                    a_dtype: torch.dtype) -> torch.Tensor:
-    """The input gradient ``dA (M, K)`` in ``a_dtype`` from ``grad_out`` (row-major) and the weight's dgrad operand,
-    made here (or served by ``scopes``)."""
-    grad_A = _GEMMS[backend][1](grad_out, W_t, offs, mode, scopes)
+    """The input gradient ``dA (M, K)`` in ``a_dtype`` from grad_out's rowwise form (:func:`backward_g_operand`) and
+    the weight's dgrad operand, made here (or served by ``scopes``)."""
+    grad_A = _GEMMS[backend].dgrad(g_row, W_t, offs, mode, scopes)
     return grad_A if grad_A.dtype == a_dtype else grad_A.to(a_dtype)
 
 
 class BackwardStages:
-    """:func:`input_grads`' stages: ``a_operand`` (the last reader of ``A``), ``wgrad`` (of A's operand) and ``dgrad``
-    (of ``W_t``; it makes the weight's dgrad operand). Eager they run as they are; under ``torch.compile`` each runs
-    as a custom op (:mod:`.grouped_mm_ops`), so that the weight's operand is made in the backward and the compiled
-    backward graph frees ``A`` after the op that reads it last."""
+    """:func:`input_grads`' stages: ``a_operand`` (the last reader of ``A``), ``wgrad`` (of A's operand),
+    ``g_operand`` (the last reader of ``grad_out``) and ``dgrad`` (of ``W_t``; it makes the weight's dgrad operand).
+    Eager they run as they are; under ``torch.compile`` each runs as a custom op (:mod:`.grouped_mm_ops`), so that
+    the weight's operand is made in the backward and the compiled backward graph frees ``A`` and ``grad_out``
+    (where made in that graph) after the op that reads them last, before the GEMMs that do not read them."""
 
     a_operand = staticmethod(backward_a_operand)
     wgrad = staticmethod(backward_wgrad)
+    g_operand = staticmethod(backward_g_operand)
     dgrad = staticmethod(backward_dgrad)
 
 
@@ -325,7 +352,8 @@ def input_grads(grad_out, held: list, W_t, offs, mode: ScaleMode, backend: GemmB
         del a_col
     held.clear()
     if needs[0]:
-        grad_A = stages.dgrad(grad_out, W_t, offs, mode, backend, scopes, a_dtype)
+        g_row = stages.g_operand(grad_out, offs, mode, backend)
+        grad_A = stages.dgrad(g_row, W_t, offs, mode, backend, scopes, a_dtype)
     return grad_A, grad_W_t
 
 
