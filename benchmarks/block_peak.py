@@ -36,7 +36,8 @@ from unittest import mock
 import torch
 
 from benchmarks import bench_block
-from benchmarks.timing import patched_around
+from benchmarks.timing import patched_around, prog_name
+from moe_quant import cli
 from moe_quant import block_quantize as bq
 from moe_quant import quantize as q
 from moe_quant.autograd import grouped_mm as gm
@@ -135,7 +136,7 @@ def peak_of(prof) -> Peak:
                 temporaries += a["size"]
             timeline.append(("free", ptr, a if a is not None else dict(size=-size, pre=True)))
     live, best, best_i, alive = 0, -1, 0, {}
-    snapshot, stages, names = {}, {}, {}
+    snapshot, stages, names = {}, {}, {}  # stages: the most bytes alive while each node's / op's kernels ran
     for i, (kind, ptr, a) in enumerate(timeline):
         if a.get("temporary"):
             continue
@@ -144,14 +145,16 @@ def peak_of(prof) -> Peak:
             alive[id(a)] = a
             if live > best:
                 best, best_i, snapshot = live, i, dict(alive)
-            step = a["step"]
-            key = id(step) if step is not None else None
-            if key not in names:
+            step, kernel = a["step"], a["kernel"]
+            if id(step) not in names:  # (None: outside every node and op)
                 name = _short(step.name) if step is not None else "(step)"
-                names[key] = f"{name}#{sum(n.startswith(name + '#') for n in names.values()) + 1}"
-            at = a["stage"][-1]
-            if live > stages.get(names[key], (-1,))[0]:
-                stages[names[key]] = (live, at)
+                names[id(step)] = f"{name}#{sum(n.startswith(name + '#') for n in names.values()) + 1}"
+            if kernel is not None and id(kernel) not in names:
+                name = f"{names[id(step)]} {kernel.name.removeprefix('kernel:')}"
+                names[id(kernel)] = f"{name} {sum(n.startswith(name + ' ') for n in names.values()) + 1}"
+            label = names[id(step)] if kernel is None else names[id(kernel)]
+            if live > stages.get(label, (-1,))[0]:
+                stages[label] = (live, a["stage"][-1])
         else:
             live -= a["size"]
             alive.pop(id(a), None)
@@ -183,30 +186,37 @@ def sizes(m: int, d: int, h: int, e: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--d", type=int, default=512)
-    p.add_argument("--h", type=int, default=352)
-    p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--rows", type=int, default=384, help="rows an expert (a multiple of 32)")
-    p.add_argument("--variants", default="bf16,unfused,fused")
-    p.add_argument("--modes", default="eager,compiled")
-    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
-    p.add_argument("--scale-to", default="2048,1408,64,98304", help="D,H,E,M the GiB column predicts")
-    p.add_argument("--top", type=int, default=0, help="list this many of the largest allocations alive at the peak")
-    p.add_argument("--stages", action="store_true", help="the most bytes alive in each autograd node / custom op")
+    p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
+    p.add_argument("--d", type=cli.positive_int, default=512, help="D, a multiple of 32")
+    p.add_argument("--h", type=cli.positive_int, default=352, help="H, a multiple of 32")
+    p.add_argument("--experts", type=cli.positive_int, default=4)
+    p.add_argument("--rows", type=cli.positive_int, default=384, help="rows an expert (a multiple of 32: no padding)")
+    p.add_argument("--variants", type=cli.comma_choices(*VARIANTS), default=list(VARIANTS))
+    p.add_argument("--modes", type=cli.comma_choices("eager", "compiled"), default=["eager", "compiled"])
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"], help="the compiled mode's")
+    p.add_argument("--scale-to", type=cli.positive_int_list, default=[2048, 1408, 64, 98304],
+                   help="D,H,E,M the GiB column predicts")
+    p.add_argument("--stages", action="store_true",
+                   help="the most bytes alive in each autograd node / custom op, by kernel (its outputs made)")
+    p.add_argument("--top", type=cli.non_negative_int, default=0,
+                   help="list this many of the largest allocations alive at the peak")
     args = p.parse_args(argv)
+    if args.d % 32 or args.h % 32:
+        p.error("argument --d / --h: expected multiples of 32")
+    if len(args.scale_to) != 4:
+        p.error("argument --scale-to: expected D,H,E,M")
     d, h, e = args.d, args.h, args.experts
     m = e * args.rows
-    sd, sh, se, sm = (int(v) for v in args.scale_to.split(","))
+    sd, sh, se, sm = args.scale_to
     ours, theirs = sizes(m, d, h, e), sizes(sm, sd, sh, se)
     factor = theirs["X"] / ours["X"]
     if not all(math.isclose(theirs[k] / ours[k], factor) for k in ours):
-        print(f"--scale-to {args.scale_to} is not this shape scaled (X, Hh, W ratios differ): no GiB column")
+        print(f"--scale-to {sd},{sh},{se},{sm} is not this shape scaled (X, Hh, W ratios differ): no GiB column")
         factor = None
     print(f"D {d}, H {h}, E {e}, M {m}: X (M, D) {ours['X']} B, Hh (M, H) {ours['Hh']} B, W (E, D, H) {ours['W']} B"
           + (f"; x{factor:g} = D {sd}, H {sh}, E {se}, M {sm}" if factor else ""))
-    for mode in args.modes.split(","):
-        for v in args.variants.split(","):
+    for mode in args.modes:
+        for v in args.variants:
             fn = VARIANTS[v] if mode == "eager" else compiled(VARIANTS[v], args.backend)
             torch._dynamo.reset()
             pk = step_peak(fn, m, d, h, e)
@@ -214,7 +224,7 @@ def main(argv=None) -> int:
             print(f"{v:8} {mode:8} peak {pk.bytes:>10} B{gib}  at: {' > '.join(pk.stage[-3:])}")
             if args.stages:
                 for name, b, at in pk.stages:
-                    print(f"    {name:34} max {b:>10} B" + (f" = {b * factor / 2**30:.2f} GiB" if factor else "")
+                    print(f"    {name:50} max {b:>10} B" + (f" = {b * factor / 2**30:.2f} GiB" if factor else "")
                           + f"  at {at}")
             for size, where in pk.alive[:args.top]:
                 print(f"    {size:>10} B  ({size / ours['X']:.2f} X, {size / ours['Hh']:.2f} Hh, "
