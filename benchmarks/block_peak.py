@@ -136,7 +136,8 @@ def peak_of(prof) -> Peak:
                 temporaries += a["size"]
             timeline.append(("free", ptr, a if a is not None else dict(size=-size, pre=True)))
     live, best, best_i, alive = 0, -1, 0, {}
-    snapshot, stages, names = {}, {}, {}  # stages: the most bytes alive while each node's / op's kernels ran
+    snapshot, stages, names, counts = {}, {}, {}, {}  # stages: the most bytes alive while each node's / op's
+    # kernels ran
     for i, (kind, ptr, a) in enumerate(timeline):
         if a.get("temporary"):
             continue
@@ -148,10 +149,12 @@ def peak_of(prof) -> Peak:
             step, kernel = a["step"], a["kernel"]
             if id(step) not in names:  # (None: outside every node and op)
                 name = _short(step.name) if step is not None else "(step)"
-                names[id(step)] = f"{name}#{sum(n.startswith(name + '#') for n in names.values()) + 1}"
+                counts[name] = counts.get(name, 0) + 1
+                names[id(step)] = f"{name}#{counts[name]}"
             if kernel is not None and id(kernel) not in names:
                 name = f"{names[id(step)]} {kernel.name.removeprefix('kernel:')}"
-                names[id(kernel)] = f"{name} {sum(n.startswith(name + ' ') for n in names.values()) + 1}"
+                counts[name] = counts.get(name, 0) + 1
+                names[id(kernel)] = f"{name} {counts[name]}"
             label = names[id(step)] if kernel is None else names[id(kernel)]
             if live > stages.get(label, (-1,))[0]:
                 stages[label] = (live, a["stage"][-1])
