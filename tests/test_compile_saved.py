@@ -229,6 +229,24 @@ def test_gemm_backward_frees_a_before_its_gemms(compile_backend):
     assert gemms == [("wgrad", [False]), ("dgrad", [False])]
 
 
+def test_gemm_backward_keeps_a_while_the_graph_is_retained():
+    """Eager, A is freed before the backward's GEMMs only where nothing can read it again: with ``retain_graph=True``
+    it stays saved (alive at both GEMMs), and a second backward gives the first one's gradients."""
+    x0, w, offs = gemm_inputs(True)
+    x = x0.clone().requires_grad_()
+    y = gemm_of()(x, w, offs)
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None and tuple(t.shape) == tuple(x0.shape)]
+    refs = [weakref.ref(t) for t in saved]
+    del saved
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with LiveAtEachGemm(refs) as seen:
+        first = torch.autograd.grad(y, (x, w), grad, retain_graph=True)
+    assert [alive for _, _, alive in seen.calls] == [[True], [True]]
+    second = torch.autograd.grad(y, (x, w), grad)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_compiled_scaled_gemm_runs_its_ops_through_pytorch_meta_checks(out_dtype):
     """The SM100 (scaled) GEMM's ops compiled, on meta tensors: the forward and both backward ops run (their fake
