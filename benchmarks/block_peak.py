@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import math
 import sys
+import warnings
 from unittest import mock
 
 import torch
@@ -173,8 +174,10 @@ def step_peak(fn, m: int, d: int, h: int, e: int, warmup: int = 1) -> Peak:
     with as_on_gpu():
         for _ in range(warmup):
             step()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
+        with warnings.catch_warnings():  # torch 2.11: "Profiler clears events at the end of each cycle" (one here)
+            warnings.filterwarnings("ignore", message=".*Profiler clears events", category=UserWarning)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                step()
     return peak_of(prof)
 
 
