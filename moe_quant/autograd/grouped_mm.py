@@ -17,8 +17,9 @@ Two GEMM backends with the same numerics (``backends.py`` picks one):
 Both GEMMs accumulate in fp32 and round the result to bf16 (PyTorch's grouped GEMMs emit bf16);
 ``out_dtype=torch.float32`` widens that result.
 
-Saved for backward: ``A`` where the weight's gradient is needed, ``W_t`` where ``A``'s is, the offsets. Under
-``torch.compile`` the same functions run as custom ops (:mod:`.grouped_mm_ops`), which save the same.
+Saved for backward: ``A`` where the weight's gradient is needed, ``W_t`` where ``A``'s is, the offsets; the backward
+makes A's wgrad operand first and frees ``A`` then (:func:`input_grads`). Under ``torch.compile`` the same
+functions run as custom ops (:mod:`.grouped_mm_ops`), which save the same.
 """
 
 from __future__ import annotations
