@@ -200,11 +200,13 @@ def test_compiled_unfused_block_keeps_no_weight_operand_and_no_more_than_eager(c
 
 
 @pytest.mark.parametrize("compile_backend", [None, "aot_eager", "inductor"])
-def test_gemm_backward_frees_a_before_dgrad_when_compiled(compile_backend):
-    """The tensors the GEMM saved that are alive when its backward's GEMMs start: eager (the reference) keeps A
-    until the backward returns; compiled, the wgrad op runs first (as eager) and is A's last reader, so A is freed
-    before the dgrad GEMM (the compiled backward graph drops its inputs after their last use), and nothing else is
-    saved (issue 54: the weight's dequantized dgrad operand was saved beside A, and inductor ran dgrad first)."""
+def test_gemm_backward_frees_a_before_its_gemms(compile_backend):
+    """The tensors the GEMM saved that are alive when its backward's GEMMs start: none. A's wgrad operand is made
+    first and is A's last reader, so A is freed before the wgrad GEMM and the dgrad GEMM, eager (autograd's reference
+    dropped: :func:`moe_quant.autograd.saved.free_saved`) and compiled (its own op, after which the compiled
+    backward graph drops it), and nothing else is saved (issue 54: the weight's dequantized dgrad operand was saved
+    beside A, and inductor ran dgrad first; then eager kept A to the backward's end, and compiled to the end of the
+    wgrad op)."""
     x0, w, offs = gemm_inputs(True)
     m = x0.shape[0]
     fn = gemm_of()
@@ -224,8 +226,25 @@ def test_gemm_backward_frees_a_before_dgrad_when_compiled(compile_backend):
     gemms = [("wgrad" if tuple(w.shape) in shapes else "dgrad" if (m, D) in shapes else None, alive)
              for _, shapes, alive in seen.calls]
     gemms = [g for g in gemms if g[0]]
-    assert gemms == ([("wgrad", [True]), ("dgrad", [True])] if compile_backend is None
-                     else [("wgrad", [True]), ("dgrad", [False])])
+    assert gemms == [("wgrad", [False]), ("dgrad", [False])]
+
+
+def test_gemm_backward_keeps_a_while_the_graph_is_retained():
+    """Eager, A is freed before the backward's GEMMs only where nothing can read it again: with ``retain_graph=True``
+    it stays saved (alive at both GEMMs), and a second backward gives the first one's gradients."""
+    x0, w, offs = gemm_inputs(True)
+    x = x0.clone().requires_grad_()
+    y = gemm_of()(x, w, offs)
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None and tuple(t.shape) == tuple(x0.shape)]
+    refs = [weakref.ref(t) for t in saved]
+    del saved
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with LiveAtEachGemm(refs) as seen:
+        first = torch.autograd.grad(y, (x, w), grad, retain_graph=True)
+    assert [alive for _, _, alive in seen.calls] == [[True], [True]]
+    second = torch.autograd.grad(y, (x, w), grad)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -247,5 +266,7 @@ def test_compiled_scaled_gemm_runs_its_ops_through_pytorch_meta_checks(out_dtype
     with LiveAtEachGemm([]) as seen:  # (no dispatch mode while dynamo traces)
         out.backward(torch.empty_like(out))
     assert A.grad.shape == A.shape and W.grad.shape == W.shape
-    assert [c[0] for c in seen.calls] == ["moe_quant.grouped_mm_bwd_wgrad.default",
+    assert [c[0] for c in seen.calls] == ["moe_quant.grouped_mm_bwd_a_operand.default",
+                                          "moe_quant.grouped_mm_bwd_wgrad.default",
+                                          "moe_quant.grouped_mm_bwd_g_operand.default",
                                           "moe_quant.grouped_mm_bwd_dgrad.default"]

@@ -17,11 +17,14 @@ Two GEMM backends with the same numerics (``backends.py`` picks one):
 Both GEMMs accumulate in fp32 and round the result to bf16 (PyTorch's grouped GEMMs emit bf16);
 ``out_dtype=torch.float32`` widens that result.
 
-Saved for backward: ``A`` where the weight's gradient is needed, ``W_t`` where ``A``'s is, the offsets. Under
-``torch.compile`` the same functions run as custom ops (:mod:`.grouped_mm_ops`), which save the same.
+Saved for backward: ``A`` where the weight's gradient is needed, ``W_t`` where ``A``'s is, the offsets; the backward
+makes A's wgrad operand first and frees ``A`` then (:func:`input_grads`). Under ``torch.compile`` the same
+functions run as custom ops (:mod:`.grouped_mm_ops`), which save the same.
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -34,6 +37,7 @@ from ..numerics import BLOCK_SIZE, ScaleMode
 from .. import reuse
 from ..validation import check_grouped_mm_args
 from .revision import source_revision
+from .saved import free_saved
 
 _GEMM_DTYPE = torch.bfloat16
 
@@ -98,21 +102,28 @@ def emulated_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):
     return torch._grouped_mm(a, w, offs=offs)
 
 
-def emulated_dgrad(grad_out, W_t, offs, mode: ScaleMode, scopes: tuple):
-    g = pq.rowwise_values(grad_out, mode)
+def emulated_g_operand(grad_out, offs, mode: ScaleMode) -> tuple:
+    """grad_out's dgrad operand ``(values (M, N) bf16,)``: its rowwise form's values."""
+    return (pq.rowwise_values(grad_out, mode),)
+
+
+def emulated_dgrad(g_row: tuple, W_t, offs, mode: ScaleMode, scopes: tuple):
     w = weight_operand(W_t, mode, GemmBackend.EMULATED, "dgrad", scopes)
-    return torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(g_row[0], w.transpose(-2, -1), offs=offs)
 
 
-def emulated_wgrad(grad_out, A, offs, mode: ScaleMode):
-    """dW (E, N, K): per group, grad_out[g]^T @ A[g] with 32x1 blocks along tokens, per group.
+def emulated_a_operand(A, offs, mode: ScaleMode) -> tuple:
+    """A's wgrad operand ``(a_t (K, Mp) bf16, padded_offs)``: 32x1 blocks along tokens, per group, in the K-groups
+    layout (tokens contiguous, each group padded with zeros to a multiple of 32), as the scaled path: no block
+    mixes two experts, every group is aligned."""
+    return tuple(q.fake_colwise_k_groups(A, offs, mode, _GEMM_DTYPE))
 
-    Operands in the K-groups layout (tokens contiguous, each group padded with zeros to a
-    multiple of 32), as the scaled path: no block mixes two experts, every group is aligned.
-    """
+
+def emulated_wgrad(grad_out, a_col: tuple, offs, mode: ScaleMode):
+    """dW (E, N, K): per group, grad_out[g]^T @ A[g] from A's operand (:func:`emulated_a_operand`) and grad_out's,
+    made here in the same layout."""
     g_t, padded_offs = q.fake_colwise_k_groups(grad_out, offs, mode, _GEMM_DTYPE)  # (N, Mp)
-    a_t, _ = q.fake_colwise_k_groups(A, offs, mode, _GEMM_DTYPE)  # (K, Mp)
-    return torch._grouped_mm(g_t, a_t.t(), offs=padded_offs)
+    return torch._grouped_mm(g_t, a_col[0].t(), offs=padded_offs)
 
 
 # ----------------------------------------------------------------------------- scaled (SM100+)
@@ -124,21 +135,41 @@ def scaled_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):
     return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
-def scaled_dgrad(grad_out, W_t, offs, mode: ScaleMode, scopes: tuple):
-    g, g_s = pq.rowwise_operand(grad_out, mode, offs)
+def scaled_g_operand(grad_out, offs, mode: ScaleMode) -> tuple:
+    """grad_out's dgrad operand ``(data (M, N) e4m3, M-groups blocked scales)``."""
+    return tuple(pq.rowwise_operand(grad_out, mode, offs))
+
+
+def scaled_dgrad(g_row: tuple, W_t, offs, mode: ScaleMode, scopes: tuple):
+    g, g_s = g_row
     w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "dgrad", scopes)
     return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
-def scaled_wgrad(grad_out, A, offs, mode: ScaleMode):
+def scaled_a_operand(A, offs, mode: ScaleMode) -> tuple:
+    """A's wgrad operand ``(a_t (K, Mp) e4m3, K-groups blocked scales, padded_offs)``."""
+    return tuple(q.colwise_k_groups(A, offs, mode))
+
+
+def scaled_wgrad(grad_out, a_col: tuple, offs, mode: ScaleMode):
     g_t, g_s, padded_offs = q.colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
-    a_t, a_s, _ = q.colwise_k_groups(A, offs, mode)  # (K, Mp)
+    a_t, a_s, _ = a_col  # (K, Mp)
     return torch._scaled_grouped_mm(g_t, a_t.t(), g_s, a_s, offs=padded_offs, out_dtype=_GEMM_DTYPE)
 
 
+class _Gemms(NamedTuple):
+    """One GEMM backend's functions: the forward GEMM, then the backward's operands and GEMMs."""
+
+    fwd: Callable
+    g_operand: Callable  # grad_out's rowwise form (dgrad operand)
+    dgrad: Callable
+    a_operand: Callable  # A's colwise form (wgrad operand)
+    wgrad: Callable
+
+
 _GEMMS = {
-    GemmBackend.EMULATED: (emulated_fwd, emulated_dgrad, emulated_wgrad),
-    GemmBackend.SCALED: (scaled_fwd, scaled_dgrad, scaled_wgrad),
+    GemmBackend.EMULATED: _Gemms(emulated_fwd, emulated_g_operand, emulated_dgrad, emulated_a_operand, emulated_wgrad),
+    GemmBackend.SCALED: _Gemms(scaled_fwd, scaled_g_operand, scaled_dgrad, scaled_a_operand, scaled_wgrad),
 }
 
 
@@ -156,8 +187,7 @@ def _empty_contraction(A, W_t) -> bool:
 def output(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, scopes: tuple):
     if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
         return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
-    fwd, _, _ = _GEMMS[backend]
-    out = fwd(A, W_t, offs, mode, scopes)
+    out = _GEMMS[backend].fwd(A, W_t, offs, mode, scopes)
     # never ``out.to(out_dtype)`` when it is already that dtype: that returns ``out`` itself, and torch 2.11's
     # dynamo then traces this Function's backward with a zero output gradient (every gradient zero; fixed in
     # later torch; tests/test_grouped_mm.py::test_compiled_gradients_equal_eager)
@@ -191,12 +221,14 @@ def backward(ctx, grad_out, stages=None):
     ``mode``, ``backend`` and ``reuse_scopes``): :func:`input_grads` with ``stages``, made first-order only.
     The one backward of the eager forms and of the compiled forward op."""
     A, W_t, offs = ctx.saved_tensors
-    args = (grad_out, A, W_t, offs, ctx.mode, ctx.backend, ctx.reuse_scopes, ctx.needs_input_grad[:2], ctx.shapes,
-            stages or BackwardStages)
+    args = (W_t, offs, ctx.mode, ctx.backend, ctx.reuse_scopes, ctx.needs_input_grad[:2], ctx.shapes,
+            stages or BackwardStages, lambda: _free_a(ctx))
     if not torch.is_grad_enabled():  # the usual backward (no create_graph): grad mode is off already
-        return input_grads(*args)
+        held = [A]  # A's one reference here: input_grads drops it once A's wgrad operand is made
+        del A
+        return input_grads(grad_out, held, *args)
     with torch.no_grad():  # gradients of quantized operands: first order only, see _first_order_only
-        grads = input_grads(*args)
+        grads = input_grads(grad_out, [A], *args)
     return _first_order_only(grads, (grad_out, A, W_t))
 
 
@@ -243,40 +275,67 @@ class _MXFP8GroupedMMTransforms(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
-def backward_wgrad(grad_out, A, offs, mode: ScaleMode, backend: GemmBackend, w_dtype: torch.dtype) -> torch.Tensor:
-    """The weight gradient ``dW (E, N, K)`` in ``w_dtype`` from ``grad_out`` (row-major) and ``A``; an expert
-    without tokens gets exact zeros."""
-    _, _, wgrad = _GEMMS[backend]
-    dW = wgrad(grad_out, A, offs, mode)
-    if not (backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(A.device)):
+def _free_a(ctx) -> None:
+    """Let autograd drop the saved ``A`` (:func:`.saved.free_saved`) once its wgrad operand is made: eager only, and
+    not inside ``torch.func`` transforms (whose ``ctx`` holds no raw saved tensors)."""
+    if not torch._C._are_functorch_transforms_active():
+        free_saved(ctx, [0])
+
+
+def backward_a_operand(held: list, offs, mode: ScaleMode, backend: GemmBackend) -> tuple:
+    """A's colwise form as the wgrad GEMM reads it, from ``held`` (``[A]``, emptied: this is A's last reader, so A
+    is freed once it returns where nothing else holds it)."""
+    return _GEMMS[backend].a_operand(held.pop(), offs, mode)
+
+
+def backward_wgrad(grad_out, a_col: tuple, offs, mode: ScaleMode, backend: GemmBackend,
+                   w_dtype: torch.dtype) -> torch.Tensor:
+    """The weight gradient ``dW (E, N, K)`` in ``w_dtype`` from ``grad_out`` (row-major) and A's colwise form
+    (:func:`backward_a_operand`); an expert without tokens gets exact zeros."""
+    dW = _GEMMS[backend].wgrad(grad_out, a_col, offs, mode)
+    if not (backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(dW.device)):
         dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
     return dW if dW.dtype == w_dtype else dW.to(w_dtype)
 
 
-def backward_dgrad(grad_out, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
+def backward_g_operand(grad_out, offs, mode: ScaleMode, backend: GemmBackend) -> tuple:
+    """grad_out's (row-major) rowwise form as the dgrad GEMM reads it; the known form where it arrived in MXFP8
+    (:mod:`moe_quant.prequantized`)."""
+    return _GEMMS[backend].g_operand(grad_out, offs, mode)
+
+
+def backward_dgrad(g_row: tuple, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
                    a_dtype: torch.dtype) -> torch.Tensor:
-    """The input gradient ``dA (M, K)`` in ``a_dtype`` from ``grad_out`` (row-major) and the weight's dgrad operand,
-    made here (or served by ``scopes``)."""
-    _, dgrad, _ = _GEMMS[backend]
-    grad_A = dgrad(grad_out, W_t, offs, mode, scopes)
+    """The input gradient ``dA (M, K)`` in ``a_dtype`` from grad_out's rowwise form (:func:`backward_g_operand`) and
+    the weight's dgrad operand, made here (or served by ``scopes``)."""
+    grad_A = _GEMMS[backend].dgrad(g_row, W_t, offs, mode, scopes)
     return grad_A if grad_A.dtype == a_dtype else grad_A.to(a_dtype)
 
 
 class BackwardStages:
-    """:func:`input_grads`' stages: ``wgrad`` (the last reader of ``A``) and ``dgrad`` (of ``W_t``; it makes the
-    weight's dgrad operand). Eager they run as they are; under ``torch.compile`` each runs as a custom op
-    (:mod:`.grouped_mm_ops`), so that the weight's operand is made in the backward and the compiled backward graph
-    frees ``A`` after the op that reads it last."""
+    """:func:`input_grads`' stages: ``a_operand`` (the last reader of ``A``), ``wgrad`` (of A's operand),
+    ``g_operand`` (the last reader of ``grad_out``) and ``dgrad`` (of ``W_t``; it makes the weight's dgrad operand).
+    Eager they run as they are; under ``torch.compile`` each runs as a custom op (:mod:`.grouped_mm_ops`), so that
+    the weight's operand is made in the backward and the compiled backward graph frees ``A`` and ``grad_out``
+    (where made in that graph) after the op that reads them last, before the GEMMs that do not read them."""
 
+    a_operand = staticmethod(backward_a_operand)
     wgrad = staticmethod(backward_wgrad)
+    g_operand = staticmethod(backward_g_operand)
     dgrad = staticmethod(backward_dgrad)
 
 
-def input_grads(grad_out, A, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple, needs: tuple,
-                shapes: tuple, stages=BackwardStages):
+def _no_free() -> None:
+    """:func:`input_grads`' ``free`` where nothing is to be freed early."""
+
+
+def input_grads(grad_out, held: list, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple, needs: tuple,
+                shapes: tuple, stages=BackwardStages, free=_no_free):
     """``(dA, dW_t)`` (each ``None`` where ``needs``, the two input-grad flags, is False): dgrad and wgrad of
-    quantized operands; ``shapes``: ``(A.shape, A.dtype, W_t.shape, W_t.dtype)``. The one home of the backward's
-    order; its GEMMs are the ``stages`` (:class:`BackwardStages`, or the custom ops that run them under compile)."""
+    quantized operands; ``held``: ``[A]`` (emptied); ``shapes``: ``(A.shape, A.dtype, W_t.shape, W_t.dtype)``;
+    ``free()`` called once A is read for the last time (autograd's saved reference dropped then:
+    :func:`_free_a`). The one home of the backward's order; its GEMMs are the ``stages`` (:class:`BackwardStages`,
+    or the custom ops that run them under compile)."""
     grad_out = row_major(grad_out)  # an expanded (stride 0) gradient stays one with M = 0 under .contiguous()
     grad_A = grad_W_t = None
     a_shape, a_dtype, w_shape, w_dtype = shapes
@@ -284,12 +343,18 @@ def input_grads(grad_out, A, W_t, offs, mode: ScaleMode, backend: GemmBackend, s
         grad_A = grad_out.new_zeros(a_shape, dtype=a_dtype) if needs[0] else None
         grad_W_t = grad_out.new_zeros(w_shape, dtype=w_dtype) if needs[1] else None
         return grad_A, grad_W_t
-    # wgrad first: its two dequantized operands (the size of A and grad_out) are freed before dA
-    # (the size of A) is allocated, which keeps the backward's peak memory low
+    # wgrad first: its two dequantized operands (the size of A and grad_out) are freed before dA (the size of A) is
+    # allocated; A's operand before grad_out's, and A freed then (its last reader), so A, its operand and
+    # grad_out's are never alive together, nor A beside the GEMMs
     if needs[1]:
-        grad_W_t = stages.wgrad(grad_out, A, offs, mode, backend, w_dtype).transpose(-2, -1)
+        a_col = stages.a_operand(held, offs, mode, backend)
+        free()
+        grad_W_t = stages.wgrad(grad_out, a_col, offs, mode, backend, w_dtype).transpose(-2, -1)
+        del a_col
+    held.clear()
     if needs[0]:
-        grad_A = stages.dgrad(grad_out, W_t, offs, mode, backend, scopes, a_dtype)
+        g_row = stages.g_operand(grad_out, offs, mode, backend)
+        grad_A = stages.dgrad(g_row, W_t, offs, mode, backend, scopes, a_dtype)
     return grad_A, grad_W_t
 
 

@@ -1,6 +1,6 @@
 """The per-GEMM MXFP8 path (:func:`.grouped_mm.mxfp8_grouped_mm`) under ``torch.compile``: its forward as the custom
 op ``torch.ops.moe_quant.grouped_mm_fwd``, its backward as one custom op per stage of
-:func:`.grouped_mm.input_grads` (``grouped_mm_bwd_wgrad``, ``grouped_mm_bwd_dgrad``), joined by
+:func:`.grouped_mm.input_grads` (``grouped_mm_bwd_a_operand``, ``_wgrad``, ``_g_operand``, ``_dgrad``), joined by
 ``torch.library.register_autograd``.
 
 Traced through, the autograd function is inlined into AOTAutograd's joint graph, whose partitioner then chooses
@@ -11,14 +11,16 @@ forward, beside x and the block's ``(M, H)`` tensors: 3968 bytes a routed row ag
 returns the output alone, ``setup_context`` saves what the eager function saves (``A`` where the weight's gradient
 is needed, ``W_t`` where ``A``'s is, the offsets), and the backward ops make the weight's dgrad operand themselves.
 
-Two backward ops, not one, because an op's inputs live until it returns while the compiled backward graph frees
-each of its inputs after the last op that reads it: ``A`` dies when the wgrad op returns, before the dgrad GEMM
-(eager holds it until the whole backward returns). The dgrad op also takes the weight gradient, which it does not
-read, so that it runs after the wgrad op as in eager (whose order keeps the peak low: wgrad's operands are freed
-before dA exists); the graph orders ops by their inputs alone.
+One backward op per operand and per GEMM, because an op's inputs live until it returns while the compiled backward
+graph frees each of its inputs after the last op that reads it: ``A`` dies when the op that makes its wgrad operand
+returns, before the wgrad GEMM; ``grad_out``, where the backward graph made it (the gradient of an earlier op of
+the same graph), when the op that makes its rowwise form returns, before the dgrad GEMM (eager autograd holds a
+backward's output gradient until it returns). Ops that could run earlier than :func:`.grouped_mm.input_grads`'
+order (wgrad first: its operands are freed before dA exists) also take a tensor they do not read (``after``), since
+the graph orders ops by their inputs alone (:class:`_OpStages`).
 
 Every op runs the functions the eager autograd function runs (:func:`.grouped_mm.output`,
-:func:`.grouped_mm.backward_wgrad`, :func:`.grouped_mm.backward_dgrad`, in :func:`.grouped_mm.input_grads`'
+:func:`.grouped_mm.backward_a_operand`, ... :func:`.grouped_mm.backward_dgrad`, in :func:`.grouped_mm.input_grads`'
 order): the same bits. The fake implementations are the same functions on fake tensors (every pass in them has a
 fake implementation), so shapes, dtypes and strides are the real ones by construction, for symbolic and unbacked M
 alike. No reuse scope serves a compiled GEMM (:mod:`moe_quant.reuse`).
@@ -30,7 +32,8 @@ import torch
 
 from ..backends import GemmBackend
 from ..numerics import ScaleMode
-from .grouped_mm import backward, backward_dgrad, backward_wgrad, output, save_for_backward
+from .grouped_mm import (backward, backward_a_operand, backward_dgrad, backward_g_operand, backward_wgrad, output,
+                         save_for_backward)
 
 
 def _forward(A: torch.Tensor, W_t: torch.Tensor, offs: torch.Tensor, mode: str, out_dtype: torch.dtype,
@@ -40,41 +43,68 @@ def _forward(A: torch.Tensor, W_t: torch.Tensor, offs: torch.Tensor, mode: str, 
     return output(A, W_t, offs, ScaleMode(mode), out_dtype, GemmBackend(backend), ())
 
 
-def _wgrad(grad_out: torch.Tensor, A: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
+def _a_operand(A: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
+               after: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A's wgrad operand's tensors (:func:`.grouped_mm.backward_a_operand`). ``after``: read by nothing
+    (:class:`_OpStages`)."""
+    return list(backward_a_operand([A], offs, ScaleMode(mode), GemmBackend(backend)))
+
+
+def _wgrad(grad_out: torch.Tensor, a_col: list[torch.Tensor], offs: torch.Tensor, mode: str, backend: str,
            w_dtype: torch.dtype) -> torch.Tensor:
-    """``dW (E, N, K)`` (:func:`.grouped_mm.backward_wgrad`)."""
-    return backward_wgrad(grad_out, A, offs, ScaleMode(mode), GemmBackend(backend), w_dtype)
+    """``dW (E, N, K)`` (:func:`.grouped_mm.backward_wgrad`) from A's operand's tensors."""
+    return backward_wgrad(grad_out, tuple(a_col), offs, ScaleMode(mode), GemmBackend(backend), w_dtype)
 
 
-def _dgrad(grad_out: torch.Tensor, W_t: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
-           a_dtype: torch.dtype, after: list[torch.Tensor]) -> torch.Tensor:
-    """``dA (M, K)`` (:func:`.grouped_mm.backward_dgrad`). ``after``: read by nothing (:class:`_OpStages`)."""
-    return backward_dgrad(grad_out, W_t, offs, ScaleMode(mode), GemmBackend(backend), (), a_dtype)
+def _g_operand(grad_out: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
+               after: list[torch.Tensor]) -> list[torch.Tensor]:
+    """grad_out's dgrad operand's tensors (:func:`.grouped_mm.backward_g_operand`); where grad_out arrived in MXFP8
+    (expert parallelism's wire) on the emulated GEMM that operand is grad_out itself, which an op may not return: a
+    copy then. ``after``: read by nothing (:class:`_OpStages`)."""
+    form = backward_g_operand(grad_out, offs, ScaleMode(mode), GemmBackend(backend))
+    return [t.clone() if t is grad_out else t for t in form]
+
+
+def _dgrad(g_row: list[torch.Tensor], W_t: torch.Tensor, offs: torch.Tensor, mode: str, backend: str,
+           a_dtype: torch.dtype) -> torch.Tensor:
+    """``dA (M, K)`` (:func:`.grouped_mm.backward_dgrad`) from grad_out's dgrad operand's tensors."""
+    return backward_dgrad(tuple(g_row), W_t, offs, ScaleMode(mode), GemmBackend(backend), (), a_dtype)
 
 
 _fwd_op = torch.library.custom_op("moe_quant::grouped_mm_fwd", _forward, mutates_args=())
+_a_operand_op = torch.library.custom_op("moe_quant::grouped_mm_bwd_a_operand", _a_operand, mutates_args=())
 _wgrad_op = torch.library.custom_op("moe_quant::grouped_mm_bwd_wgrad", _wgrad, mutates_args=())
+_g_operand_op = torch.library.custom_op("moe_quant::grouped_mm_bwd_g_operand", _g_operand, mutates_args=())
 _dgrad_op = torch.library.custom_op("moe_quant::grouped_mm_bwd_dgrad", _dgrad, mutates_args=())
 # the fake implementations are the functions themselves, on fake tensors
-for _op, _fn in ((_fwd_op, _forward), (_wgrad_op, _wgrad), (_dgrad_op, _dgrad)):
+for _op, _fn in ((_fwd_op, _forward), (_a_operand_op, _a_operand), (_wgrad_op, _wgrad), (_g_operand_op, _g_operand),
+                 (_dgrad_op, _dgrad)):
     _op.register_fake(_fn)
 
 
 class _OpStages:
-    """:class:`.grouped_mm.BackwardStages` with each stage one op call (one instance per backward). The dgrad op
-    takes the weight gradient where the wgrad op made one (``after``): inductor's scheduler may otherwise run it
-    first, its dA then living beside wgrad's operands."""
+    """:class:`.grouped_mm.BackwardStages` with each stage one op call (one instance per backward). The graph orders
+    ops by their inputs alone, and inductor's scheduler may run an op whose inputs exist earlier: so A's operand op
+    takes grad_out (``after``; A exists from the backward's start, grad_out only once this GEMM's backward can run),
+    and grad_out's operand op the weight gradient where the wgrad op made one (run first, grad_out's rowwise form
+    and then dA would live beside wgrad's operands)."""
 
     def __init__(self):
-        self.dW = None
+        self.dW, self.grad_out = None, None
 
-    def wgrad(self, grad_out, A, offs, mode, backend, w_dtype):
-        self.dW = _wgrad_op(grad_out, A, offs, mode.value, backend.value, w_dtype)
+    def a_operand(self, held, offs, mode, backend):
+        return tuple(_a_operand_op(held.pop(), offs, mode.value, backend.value, [self.grad_out]))
+
+    def wgrad(self, grad_out, a_col, offs, mode, backend, w_dtype):
+        self.dW = _wgrad_op(grad_out, list(a_col), offs, mode.value, backend.value, w_dtype)
         return self.dW
 
-    def dgrad(self, grad_out, W_t, offs, mode, backend, scopes, a_dtype):
+    def g_operand(self, grad_out, offs, mode, backend):
         after = [] if self.dW is None else [self.dW]
-        return _dgrad_op(grad_out, W_t, offs, mode.value, backend.value, a_dtype, after)
+        return tuple(_g_operand_op(grad_out, offs, mode.value, backend.value, after))
+
+    def dgrad(self, g_row, W_t, offs, mode, backend, scopes, a_dtype):
+        return _dgrad_op(list(g_row), W_t, offs, mode.value, backend.value, a_dtype)
 
 
 def _setup_context(ctx, inputs, output):
@@ -86,7 +116,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     """:func:`.grouped_mm.backward` with its stages as ops; the gradients in the positions of ``A`` and ``W_t``."""
-    return (*backward(ctx, grad_out, _OpStages()), None, None, None, None, None)
+    stages = _OpStages()
+    stages.grad_out = grad_out
+    return (*backward(ctx, grad_out, stages), None, None, None, None, None)
 
 
 torch.library.register_autograd("moe_quant::grouped_mm_fwd", _backward, setup_context=_setup_context)

@@ -2,7 +2,8 @@
 
 Autograd holds what ``ctx.save_for_backward`` saved until the Function's backward returns, so a backward that
 runs several GEMMs keeps every saved activation alive to its end, even those it is done with halfway (the
-SwiGLU block's ``a`` and ``b``, read only by its dSwiGLU pass). :func:`free_saved` lets autograd drop its
+SwiGLU block's ``a`` and ``b``, read only by its dSwiGLU pass; a grouped GEMM's input ``A``, read only by its weight
+gradient's first pass). :func:`free_saved` lets autograd drop its
 reference then, through PyTorch's own saved-tensor hooks (``SavedTensor.register_hooks``: the saved value is
 handed to a pack hook that keeps nothing), so that the caller's ``del`` frees the memory.
 
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-_FREED = ("a saved tensor of moe_quant's SwiGLU expert block was freed after its backward read it (the graph was "
-          "not retained): run backward with retain_graph=True to backpropagate through the block twice")
+_FREED = ("a saved tensor of moe_quant's SwiGLU expert block or MXFP8 grouped GEMM was freed after its backward read "
+          "it (the graph was not retained): run backward with retain_graph=True to backpropagate through it twice")
 
 
 def _keep_nothing(tensor: torch.Tensor) -> None:

@@ -335,9 +335,11 @@ def swiglu_experts_unfused(x, w1, w3, w2, offs, *, scale_mode: ScaleMode | str =
     """The SwiGLU expert block as three :func:`moe_quant.mxfp8_grouped_mm` calls and PyTorch's silu: the
     per-GEMM path, and the oracle :func:`mxfp8_swiglu_experts` equals bit for bit."""
     kw = dict(scale_mode=scale_mode, backend=backend, validate_offsets=validate_offsets)
-    h = F.silu(mxfp8_grouped_mm(x, w1.transpose(-2, -1), offs, **kw))
-    h = h * mxfp8_grouped_mm(x, w3.transpose(-2, -1), offs, **kw)
-    return mxfp8_grouped_mm(h, w2.transpose(-2, -1), offs, **kw)
+    a = mxfp8_grouped_mm(x, w1.transpose(-2, -1), offs, **kw)
+    b = mxfp8_grouped_mm(x, w3.transpose(-2, -1), offs, **kw)
+    # silu after both GEMMs: autograd runs the node made last first among those ready, so silu's backward (which
+    # frees a and silu's output gradient) runs before w3's GEMM's, not after it; the same values either way
+    return mxfp8_grouped_mm(F.silu(a) * b, w2.transpose(-2, -1), offs, **kw)
 
 
 def mxfp8_swiglu_experts(

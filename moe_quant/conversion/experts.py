@@ -44,9 +44,10 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
         # looked up on each call: tests and tools may wrap it
         return _autograd.mxfp8_swiglu_experts(x, w1, w3, w2, offs, scale_mode=config.scale_mode,
                                               backend=config.backend)
-    h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs, config))
-    h = h * grouped_mm(x, w3.transpose(-2, -1), offs, config)
-    return grouped_mm(h, w2.transpose(-2, -1), offs, config)
+    a = grouped_mm(x, w1.transpose(-2, -1), offs, config)
+    b = grouped_mm(x, w3.transpose(-2, -1), offs, config)
+    # silu after both GEMMs, as in moe_quant.swiglu_experts_unfused: its backward then runs before w3's GEMM's
+    return grouped_mm(F.silu(a) * b, w2.transpose(-2, -1), offs, config)
 
 
 def swiglu_experts_w13(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,

@@ -1,0 +1,60 @@
+"""The SwiGLU expert block's fwd+bwd peak, in live bytes, as the GPU's kernels would see it (issue 54), measured on the
+CPU by ``benchmarks.block_peak`` (the allocator's events under ``torch.profiler``, each quantization pass's
+temporaries left out, since a kernel writes none): the per-GEMM path and the fused block each peak at the sum of
+tensors docs/limitations.md ("Memory under torch.compile") gives, eager and compiled.
+
+``X``: an (M, D) bf16 tensor; ``Hh``: an (M, H) one; ``W``: one (E, D, H) bf16 weight; the step as
+``benchmarks.bench_block`` runs it (x a routed copy only the block holds, y held through the backward)."""
+
+import pytest
+import torch
+
+from benchmarks import block_peak
+
+D, H, E, ROWS = 256, 160, 4, 128  # uniform groups of 128 rows
+M = E * ROWS
+X, Hh, W = 2 * M * D, 2 * M * H, 2 * E * D * H
+MP = M + 32 * E  # rows of a colwise K-groups form: each group padded (static shape: M + 32 E)
+COL_H = 2 * H * MP  # grad_a's or grad_b's colwise form, bf16 values
+X_KEPT = (D + D // 32) * MP  # x's colwise form kept by the fused block: fp8 and e8m0 scales
+SMALL = 256  # offsets, padded offsets, scalars
+
+
+def peak(variant: str, compiled: bool) -> block_peak.Peak:
+    fn = block_peak.VARIANTS[variant]
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    return block_peak.step_peak(fn, M, D, H, E)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_per_gemm_block_peaks_at_its_last_dgrad_without_x(compiled):
+    """Three ``mxfp8_grouped_mm`` calls and silu (``swiglu_experts_unfused``) peak at w1's dgrad GEMM: y, w3's dx, w1's
+    GEMM's output gradient's rowwise form, w1's dequantized dgrad operand, dx from w1, the three weight gradients,
+    and eager that output gradient itself (autograd holds it until the GEMM's backward returns; compiled, the graph
+    frees it once its rowwise form is made): ``3 X + 2 Hh + 4 W`` eager, ``3 X + Hh + 4 W`` compiled. x is freed
+    before that GEMM (and before w1's wgrad GEMM) since A's wgrad operand is made first and is A's last reader.
+    Before (main, 2026-12-03): x lived to the end of the GEMM's backward (eager ``4 X + 2 Hh + 4 W``; compiled
+    ``4 X + 2 Hh + 3 W`` and both colwise operands at w1's wgrad, then ``3 X + 2 Hh + 4 W``), and silu's backward ran
+    after w3's GEMM's (``3 X + 4 Hh + 3 W`` there)."""
+    got = peak("unfused", compiled)
+    want = 3 * X + (1 if compiled else 2) * Hh + 4 * W
+    assert want <= got.bytes <= want + SMALL, (got.bytes, want, got.stage)
+    assert "aten::_grouped_mm" in got.stage[-1]
+    # precondition: the model leaves out the reference quantizers' temporaries (fp32 copies), none of them on a GPU
+    assert got.temporaries > 0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_block_peaks_at_its_second_dx_gemm(compiled):
+    """The fused block peaks at its second dx GEMM: y, the first dx product and the second, x's kept fp8 form, dW2,
+    w3's dequantized dgrad operand, grad_b's rowwise form and both colwise forms (``3 X + X_kept + 2 W + Hh + 2
+    cols``), below the bf16 block's eager peak at this shape (``4 X + Hh + 3 W``: x, y, both dx products, grad_a and
+    the three weight gradients)."""
+    got = peak("fused", compiled)
+    want = 3 * X + X_KEPT + 2 * W + Hh + 2 * COL_H
+    assert want <= got.bytes <= want + SMALL, (got.bytes, want, got.stage)
+    bf16 = peak("bf16", False)
+    assert 4 * X + Hh + 3 * W <= bf16.bytes <= 4 * X + Hh + 3 * W + SMALL
+    assert got.bytes < bf16.bytes
