@@ -203,7 +203,7 @@ def test_candidates_match_reference(cand):
 
     with contextlib.ExitStack() as stack:
         dev = torch.device("cuda", torch.cuda.current_device())
-        fields = config_block.DSWIGLU_CANDIDATES[cand]  # every SwiGLU candidate is dswiglu's too; "default": {}
+        fields = config_block.candidates("dswiglu", "bfloat16")[cand]  # every SwiGLU candidate is dswiglu's too
         served = ops_block.candidate_in_place(stack, cand, dev, config_block.SWIGLU_OPS) if fields else list(
             config_block.SWIGLU_OPS)
         assert served, cand
@@ -247,7 +247,7 @@ def test_dual_candidates_match_reference(cand, out):
     """Each A/B candidate of ``dual`` (``block.config.candidates``: DUAL_CANDIDATES for bf16 outputs,
     DUAL_FP8_CANDIDATES for fp8), put in place of the dual variant of both modes, byte for byte: ragged groups with
     a tail and more columns than one tile, on normal, wide (magnitudes to 2^127), NaN / Inf and subnormal values,
-    and offsets past M, negative and decreasing."""
+    amaxes that floor saturates, zero blocks, and offsets past M, negative and decreasing."""
     import contextlib
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -259,7 +259,7 @@ def test_dual_candidates_match_reference(cand, out):
             stack.enter_context(ops_block.variant_in_place(v.replace(**fields), dev))
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
         cases = [(dist, offsets_from_sizes(sizes), sum(sizes) + tail, r)
-                 for dist in ("normal", "wide", "nan_inf", "subnormal")]
+                 for dist in ("normal", "wide", "nan_inf", "subnormal", "amax_band", "zero_blocks")]
         cases.append(("wide", torch.tensor([100, 700, 50, -5, 10**6, 299], dtype=torch.int32), 300, 160))
         for dist, offs, m, r in cases:
             (x,) = inputs(1, m, r, dist, 5)
