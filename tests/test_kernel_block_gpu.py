@@ -341,12 +341,14 @@ def test_swiglu_backward_matches_pytorch_for_every_pair_of_bf16(path, fused):
                               f"g * silu(a), g {first}..")
 
 
-def test_lean_range_check_math_for_every_bf16():
+@pytest.mark.parametrize("path", ["lean", "lean_signed"])
+def test_lean_range_check_math_for_every_bf16(path):
     """The ``lean`` variants' math (the fast path wherever both ``a`` of a word are at least -80, Inf and NaN
     included) for every bf16 ``a`` and g, b drawn from every bf16 magnitude, each ``a`` in both halves of its word:
     equal to PyTorch bit for bit wherever PyTorch's result is finite, and non-finite wherever PyTorch's is (a
     quantized block holding either is a NaN block); precondition: for ``a = +Inf`` the fast path's NaN is where
-    PyTorch has Inf (the case the check no longer sends to div.rn), and below -80 the fast path alone is wrong."""
+    PyTorch has Inf (the case the check no longer sends to div.rn), and below -80 the fast path alone is wrong.
+    ``lean_signed``: the same with the ``signed_residual`` division (no sign fix: -0 from the residual's sign)."""
     from moe_quant.kernels.block.kernel import run_swiglu_math
 
     a = all_bf16().repeat_interleave(2).repeat(4)
@@ -357,7 +359,7 @@ def test_lean_range_check_math_for_every_bf16():
             "grad_b_fused": grad_b}
     inf_differs = False
     for op, w in want.items():
-        got = run_swiglu_math(op, g, a, b, "lean")
+        got = run_swiglu_math(op, g, a, b, path)
         finite = w.isfinite()
         same_bits_or_both_nan(got[finite], w[finite], f"{op}, lean math where PyTorch is finite")
         assert not got[~finite].isfinite().any(), f"{op}: a finite result where PyTorch's is not"

@@ -64,6 +64,11 @@ def test_default_keys_unchanged():
         "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean-round"
     with pytest.raises(ValueError, match="round_bf16.*out_dtype must be 'bfloat16'"):
         config_block.Variant("dual", "bfloat16", "rceil", round_bf16=True)
+    # the fast division with the signed residual (candidate since 2026-12-03)
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", signed_residual=True).key == \
+        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres"
+    with pytest.raises(ValueError, match="signed_residual.*needs fast_div"):
+        config_block.Variant("swiglu", "bfloat16", "rceil", fast_div=False, signed_residual=True)
     for config in (config_32x1, config_permute, config_block):  # the first candidate is the default
         assert not config.CANDIDATES[next(iter(config.CANDIDATES))]
 
@@ -85,12 +90,12 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         # staged fast-division ones (the former defaults' stacked code)
         stacked = [kw for kw in config.candidates("dswiglu", "bfloat16").values()
                    if kw and kw.get("staged", True) and kw.get("fast_div", True)]
-        assert len(stacked) == 3 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
+        assert len(stacked) == 5 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
                                                        for o in config.OUT_DTYPES) + len(stacked)
         assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(stacked)
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
             names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]  # and round (bf16 outputs only)
-            assert names[0] ^ names[1] == ({"round"} if op != "dual" else {"packed-c3", "round"}), (op, names)
+            assert names[0] ^ names[1] == ({"round", "round-sres"} if op != "dual" else {"packed-c3", "round"}), names
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")

@@ -66,6 +66,10 @@ class Variant:
     # block amax's exponent) or 2^-108, a non-finite element, or (floor) an amax that saturates is computed exactly
     # as before (kernels/block/NOTES.md, 2026-12-03)
     round_bf16: bool = False
+    # swiglu / dswiglu with fast_div (candidate since 2026-12-03, off until the A/B): the fast division's residual taken
+    # as d q0 - x and subtracted (the same quotient; x = -0 gives -0 by itself): no sign fix, one instruction per
+    # element fewer (kernel.py _signed_residual)
+    signed_residual: bool = False
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -94,6 +98,9 @@ class Variant:
         if self.round_bf16 and self.out_dtype != "bfloat16":
             raise ValueError(f"round_bf16 rounds the dequantized bf16 outputs: out_dtype must be 'bfloat16', got "
                              f"{self.out_dtype!r}")
+        if self.signed_residual and not self.fast_div:
+            raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or 'dswiglu'), "
+                             f"got op {self.op!r} with fast_div={self.fast_div}")
         if (self.staged or self.fast_div) and self.op == "dual":
             raise ValueError("staged and fast_div change the SwiGLU ops' input and math code: op must be 'swiglu' or "
                              f"'dswiglu', got {self.op!r}")
@@ -108,7 +115,8 @@ class Variant:
                 + ("-staged" if self.staged else "") + ("-fastdiv" if self.fast_div else "")
                 + ("" if self.packed_amax == (self.op in SWIGLU_OPS) else "-pamax" if self.packed_amax else "-nopamax")
                 + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else "") + ("-fused" if self.fused_grads else "")
-                + ("-lean" if self.lean else "") + ("-round" if self.round_bf16 else ""))
+                + ("-lean" if self.lean else "") + ("-round" if self.round_bf16 else "")
+                + ("-sres" if self.signed_residual else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -133,7 +141,8 @@ def all_variants() -> list[Variant]:
 # 67.9 / 66.5 (lean). "pre-lean" keeps the former default measurable.
 CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False},
               "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False},
-              "pre-lean": {"lean": False, "fused_grads": False}}
+              "pre-lean": {"lean": False, "fused_grads": False},
+              "sres": {"signed_residual": True}}  # 2026-12-03, not yet measured: the field's comment above
 
 # dswiglu's own. fused_grads with lean (the default since 2026-12-02: one CTA for both outputs), the same H200 run
 # and shapes: 52.4 / 52.3 / 58.9 / 54.7 (pre-lean) -> 54.8 / 54.7 / 61.5 / 56.9 (lean-unfused: lean, two CTAs) ->
@@ -146,6 +155,7 @@ DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False}}
 # SASS, sm_90a, rceil; kernels/block/NOTES.md): swiglu 43.0 -> 33.1, dswiglu 71 -> 51, dual 28.3 -> 12.1 (dual then at
 # 126 registers: two CTAs per SM instead of three; under the 3-CTA cap it spills 96 bytes, so no such candidate).
 ROUND_CANDIDATES = {"round": {"round_bf16": True}}
+SWIGLU_ROUND_CANDIDATES = {**ROUND_CANDIDATES, "round-sres": {"round_bf16": True, "signed_residual": True}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
@@ -164,7 +174,7 @@ def candidates(op: str, out_dtype: str) -> dict:
     if op == "dual":
         return DUAL_CANDIDATES if out_dtype == "bfloat16" else DUAL_FP8_CANDIDATES
     own = DSWIGLU_CANDIDATES if op == "dswiglu" else CANDIDATES
-    return {**own, **ROUND_CANDIDATES} if out_dtype == "bfloat16" else own
+    return {**own, **SWIGLU_ROUND_CANDIDATES} if out_dtype == "bfloat16" else own
 
 
 def candidate_variants() -> list[Variant]:

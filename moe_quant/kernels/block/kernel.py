@@ -143,16 +143,29 @@ or.b32 yb, yb, sb;
 """
 
 
-def _fast(element: str) -> str:
-    return (element.replace("div.rn.f32 y, x, d;\n", _FAST_DIV).replace("rcp.rn.f32 sg, d;\n", _FAST_RCP)
-            .replace("div.rn.f32 yb, x, d;\n", _FAST_DIV_SHARED))
+def _signed_residual(div: str, y: str, r: str) -> str:
+    """``signed_residual`` (variant field): the fast division ``div`` (result ``y``, reciprocal ``r``) with its residual
+    taken as ``d q0 - x`` and subtracted, ``y = q0 - r (d q0 - x)``: the same value as ``q0 + r (x - d q0)`` (fma rounds
+    once and RN is symmetric; an exact zero residual is +0 in both, and y = q0), but -0 for x = -0 (``-0 - r * +0``)
+    where the sum gives +0, so no sign fix: one instruction per element fewer."""
+    old = f"fma.rn.f32 eq, nd, q0, x;\nfma.rn.f32 {y}, {r}, eq, q0;\nand.b32 sb, x, 0x80000000;\nor.b32 {y}, {y}, sb;\n"
+    assert old in div, div
+    return div.replace(old, f"neg.f32 nx, x;\nfma.rn.f32 eq, d, q0, nx;\nneg.f32 nr, {r};\nfma.rn.f32 {y}, nr, eq, q0;\n")
+
+
+def _fast(element: str, signed: bool = False) -> str:
+    div, shared = _FAST_DIV, _FAST_DIV_SHARED
+    if signed:
+        div, shared = _signed_residual(div, "y", "rq"), _signed_residual(shared, "yb", "sg")
+    return (element.replace("div.rn.f32 y, x, d;\n", div).replace("rcp.rn.f32 sg, d;\n", _FAST_RCP)
+            .replace("div.rn.f32 yb, x, d;\n", shared))
 
 
 def _packed(element: str, inputs: tuple, outputs: int = 1) -> str:
     """PTX of ``element`` on both bf16 halves of the packed input words (named ``inputs``: any of g, x (= a), b;
     after the ``outputs`` output operands), the results (y, and yb for a second output) rounded to bf16 and packed
     into ``$0`` (and ``$1``)."""
-    regs = (".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo, rq, nd, eq, q0, yb, yblo;\n"
+    regs = (".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo, rq, nd, eq, q0, yb, yblo, nx, nr;\n"
             ".reg .b32 jb, hb, sb;\n")
     body = "{\n" + regs + "mov.f32 z, 0f00000000;\n"
     for half, unpack in (("lo", "shl.b32 hb, {w}, 16;"), ("hi", "and.b32 hb, {w}, 0xFFFF0000;")):
@@ -165,12 +178,14 @@ def _packed(element: str, inputs: tuple, outputs: int = 1) -> str:
     return body + "cvt.rn.bf16x2.f32 $0, y, ylo;\n" + second + "}"
 
 
-_PTX = {(op, fast): _packed(_fast(el) if fast else el, ins, outs) for op, el, ins, outs in (
+# fast: False (div.rn / rcp.rn), True (the fast path) or SIGNED (the fast path with :func:`_signed_residual`)
+SIGNED = "signed"
+_PTX = {(op, fast): _packed(_fast(el, fast == SIGNED) if fast else el, ins, outs) for op, el, ins, outs in (
     ("swiglu", _SILU_TIMES_B, ("x", "b"), 1), ("grad_a", _GRAD_A, ("g", "x", "b"), 1),
     ("grad_b", _GRAD_B, ("g", "x"), 1), ("grad_ab", _GRAD_AB, ("g", "x", "b"), 2))
-    for fast in (False, True)}
-assert all("div.rn" not in _PTX[op, True] and "rcp.rn" not in _PTX[op, True]
-           for op in ("swiglu", "grad_a", "grad_b", "grad_ab"))
+    for fast in (False, True, SIGNED)}
+assert all("div.rn" not in _PTX[op, f] and "rcp.rn" not in _PTX[op, f]
+           for op in ("swiglu", "grad_a", "grad_b", "grad_ab") for f in (True, SIGNED))
 
 
 def swiglu_bf16x2(a, b, fast: bool = False) -> Int32:
@@ -352,6 +367,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # 2026-11-29: dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8, NOTES.md)
         self.scale_tile = not variant.fake and variant.op == "dual"
         self.staged, self.fast_div = variant.staged, variant.fast_div  # on for swiglu / dswiglu (config)
+        # the math's fast path: _PTX's key (SIGNED: the division with the signed residual, config signed_residual)
+        self.fast_kind = SIGNED if variant.signed_residual else variant.fast_div
         # both forms' amax on the packed words (max.u16x2): on for the SwiGLU ops (H200, 2026-11-29: swiglu and
         # dswiglu +1.3-2.5%; dual at two CTAs per SM -4..-11%; NOTES.md)
         self.packed_amax = variant.packed_amax
@@ -728,7 +745,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 cute.arch.cp_async_commit_group()
         else:
             loaded = [self.load_words(x, *tile) for x in xs]
-        out, ok = self.math(o, loaded, stage, tid, self.fast_div, True)
+        out, ok = self.math(o, loaded, stage, tid, self.fast_kind, True)
         if cutlass.const_expr(self.fast_div):
             if ok == 0:  # an a below -80, Inf or NaN in the tile: div.rn / rcp.rn (inputs read again)
                 if cutlass.const_expr(not self.staged):
@@ -804,7 +821,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             v = [self.staged_row(stage, j, i, tid) for j in range(3)]
             for k in cutlass.range_constexpr(4):
                 lo = v[1][k] if lo is None else bf16x2_min(lo, v[1][k])  # the lean check (fused implies lean)
-            self.store_both(v, stage, i, tid, True)
+            self.store_both(v, stage, i, tid, self.fast_kind)
         if in_fast_range_lo(lo) == 0:  # an a below -80 in the tile: div.rn / rcp.rn
             for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
                 self.store_both([self.load_row(x, i, *tile) for x in xs], stage, i, tid, False)
@@ -925,11 +942,11 @@ class SwiGLUMathKernel:
     CUDA silu for every bf16 value (tests/test_kernel_block_gpu.py). ``path``: ``"plain"`` (div.rn / rcp.rn),
     ``"fast"`` (the ``fast_div`` variants' math: the fast path where both ``a`` of a word are in
     :func:`in_fast_range`, else plain), ``"lean"`` (the ``lean`` variants': the fast path where both ``a`` are at
-    least -80, :func:`in_fast_range_lo`) or ``"fast_only"`` (the fast path everywhere, to show where it would be
-    wrong)."""
+    least -80, :func:`in_fast_range_lo`), ``"lean_signed"`` (the same with the ``signed_residual`` division) or
+    ``"fast_only"`` (the fast path everywhere, to show where it would be wrong)."""
 
     THREADS = 256
-    PATHS = ("plain", "fast", "lean", "fast_only")
+    PATHS = ("plain", "fast", "lean", "fast_only", "lean_signed")
     OPS = ("swiglu", "grad_a", "grad_b", "grad_a_fused", "grad_b_fused")
 
     def __init__(self, op: str, path: str = "plain"):
@@ -962,8 +979,9 @@ class SwiGLUMathKernel:
                 out[i] = self.element(gw, aw, bw, False)
             elif cutlass.const_expr(self.path == "fast_only"):
                 out[i] = self.element(gw, aw, bw, True)
-            elif cutlass.const_expr(self.path == "lean"):
-                out[i] = cutlass.select_(in_fast_range_lo(aw) != 0, self.element(gw, aw, bw, True),
+            elif cutlass.const_expr(self.path in ("lean", "lean_signed")):
+                fast = SIGNED if self.path == "lean_signed" else True
+                out[i] = cutlass.select_(in_fast_range_lo(aw) != 0, self.element(gw, aw, bw, fast),
                                          self.element(gw, aw, bw, False))
             else:
                 out[i] = cutlass.select_(in_fast_range(aw, aw) != 0, self.element(gw, aw, bw, True),
