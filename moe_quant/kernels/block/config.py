@@ -99,8 +99,8 @@ class Variant:
             raise ValueError(f"round_bf16 rounds the dequantized bf16 outputs: out_dtype must be 'bfloat16', got "
                              f"{self.out_dtype!r}")
         if self.signed_residual and not self.fast_div:
-            raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or 'dswiglu'), "
-                             f"got op {self.op!r} with fast_div={self.fast_div}")
+            raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or "
+                             f"'dswiglu'), got op {self.op!r} with fast_div={self.fast_div}")
         if (self.staged or self.fast_div) and self.op == "dual":
             raise ValueError("staged and fast_div change the SwiGLU ops' input and math code: op must be 'swiglu' or "
                              f"'dswiglu', got {self.op!r}")

@@ -150,7 +150,8 @@ def _signed_residual(div: str, y: str, r: str) -> str:
     where the sum gives +0, so no sign fix: one instruction per element fewer."""
     old = f"fma.rn.f32 eq, nd, q0, x;\nfma.rn.f32 {y}, {r}, eq, q0;\nand.b32 sb, x, 0x80000000;\nor.b32 {y}, {y}, sb;\n"
     assert old in div, div
-    return div.replace(old, f"neg.f32 nx, x;\nfma.rn.f32 eq, d, q0, nx;\nneg.f32 nr, {r};\nfma.rn.f32 {y}, nr, eq, q0;\n")
+    new = f"neg.f32 nx, x;\nfma.rn.f32 eq, d, q0, nx;\nneg.f32 nr, {r};\nfma.rn.f32 {y}, nr, eq, q0;\n"
+    return div.replace(old, new)
 
 
 def _fast(element: str, signed: bool = False) -> str:
@@ -165,7 +166,8 @@ def _packed(element: str, inputs: tuple, outputs: int = 1) -> str:
     """PTX of ``element`` on both bf16 halves of the packed input words (named ``inputs``: any of g, x (= a), b;
     after the ``outputs`` output operands), the results (y, and yb for a second output) rounded to bf16 and packed
     into ``$0`` (and ``$1``)."""
-    regs = (".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo, rq, nd, eq, q0, yb, yblo, nx, nr;\n"
+    regs = (".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo, rq, nd, eq, q0, yb, yblo,"
+            " nx, nr;\n"
             ".reg .b32 jb, hb, sb;\n")
     body = "{\n" + regs + "mov.f32 z, 0f00000000;\n"
     for half, unpack in (("lo", "shl.b32 hb, {w}, 16;"), ("hi", "and.b32 hb, {w}, 0xFFFF0000;")):
