@@ -187,8 +187,8 @@ def test_degenerate_shapes(op, m, r, sizes):
             check_forms(got, want, f"{op} M={m} G={len(sizes)}")
 
 
-_SWIGLU_CANDIDATES = list(dict.fromkeys(name for op in config_block.SWIGLU_OPS
-                                        for name in config_block.candidates(op, "bfloat16")))  # "default" first
+_SWIGLU_CANDIDATES = list(dict.fromkeys(name for op in config_block.SWIGLU_OPS for o in config_block.OUT_DTYPES
+                                        for name in config_block.candidates(op, o)))  # "default" first
 
 
 @pytest.mark.parametrize("cand", _SWIGLU_CANDIDATES)
@@ -203,12 +203,16 @@ def test_candidates_match_reference(cand):
 
     with contextlib.ExitStack() as stack:
         dev = torch.device("cuda", torch.cuda.current_device())
-        fields = config_block.candidates("dswiglu", "bfloat16")[cand]  # every SwiGLU candidate is dswiglu's too
+        # every SwiGLU candidate is dswiglu's too; "default": {}; some are of one output kind only (round: bf16,
+        # flat: fp8), in place of that kind's variants (the other kind runs its default)
+        fields = {**config_block.candidates("dswiglu", "float8_e4m3fn"), **config_block.candidates("dswiglu",
+                                                                                                   "bfloat16")}[cand]
         served = ops_block.candidate_in_place(stack, cand, dev, config_block.SWIGLU_OPS) if fields else list(
             config_block.SWIGLU_OPS)
         assert served, cand
-        stacked = config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **fields)
-        stacked_checked = not fields or stacked in config_block.candidate_variants()  # in place of the stacked op too
+        bf16_fields = config_block.candidates("dswiglu", "bfloat16").get(cand)
+        stacked_checked = not fields or bf16_fields is not None and config_block.Variant(
+            "dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **bf16_fields) in config_block.candidate_variants()
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
         offs = offsets_from_sizes(sizes)
         m = sum(sizes) + tail

@@ -70,6 +70,11 @@ class Variant:
     # as d q0 - x and subtracted (the same quotient; x = -0 gives -0 by itself): no sign fix, one instruction per
     # element fewer (kernel.py _signed_residual)
     signed_residual: bool = False
+    # swiglu / dswiglu with fp8 outputs (candidate since 2026-12-03, off until the A/B): each scale byte by one store
+    # predicated on the lane that owns it, at a constant offset from the form's first byte of the thread (the scale
+    # bytes of a thread's 8 columns, and of its 8 tokens, lie 16 bytes apart in the blocked tile), instead of a branch
+    # per block around its address arithmetic (kernels/block/NOTES.md, 2026-12-03)
+    flat_scales: bool = False
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -98,6 +103,9 @@ class Variant:
         if self.round_bf16 and self.out_dtype != "bfloat16":
             raise ValueError(f"round_bf16 rounds the dequantized bf16 outputs: out_dtype must be 'bfloat16', got "
                              f"{self.out_dtype!r}")
+        if self.flat_scales and (self.fake or self.op not in SWIGLU_OPS):
+            raise ValueError(f"flat_scales stores the fp8 outputs' scale bytes of the SwiGLU ops: op must be 'swiglu' or "
+                             f"'dswiglu' with out_dtype 'float8_e4m3fn', got {self.op!r} with {self.out_dtype!r}")
         if self.signed_residual and not self.fast_div:
             raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or "
                              f"'dswiglu'), got op {self.op!r} with fast_div={self.fast_div}")
@@ -116,7 +124,7 @@ class Variant:
                 + ("" if self.packed_amax == (self.op in SWIGLU_OPS) else "-pamax" if self.packed_amax else "-nopamax")
                 + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else "") + ("-fused" if self.fused_grads else "")
                 + ("-lean" if self.lean else "") + ("-round" if self.round_bf16 else "")
-                + ("-sres" if self.signed_residual else ""))
+                + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -156,6 +164,8 @@ DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False}}
 # 126 registers: two CTAs per SM instead of three; under the 3-CTA cap it spills 96 bytes, so no such candidate).
 ROUND_CANDIDATES = {"round": {"round_bf16": True}}
 SWIGLU_ROUND_CANDIDATES = {**ROUND_CANDIDATES, "round-sres": {"round_bf16": True, "signed_residual": True}}
+# fp8 outputs only (2026-12-03, not yet measured): the scale bytes by predicated stores at constant offsets
+SWIGLU_FP8_CANDIDATES = {"flat": {"flat_scales": True}, "flat-sres": {"flat_scales": True, "signed_residual": True}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
@@ -174,7 +184,7 @@ def candidates(op: str, out_dtype: str) -> dict:
     if op == "dual":
         return DUAL_CANDIDATES if out_dtype == "bfloat16" else DUAL_FP8_CANDIDATES
     own = DSWIGLU_CANDIDATES if op == "dswiglu" else CANDIDATES
-    return {**own, **SWIGLU_ROUND_CANDIDATES} if out_dtype == "bfloat16" else own
+    return {**own, **(SWIGLU_ROUND_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES)}
 
 
 def candidate_variants() -> list[Variant]:

@@ -521,6 +521,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02)
             running = self.lean and self.v.ctas_per_sm == 2 and not (self.fused and not self.fake and not self.rceil)
             col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
+            flat = self.v.flat_scales  # fp8, SwiGLU ops: predicated scale stores at constant offsets (config)
+            col_sc0 = row_sc0 = None
+            if cutlass.const_expr(flat):
+                # the thread's first scale byte of each form; its 8 columns' (tokens') bytes follow 16 bytes apart
+                # (tile_byte: 16 (r % 32) + ..., and r % 32 + 7 < 32 for the 8 columns or tokens of a thread)
+                col_sc0 = col_sc + (scale_base + Int64(cu.tile_byte(tile_col, blk)))
+                row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
                 amax = None  # column c's half of its pair's packed max, widened (or quantize_block8's own)
@@ -535,7 +542,10 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                                           q0, q1, s, is_nan)
                 if cutlass.const_expr(running):
                     col_ptr = col_ptr + Int64(row_stride)
-                if cutlass.const_expr(not self.fake):
+                if cutlass.const_expr(flat):
+                    if (tail == 0) & (quad == c // 2):
+                        cu.st_global_u8(col_sc0 + 16 * c, s)
+                elif cutlass.const_expr(not self.fake):
                     if tail == 0:
                         if quad == c // 2:
                             rr = tile_col + c
@@ -558,7 +568,10 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                         cu.st_global_words(row_out + dst, cu.dequantize8(q0, q1, s, is_nan, False))
                     else:
                         cu.st_global_v2(row_out + dst, q0, q1)
-                if cutlass.const_expr(not self.fake):
+                if cutlass.const_expr(flat):
+                    if (tail == 0) & ((lane // 4) % 4 == i // 2):  # one lane of the block's four writes its scale
+                        cu.st_global_u8(row_sc0 + 16 * i, s)
+                elif cutlass.const_expr(not self.fake):
                     if tail == 0:
                         if (lane // 4) % 4 == i // 2:  # one lane of the block's four writes its scale
                             rr = t0 + i
