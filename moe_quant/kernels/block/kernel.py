@@ -591,12 +591,16 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             self.zero_tails(o_cta, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
                             ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp, info)
 
-    def grid_maxima(self, words):
+    def grid_maxima(self, words, again: bool = False):
         """Per token (rowwise) and per column pair over the tokens (colwise), the packed max of this thread's
-        magnitudes (``max.u16x2`` of ``w & 0x7FFF7FFF``)."""
+        magnitudes (``max.u16x2`` of ``w & 0x7FFF7FFF``). ``again`` (the exception path): the magnitudes by inline
+        PTX, so that the compiler cannot reuse the first pass' values there and keep them live across the stores."""
         row_max, col_max = [], []
         for i in range(TOKENS_PER_THREAD):
-            mags = [w & 0x7FFF7FFF for w in words[i]]
+            if again:
+                mags = [cu._asm(1, [w], "and.b32 $0, $1, 0x7FFF7FFF;", "=r,r") for w in words[i]]
+            else:
+                mags = [w & 0x7FFF7FFF for w in words[i]]
             row_max.append(max_u16x2(max_u16x2(mags[0], mags[1]), max_u16x2(mags[2], mags[3])))
             col_max = mags if i == 0 else [max_u16x2(a, b) for a, b in zip(col_max, mags)]
         return row_max, col_max
@@ -661,7 +665,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         (found again: the whole warp runs this) and stored over the rounded values."""
         tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride = where
         src0, n_real, r, col0, col_ok, t0 = tile
-        row_max, col_max = self.grid_maxima(words)
+        row_max, col_max = self.grid_maxima(words, again=True)
         row_amax = [self.row_amax2(row_max, j) for j in range(TOKENS_PER_THREAD // 2)]
         col_amax = [self.join(c, (1, 2)) for c in col_max]
         quant = dict(short=self.lean, nan_words=False)  # dequantize8 replaces a NaN block's words
