@@ -219,7 +219,7 @@ def test_candidates_match_reference(cand):
         inf = float("inf")
         ends = torch.tensor([-80.0, -80.5, -0.0, torch.finfo(torch.bfloat16).max, -79.5, -87.5, 1.0, -1.0, inf, -inf,
                              -88.0, 90.0])
-        cases = [(dist, offs, m, r) for dist in ("normal", "wide", "nan_inf", "subnormal", "ends")]
+        cases = [(dist, offs, m, r) for dist in ("normal", "wide", "nan_inf", "subnormal", "ends", "grid")]
         cases += [("wide", torch.tensor([100, 700, 50, -5, 10**6, 299], dtype=torch.int32), 300, 160),
                   ("nan_inf", torch.tensor([3, 3, 63], dtype=torch.int32), 1000, 96),
                   ("normal", torch.tensor([0, 0], dtype=torch.int32), 0, 64)]
@@ -251,7 +251,8 @@ def test_dual_candidates_match_reference(cand, out):
     """Each A/B candidate of ``dual`` (``block.config.candidates``: DUAL_CANDIDATES for bf16 outputs,
     DUAL_FP8_CANDIDATES for fp8), put in place of the dual variant of both modes, byte for byte: ragged groups with
     a tail and more columns than one tile, on normal, wide (magnitudes to 2^127), NaN / Inf and subnormal values,
-    amaxes that floor saturates, zero blocks, and offsets past M, negative and decreasing."""
+    amaxes that floor saturates, zero blocks, blocks spanning their e4m3 grid (every amax mantissa, elements down to
+    2^-20 of it), and offsets past M, negative and decreasing."""
     import contextlib
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -263,7 +264,7 @@ def test_dual_candidates_match_reference(cand, out):
             stack.enter_context(ops_block.variant_in_place(v.replace(**fields), dev))
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
         cases = [(dist, offsets_from_sizes(sizes), sum(sizes) + tail, r)
-                 for dist in ("normal", "wide", "nan_inf", "subnormal", "amax_band", "zero_blocks")]
+                 for dist in ("normal", "wide", "nan_inf", "subnormal", "amax_band", "zero_blocks", "grid")]
         cases.append(("wide", torch.tensor([100, 700, 50, -5, 10**6, 299], dtype=torch.int32), 300, 160))
         for dist, offs, m, r in cases:
             (x,) = inputs(1, m, r, dist, 5)

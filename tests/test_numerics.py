@@ -275,7 +275,8 @@ def test_kernel_grid_rounding_equals_fake_quantize(mode):
     raw = torch.randint(0, 1 << 16, (1 << 16, 32), generator=gen, dtype=torch.int64)
     spread = raw & 0x807F | ((torch.randint(100, 140, (1 << 16, 1), generator=gen) - torch.randint(
         0, 24, (1 << 16, 32), generator=gen)) << 7)  # a random exponent per block, elements spread below it
-    for blocks in (raw, spread):
+    grid = make_values((1 << 11, 1024), "grid", 5).view(torch.int16).to(torch.int64).view(-1, 32) & 0xFFFF
+    for blocks in (raw, spread, grid):
         got, rounded = _grid_model(blocks, mode)
         amax = _bf16_value(blocks).abs().amax(-1)
         in_range = amax.isfinite() & ((amax == 0) | ((amax >= 2.0**-108) & (amax < 2.0**124)))
