@@ -46,6 +46,19 @@ def make_values(shape, dist: str, seed: int, dtype=torch.bfloat16, inject_inf: b
             blocks.mul_(torch.exp2(k - 8).unsqueeze(1))
             peak = 448 * torch.exp2(k) * (1 + torch.rand(blocks.shape[0], generator=g) * (64 / 448))
             blocks[:, 0] = peak.clamp(max=3e38)
+    elif dist == "grid":  # per block an amax 2^E of any mantissa, the rest down to 2^-20 of it (e4m3 normal,
+        # subnormal, ties, values that round to zero) and zeros: every case of the block's e4m3 grid
+        x = torch.randn(n, generator=g)
+        if n % 32 == 0 and n > 0:
+            nb = n // 32
+            e = torch.randint(-100, 120, (nb, 1), generator=g)
+            drop = torch.randint(0, 21, (nb, 32), generator=g)
+            drop[:, 0] = 0
+            mant = 1 + torch.randint(0, 128, (nb, 32), generator=g) / 128
+            sign = torch.randint(0, 2, (nb, 32), generator=g) * 2 - 1
+            blocks = sign * mant * torch.exp2((e - drop).float())
+            blocks[torch.rand(nb, 32, generator=g) < 0.1] = 0
+            x = blocks.flatten()
     else:
         raise ValueError(dist)
     return x.view(shape).to(dtype)

@@ -187,8 +187,8 @@ def test_degenerate_shapes(op, m, r, sizes):
             check_forms(got, want, f"{op} M={m} G={len(sizes)}")
 
 
-_SWIGLU_CANDIDATES = list(dict.fromkeys(name for op in config_block.SWIGLU_OPS
-                                        for name in config_block.candidates(op, "bfloat16")))  # "default" first
+_SWIGLU_CANDIDATES = list(dict.fromkeys(name for op in config_block.SWIGLU_OPS for o in config_block.OUT_DTYPES
+                                        for name in config_block.candidates(op, o)))  # "default" first
 
 
 @pytest.mark.parametrize("cand", _SWIGLU_CANDIDATES)
@@ -203,19 +203,23 @@ def test_candidates_match_reference(cand):
 
     with contextlib.ExitStack() as stack:
         dev = torch.device("cuda", torch.cuda.current_device())
-        fields = config_block.DSWIGLU_CANDIDATES[cand]  # every SwiGLU candidate is dswiglu's too; "default": {}
+        # every SwiGLU candidate is dswiglu's too; "default": {}; some are of one output kind only (round: bf16,
+        # flat: fp8), in place of that kind's variants (the other kind runs its default)
+        fields = {**config_block.candidates("dswiglu", "float8_e4m3fn"), **config_block.candidates("dswiglu",
+                                                                                                   "bfloat16")}[cand]
         served = ops_block.candidate_in_place(stack, cand, dev, config_block.SWIGLU_OPS) if fields else list(
             config_block.SWIGLU_OPS)
         assert served, cand
-        stacked = config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **fields)
-        stacked_checked = not fields or stacked in config_block.candidate_variants()  # in place of the stacked op too
+        bf16_fields = config_block.candidates("dswiglu", "bfloat16").get(cand)
+        stacked_checked = not fields or bf16_fields is not None and config_block.Variant(
+            "dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **bf16_fields) in config_block.candidate_variants()
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
         offs = offsets_from_sizes(sizes)
         m = sum(sizes) + tail
         inf = float("inf")
         ends = torch.tensor([-80.0, -80.5, -0.0, torch.finfo(torch.bfloat16).max, -79.5, -87.5, 1.0, -1.0, inf, -inf,
                              -88.0, 90.0])
-        cases = [(dist, offs, m, r) for dist in ("normal", "wide", "nan_inf", "subnormal", "ends")]
+        cases = [(dist, offs, m, r) for dist in ("normal", "wide", "nan_inf", "subnormal", "ends", "grid")]
         cases += [("wide", torch.tensor([100, 700, 50, -5, 10**6, 299], dtype=torch.int32), 300, 160),
                   ("nan_inf", torch.tensor([3, 3, 63], dtype=torch.int32), 1000, 96),
                   ("normal", torch.tensor([0, 0], dtype=torch.int32), 0, 64)]
@@ -247,7 +251,8 @@ def test_dual_candidates_match_reference(cand, out):
     """Each A/B candidate of ``dual`` (``block.config.candidates``: DUAL_CANDIDATES for bf16 outputs,
     DUAL_FP8_CANDIDATES for fp8), put in place of the dual variant of both modes, byte for byte: ragged groups with
     a tail and more columns than one tile, on normal, wide (magnitudes to 2^127), NaN / Inf and subnormal values,
-    and offsets past M, negative and decreasing."""
+    amaxes that floor saturates, zero blocks, blocks spanning their e4m3 grid (every amax mantissa, elements down to
+    2^-20 of it), and offsets past M, negative and decreasing."""
     import contextlib
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -259,7 +264,7 @@ def test_dual_candidates_match_reference(cand, out):
             stack.enter_context(ops_block.variant_in_place(v.replace(**fields), dev))
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
         cases = [(dist, offsets_from_sizes(sizes), sum(sizes) + tail, r)
-                 for dist in ("normal", "wide", "nan_inf", "subnormal")]
+                 for dist in ("normal", "wide", "nan_inf", "subnormal", "amax_band", "zero_blocks", "grid")]
         cases.append(("wide", torch.tensor([100, 700, 50, -5, 10**6, 299], dtype=torch.int32), 300, 160))
         for dist, offs, m, r in cases:
             (x,) = inputs(1, m, r, dist, 5)
@@ -341,12 +346,14 @@ def test_swiglu_backward_matches_pytorch_for_every_pair_of_bf16(path, fused):
                               f"g * silu(a), g {first}..")
 
 
-def test_lean_range_check_math_for_every_bf16():
+@pytest.mark.parametrize("path", ["lean", "lean_signed"])
+def test_lean_range_check_math_for_every_bf16(path):
     """The ``lean`` variants' math (the fast path wherever both ``a`` of a word are at least -80, Inf and NaN
     included) for every bf16 ``a`` and g, b drawn from every bf16 magnitude, each ``a`` in both halves of its word:
     equal to PyTorch bit for bit wherever PyTorch's result is finite, and non-finite wherever PyTorch's is (a
     quantized block holding either is a NaN block); precondition: for ``a = +Inf`` the fast path's NaN is where
-    PyTorch has Inf (the case the check no longer sends to div.rn), and below -80 the fast path alone is wrong."""
+    PyTorch has Inf (the case the check no longer sends to div.rn), and below -80 the fast path alone is wrong.
+    ``lean_signed``: the same with the ``signed_residual`` division (no sign fix: -0 from the residual's sign)."""
     from moe_quant.kernels.block.kernel import run_swiglu_math
 
     a = all_bf16().repeat_interleave(2).repeat(4)
@@ -357,7 +364,7 @@ def test_lean_range_check_math_for_every_bf16():
             "grad_b_fused": grad_b}
     inf_differs = False
     for op, w in want.items():
-        got = run_swiglu_math(op, g, a, b, "lean")
+        got = run_swiglu_math(op, g, a, b, path)
         finite = w.isfinite()
         same_bits_or_both_nan(got[finite], w[finite], f"{op}, lean math where PyTorch is finite")
         assert not got[~finite].isfinite().any(), f"{op}: a finite result where PyTorch's is not"

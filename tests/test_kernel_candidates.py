@@ -59,6 +59,22 @@ def test_default_keys_unchanged():
     assert fused.key == "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean"
     with pytest.raises(ValueError, match="ctas_per_sm"):
         config_block.Variant("dual", "bfloat16", "rceil", ctas_per_sm=5)
+    # the bf16 outputs rounded on the packed words (candidate since 2026-12-03): bf16 outputs only
+    assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16", round_bf16=True).key == \
+        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean-round"
+    with pytest.raises(ValueError, match="round_bf16.*out_dtype must be 'bfloat16'"):
+        config_block.Variant("dual", "bfloat16", "rceil", round_bf16=True)
+    # the fast division with the signed residual (candidate since 2026-12-03)
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", signed_residual=True).key == \
+        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres"
+    with pytest.raises(ValueError, match="signed_residual.*needs fast_div"):
+        config_block.Variant("swiglu", "bfloat16", "rceil", fast_div=False, signed_residual=True)
+    # the fp8 outputs' scale bytes by predicated stores (candidate since 2026-12-03)
+    assert config_block.Variant("swiglu", "bfloat16", "rceil", flat_scales=True).key == \
+        "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-flat"
+    for bad in (dict(op="dual"), dict(op="swiglu", out_dtype="bfloat16")):
+        with pytest.raises(ValueError, match="flat_scales.*'float8_e4m3fn'"):
+            config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, flat_scales=True)
     for config in (config_32x1, config_permute, config_block):  # the first candidate is the default
         assert not config.CANDIDATES[next(iter(config.CANDIDATES))]
 
@@ -78,14 +94,15 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert {v.raster for v in cands + config.all_variants()} == set(config.RASTER_CHOICES)
     elif config is config_block:  # every candidate of every op and output, and the stacked variant of dswiglu's
         # staged fast-division ones (the former defaults' stacked code)
-        stacked = [kw for kw in config.DSWIGLU_CANDIDATES.values()
+        stacked = [kw for kw in config.candidates("dswiglu", "bfloat16").values()
                    if kw and kw.get("staged", True) and kw.get("fast_div", True)]
-        assert len(stacked) == 2 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
+        assert len(stacked) == 5 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
                                                        for o in config.OUT_DTYPES) + len(stacked)
         assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(stacked)
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
-            names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]
-            assert names[0] ^ names[1] == (set() if op != "dual" else {"packed-c3"}), (op, names)
+            names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]  # and round (bf16 outputs only)
+            want = {"round", "round-sres", "flat", "flat-sres"} if op != "dual" else {"packed-c3", "round"}
+            assert names[0] ^ names[1] == want, names  # and flat (fp8 outputs only)
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")
@@ -235,7 +252,7 @@ def test_ab_kernels_families_offer_the_same_candidates_in_every_kind():
         for fam in (f"block-{op}", f"block-{op}-fp8"):
             kinds = ab.FAMILIES[fam][0]()
             assert {k[0] for k in kinds} == {op} and list(kinds[(op, "bfloat16")][0]) == list(
-                config_block.candidates(op, "bfloat16")), fam
+                {**config_block.candidates(op, "bfloat16"), **config_block.candidates(op, "float8_e4m3fn")}), fam
 
 
 @pytest.mark.parametrize("name", ["pre-lean", "lean-unfused", "lean-c3", "registers"])

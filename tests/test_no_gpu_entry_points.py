@@ -40,6 +40,7 @@ def test_ab_script_runs_from_repo_root_without_pythonpath(script):
 @no_gpu
 @pytest.mark.parametrize("script", ["sanitize_1x32.py", "sanitize_32x1.py", "sanitize_block.py", "sanitize_fingerprint.py",
                                     "cache_timing.py", "ab_kernels.py", "fixed_cost_fit.py", "ab_commits.py",
+                                    "ncu_block.py",
                                     "probes/gemm_dequant_probe.py", "probes/before_kernel_probe.py",
                                     "probes/row_copy_probe.py", "probes/topk_sum_probe.py"])
 def test_gpu_scripts_run_from_repo_root_and_say_they_need_a_gpu(script):

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from mx_strategies import DISTRIBUTIONS, make_values, to_bytes
 
 from moe_quant import from_mxfp8, to_mxfp8
-from moe_quant.numerics import E8M0_NAN, ScaleMode, dequantize_blocks, e8m0_from_amax, e8m0_to_fp32
+from moe_quant.numerics import (E8M0_NAN, ScaleMode, dequantize_blocks, e8m0_from_amax, e8m0_to_fp32,
+                                fake_quantize_blocks)
 
 to_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor").to_mx
 SCM = pytest.importorskip("torchao.prototype.mx_formats.config").ScaleCalculationMode
@@ -202,3 +203,85 @@ def test_kernel_short_scale_formula_equals_the_reference(mode):
         assert not bad.numel(), (f"{mode.value}: {bad.numel()} amax patterns differ, e.g. "
                                  f"{[hex(int(bits[i])) for i in bad[:4]]}: got {got[bad[:4]].tolist()} "
                                  f"want {want[bad[:4]].tolist()}")
+
+
+# The block kernels' bf16 outputs rounded on the packed words (``round_bf16``, kernels/block/kernel.py ``_GRID``,
+# ``grid_params``, ``grid_exception``), modelled here element by element on bf16 bit patterns: the constants are the
+# kernel's (2^-108 and 2^124 as bf16 bits, 24 = 1.5 * 2^4, the RCEIL bump 0x1F, 2^(k-6) = Kb - 14 << 7).
+_GRID_LOW, _GRID_HIGH = 19 << 7, 251 << 7
+
+
+def _rn_bf16(v: torch.Tensor) -> torch.Tensor:
+    """float64 values rounded to bf16 once (RNE on the bit pattern: 8 significant bits), as bf16 bit patterns
+    (int64); the values here are normal bf16 magnitudes or zero."""
+    b = v.view(torch.int64)
+    mag = b & 0x7FFFFFFFFFFFFFFF
+    mag = (mag + (1 << 44) - 1 + ((mag >> 45) & 1)) & ~((1 << 45) - 1)
+    out = mag.view(torch.float64).to(torch.float32).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    return out | ((b < 0).to(torch.int64) << 15)
+
+
+def _bf16_value(bits: torch.Tensor) -> torch.Tensor:
+    return (bits & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float64)
+
+
+def _grid_model(blocks: torch.Tensor, mode: ScaleMode):
+    """(rounded bf16 bits, which blocks the kernel rounds) of blocks of bf16 bit patterns (int64, (..., 32))."""
+    mag = blocks & 0x7FFF
+    amax = mag.amax(-1, keepdim=True)
+    rounded = (amax < _GRID_HIGH) & ((amax == 0) | (amax >= _GRID_LOW))
+    kb = (amax + (0x1F if mode is ScaleMode.RCEIL else 0)) & 0x7F80
+    t0 = kb.clamp(min=0x700) - 0x700  # 2^(k-6) of the block's scale 2^k
+    c0 = torch.maximum(blocks & 0x7F80, t0)
+    big_c = _bf16_value(c0) * 24  # exact
+    t = _rn_bf16(_bf16_value(blocks) + big_c)  # fma.rn.bf16x2(C0, 24, x): x + C exact in float64, rounded once
+    y = _rn_bf16(_bf16_value(t) - big_c)  # exact
+    if mode is ScaleMode.FLOOR:
+        y = torch.minimum(y & 0x7FFF, kb | 0x60)  # 448 2^k
+    return (y & 0x7FFF) | (blocks & 0x8000), rounded.squeeze(-1)
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+def test_kernel_grid_rounding_equals_fake_quantize(mode):
+    """The block kernels' ``round_bf16`` recipe (each element rounded to its block's e4m3 grid by adding and
+    subtracting ``24 * 2^max(e, k-6)`` in bf16, then its sign) equals ``numerics.fake_quantize_blocks`` byte for byte
+    on every block it rounds: every amax mantissa at amax exponents across the range (2^-108 to 2^123, where the
+    scale rounds up or not), the block's other elements every bf16 pattern of both signs within 2^-19 of the amax
+    (e4m3 normal and subnormal, ties, values that round to zero); and random blocks of raw bits (most of them
+    flagged and left to the exact path: the test checks that the flag holds the non-finite, huge and tiny ones)."""
+    gen = torch.Generator().manual_seed(0)
+    tested = 0
+    for e in (-109, -108, -107, -90, -20, -1, 0, 1, 7, 8, 60, 122, 123, 124):
+        field = e + 127
+        amax = (field << 7) | torch.arange(128, dtype=torch.int64)  # every mantissa
+        below = ((field - torch.arange(20, dtype=torch.int64)).clamp(min=0).unsqueeze(1) << 7
+                 | torch.arange(128, dtype=torch.int64)).flatten()
+        below = torch.cat([below, below | 0x8000, torch.tensor([0, 0x8000, 1, 0x8001])])
+        below = below[torch.randperm(below.numel(), generator=gen)]
+        n = -(-below.numel() // 31)
+        rest = torch.cat([below, below[: n * 31 - below.numel()]]).view(n, 31)
+        blocks = torch.cat([amax.view(128, 1, 1).expand(128, n, 1), (rest.unsqueeze(0) & 0xFFFF).expand(128, n, 31)
+                            .clone()], -1)
+        blocks = torch.where((blocks & 0x7FFF) > amax.view(128, 1, 1), amax.view(128, 1, 1), blocks)  # keep amax
+        blocks = blocks.view(-1, 32)
+        got, rounded = _grid_model(blocks, mode)
+        assert bool(rounded.all()) == (-108 <= e < 124)
+        want = fake_quantize_blocks(_bf16_value(blocks).to(torch.bfloat16), mode).view(torch.int16).to(torch.int64)
+        bad = ((got != (want & 0xFFFF)) & rounded.unsqueeze(-1)).nonzero()
+        assert not bad.numel(), (f"{mode.value} amax 2^{e}: {bad.shape[0]} elements differ, e.g. block "
+                                 f"{[hex(int(v)) for v in blocks[bad[0, 0]]]} element {int(bad[0, 1])}: got "
+                                 f"{hex(int(got[tuple(bad[0])]))} want {hex(int(want[tuple(bad[0])]) & 0xFFFF)}")
+        tested += int(rounded.sum())
+    raw = torch.randint(0, 1 << 16, (1 << 16, 32), generator=gen, dtype=torch.int64)
+    spread = raw & 0x807F | ((torch.randint(100, 140, (1 << 16, 1), generator=gen) - torch.randint(
+        0, 24, (1 << 16, 32), generator=gen)) << 7)  # a random exponent per block, elements spread below it
+    grid = make_values((1 << 11, 1024), "grid", 5).view(torch.int16).to(torch.int64).view(-1, 32) & 0xFFFF
+    for blocks in (raw, spread, grid):
+        got, rounded = _grid_model(blocks, mode)
+        amax = _bf16_value(blocks).abs().amax(-1)
+        in_range = amax.isfinite() & ((amax == 0) | ((amax >= 2.0**-108) & (amax < 2.0**124)))
+        assert not bool((rounded & ~in_range).any())
+        want = fake_quantize_blocks(_bf16_value(blocks).to(torch.bfloat16), mode).view(torch.int16).to(torch.int64)
+        assert torch.equal(got[rounded], want[rounded] & 0xFFFF), mode
+        tested += int(rounded.sum())
+    assert tested > 300_000

@@ -59,6 +59,22 @@ class Variant:
     # after the other by one copy of the quantization code. None: on for dswiglu where staged, fast_div and lean
     # hold (the default since 2026-12-02, the A/B below), else off
     fused_grads: bool | None = None
+    # bf16 outputs only (candidate since 2026-12-03, off by default until the A/B): the dequantized bf16 value of an
+    # element of a block whose scale keeps it in e4m3's normal range is the element rounded to 4 significant bits
+    # (RNE), whatever the scale: 4 integer instructions per packed bf16x2 word, shared by both forms, instead of the
+    # quantize-dequantize sequence per element and form. A block holding a nonzero element below 2^(E-13) (E: the
+    # block amax's exponent) or 2^-108, a non-finite element, or (floor) an amax that saturates is computed exactly
+    # as before (kernels/block/NOTES.md, 2026-12-03)
+    round_bf16: bool = False
+    # swiglu / dswiglu with fast_div (candidate since 2026-12-03, off until the A/B): the fast division's residual taken
+    # as d q0 - x and subtracted (the same quotient; x = -0 gives -0 by itself): no sign fix, one instruction per
+    # element fewer (kernel.py _signed_residual)
+    signed_residual: bool = False
+    # swiglu / dswiglu with fp8 outputs (candidate since 2026-12-03, off until the A/B): each scale byte by one store
+    # predicated on the lane that owns it, at a constant offset from the form's first byte of the thread (the scale
+    # bytes of a thread's 8 columns, and of its 8 tokens, lie 16 bytes apart in the blocked tile), instead of a branch
+    # per block around its address arithmetic (kernels/block/NOTES.md, 2026-12-03)
+    flat_scales: bool = False
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -84,6 +100,15 @@ class Variant:
             raise ValueError("fused_grads computes both dswiglu outputs from the staged inputs with the fast division "
                              f"and the lean range check: op must be 'dswiglu' with staged, fast_div and lean, got "
                              f"{self.op!r} (staged={self.staged}, fast_div={self.fast_div}, lean={self.lean})")
+        if self.round_bf16 and self.out_dtype != "bfloat16":
+            raise ValueError(f"round_bf16 rounds the dequantized bf16 outputs: out_dtype must be 'bfloat16', got "
+                             f"{self.out_dtype!r}")
+        if self.flat_scales and (self.fake or self.op not in SWIGLU_OPS):
+            raise ValueError(f"flat_scales stores the fp8 outputs' scale bytes of the SwiGLU ops: op must be 'swiglu' or "
+                             f"'dswiglu' with out_dtype 'float8_e4m3fn', got {self.op!r} with {self.out_dtype!r}")
+        if self.signed_residual and not self.fast_div:
+            raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or "
+                             f"'dswiglu'), got op {self.op!r} with fast_div={self.fast_div}")
         if (self.staged or self.fast_div) and self.op == "dual":
             raise ValueError("staged and fast_div change the SwiGLU ops' input and math code: op must be 'swiglu' or "
                              f"'dswiglu', got {self.op!r}")
@@ -98,7 +123,8 @@ class Variant:
                 + ("-staged" if self.staged else "") + ("-fastdiv" if self.fast_div else "")
                 + ("" if self.packed_amax == (self.op in SWIGLU_OPS) else "-pamax" if self.packed_amax else "-nopamax")
                 + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else "") + ("-fused" if self.fused_grads else "")
-                + ("-lean" if self.lean else ""))
+                + ("-lean" if self.lean else "") + ("-round" if self.round_bf16 else "")
+                + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -123,13 +149,23 @@ def all_variants() -> list[Variant]:
 # 67.9 / 66.5 (lean). "pre-lean" keeps the former default measurable.
 CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False},
               "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False},
-              "pre-lean": {"lean": False, "fused_grads": False}}
+              "pre-lean": {"lean": False, "fused_grads": False},
+              "sres": {"signed_residual": True}}  # 2026-12-03, not yet measured: the field's comment above
 
 # dswiglu's own. fused_grads with lean (the default since 2026-12-02: one CTA for both outputs), the same H200 run
 # and shapes: 52.4 / 52.3 / 58.9 / 54.7 (pre-lean) -> 54.8 / 54.7 / 61.5 / 56.9 (lean-unfused: lean, two CTAs) ->
 # 66.4 / 66.5 / 73.4 / 68.8 (the default). The stacked variant (bf16 outputs of a concatenated gate-up weight) of each
 # candidate with the default's staged inputs and fast division is compile-checked and byte-tested too.
 DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False}}
+
+# bf16 outputs only (2026-12-03, not yet measured): "round" = round_bf16 (the field's comment above; NOTES.md
+# "2026-12-03"), the dequantized values rounded on the packed words. Main path per element of the op's input (static
+# SASS, sm_90a, rceil; kernels/block/NOTES.md): swiglu 43.0 -> 33.1, dswiglu 71 -> 51, dual 28.3 -> 12.1 (dual then at
+# 126 registers: two CTAs per SM instead of three; under the 3-CTA cap it spills 96 bytes, so no such candidate).
+ROUND_CANDIDATES = {"round": {"round_bf16": True}}
+SWIGLU_ROUND_CANDIDATES = {**ROUND_CANDIDATES, "round-sres": {"round_bf16": True, "signed_residual": True}}
+# fp8 outputs only (2026-12-03, not yet measured): the scale bytes by predicated stores at constant offsets
+SWIGLU_FP8_CANDIDATES = {"flat": {"flat_scales": True}, "flat-sres": {"flat_scales": True, "signed_residual": True}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
@@ -139,7 +175,7 @@ DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False}}
 # 8 bytes (ptxas, sm_90a), so those have no such candidate. "lean-c3" (2026-12-02, not yet measured): the lean
 # quantization under the 3-CTA cap (80 registers, no spills, both outputs; uncapped ptxas takes 96-102: two CTAs).
 DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3},
-                   "lean-c3": {"lean": True, "ctas_per_sm": 3}}
+                   "lean-c3": {"lean": True, "ctas_per_sm": 3}, **ROUND_CANDIDATES}
 DUAL_FP8_CANDIDATES = {"default": {}, "lean-c3": {"lean": True, "ctas_per_sm": 3}}
 
 
@@ -147,14 +183,16 @@ def candidates(op: str, out_dtype: str) -> dict:
     """The A/B candidates of ``op`` writing ``out_dtype``: name -> fields that differ from its default."""
     if op == "dual":
         return DUAL_CANDIDATES if out_dtype == "bfloat16" else DUAL_FP8_CANDIDATES
-    return DSWIGLU_CANDIDATES if op == "dswiglu" else CANDIDATES
+    own = DSWIGLU_CANDIDATES if op == "dswiglu" else CANDIDATES
+    return {**own, **(SWIGLU_ROUND_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES)}
 
 
 def candidate_variants() -> list[Variant]:
     """The candidates' variants other than the defaults (rceil): every op and output kind, and the stacked dswiglu
     variant of each candidate with the default's staged inputs and fast division (the former defaults' stacked code:
-    pre-lean, lean-unfused)."""
+    pre-lean, lean-unfused; and round)."""
     out = [Variant(op, "bfloat16", "rceil", o, **kw) for op in OPS for o in OUT_DTYPES
            for kw in candidates(op, o).values() if kw]
     return out + [Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **kw)
-                  for kw in DSWIGLU_CANDIDATES.values() if kw and kw.get("staged", True) and kw.get("fast_div", True)]
+                  for kw in candidates("dswiglu", "bfloat16").values()
+                  if kw and kw.get("staged", True) and kw.get("fast_div", True)]

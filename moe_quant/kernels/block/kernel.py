@@ -143,16 +143,31 @@ or.b32 yb, yb, sb;
 """
 
 
-def _fast(element: str) -> str:
-    return (element.replace("div.rn.f32 y, x, d;\n", _FAST_DIV).replace("rcp.rn.f32 sg, d;\n", _FAST_RCP)
-            .replace("div.rn.f32 yb, x, d;\n", _FAST_DIV_SHARED))
+def _signed_residual(div: str, y: str, r: str) -> str:
+    """``signed_residual`` (variant field): the fast division ``div`` (result ``y``, reciprocal ``r``) with its residual
+    taken as ``d q0 - x`` and subtracted, ``y = q0 - r (d q0 - x)``: the same value as ``q0 + r (x - d q0)`` (fma rounds
+    once and RN is symmetric; an exact zero residual is +0 in both, and y = q0), but -0 for x = -0 (``-0 - r * +0``)
+    where the sum gives +0, so no sign fix: one instruction per element fewer."""
+    old = f"fma.rn.f32 eq, nd, q0, x;\nfma.rn.f32 {y}, {r}, eq, q0;\nand.b32 sb, x, 0x80000000;\nor.b32 {y}, {y}, sb;\n"
+    assert old in div, div
+    new = f"neg.f32 nx, x;\nfma.rn.f32 eq, d, q0, nx;\nneg.f32 nr, {r};\nfma.rn.f32 {y}, nr, eq, q0;\n"
+    return div.replace(old, new)
+
+
+def _fast(element: str, signed: bool = False) -> str:
+    div, shared = _FAST_DIV, _FAST_DIV_SHARED
+    if signed:
+        div, shared = _signed_residual(div, "y", "rq"), _signed_residual(shared, "yb", "sg")
+    return (element.replace("div.rn.f32 y, x, d;\n", div).replace("rcp.rn.f32 sg, d;\n", _FAST_RCP)
+            .replace("div.rn.f32 yb, x, d;\n", shared))
 
 
 def _packed(element: str, inputs: tuple, outputs: int = 1) -> str:
     """PTX of ``element`` on both bf16 halves of the packed input words (named ``inputs``: any of g, x (= a), b;
     after the ``outputs`` output operands), the results (y, and yb for a second output) rounded to bf16 and packed
     into ``$0`` (and ``$1``)."""
-    regs = (".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo, rq, nd, eq, q0, yb, yblo;\n"
+    regs = (".reg .f32 x, n, t, j, r, u, sc, e, d, y, z, g, b, s, gs, sg, t1, t2, ylo, rq, nd, eq, q0, yb, yblo,"
+            " nx, nr;\n"
             ".reg .b32 jb, hb, sb;\n")
     body = "{\n" + regs + "mov.f32 z, 0f00000000;\n"
     for half, unpack in (("lo", "shl.b32 hb, {w}, 16;"), ("hi", "and.b32 hb, {w}, 0xFFFF0000;")):
@@ -165,12 +180,14 @@ def _packed(element: str, inputs: tuple, outputs: int = 1) -> str:
     return body + "cvt.rn.bf16x2.f32 $0, y, ylo;\n" + second + "}"
 
 
-_PTX = {(op, fast): _packed(_fast(el) if fast else el, ins, outs) for op, el, ins, outs in (
+# fast: False (div.rn / rcp.rn), True (the fast path) or SIGNED (the fast path with :func:`_signed_residual`)
+SIGNED = "signed"
+_PTX = {(op, fast): _packed(_fast(el, fast == SIGNED) if fast else el, ins, outs) for op, el, ins, outs in (
     ("swiglu", _SILU_TIMES_B, ("x", "b"), 1), ("grad_a", _GRAD_A, ("g", "x", "b"), 1),
     ("grad_b", _GRAD_B, ("g", "x"), 1), ("grad_ab", _GRAD_AB, ("g", "x", "b"), 2))
-    for fast in (False, True)}
-assert all("div.rn" not in _PTX[op, True] and "rcp.rn" not in _PTX[op, True]
-           for op in ("swiglu", "grad_a", "grad_b", "grad_ab"))
+    for fast in (False, True, SIGNED)}
+assert all("div.rn" not in _PTX[op, f] and "rcp.rn" not in _PTX[op, f]
+           for op in ("swiglu", "grad_a", "grad_b", "grad_ab") for f in (True, SIGNED))
 
 
 def swiglu_bf16x2(a, b, fast: bool = False) -> Int32:
@@ -239,6 +256,90 @@ def in_fast_range(lo, hi) -> Int32:
     return cu._asm(1, [lo, hi], _IN_FAST_RANGE, "=r,r,r")
 
 
+# ----------------------------------------------------------------------------- bf16 outputs by rounding (round_bf16)
+
+# The dequantized bf16 value of an element x of a block with scale 2^k is x rounded (RNE) to e4m3's grid scaled by
+# 2^k: to 4 significant bits where |x| >= 2^(k-6) (e4m3 normal), to a multiple of q = 2^(k-9) below (subnormal), at
+# most 448 2^k (satfinite: floor mode only; an RCEIL scale keeps amax 2^-k <= 448) -- exactly, as long as the
+# products are normal: fp32(x) 2^-k is exact, the e4m3 conversion rounds once, the product with 2^k and its bf16
+# rounding are exact for k >= -116. That rounding is one bf16 addition of a constant and its subtraction: C = 24 *
+# 2^max(e, k-6) (e: x's exponent, so ulp(C) = 2^(max(e, k-6) - 3), the grid's spacing at x, and x + C stays in C's
+# binade for either sign of x; C / ulp(C) = 192 is even, so ties go to the even grid point as cvt.rn does): x + C -
+# C, then x's sign (a zero result is +0; a tiny negative x must give -0, as its e4m3 byte 0x80 dequantizes). On
+# packed bf16x2 words both halves at once: ``C0 = max.u16x2(x & 0x7F807F80, 2^(k-6))``, ``fma.rn.bf16x2(C0, 24, x)``,
+# ``fma.rn.bf16x2(C0, -24, t)``, the sign: 5 instructions a word and form (7 in floor mode: the ``min.u16x2`` with
+# 448 2^k on the magnitude) instead of about 17 (quantize, dequantize). A block whose amax is non-finite, at least
+# 2^124 (24 C0 would overflow) or in (0, 2^-108) (k < -116) is quantized and dequantized as before (no real data has
+# the last two; zero blocks take the rounding). tests/test_numerics.py checks the recipe against
+# numerics.fake_quantize_blocks on the CPU (every amax mantissa, every element pattern within 2^-19 of it).
+_GRID = """{
+.reg .b32 c, t, s, k, nk;
+mov.b32 k, 0x41C041C0;
+mov.b32 nk, 0xC1C0C1C0;
+and.b32 c, $1, 0x7F807F80;
+max.u16x2 c, c, $2;
+fma.rn.bf16x2 t, c, k, $1;
+fma.rn.bf16x2 t, c, nk, t;
+%s
+and.b32 s, $1, 0x80008000;
+or.b32 $0, t, s;
+}"""
+GRID_AMAX_LOW, GRID_AMAX_HIGH = 19 << 7, 251 << 7  # bf16 bits of 2^-108 and 2^124: the rounded blocks' amax range
+
+
+def grid_bf16x2(w, t2, sat=None) -> Int32:
+    """The packed word ``w`` rounded to the e4m3 grid of :data:`_GRID` (``t2``: the blocks' 2^(k-6) per half, as bf16
+    bits; ``sat``: floor mode's 448 2^k per half). On the signed value: for a negative x, ``C - |x|`` stays in C's
+    binade and rounds as ``|x|`` does (C on the grid, C / ulp even), so ``t - C`` is ``-round(|x|)``, and the sign put
+    back makes a zero -0. The exponent bits of ``w`` are taken in each form (kept for both forms, 32 more registers
+    would be live)."""
+    if sat is None:
+        return cu._asm(1, [w, t2], _GRID % "", "=r,r,r")
+    return cu._asm(1, [w, t2, sat], _GRID % "and.b32 t, t, 0x7FFF7FFF;\nmin.u16x2 t, t, $3;", "=r,r,r,r")
+
+
+def max_u16x2(a, b) -> Int32:
+    return cu._asm(1, [a, b], "max.u16x2 $0, $1, $2;", "=r,r,r")
+
+
+def prmt(a, b, sel: int) -> Int32:
+    return cu._asm(1, [a, b], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
+
+
+def grid_params(amax2, rceil: bool):
+    """Per half of ``amax2`` (two blocks' amax, bf16 bits): ``(2^(k-6), 448 2^k)`` of the block's scale 2^k, packed
+    as bf16 bits (the second ``None`` in RCEIL mode). RCEIL: k = E - 8, or E - 7 where amax's mantissa exceeds 1.75
+    (the exponent field of ``amax + 0x1F``: ``fp32(amax / 448)`` is a power of two exactly at 1.75); floor: k = E - 8.
+    Clamped at 2^-127 so that no borrow crosses the halves (a block below 2^-108 is not rounded)."""
+    bump = 0x001F001F if rceil else 0
+    kb = cu._asm(1, [amax2], f"add.u32 $0, $1, {bump:#x};\nand.b32 $0, $0, 0x7F807F80;", "=r,r")
+    t0 = max_u16x2(kb, Int32(0x07000700)) - Int32(0x07000700)
+    return t0, (None if rceil else kb | 0x00600060)
+
+
+def grid_track(hi, lo, amax2):
+    """Running ``(hi, lo)`` of the packed amax words seen so far (``None``, ``None`` at first): ``max.u16x2`` of them,
+    and ``min.s16x2`` of ``amax2 + 0x7FFF7FFF`` (per half 0x7FFF for a zero, 0x7FFF + a for a nonzero a: negative as
+    s16, ordered as a), so the smallest nonzero amax; :func:`grid_any_exception` reads them."""
+    key = cu._asm(1, [amax2], "add.u32 $0, $1, 0x7FFF7FFF;", "=r,r")
+    if hi is None:
+        return amax2, key
+    return max_u16x2(hi, amax2), cu._asm(1, [lo, key], "min.s16x2 $0, $1, $2;", "=r,r,r")
+
+
+def grid_any_exception(hi, lo):
+    """Whether any block seen by :func:`grid_track` is one :func:`grid_exception` flags: the largest amax at least
+    2^124 (or non-finite), or the smallest nonzero one below 2^-108."""
+    top = cutlass.max(hi << 16, hi & Int32(-65536))  # the largest half, in the top half (bit 31 clear)
+    low = cutlass.min(lo << 16, lo & Int32(-65536))  # the smallest key, signed
+    return (top >= Int32(GRID_AMAX_HIGH << 16)) | (low < Int32((0x7FFF + GRID_AMAX_LOW - 0x10000) << 16))
+
+
+def grid_exception(amax16):
+    """Whether a block (amax ``amax16``, bf16 bits) is quantized and dequantized instead of rounded (:data:`_GRID`)."""
+    return (amax16 >= GRID_AMAX_HIGH) | ((amax16 != 0) & (amax16 < GRID_AMAX_LOW))
+
+
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -268,11 +369,14 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # 2026-11-29: dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8, NOTES.md)
         self.scale_tile = not variant.fake and variant.op == "dual"
         self.staged, self.fast_div = variant.staged, variant.fast_div  # on for swiglu / dswiglu (config)
+        # the math's fast path: _PTX's key (SIGNED: the division with the signed residual, config signed_residual)
+        self.fast_kind = SIGNED if variant.signed_residual else variant.fast_div
         # both forms' amax on the packed words (max.u16x2): on for the SwiGLU ops (H200, 2026-11-29: swiglu and
         # dswiglu +1.3-2.5%; dual at two CTAs per SM -4..-11%; NOTES.md)
         self.packed_amax = variant.packed_amax
         self.lean = variant.lean  # the lean quantization and range check (config)
         self.fused = variant.fused_grads  # dswiglu: one CTA for both outputs (config)
+        self.round = variant.round_bf16  # bf16 outputs rounded on the packed words (config)
         self.n_ctas = 1 if self.fused else self.n_out  # CTAs per tile
         self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
 
@@ -401,65 +505,81 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if cutlass.const_expr(self.scale_tile):
             ctile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
             mtile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
-        # lean: the bytes of a NaN block's e4m3 words are replaced by the dequantization (bf16 outputs): no select
-        quant = dict(short=self.lean, nan_words=not (self.lean and self.fake))
-        # colwise: per column, 8 tokens of one 32-token block; the magnitudes' max of a column pair on the packed
-        # words (one max.u16x2 per token for two columns)
-        col_max = None
-        if cutlass.const_expr(self.packed_amax):
-            col_max = [cu.absmax_bf16x2([words[i][k] for i in range(TOKENS_PER_THREAD)])
-                       for k in range(COLS_PER_THREAD // 2)]
-        # lean with the 2-CTA register budget: the colwise store address advanced by one add per column (a 64-bit
-        # pointer live across the columns: under dual's 3-CTA cap ptxas spills it on sm_100a, so there it is not;
-        # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02)
-        running = self.lean and self.v.ctas_per_sm == 2 and not (self.fused and not self.fake and not self.rceil)
-        col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
-            amax = None  # column c's half of its pair's packed max, widened (or quantize_block8's own)
+        if cutlass.const_expr(self.round):  # bf16 outputs: each element rounded on the packed words (config)
+            self.round_forms(o_cta, words, row_out, col_out, where, tile)
+        else:
+            # lean: the bytes of a NaN block's e4m3 words are replaced by the dequantization (bf16 outputs): no select
+            quant = dict(short=self.lean, nan_words=not (self.lean and self.fake))
+            # colwise: per column, 8 tokens of one 32-token block; the magnitudes' max of a column pair on the packed
+            # words (one max.u16x2 per token for two columns)
+            col_max = None
             if cutlass.const_expr(self.packed_amax):
-                amax = self.col_value([col_max[c // 2]], c % 2)
-            q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, amax=amax, **quant)
-            if write:
-                if cutlass.const_expr(running):  # the next column's row of the colwise output: one add
-                    self.store_tokens(col_ptr, q0, q1, s, is_nan)
-                else:
-                    self.store_tokens(col_out + (out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)),
-                                      q0, q1, s, is_nan)
-            if cutlass.const_expr(running):
-                col_ptr = col_ptr + Int64(row_stride)
-            if cutlass.const_expr(not self.fake):
-                if tail == 0:
-                    if quad == c // 2:
-                        rr = tile_col + c
-                        byte = cu.tile_byte(rr, blk)
-                        if cutlass.const_expr(self.scale_tile):
-                            cu.st_global_u8(ctile + byte, s)
-                        else:
-                            cu.st_global_u8(col_sc + (scale_base + Int64(byte)), s)
-        # rowwise: per token, 8 columns of one 32-column block
-        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-            amax = None
-            if cutlass.const_expr(self.packed_amax):
-                row_max = cu.absmax_bf16x2(words[i])
-                amax = cutlass.max(row_max << 16, row_max & Int32(-65536))
-            q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES, amax=amax,
-                                                   **quant)
-            if col_ok & (t0 + i < n_real):
-                dst = self.row_element(o_cta, src0 + Int64(t0 + i), r, col0)
-                if cutlass.const_expr(self.fake):
-                    cu.st_global_words(row_out + dst, cu.dequantize8(q0, q1, s, is_nan, False))
-                else:
-                    cu.st_global_v2(row_out + dst, q0, q1)
-            if cutlass.const_expr(not self.fake):
-                if tail == 0:
-                    if (lane // 4) % 4 == i // 2:  # one lane of the block's four writes its scale
-                        rr = t0 + i
-                        byte = cu.tile_byte(rr, (warp % 2) * 2 + lane // 16)
-                        if cutlass.const_expr(self.scale_tile):
-                            cu.st_global_u8(mtile + byte, s)
-                        else:
-                            cu.st_global_u8(row_sc + (mg_base + Int64(byte)), s)
+                col_max = [cu.absmax_bf16x2([words[i][k] for i in range(TOKENS_PER_THREAD)])
+                           for k in range(COLS_PER_THREAD // 2)]
+            # lean with the 2-CTA register budget: the colwise store address advanced by one add per column (a 64-bit
+            # pointer live across the columns: under dual's 3-CTA cap ptxas spills it on sm_100a, so there it is not;
+            # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02)
+            running = self.lean and self.v.ctas_per_sm == 2 and not (self.fused and not self.fake and not self.rceil)
+            col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
+            flat = self.v.flat_scales  # fp8, SwiGLU ops: predicated scale stores at constant offsets (config)
+            col_sc0 = row_sc0 = None
+            if cutlass.const_expr(flat):
+                # the thread's first scale byte of each form; its 8 columns' (tokens') bytes follow 16 bytes apart
+                # (tile_byte: 16 (r % 32) + ..., and r % 32 + 7 < 32 for the 8 columns or tokens of a thread)
+                col_sc0 = col_sc + (scale_base + Int64(cu.tile_byte(tile_col, blk)))
+                row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
+            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+                col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
+                amax = None  # column c's half of its pair's packed max, widened (or quantize_block8's own)
+                if cutlass.const_expr(self.packed_amax):
+                    amax = self.col_value([col_max[c // 2]], c % 2)
+                q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, amax=amax, **quant)
+                if write:
+                    if cutlass.const_expr(running):  # the next column's row of the colwise output: one add
+                        self.store_tokens(col_ptr, q0, q1, s, is_nan)
+                    else:
+                        self.store_tokens(col_out + (out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)),
+                                          q0, q1, s, is_nan)
+                if cutlass.const_expr(running):
+                    col_ptr = col_ptr + Int64(row_stride)
+                if cutlass.const_expr(flat):
+                    if (tail == 0) & (quad == c // 2):
+                        cu.st_global_u8(col_sc0 + 16 * c, s)
+                elif cutlass.const_expr(not self.fake):
+                    if tail == 0:
+                        if quad == c // 2:
+                            rr = tile_col + c
+                            byte = cu.tile_byte(rr, blk)
+                            if cutlass.const_expr(self.scale_tile):
+                                cu.st_global_u8(ctile + byte, s)
+                            else:
+                                cu.st_global_u8(col_sc + (scale_base + Int64(byte)), s)
+            # rowwise: per token, 8 columns of one 32-column block
+            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+                amax = None
+                if cutlass.const_expr(self.packed_amax):
+                    row_max = cu.absmax_bf16x2(words[i])
+                    amax = cutlass.max(row_max << 16, row_max & Int32(-65536))
+                q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES, amax=amax,
+                                                       **quant)
+                if col_ok & (t0 + i < n_real):
+                    dst = self.row_element(o_cta, src0 + Int64(t0 + i), r, col0)
+                    if cutlass.const_expr(self.fake):
+                        cu.st_global_words(row_out + dst, cu.dequantize8(q0, q1, s, is_nan, False))
+                    else:
+                        cu.st_global_v2(row_out + dst, q0, q1)
+                if cutlass.const_expr(flat):
+                    if (tail == 0) & ((lane // 4) % 4 == i // 2):  # one lane of the block's four writes its scale
+                        cu.st_global_u8(row_sc0 + 16 * i, s)
+                elif cutlass.const_expr(not self.fake):
+                    if tail == 0:
+                        if (lane // 4) % 4 == i // 2:  # one lane of the block's four writes its scale
+                            rr = t0 + i
+                            byte = cu.tile_byte(rr, (warp % 2) * 2 + lane // 16)
+                            if cutlass.const_expr(self.scale_tile):
+                                cu.st_global_u8(mtile + byte, s)
+                            else:
+                                cu.st_global_u8(row_sc + (mg_base + Int64(byte)), s)
         if cutlass.const_expr(self.scale_tile):
             if tail == 0:
                 cute.arch.sync_threads()
@@ -470,6 +590,104 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if tail != 0:
             self.zero_tails(o_cta, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
                             ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp, info)
+
+    def grid_maxima(self, words, again: bool = False):
+        """Per token (rowwise) and per column pair over the tokens (colwise), the packed max of this thread's
+        magnitudes (``max.u16x2`` of ``w & 0x7FFF7FFF``). ``again`` (the exception path): the magnitudes by inline
+        PTX, so that the compiler cannot reuse the first pass' values there and keep them live across the stores."""
+        row_max, col_max = [], []
+        for i in range(TOKENS_PER_THREAD):
+            if again:
+                mags = [cu._asm(1, [w], "and.b32 $0, $1, 0x7FFF7FFF;", "=r,r") for w in words[i]]
+            else:
+                mags = [w & 0x7FFF7FFF for w in words[i]]
+            row_max.append(max_u16x2(max_u16x2(mags[0], mags[1]), max_u16x2(mags[2], mags[3])))
+            col_max = mags if i == 0 else [max_u16x2(a, b) for a, b in zip(col_max, mags)]
+        return row_max, col_max
+
+    def row_amax2(self, row_max, j: int):
+        """The amax of the rowwise blocks of tokens 2 j (low half) and 2 j + 1 (high half), joined over the 4 lanes
+        of each block (shuffles: every lane of the warp runs it)."""
+        a, b = row_max[2 * j], row_max[2 * j + 1]
+        return self.join(max_u16x2(prmt(a, b, 0x5410), prmt(a, b, 0x7632)), ROW_LANES)
+
+    def join(self, amax2, lanes):
+        for d in lanes:
+            amax2 = max_u16x2(amax2, cute.arch.shuffle_sync_bfly(amax2, offset=d))
+        return amax2
+
+    @cute.jit
+    def round_forms(self, o_cta, words, row_out, col_out, where, tile):
+        """``round_bf16``: both forms' bf16 values of output ``o_cta``'s tile (``words``), each element rounded to its
+        block's e4m3 grid on the packed words (:data:`_GRID`), the blocks' amax on the packed words too. Every block
+        is stored rounded; where a lane of the warp holds a block that :func:`grid_exception` flags (rare:
+        non-finite, huge or tiny amax), the warp finds the amaxes again (:meth:`round_exceptions`)."""
+        tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride = where
+        src0, n_real, r, col0, col_ok, t0 = tile
+        row_max, col_max = self.grid_maxima(words)
+        hi = lo = None
+        # the rowwise rows by one add each from the first (with fused_grads, per-token addresses hoisted out of the
+        # loop over the two outputs spilled in the stacked variant)
+        row_ptr = row_out + self.row_element(o_cta, src0 + Int64(t0), r, col0)
+        pitch = Int64(r) * Int64(2 if self.stacked else 1)
+        n_left = n_real - t0  # the thread's real tokens
+        for j in cutlass.range_constexpr(TOKENS_PER_THREAD // 2):  # rowwise: tokens 2 j and 2 j + 1
+            amax2 = self.row_amax2(row_max, j)
+            hi, lo = grid_track(hi, lo, amax2)
+            t2, sat2 = grid_params(amax2, self.rceil)
+            for h in cutlass.range_constexpr(2):
+                i = 2 * j + h
+                sel = 0x1010 if h == 0 else 0x3232  # the half, in both halves
+                tt = prmt(t2, t2, sel)
+                st = None if sat2 is None else prmt(sat2, sat2, sel)
+                ys = [grid_bf16x2(words[i][k], tt, st) for k in range(4)]
+                if col_ok & (n_left > i):
+                    cu.st_global_words(row_ptr, ys)
+                row_ptr = row_ptr + pitch
+        col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
+        for p in cutlass.range_constexpr(COLS_PER_THREAD // 2):  # colwise: columns 2 p and 2 p + 1
+            amax2 = self.join(col_max[p], (1, 2))
+            hi, lo = grid_track(hi, lo, amax2)
+            t2, sat2 = grid_params(amax2, self.rceil)
+            ys = [grid_bf16x2(words[i][p], t2, sat2) for i in range(TOKENS_PER_THREAD)]
+            for h in cutlass.range_constexpr(2):
+                sel = 0x5410 if h == 0 else 0x7632
+                if write:
+                    cu.st_global_v4(col_ptr + Int64(h) * Int64(row_stride),
+                                    *[prmt(ys[2 * m], ys[2 * m + 1], sel) for m in range(TOKENS_PER_THREAD // 2)])
+            col_ptr = col_ptr + Int64(2) * Int64(row_stride)
+        if cute.arch.vote_any_sync(grid_any_exception(hi, lo)):
+            self.round_exceptions(o_cta, words, row_out, col_out, where, tile)
+
+    @cute.jit
+    def round_exceptions(self, o_cta, words, row_out, col_out, where, tile):
+        """The blocks of this thread that :func:`grid_exception` flags, quantized and dequantized from their amax
+        (found again: the whole warp runs this) and stored over the rounded values."""
+        tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride = where
+        src0, n_real, r, col0, col_ok, t0 = tile
+        row_max, col_max = self.grid_maxima(words, again=True)
+        row_amax = [self.row_amax2(row_max, j) for j in range(TOKENS_PER_THREAD // 2)]
+        col_amax = [self.join(c, (1, 2)) for c in col_max]
+        quant = dict(short=self.lean, nan_words=False)  # dequantize8 replaces a NaN block's words
+        # addresses by one add per row or column, as in round_forms (no per-token address hoisted out of a loop)
+        row_ptr = row_out + self.row_element(o_cta, src0 + Int64(t0), r, col0)
+        pitch = Int64(r) * Int64(2 if self.stacked else 1)
+        n_left = n_real - t0  # the thread's real tokens
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            amax16 = (row_amax[i // 2] >> (16 * (i % 2))) & Int32(0xFFFF)
+            if grid_exception(amax16) & col_ok & (n_left > i):
+                q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, (), amax=amax16 << 16,
+                                                       **quant)
+                cu.st_global_words(row_ptr, cu.dequantize8(q0, q1, s, is_nan, False))
+            row_ptr = row_ptr + pitch
+        col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            amax16 = (col_amax[c // 2] >> (16 * (c % 2))) & Int32(0xFFFF)
+            if grid_exception(amax16) & write:
+                col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
+                q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, (), amax=amax16 << 16, **quant)
+                self.store_tokens(col_ptr, q0, q1, s, is_nan)
+            col_ptr = col_ptr + Int64(row_stride)
 
     def pick(self, o, t0, t1):
         """The data pointer of output ``o``'s buffer: ``t0``'s or ``t1``'s (``o`` a run-time value; ``t1``
@@ -546,7 +764,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 cute.arch.cp_async_commit_group()
         else:
             loaded = [self.load_words(x, *tile) for x in xs]
-        out, ok = self.math(o, loaded, stage, tid, self.fast_div, True)
+        out, ok = self.math(o, loaded, stage, tid, self.fast_kind, True)
         if cutlass.const_expr(self.fast_div):
             if ok == 0:  # an a below -80, Inf or NaN in the tile: div.rn / rcp.rn (inputs read again)
                 if cutlass.const_expr(not self.staged):
@@ -622,7 +840,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             v = [self.staged_row(stage, j, i, tid) for j in range(3)]
             for k in cutlass.range_constexpr(4):
                 lo = v[1][k] if lo is None else bf16x2_min(lo, v[1][k])  # the lean check (fused implies lean)
-            self.store_both(v, stage, i, tid, True)
+            self.store_both(v, stage, i, tid, self.fast_kind)
         if in_fast_range_lo(lo) == 0:  # an a below -80 in the tile: div.rn / rcp.rn
             for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
                 self.store_both([self.load_row(x, i, *tile) for x in xs], stage, i, tid, False)
@@ -743,11 +961,11 @@ class SwiGLUMathKernel:
     CUDA silu for every bf16 value (tests/test_kernel_block_gpu.py). ``path``: ``"plain"`` (div.rn / rcp.rn),
     ``"fast"`` (the ``fast_div`` variants' math: the fast path where both ``a`` of a word are in
     :func:`in_fast_range`, else plain), ``"lean"`` (the ``lean`` variants': the fast path where both ``a`` are at
-    least -80, :func:`in_fast_range_lo`) or ``"fast_only"`` (the fast path everywhere, to show where it would be
-    wrong)."""
+    least -80, :func:`in_fast_range_lo`), ``"lean_signed"`` (the same with the ``signed_residual`` division) or
+    ``"fast_only"`` (the fast path everywhere, to show where it would be wrong)."""
 
     THREADS = 256
-    PATHS = ("plain", "fast", "lean", "fast_only")
+    PATHS = ("plain", "fast", "lean", "fast_only", "lean_signed")
     OPS = ("swiglu", "grad_a", "grad_b", "grad_a_fused", "grad_b_fused")
 
     def __init__(self, op: str, path: str = "plain"):
@@ -780,8 +998,9 @@ class SwiGLUMathKernel:
                 out[i] = self.element(gw, aw, bw, False)
             elif cutlass.const_expr(self.path == "fast_only"):
                 out[i] = self.element(gw, aw, bw, True)
-            elif cutlass.const_expr(self.path == "lean"):
-                out[i] = cutlass.select_(in_fast_range_lo(aw) != 0, self.element(gw, aw, bw, True),
+            elif cutlass.const_expr(self.path in ("lean", "lean_signed")):
+                fast = SIGNED if self.path == "lean_signed" else True
+                out[i] = cutlass.select_(in_fast_range_lo(aw) != 0, self.element(gw, aw, bw, fast),
                                          self.element(gw, aw, bw, False))
             else:
                 out[i] = cutlass.select_(in_fast_range(aw, aw) != 0, self.element(gw, aw, bw, True),
