@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from benchmarks.timing import require_cuda  # noqa: E402
 from moe_quant import cli  # noqa: E402
+from scripts.ncu_kernels import profile  # noqa: E402  (one call outside its NVTX range, then one inside)
 
 
 def candidate_names() -> list[str]:
@@ -63,16 +64,6 @@ def main(argv=None) -> int:
             with ops_block.variant_in_place(config.Variant(op, "bfloat16", "rceil", out_dtype, **fields), dev):
                 profile(f"{op}_{cand}", lambda: call(ins))
     return 0
-
-
-def profile(name: str, call) -> None:
-    """One call outside the range (compile, load), then one inside it."""
-    call()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push(name)
-    call()
-    torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
