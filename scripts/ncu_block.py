@@ -1,8 +1,8 @@
 """One warm call of each SwiGLU block op (and of its A/B candidates) inside an NVTX range, for Nsight Compute.
 
-    ncu --nvtx --nvtx-include 'swiglu/' --nvtx-include 'swiglu_round/' \\
+    ncu --nvtx --nvtx-include 'swiglu/' --nvtx-include 'swiglu_pre-round/' \\
         --metrics smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum \\
-        python scripts/ncu_block.py [--shape 98304x1408x64] [--out fake] [--candidates round,round-sres]
+        python scripts/ncu_block.py [--shape 98304x1408x64] [--out fake] [--candidates pre-round,round]
 
 Ranges: ``copy`` (a bf16 memcpy of ``(M, R)``), ``dual``, ``swiglu``, ``dswiglu`` (the defaults, rceil, the
 ``benchmarks.bench_block_kernels`` calls: G ragged groups) and per ``--candidates`` name (``block.config.candidates``)

@@ -6,8 +6,9 @@ each also checked byte for byte against the reference.
 
 Ragged groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000, R % 128 != 0, rows past the
 last group. Without ``--candidate`` every op runs its default variants (since 2026-12-02: swiglu and dswiglu lean,
-dswiglu's two outputs in one CTA). ``--candidate NAME`` (of ``block.config.candidates``, e.g. ``pre-lean``, the
-SwiGLU ops' former default): every block variant that has that A/B candidate launches it instead
+dswiglu's two outputs in one CTA; since 2026-12-03 their signed residual, bf16 outputs rounded on the packed words,
+fp8 outputs' flat scale stores). ``--candidate NAME`` (of ``block.config.candidates``, e.g. ``pre-round``, the
+SwiGLU ops' former default with bf16 outputs): every block variant that has that A/B candidate launches it instead
 (``ops.candidate_in_place``).
 """
 

@@ -24,27 +24,42 @@ def test_default_keys_unchanged():
     assert config_permute.Variant("blocked", order="gather", staging="registers").key == \
         "blocked-float8_e4m3fn-t256i4b1024"
     # block: the SwiGLU ops staged with the fast division since 2026-11-29, lean since 2026-12-02, and dswiglu's two
-    # outputs in one CTA since 2026-12-02 (the A/Bs on the H200); dual unchanged
+    # outputs in one CTA since 2026-12-02; since 2026-12-03 the signed residual, bf16 outputs rounded on the packed
+    # words and fp8 outputs' scale bytes by flat stores (the A/Bs on the H200); dual unchanged
     assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16").key == \
-        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean"
+        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean-round-sres"
+    assert config_block.Variant("swiglu", "bfloat16", "rceil").key == \
+        "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-sres-flat"
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16").key == \
-        "dswiglu-bfloat16-rceil-bfloat16-staged-fastdiv-fused-lean"
+        "dswiglu-bfloat16-rceil-bfloat16-staged-fastdiv-fused-lean-round-sres"
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil").key == \
+        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres-flat"
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True).key == \
-        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean"
-    # the former defaults, candidates now, keep their keys (the code they compile to): pre-lean is the default of
-    # 2026-11-29, registers the one before it
+        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres"
+    # the former defaults, candidates now, keep their keys (the code they compile to): pre-round / pre-flat is the
+    # default of 2026-12-02, pre-lean the one of 2026-11-29, registers the one before it
     for op in config_block.SWIGLU_OPS:
-        for name, key in (("pre-lean", f"{op}-bfloat16-rceil-float8_e4m3fn-staged-fastdiv"),
-                          ("staged-plain-div", f"{op}-bfloat16-rceil-float8_e4m3fn-staged"),
-                          ("registers", f"{op}-bfloat16-rceil-float8_e4m3fn")):
-            kw = config_block.candidates(op, "float8_e4m3fn")[name]
-            assert config_block.Variant(op, "bfloat16", "rceil", **kw).key == key
-            assert config_block.Variant(op, "bfloat16", "rceil").replace(**kw).key == key  # as the A/B swaps it
+        for out, name, key in (
+                ("bfloat16", "pre-round", f"{op}-bfloat16-rceil-bfloat16-staged-fastdiv"
+                 + ("-fused" if op == "dswiglu" else "") + "-lean"),
+                ("float8_e4m3fn", "pre-flat", f"{op}-bfloat16-rceil-float8_e4m3fn-staged-fastdiv"
+                 + ("-fused" if op == "dswiglu" else "") + "-lean"),
+                ("float8_e4m3fn", "pre-lean", f"{op}-bfloat16-rceil-float8_e4m3fn-staged-fastdiv"),
+                ("bfloat16", "pre-lean", f"{op}-bfloat16-rceil-bfloat16-staged-fastdiv"),
+                ("float8_e4m3fn", "staged-plain-div", f"{op}-bfloat16-rceil-float8_e4m3fn-staged"),
+                ("float8_e4m3fn", "registers", f"{op}-bfloat16-rceil-float8_e4m3fn")):
+            kw = config_block.candidates(op, out)[name]
+            assert config_block.Variant(op, "bfloat16", "rceil", out, **kw).key == key
+            assert config_block.Variant(op, "bfloat16", "rceil", out).replace(**kw).key == key  # as the A/B swaps it
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True).replace(
         **config_block.DSWIGLU_CANDIDATES["pre-lean"]).key == "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv"
+    # the fields of 2026-12-03 off where their preconditions are: dual, the plain division, the other output kind
+    plain = config_block.Variant("dual", "bfloat16", "rceil", "bfloat16")
+    assert not (plain.round_bf16 or plain.signed_residual or plain.flat_scales)
+    assert not config_block.Variant("swiglu", "bfloat16", "rceil", fast_div=False).signed_residual
     # an explicit field is honoured: lean without the fused outputs, and fused_grads off where fast_div is
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", fused_grads=False).key == \
-        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean"
+        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-sres-flat"
     assert not config_block.Variant("dswiglu", "bfloat16", "rceil", fast_div=False).fused_grads
     assert not config_block.Variant("dswiglu", "bfloat16", "rceil", lean=False).fused_grads
     assert config_block.Variant("dual", "bfloat16", "rceil").key == "dual-bfloat16-rceil-float8_e4m3fn"
@@ -55,22 +70,25 @@ def test_default_keys_unchanged():
     # the lean quantization and dswiglu's one CTA for both outputs (candidates since 2026-12-02)
     assert config_block.Variant("dual", "bfloat16", "rceil", lean=True, ctas_per_sm=3).key == \
         "dual-bfloat16-rceil-float8_e4m3fn-c3-lean"
-    fused = config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, lean=True, fused_grads=True)
+    fused = config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, lean=True, fused_grads=True,
+                                 **config_block.PRE_1203)
     assert fused.key == "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean"
     with pytest.raises(ValueError, match="ctas_per_sm"):
         config_block.Variant("dual", "bfloat16", "rceil", ctas_per_sm=5)
-    # the bf16 outputs rounded on the packed words (candidate since 2026-12-03): bf16 outputs only
-    assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16", round_bf16=True).key == \
+    # the bf16 outputs rounded on the packed words (a default since 2026-12-03, dual's candidate): bf16 outputs only
+    assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16", signed_residual=False).key == \
         "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean-round"
+    assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16", round_bf16=True).key == \
+        "dual-bfloat16-rceil-bfloat16-round"
     with pytest.raises(ValueError, match="round_bf16.*out_dtype must be 'bfloat16'"):
         config_block.Variant("dual", "bfloat16", "rceil", round_bf16=True)
-    # the fast division with the signed residual (candidate since 2026-12-03)
-    assert config_block.Variant("dswiglu", "bfloat16", "rceil", signed_residual=True).key == \
+    # the fast division with the signed residual (a default since 2026-12-03)
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", flat_scales=False).key == \
         "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres"
     with pytest.raises(ValueError, match="signed_residual.*needs fast_div"):
         config_block.Variant("swiglu", "bfloat16", "rceil", fast_div=False, signed_residual=True)
-    # the fp8 outputs' scale bytes by predicated stores (candidate since 2026-12-03)
-    assert config_block.Variant("swiglu", "bfloat16", "rceil", flat_scales=True).key == \
+    # the fp8 outputs' scale bytes by predicated stores (a default since 2026-12-03)
+    assert config_block.Variant("swiglu", "bfloat16", "rceil", signed_residual=False).key == \
         "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-flat"
     for bad in (dict(op="dual"), dict(op="swiglu", out_dtype="bfloat16")):
         with pytest.raises(ValueError, match="flat_scales.*'float8_e4m3fn'"):
@@ -101,7 +119,7 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(stacked)
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
             names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]  # and round (bf16 outputs only)
-            want = {"round", "round-sres", "flat", "flat-sres"} if op != "dual" else {"packed-c3", "round"}
+            want = {"pre-round", "round", "pre-flat", "flat"} if op != "dual" else {"packed-c3", "round"}
             assert names[0] ^ names[1] == want, names  # and flat (fp8 outputs only)
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
@@ -215,7 +233,7 @@ def test_block_variant_in_place_reaches_every_op(launches):
     variants = [v for v in config_block.all_variants() if v.op in config_block.SWIGLU_OPS]  # dual has no candidates
     assert {v.op for v in variants} == set(config_block.SWIGLU_OPS) and any(v.stacked for v in variants)
     for v in variants:
-        cand = v.replace(staged=False, fast_div=False, lean=False, fused_grads=False)
+        cand = v.replace(staged=False, fast_div=False, lean=False, fused_grads=False, **config_block.PRE_1203)
         assert cand != v
         with ops_block.variant_in_place(cand, cpu):
             ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)

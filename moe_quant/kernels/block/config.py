@@ -59,22 +59,22 @@ class Variant:
     # after the other by one copy of the quantization code. None: on for dswiglu where staged, fast_div and lean
     # hold (the default since 2026-12-02, the A/B below), else off
     fused_grads: bool | None = None
-    # bf16 outputs only (candidate since 2026-12-03, off by default until the A/B): the dequantized bf16 value of an
-    # element of a block whose scale keeps it in e4m3's normal range is the element rounded to 4 significant bits
-    # (RNE), whatever the scale: 4 integer instructions per packed bf16x2 word, shared by both forms, instead of the
-    # quantize-dequantize sequence per element and form. A block holding a nonzero element below 2^(E-13) (E: the
-    # block amax's exponent) or 2^-108, a non-finite element, or (floor) an amax that saturates is computed exactly
-    # as before (kernels/block/NOTES.md, 2026-12-03)
-    round_bf16: bool = False
-    # swiglu / dswiglu with fast_div (candidate since 2026-12-03, off until the A/B): the fast division's residual taken
-    # as d q0 - x and subtracted (the same quotient; x = -0 gives -0 by itself): no sign fix, one instruction per
-    # element fewer (kernel.py _signed_residual)
-    signed_residual: bool = False
-    # swiglu / dswiglu with fp8 outputs (candidate since 2026-12-03, off until the A/B): each scale byte by one store
-    # predicated on the lane that owns it, at a constant offset from the form's first byte of the thread (the scale
-    # bytes of a thread's 8 columns, and of its 8 tokens, lie 16 bytes apart in the blocked tile), instead of a branch
-    # per block around its address arithmetic (kernels/block/NOTES.md, 2026-12-03)
-    flat_scales: bool = False
+    # bf16 outputs, swiglu / dswiglu (the default since 2026-12-03, the A/B below; a candidate of dual): the dequantized
+    # bf16 value of an element of a block whose scale keeps it in e4m3's normal range is the element rounded to 4
+    # significant bits (RNE), whatever the scale: 4 integer instructions per packed bf16x2 word, shared by both forms,
+    # instead of the quantize-dequantize sequence per element and form. A block holding a nonzero element below
+    # 2^(E-13) (E: the block amax's exponent) or 2^-108, a non-finite element, or (floor) an amax that saturates is
+    # computed exactly as before (kernels/block/NOTES.md, 2026-12-03). None: on for the SwiGLU ops' bf16 outputs
+    round_bf16: bool | None = None
+    # swiglu / dswiglu with fast_div (the default since 2026-12-03): the fast division's residual taken as d q0 - x and
+    # subtracted (the same quotient; x = -0 gives -0 by itself): no sign fix, one instruction per element fewer
+    # (kernel.py _signed_residual). None: on where fast_div is
+    signed_residual: bool | None = None
+    # swiglu / dswiglu with fp8 outputs (the default since 2026-12-03): each scale byte by one store predicated on the
+    # lane that owns it, at a constant offset from the form's first byte of the thread (the scale bytes of a thread's
+    # 8 columns, and of its 8 tokens, lie 16 bytes apart in the blocked tile), instead of a branch per block around its
+    # address arithmetic (kernels/block/NOTES.md, 2026-12-03). None: on for the SwiGLU ops' fp8 outputs
+    flat_scales: bool | None = None
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -93,6 +93,11 @@ class Variant:
         for name in ("staged", "fast_div", "packed_amax", "lean"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.op in SWIGLU_OPS)
+        swiglu = self.op in SWIGLU_OPS
+        for name, default in (("round_bf16", swiglu and self.fake), ("signed_residual", self.fast_div),
+                              ("flat_scales", swiglu and not self.fake)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
         if self.fused_grads is None:
             fused = self.op == "dswiglu" and self.staged and self.fast_div and self.lean
             object.__setattr__(self, "fused_grads", fused)
@@ -147,25 +152,34 @@ def all_variants() -> list[Variant]:
 # 3`, bf16 outputs, % of memcpy, median of 3 interleaved rounds, every candidate byte-exact), swiglu at 98304x1408 /
 # 98304x2048 / 16384x2048 / 16384x7168: 62.1 / 62.6 / 65.6 / 64.7 (pre-lean, the default before) -> 64.0 / 64.4 /
 # 67.9 / 66.5 (lean). "pre-lean" keeps the former default measurable.
-CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False},
-              "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False},
-              "pre-lean": {"lean": False, "fused_grads": False},
-              "sres": {"signed_residual": True}}  # 2026-12-03, not yet measured: the field's comment above
+# The fields the defaults of 2026-12-03 turned on, turned off: each former default's candidate names them, so that it
+# compiles to the code it was measured as.
+PRE_1203 = {"round_bf16": False, "signed_residual": False, "flat_scales": False}
+CANDIDATES = {"default": {},
+              "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
+              "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
+              "pre-lean": {"lean": False, "fused_grads": False, **PRE_1203}}
 
 # dswiglu's own. fused_grads with lean (the default since 2026-12-02: one CTA for both outputs), the same H200 run
 # and shapes: 52.4 / 52.3 / 58.9 / 54.7 (pre-lean) -> 54.8 / 54.7 / 61.5 / 56.9 (lean-unfused: lean, two CTAs) ->
 # 66.4 / 66.5 / 73.4 / 68.8 (the default). The stacked variant (bf16 outputs of a concatenated gate-up weight) of each
 # candidate with the default's staged inputs and fast division is compile-checked and byte-tested too.
-DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False}}
+DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False, **PRE_1203}}
 
-# bf16 outputs only (2026-12-03, not yet measured): "round" = round_bf16 (the field's comment above; NOTES.md
-# "2026-12-03"), the dequantized values rounded on the packed words. Main path per element of the op's input (static
-# SASS, sm_90a, rceil; kernels/block/NOTES.md): swiglu 43.0 -> 33.1, dswiglu 71 -> 51, dual 28.3 -> 12.1 (dual then at
-# 126 registers: two CTAs per SM instead of three; under the 3-CTA cap it spills 96 bytes, so no such candidate).
+# The defaults since 2026-12-03 (the fields' comments above; NOTES.md "2026-12-03"): bf16 outputs round_bf16 with
+# signed_residual, fp8 outputs flat_scales with signed_residual. Main path per element of the op's input (static SASS,
+# sm_90a, rceil): swiglu bf16 43.0 -> 31.5, dswiglu bf16 71.5 -> ~50.2, swiglu fp8 39.2 -> 34.9. One H200 (torch 2.11,
+# 2026-12-03, `ab_kernels.py --family block-swiglu,block-dswiglu,block-swiglu-fp8 --rounds 3`, % of memcpy, median of
+# 3 interleaved rounds at 98304x1408 / 98304x2048 / 16384x2048 / 16384x7168, every candidate byte-exact, ranges
+# disjoint but dswiglu's last): swiglu bf16 63.8 / 64.1 / 68.4 / 66.9 (pre-round, the default before) -> 66.4 / 66.3 /
+# 72.6 / 68.6; dswiglu bf16 66.1 / 66.3 / 74.0 / 69.2 -> 67.4 / 67.3 / 76.1 / 69.4; swiglu fp8 52.3 / 52.3 / 55.2 /
+# 54.3 (pre-flat) -> 54.9 / 54.9 / 58.2 / 56.7. "round", "flat" and "sres" are each field alone.
+SWIGLU_BF16_CANDIDATES = {"pre-round": PRE_1203, "round": {"signed_residual": False}, "sres": {"round_bf16": False}}
+SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False}}
+# dual, bf16 outputs (2026-12-03, not yet measured): the dequantized values rounded on the packed words. Main path per
+# element 28.3 -> 12.1 instructions, but at 126 registers: two CTAs per SM instead of three (under the 3-CTA cap it
+# spills 96 bytes, so no such candidate).
 ROUND_CANDIDATES = {"round": {"round_bf16": True}}
-SWIGLU_ROUND_CANDIDATES = {**ROUND_CANDIDATES, "round-sres": {"round_bf16": True, "signed_residual": True}}
-# fp8 outputs only (2026-12-03, not yet measured): the scale bytes by predicated stores at constant offsets
-SWIGLU_FP8_CANDIDATES = {"flat": {"flat_scales": True}, "flat-sres": {"flat_scales": True, "signed_residual": True}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
@@ -184,13 +198,13 @@ def candidates(op: str, out_dtype: str) -> dict:
     if op == "dual":
         return DUAL_CANDIDATES if out_dtype == "bfloat16" else DUAL_FP8_CANDIDATES
     own = DSWIGLU_CANDIDATES if op == "dswiglu" else CANDIDATES
-    return {**own, **(SWIGLU_ROUND_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES)}
+    return {**own, **(SWIGLU_BF16_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES)}
 
 
 def candidate_variants() -> list[Variant]:
     """The candidates' variants other than the defaults (rceil): every op and output kind, and the stacked dswiglu
     variant of each candidate with the default's staged inputs and fast division (the former defaults' stacked code:
-    pre-lean, lean-unfused; and round)."""
+    pre-lean, lean-unfused, pre-round; and round, sres)."""
     out = [Variant(op, "bfloat16", "rceil", o, **kw) for op in OPS for o in OUT_DTYPES
            for kw in candidates(op, o).values() if kw]
     return out + [Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **kw)
