@@ -53,8 +53,8 @@ def test_default_keys_unchanged():
             assert config_block.Variant(op, "bfloat16", "rceil", out).replace(**kw).key == key  # as the A/B swaps it
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True).replace(
         **config_block.DSWIGLU_CANDIDATES["pre-lean"]).key == "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv"
-    # the fields of 2026-12-03 off where their preconditions are: dual, the plain division, the other output kind
-    plain = config_block.Variant("dual", "bfloat16", "rceil", "bfloat16")
+    # the fields of 2026-12-03 off where their preconditions are: dual has no division, fp8 outputs no rounding
+    plain = config_block.Variant("dual", "bfloat16", "rceil")
     assert not (plain.round_bf16 or plain.signed_residual or plain.flat_scales)
     assert not config_block.Variant("swiglu", "bfloat16", "rceil", fast_div=False).signed_residual
     # an explicit field is honoured: lean without the fused outputs, and fused_grads off where fast_div is
@@ -63,9 +63,13 @@ def test_default_keys_unchanged():
     assert not config_block.Variant("dswiglu", "bfloat16", "rceil", fast_div=False).fused_grads
     assert not config_block.Variant("dswiglu", "bfloat16", "rceil", lean=False).fused_grads
     assert config_block.Variant("dual", "bfloat16", "rceil").key == "dual-bfloat16-rceil-float8_e4m3fn"
-    # dual's candidate: the packed amax (the SwiGLU ops' default) under a 3-CTA register cap
-    assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16", packed_amax=True, ctas_per_sm=3).key == \
-        "dual-bfloat16-rceil-bfloat16-pamax-c3"
+    # dual's bf16 outputs rounded on the packed words since 2026-12-03 (the A/B on the H200)
+    assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16").key == "dual-bfloat16-rceil-bfloat16-round"
+    assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16", **config_block.DUAL_CANDIDATES[
+        "pre-round"]).key == "dual-bfloat16-rceil-bfloat16"
+    # dual's candidate: the packed amax (the SwiGLU ops' default) under a 3-CTA register cap, the former rounding
+    assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16", **config_block.DUAL_CANDIDATES[
+        "packed-c3"]).key == "dual-bfloat16-rceil-bfloat16-pamax-c3"
     assert "-nopamax" in config_block.Variant("swiglu", "bfloat16", "rceil", packed_amax=False).key
     # the lean quantization and dswiglu's one CTA for both outputs (candidates since 2026-12-02)
     assert config_block.Variant("dual", "bfloat16", "rceil", lean=True, ctas_per_sm=3).key == \
@@ -75,11 +79,9 @@ def test_default_keys_unchanged():
     assert fused.key == "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean"
     with pytest.raises(ValueError, match="ctas_per_sm"):
         config_block.Variant("dual", "bfloat16", "rceil", ctas_per_sm=5)
-    # the bf16 outputs rounded on the packed words (a default since 2026-12-03, dual's candidate): bf16 outputs only
+    # the bf16 outputs rounded on the packed words (a default since 2026-12-03): bf16 outputs only
     assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16", signed_residual=False).key == \
         "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean-round"
-    assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16", round_bf16=True).key == \
-        "dual-bfloat16-rceil-bfloat16-round"
     with pytest.raises(ValueError, match="round_bf16.*out_dtype must be 'bfloat16'"):
         config_block.Variant("dual", "bfloat16", "rceil", round_bf16=True)
     # the fast division with the signed residual (a default since 2026-12-03)
@@ -119,7 +121,7 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(stacked)
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
             names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]  # and round (bf16 outputs only)
-            want = {"pre-round", "round", "pre-flat", "flat"} if op != "dual" else {"packed-c3", "round"}
+            want = {"pre-round", "round", "pre-flat", "flat"} if op != "dual" else {"packed-c3", "pre-round"}
             assert names[0] ^ names[1] == want, names  # and flat (fp8 outputs only)
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again

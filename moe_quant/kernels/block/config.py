@@ -59,12 +59,12 @@ class Variant:
     # after the other by one copy of the quantization code. None: on for dswiglu where staged, fast_div and lean
     # hold (the default since 2026-12-02, the A/B below), else off
     fused_grads: bool | None = None
-    # bf16 outputs, swiglu / dswiglu (the default since 2026-12-03, the A/B below; a candidate of dual): the dequantized
+    # bf16 outputs (the default since 2026-12-03, the A/Bs below): the dequantized
     # bf16 value of an element of a block whose scale keeps it in e4m3's normal range is the element rounded to 4
     # significant bits (RNE), whatever the scale: 4 integer instructions per packed bf16x2 word, shared by both forms,
     # instead of the quantize-dequantize sequence per element and form. A block holding a nonzero element below
     # 2^(E-13) (E: the block amax's exponent) or 2^-108, a non-finite element, or (floor) an amax that saturates is
-    # computed exactly as before (kernels/block/NOTES.md, 2026-12-03). None: on for the SwiGLU ops' bf16 outputs
+    # computed exactly as before (kernels/block/NOTES.md, 2026-12-03). None: on for bf16 outputs
     round_bf16: bool | None = None
     # swiglu / dswiglu with fast_div (the default since 2026-12-03): the fast division's residual taken as d q0 - x and
     # subtracted (the same quotient; x = -0 gives -0 by itself): no sign fix, one instruction per element fewer
@@ -94,7 +94,7 @@ class Variant:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.op in SWIGLU_OPS)
         swiglu = self.op in SWIGLU_OPS
-        for name, default in (("round_bf16", swiglu and self.fake), ("signed_residual", self.fast_div),
+        for name, default in (("round_bf16", self.fake), ("signed_residual", self.fast_div),
                               ("flat_scales", swiglu and not self.fake)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
@@ -169,17 +169,15 @@ DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False, **PRE
 # The defaults since 2026-12-03 (the fields' comments above; NOTES.md "2026-12-03"): bf16 outputs round_bf16 with
 # signed_residual, fp8 outputs flat_scales with signed_residual. Main path per element of the op's input (static SASS,
 # sm_90a, rceil): swiglu bf16 43.0 -> 31.5, dswiglu bf16 71.5 -> ~50.2, swiglu fp8 39.2 -> 34.9. One H200 (torch 2.11,
-# 2026-12-03, `ab_kernels.py --family block-swiglu,block-dswiglu,block-swiglu-fp8 --rounds 3`, % of memcpy, median of
-# 3 interleaved rounds at 98304x1408 / 98304x2048 / 16384x2048 / 16384x7168, every candidate byte-exact, ranges
-# disjoint but dswiglu's last): swiglu bf16 63.8 / 64.1 / 68.4 / 66.9 (pre-round, the default before) -> 66.4 / 66.3 /
-# 72.6 / 68.6; dswiglu bf16 66.1 / 66.3 / 74.0 / 69.2 -> 67.4 / 67.3 / 76.1 / 69.4; swiglu fp8 52.3 / 52.3 / 55.2 /
-# 54.3 (pre-flat) -> 54.9 / 54.9 / 58.2 / 56.7. "round", "flat" and "sres" are each field alone.
+# 2026-12-03, `ab_kernels.py --family block-swiglu,block-dswiglu --candidates default,pre-round,round,sres --rounds 3`,
+# then the -fp8 families with default,pre-flat,flat,sres; % of memcpy, median of 3 interleaved rounds at 98304x1408 /
+# 98304x2048 / 16384x2048 / 16384x7168, every candidate byte-exact): swiglu bf16 64.1 / 64.4 / 69.7 / 67.1
+# (pre-round, the default before) -> 66.8 / 66.9 / 73.5 / 68.8, dswiglu bf16 66.8 / 66.6 / 72.8 / 68.9 -> 68.5 /
+# 68.1 / 74.4 / 69.1 (round alone the same, sres alone the same as pre-round); swiglu fp8 52.1 / 52.1 / 55.1 / 54.3
+# (pre-flat) -> 54.6 / 54.5 / 58.2 / 56.7 (flat alone 0.1-0.5 below), dswiglu fp8 55.7 / 54.7 / 59.8 / 56.7 -> 56.2 /
+# 56.2 / 60.6 / 58.5. "round", "flat" and "sres" are each field alone.
 SWIGLU_BF16_CANDIDATES = {"pre-round": PRE_1203, "round": {"signed_residual": False}, "sres": {"round_bf16": False}}
 SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False}}
-# dual, bf16 outputs (2026-12-03, not yet measured): the dequantized values rounded on the packed words. Main path per
-# element 28.3 -> 12.1 instructions, but at 126 registers: two CTAs per SM instead of three (under the 3-CTA cap it
-# spills 96 bytes, so no such candidate).
-ROUND_CANDIDATES = {"round": {"round_bf16": True}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
@@ -188,8 +186,12 @@ ROUND_CANDIDATES = {"round": {"round_bf16": True}}
 # spread (+0.0..+0.4 points of memcpy, one H200, 2026-11-29 evening, NOTES.md). With fp8 outputs that cap spills
 # 8 bytes (ptxas, sm_90a), so those have no such candidate. "lean-c3" (2026-12-02, not yet measured): the lean
 # quantization under the 3-CTA cap (80 registers, no spills, both outputs; uncapped ptxas takes 96-102: two CTAs).
-DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3},
-                   "lean-c3": {"lean": True, "ctas_per_sm": 3}, **ROUND_CANDIDATES}
+# round_bf16 (the default with bf16 outputs since 2026-12-03): main path per element 28.3 -> 12.1 instructions at 126
+# registers, so two CTAs per SM instead of three (under the 3-CTA cap it spills 96 bytes: the -c3 candidates keep the
+# former rounding); one H200 (2026-12-03, `ab_kernels.py --family block-dual --candidates default,round --rounds 3`,
+# byte-exact) 85.4 / 85.4 / 89.9 / 88.5 (pre-round) -> 86.7 / 86.5 / 91.6 / 89.2% of memcpy.
+DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3, **PRE_1203},
+                   "lean-c3": {"lean": True, "ctas_per_sm": 3, **PRE_1203}, "pre-round": PRE_1203}
 DUAL_FP8_CANDIDATES = {"default": {}, "lean-c3": {"lean": True, "ctas_per_sm": 3}}
 
 
