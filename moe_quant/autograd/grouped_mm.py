@@ -185,8 +185,11 @@ def backward(ctx, grad_out, stages=None):
     ``mode``, ``backend`` and ``reuse_scopes``): :func:`input_grads` with ``stages``, made first-order only.
     The one backward of the eager forms and of the compiled forward op."""
     A, W_t, offs = ctx.saved_tensors
+    # autograd's reference to A dropped (where nothing can read it again: .saved.free_saved), so that A is freed
+    # once input_grads has made its wgrad operand, its last reader
+    free_saved(ctx, [0])
     args = (W_t, offs, ctx.mode, ctx.backend, ctx.reuse_scopes, ctx.needs_input_grad[:2], ctx.shapes,
-            stages or BackwardStages, lambda: _free_a(ctx))
+            stages or BackwardStages)
     if not torch.is_grad_enabled():  # the usual backward (no create_graph): grad mode is off already
         held = [A]  # A's one reference here: input_grads drops it once A's wgrad operand is made
         del A
@@ -239,13 +242,6 @@ class _MXFP8GroupedMMTransforms(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
-def _free_a(ctx) -> None:
-    """Let autograd drop the saved ``A`` (:func:`.saved.free_saved`) once its wgrad operand is made: eager only, and
-    not inside ``torch.func`` transforms (whose ``ctx`` holds no raw saved tensors)."""
-    if not torch._C._are_functorch_transforms_active():
-        free_saved(ctx, [0])
-
-
 def backward_a_operand(held: list, offs, mode: ScaleMode, backend: GemmBackend) -> tuple:
     """A's colwise form as the wgrad GEMM reads it, from ``held`` (``[A]``, emptied: this is A's last reader, so A
     is freed once it returns where nothing else holds it)."""
@@ -288,17 +284,13 @@ class BackwardStages:
     dgrad = staticmethod(backward_dgrad)
 
 
-def _no_free() -> None:
-    """:func:`input_grads`' ``free`` where nothing is to be freed early."""
-
-
 def input_grads(grad_out, held: list, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple, needs: tuple,
-                shapes: tuple, stages=BackwardStages, free=_no_free):
+                shapes: tuple, stages=BackwardStages):
     """``(dA, dW_t)`` (each ``None`` where ``needs``, the two input-grad flags, is False): dgrad and wgrad of
-    quantized operands; ``held``: ``[A]`` (emptied); ``shapes``: ``(A.shape, A.dtype, W_t.shape, W_t.dtype)``;
-    ``free()`` called once A is read for the last time (autograd's saved reference dropped then:
-    :func:`_free_a`). The one home of the backward's order; its GEMMs are the ``stages`` (:class:`BackwardStages`,
-    or the custom ops that run them under compile)."""
+    quantized operands; ``held``: ``[A]`` (emptied by the stage that reads A, so that A is freed once read where
+    the caller keeps no other reference); ``shapes``: ``(A.shape, A.dtype, W_t.shape, W_t.dtype)``. The one home of
+    the backward's order; its GEMMs are the ``stages`` (:class:`BackwardStages`, or the custom ops that run them
+    under compile)."""
     grad_out = row_major(grad_out)  # an expanded (stride 0) gradient stays one with M = 0 under .contiguous()
     grad_A = grad_W_t = None
     a_shape, a_dtype, w_shape, w_dtype = shapes
@@ -311,10 +303,8 @@ def input_grads(grad_out, held: list, W_t, offs, mode: ScaleMode, backend: GemmB
     # grad_out's are never alive together, nor A beside the GEMMs
     if needs[1]:
         a_col = stages.a_operand(held, offs, mode, backend)
-        free()
         grad_W_t = stages.wgrad(grad_out, a_col, offs, mode, backend, w_dtype).transpose(-2, -1)
         del a_col
-    held.clear()
     if needs[0]:
         g_row = stages.g_operand(grad_out, offs, mode, backend)
         grad_A = stages.dgrad(g_row, W_t, offs, mode, backend, scopes, a_dtype)
