@@ -302,17 +302,30 @@ def _degenerate(x, w1) -> bool:
     return x.shape[1] == 0 or w1.shape[1] == 0
 
 
+def swiglu_of_gemms(gemm, x, w1, w3, w2) -> torch.Tensor:
+    """``(silu(x W1^T) * (x W3^T)) W2^T`` with ``gemm(A, W_t)`` for each grouped GEMM: the per-GEMM path
+    (:func:`swiglu_experts_unfused`, and conversion's where the fused block does not serve). silu after both
+    gate-up GEMMs: autograd runs the node made last first among those ready, so silu's backward (which frees a and
+    silu's output gradient) runs before w3's GEMM's, not after it; the same values either way."""
+    a = gemm(x, w1.transpose(-2, -1))
+    b = gemm(x, w3.transpose(-2, -1))
+    return gemm(F.silu(a) * b, w2.transpose(-2, -1))
+
+
+def swiglu_w13_of_gemms(gemm, x, w13, w2) -> torch.Tensor:
+    """:func:`swiglu_of_gemms` with the gate and up weights concatenated (``w13 (E, 2H, D)``): one gate-up GEMM,
+    ``chunk`` and silu."""
+    gate, up = gemm(x, w13.transpose(-2, -1)).chunk(2, dim=-1)
+    return gemm(F.silu(gate) * up, w2.transpose(-2, -1))
+
+
 def swiglu_experts_unfused(x, w1, w3, w2, offs, *, scale_mode: ScaleMode | str = ScaleMode.RCEIL,
                            backend: GemmBackend | str = GemmBackend.AUTO,
                            validate_offsets: bool | None = None) -> torch.Tensor:
     """The SwiGLU expert block as three :func:`moe_quant.mxfp8_grouped_mm` calls and PyTorch's silu: the
     per-GEMM path, and the oracle :func:`mxfp8_swiglu_experts` equals bit for bit."""
     kw = dict(scale_mode=scale_mode, backend=backend, validate_offsets=validate_offsets)
-    a = mxfp8_grouped_mm(x, w1.transpose(-2, -1), offs, **kw)
-    b = mxfp8_grouped_mm(x, w3.transpose(-2, -1), offs, **kw)
-    # silu after both GEMMs: autograd runs the node made last first among those ready, so silu's backward (which
-    # frees a and silu's output gradient) runs before w3's GEMM's, not after it; the same values either way
-    return mxfp8_grouped_mm(F.silu(a) * b, w2.transpose(-2, -1), offs, **kw)
+    return swiglu_of_gemms(lambda A, W_t: mxfp8_grouped_mm(A, W_t, offs, **kw), x, w1, w3, w2)
 
 
 def mxfp8_swiglu_experts(
@@ -364,8 +377,7 @@ def swiglu_experts_w13_unfused(x, w13, w2, offs, *, scale_mode: ScaleMode | str 
     """:func:`mxfp8_swiglu_experts_w13` as two :func:`moe_quant.mxfp8_grouped_mm` calls, ``chunk`` and PyTorch's
     silu (transformers' concatenated experts, converted per GEMM): the oracle it equals bit for bit."""
     kw = dict(scale_mode=scale_mode, backend=backend, validate_offsets=validate_offsets)
-    gate, up = mxfp8_grouped_mm(x, w13.transpose(-2, -1), offs, **kw).chunk(2, dim=-1)
-    return mxfp8_grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs, **kw)
+    return swiglu_w13_of_gemms(lambda A, W_t: mxfp8_grouped_mm(A, W_t, offs, **kw), x, w13, w2)
 
 
 def mxfp8_swiglu_experts_w13(
