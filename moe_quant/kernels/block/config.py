@@ -59,21 +59,21 @@ class Variant:
     # after the other by one copy of the quantization code. None: on for dswiglu where staged, fast_div and lean
     # hold (the default since 2026-12-02, the A/B below), else off
     fused_grads: bool | None = None
-    # bf16 outputs only (candidate since 2026-12-03, off by default until the A/B): the dequantized bf16 value of an
-    # element of a block whose scale keeps it in e4m3's normal range is the element rounded to 4 significant bits
-    # (RNE), whatever the scale: 4 integer instructions per packed bf16x2 word, shared by both forms, instead of the
-    # quantize-dequantize sequence per element and form. A block holding a nonzero element below 2^(E-13) (E: the
-    # block amax's exponent) or 2^-108, a non-finite element, or (floor) an amax that saturates is computed exactly
-    # as before (kernels/block/NOTES.md, 2026-12-03)
+    # bf16 outputs only (candidate since 2026-12-03, off; measured with signed_residual, kernels/block/NOTES.md): the
+    # dequantized bf16 value of an element is the element rounded (RNE) to its block's e4m3 grid, which the block's
+    # amax gives: per packed bf16x2 word and form one bf16 addition and subtraction of 24 * 2^max(e, k-6) and the
+    # sign (5 instructions; 7 in floor mode, its 448 2^k saturation), instead of the quantize-dequantize sequence per
+    # element and form. A block whose amax is non-finite, at least 2^124 or in (0, 2^-108) is quantized and
+    # dequantized as before (kernel.py _GRID, kernels/block/NOTES.md, 2026-12-03)
     round_bf16: bool = False
-    # swiglu / dswiglu with fast_div (candidate since 2026-12-03, off until the A/B): the fast division's residual taken
-    # as d q0 - x and subtracted (the same quotient; x = -0 gives -0 by itself): no sign fix, one instruction per
-    # element fewer (kernel.py _signed_residual)
+    # swiglu / dswiglu with fast_div (candidate since 2026-12-03, off; measured with round_bf16 and flat_scales only):
+    # the fast division's residual taken as d q0 - x and subtracted (the same quotient; x = -0 gives -0 by itself):
+    # no sign fix, one instruction per element fewer (kernel.py _signed_residual)
     signed_residual: bool = False
-    # swiglu / dswiglu with fp8 outputs (candidate since 2026-12-03, off until the A/B): each scale byte by one store
-    # predicated on the lane that owns it, at a constant offset from the form's first byte of the thread (the scale
-    # bytes of a thread's 8 columns, and of its 8 tokens, lie 16 bytes apart in the blocked tile), instead of a branch
-    # per block around its address arithmetic (kernels/block/NOTES.md, 2026-12-03)
+    # swiglu / dswiglu with fp8 outputs (candidate since 2026-12-03, off; measured with signed_residual): each scale
+    # byte by one store predicated on the lane that owns it, at a constant offset from the form's first byte of the
+    # thread (the scale bytes of a thread's 8 columns, and of its 8 tokens, lie 16 bytes apart in the blocked tile),
+    # instead of a branch per block around its address arithmetic (kernels/block/NOTES.md, 2026-12-03)
     flat_scales: bool = False
 
     family = "block"
@@ -158,13 +158,14 @@ CANDIDATES = {"default": {}, "registers": {"staged": False, "fast_div": False, "
 # candidate with the default's staged inputs and fast division is compile-checked and byte-tested too.
 DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False}}
 
-# bf16 outputs only (2026-12-03, not yet measured): "round" = round_bf16 (the field's comment above; NOTES.md
-# "2026-12-03"), the dequantized values rounded on the packed words. Main path per element of the op's input (static
-# SASS, sm_90a, rceil; kernels/block/NOTES.md): swiglu 43.0 -> 33.1, dswiglu 71 -> 51, dual 28.3 -> 12.1 (dual then at
-# 126 registers: two CTAs per SM instead of three; under the 3-CTA cap it spills 96 bytes, so no such candidate).
+# bf16 outputs only (2026-12-03): "round" = round_bf16 (the field's comment above), the dequantized values rounded
+# on the packed words; static SASS per element and the H200 A/B of "round-sres" (+0.2..+4.2 points of memcpy) in
+# kernels/block/NOTES.md, "2026-12-03"; "round" alone and dual's not yet measured (dual then at two CTAs per SM
+# instead of three; under the 3-CTA cap it spills 96 bytes, so no such candidate).
 ROUND_CANDIDATES = {"round": {"round_bf16": True}}
 SWIGLU_ROUND_CANDIDATES = {**ROUND_CANDIDATES, "round-sres": {"round_bf16": True, "signed_residual": True}}
-# fp8 outputs only (2026-12-03, not yet measured): the scale bytes by predicated stores at constant offsets
+# fp8 outputs only (2026-12-03): the scale bytes by predicated stores at constant offsets; "flat-sres" +2.4..+3.0
+# points of memcpy on one H200 (swiglu, NOTES.md), "flat" alone not yet measured
 SWIGLU_FP8_CANDIDATES = {"flat": {"flat_scales": True}, "flat-sres": {"flat_scales": True, "signed_residual": True}}
 
 
