@@ -188,6 +188,12 @@ def candidates(op: str, out_dtype: str) -> dict:
     return {**own, **(SWIGLU_ROUND_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES)}
 
 
+def candidates_any_output(op: str, outs: tuple = OUT_DTYPES) -> dict:
+    """The A/B candidates of ``op`` writing any of ``outs``: name -> fields (a candidate of several output kinds has
+    the same fields in each; one of one kind only, round or flat, is the default in the others)."""
+    return {name: kw for o in outs for name, kw in candidates(op, o).items()}
+
+
 def candidate_variants() -> list[Variant]:
     """The candidates' variants other than the defaults (rceil): every op and output kind, and the stacked dswiglu
     variant of each candidate with the default's staged inputs and fast division (the former defaults' stacked code:
