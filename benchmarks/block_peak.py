@@ -72,7 +72,8 @@ def as_on_gpu():
 class Peak:
     """One step's peak: ``bytes`` above what existed before it, ``stage`` the profiler ranges around the allocation
     that reached it (outermost first), ``alive`` the allocations made in the step and alive then,
-    ``[(bytes, stage)]`` largest first, ``temporaries`` the bytes of the kernel ranges' temporaries left out."""
+    ``[(bytes, stage)]`` largest first, ``temporaries`` the bytes of the kernel ranges' temporaries left out,
+    ``stages`` ``[(name, bytes, stage)]``: the most bytes alive while each autograd node / op (by kernel) ran."""
 
     bytes: int
     stage: list
@@ -83,8 +84,8 @@ class Peak:
 
 def _named(event) -> bool:
     name = event.name
-    return (name.startswith(("kernel:", "autograd::engine::evaluate_function", "moe_quant::", "aten::_grouped_mm",
-                             "aten::_scaled_grouped_mm", "CompiledFunction", "## Call CompiledFxGraph"))
+    return (name.startswith(("kernel:", "autograd::engine::evaluate_function", "moe_quant::", *GEMMS,
+                             "CompiledFunction", "## Call CompiledFxGraph"))
             or "Backward" in name)
 
 
