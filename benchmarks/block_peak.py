@@ -42,7 +42,6 @@ from moe_quant import cli
 from moe_quant import block_quantize as bq
 from moe_quant import quantize as q
 from moe_quant.autograd import grouped_mm as gm
-from moe_quant.autograd import swiglu_block as sb
 
 KERNELS = [(q, name, "kernel:" + name) for name in (
     "fake_rowwise", "rowwise", "fake_colwise_k_groups", "colwise_k_groups", "colwise_k_groups_plain",
@@ -64,8 +63,8 @@ def as_on_gpu():
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched_around(KERNELS, torch.profiler.record_function))
         stack.enter_context(mock.patch.object(bq, "swiglu_colwise", _swiglu_colwise_as_kernels))
-        for module in (gm, sb):
-            stack.enter_context(mock.patch.object(module, "grouped_mm_zero_fills_empty_groups", lambda device: True))
+        # (the weight-gradient GEMMs of both paths: grouped_mm's)
+        stack.enter_context(mock.patch.object(gm, "grouped_mm_zero_fills_empty_groups", lambda device: True))
         yield
 
 
@@ -73,7 +72,8 @@ def as_on_gpu():
 class Peak:
     """One step's peak: ``bytes`` above what existed before it, ``stage`` the profiler ranges around the allocation
     that reached it (outermost first), ``alive`` the allocations made in the step and alive then,
-    ``[(bytes, stage)]`` largest first, ``temporaries`` the bytes of the kernel ranges' temporaries left out."""
+    ``[(bytes, stage)]`` largest first, ``temporaries`` the bytes of the kernel ranges' temporaries left out,
+    ``stages`` ``[(name, bytes, stage)]``: the most bytes alive while each autograd node / op (by kernel) ran."""
 
     bytes: int
     stage: list
@@ -84,8 +84,8 @@ class Peak:
 
 def _named(event) -> bool:
     name = event.name
-    return (name.startswith(("kernel:", "autograd::engine::evaluate_function", "moe_quant::", "aten::_grouped_mm",
-                             "aten::_scaled_grouped_mm", "CompiledFunction", "## Call CompiledFxGraph"))
+    return (name.startswith(("kernel:", "autograd::engine::evaluate_function", "moe_quant::", *GEMMS,
+                             "CompiledFunction", "## Call CompiledFxGraph"))
             or "Backward" in name)
 
 

@@ -82,13 +82,14 @@ def _kernel_forms(outs: list, fake: bool):
 
 
 def rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
-    """``x``'s rowwise form alone (one 1x32 pass), as the per-GEMM path makes its A: the forward's operand of
-    w1 and w3. Rows past the last group's end are quantized values, not zeros (no GEMM reads them)."""
+    """``x``'s rowwise form alone (one 1x32 pass): the forward's operand of w1 and w3, and the per-GEMM path's
+    (:func:`moe_quant.mxfp8_grouped_mm`) forward and dgrad operands. Rows past the last group's end are quantized values, not zeros (no GEMM reads them)."""
     return (pq.rowwise_values(x, mode),) if fake else tuple(pq.rowwise_operand(x, mode, offs))
 
 
 def colwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
-    """``x``'s colwise 32x1 K-groups form alone (one pass), as the GEMM takes it."""
+    """``x``'s colwise 32x1 K-groups form alone (one pass), as the GEMM takes it: the per-GEMM path's wgrad
+    operands."""
     return _colwise_form(x, mode, offs, fake)
 
 

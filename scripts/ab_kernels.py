@@ -194,15 +194,16 @@ def block_family(ops: tuple, outs: tuple | None = None):
     from moe_quant.kernels.block import config as config_block
     from moe_quant.kernels.block import ops as ops_block
 
-    def kind(op: str, o: str) -> dict:
-        # every kind names the candidates of both output kinds: a candidate of one kind only (round: bf16; flat: fp8)
-        # is the default in the other, so one name puts it in place in every kind at once
-        own = config_block.candidates(op, o)
-        names = own if op == "dual" else {**config_block.candidates(op, "bfloat16"),
-                                          **config_block.candidates(op, "float8_e4m3fn")}
-        return {name: config_block.Variant(op, "bfloat16", "rceil", o, **own.get(name, {})) for name in names}
+    outs = outs or config_block.OUT_DTYPES
 
-    return {(op, o): (kind(op, o), ops_block.variant_in_place) for op in ops for o in outs or config_block.OUT_DTYPES}
+    def kind(op: str, o: str) -> dict:
+        # every kind names the candidates of all the family's output kinds: a candidate of one kind only (round:
+        # bf16; flat: fp8) is the default in the other, so one name puts it in place in every kind at once
+        own = config_block.candidates(op, o)
+        return {name: config_block.Variant(op, "bfloat16", "rceil", o, **own.get(name, {}))
+                for name in config_block.candidates_any_output(op, outs)}
+
+    return {(op, o): (kind(op, o), ops_block.variant_in_place) for op in ops for o in outs}
 
 
 def block_check() -> bool:

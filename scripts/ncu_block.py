@@ -29,8 +29,7 @@ from scripts.ncu_kernels import profile  # noqa: E402  (one call outside its NVT
 def candidate_names() -> list[str]:
     from moe_quant.kernels.block import config
 
-    return sorted({name for op in config.OPS for o in config.OUT_DTYPES for name, kw in config.candidates(op, o).items()
-                   if kw})
+    return sorted({name for op in config.OPS for name, kw in config.candidates_any_output(op).items() if kw})
 
 
 def main(argv=None) -> int:

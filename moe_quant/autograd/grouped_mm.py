@@ -24,12 +24,10 @@ functions run as custom ops (:mod:`.grouped_mm_ops`), which save the same.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 import torch
 
+from .. import block_quantize as bq
 from .. import layouts
-from .. import prequantized as pq
 from .. import quantize as q
 from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
 from ..layouts import row_major, sanitize_offsets
@@ -42,7 +40,7 @@ from .saved import free_saved
 _GEMM_DTYPE = torch.bfloat16
 
 
-# ----------------------------------------------------------------------------- emulated
+# ----------------------------------------------------------------------------- weight operands
 
 
 # (backend, gemm) -> the weight operand's form, computed from W_t (E, K, N) bf16 or fp32; fp32 (master weights)
@@ -96,81 +94,46 @@ def weight_operand(W_t, mode: ScaleMode, backend: GemmBackend, gemm: str, scopes
     return reuse.serve(scopes, W_t, (backend.value, gemm, mode), compute, held)
 
 
-def emulated_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):
-    a = pq.rowwise_values(A, mode)  # A's MXFP8 form may be known already (expert parallelism)
-    w = weight_operand(W_t, mode, GemmBackend.EMULATED, "fwd", scopes)
-    return torch._grouped_mm(a, w, offs=offs)
+# ----------------------------------------------------------------------------- GEMMs on quantized forms
+# A form: the tuple of tensors the GEMM backend takes (:mod:`moe_quant.block_quantize`, whose ``rowwise`` and
+# ``colwise`` make the per-GEMM path's): one tensor (bf16 values) in a rowwise form on the emulated GEMM, two (e4m3
+# data, blocked scales) on the scaled one. The GEMMs of :func:`mxfp8_grouped_mm` and of the SwiGLU expert block.
 
 
-def emulated_g_operand(grad_out, offs, mode: ScaleMode) -> tuple:
-    """grad_out's dgrad operand ``(values (M, N) bf16,)``: its rowwise form's values."""
-    return (pq.rowwise_values(grad_out, mode),)
-
-
-def emulated_dgrad(g_row: tuple, W_t, offs, mode: ScaleMode, scopes: tuple):
-    w = weight_operand(W_t, mode, GemmBackend.EMULATED, "dgrad", scopes)
-    return torch._grouped_mm(g_row[0], w.transpose(-2, -1), offs=offs)
-
-
-def emulated_a_operand(A, offs, mode: ScaleMode) -> tuple:
-    """A's wgrad operand ``(a_t (K, Mp) bf16, padded_offs)``: 32x1 blocks along tokens, per group, in the K-groups
-    layout (tokens contiguous, each group padded with zeros to a multiple of 32), as the scaled path: no block
-    mixes two experts, every group is aligned."""
-    return tuple(q.fake_colwise_k_groups(A, offs, mode, _GEMM_DTYPE))
-
-
-def emulated_wgrad(grad_out, a_col: tuple, offs, mode: ScaleMode):
-    """dW (E, N, K): per group, grad_out[g]^T @ A[g] from A's operand (:func:`emulated_a_operand`) and grad_out's,
-    made here in the same layout."""
-    g_t, padded_offs = q.fake_colwise_k_groups(grad_out, offs, mode, _GEMM_DTYPE)  # (N, Mp)
-    return torch._grouped_mm(g_t, a_col[0].t(), offs=padded_offs)
-
-
-# ----------------------------------------------------------------------------- scaled (SM100+)
-
-
-def scaled_fwd(A, W_t, offs, mode: ScaleMode, scopes: tuple):
-    a, a_s = pq.rowwise_operand(A, mode, offs)
-    w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "fwd", scopes)
+def _mm_fwd(row: tuple, w_op, offs: torch.Tensor) -> torch.Tensor:
+    """``A @ W_t`` per group from A's rowwise form and the weight's forward operand: ``(M, N)`` bf16."""
+    if len(row) == 1:
+        return torch._grouped_mm(row[0], w_op, offs=offs)
+    (a, a_s), (w, w_s) = row, w_op
     return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
-def scaled_g_operand(grad_out, offs, mode: ScaleMode) -> tuple:
-    """grad_out's dgrad operand ``(data (M, N) e4m3, M-groups blocked scales)``."""
-    return tuple(pq.rowwise_operand(grad_out, mode, offs))
-
-
-def scaled_dgrad(g_row: tuple, W_t, offs, mode: ScaleMode, scopes: tuple):
-    g, g_s = g_row
-    w, w_s = weight_operand(W_t, mode, GemmBackend.SCALED, "dgrad", scopes)
+def _mm_dgrad(row: tuple, w_op, offs: torch.Tensor) -> torch.Tensor:
+    """``grad_out @ W`` per group from grad_out's rowwise form and the weight's dgrad operand."""
+    if len(row) == 1:
+        return torch._grouped_mm(row[0], w_op.transpose(-2, -1), offs=offs)
+    (g, g_s), (w, w_s) = row, w_op
     return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
 
 
-def scaled_a_operand(A, offs, mode: ScaleMode) -> tuple:
-    """A's wgrad operand ``(a_t (K, Mp) e4m3, K-groups blocked scales, padded_offs)``."""
-    return tuple(q.colwise_k_groups(A, offs, mode))
+def _wgrad_gemm(g_col: tuple, a_col: tuple) -> torch.Tensor:
+    """``dW (E, N, K)`` bf16 per group from the colwise (K-groups) forms of grad_out and A, as the GEMM leaves it
+    (an expert without tokens: see :func:`_weight_grad`)."""
+    if len(g_col) == 2:
+        return torch._grouped_mm(g_col[0], a_col[0].t(), offs=g_col[1])
+    return torch._scaled_grouped_mm(g_col[0], a_col[0].t(), g_col[1], a_col[1], offs=g_col[2], out_dtype=_GEMM_DTYPE)
 
 
-def scaled_wgrad(grad_out, a_col: tuple, offs, mode: ScaleMode):
-    g_t, g_s, padded_offs = q.colwise_k_groups(grad_out, offs, mode)  # (N, Mp)
-    a_t, a_s, _ = a_col  # (K, Mp)
-    return torch._scaled_grouped_mm(g_t, a_t.t(), g_s, a_s, offs=padded_offs, out_dtype=_GEMM_DTYPE)
+def _weight_grad(dW: torch.Tensor, offs, backend: GemmBackend, w_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_wgrad_gemm`'s ``dW`` in ``w_dtype``, an expert without tokens exact zeros."""
+    if not (backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(dW.device)):
+        dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
+    return dW if dW.dtype == w_dtype else dW.to(w_dtype)
 
 
-class _Gemms(NamedTuple):
-    """One GEMM backend's functions: the forward GEMM, then the backward's operands and GEMMs."""
-
-    fwd: Callable
-    g_operand: Callable  # grad_out's rowwise form (dgrad operand)
-    dgrad: Callable
-    a_operand: Callable  # A's colwise form (wgrad operand)
-    wgrad: Callable
-
-
-_GEMMS = {
-    GemmBackend.EMULATED: _Gemms(emulated_fwd, emulated_g_operand, emulated_dgrad, emulated_a_operand, emulated_wgrad),
-    GemmBackend.SCALED: _Gemms(scaled_fwd, scaled_g_operand, scaled_dgrad, scaled_a_operand, scaled_wgrad),
-}
+def _mm_wgrad(g_col: tuple, a_col: tuple, offs: torch.Tensor, backend: GemmBackend, w_dtype) -> torch.Tensor:
+    """``dW (E, N, K)`` in the weight's dtype from the colwise forms of grad_out and A; empty experts zero."""
+    return _weight_grad(_wgrad_gemm(g_col, a_col), offs, backend, w_dtype)
 
 
 def _zero_empty_experts(dW: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -187,7 +150,8 @@ def _empty_contraction(A, W_t) -> bool:
 def output(A, W_t, offs, mode: ScaleMode, out_dtype: torch.dtype, backend: GemmBackend, scopes: tuple):
     if _empty_contraction(A, W_t):  # torch._grouped_mm rejects these shapes; the answer is exact zeros
         return A.new_zeros((A.shape[0], W_t.shape[2]), dtype=out_dtype)
-    out = _GEMMS[backend].fwd(A, W_t, offs, mode, scopes)
+    out = _mm_fwd(bq.rowwise(A, mode, offs, backend is GemmBackend.EMULATED),
+                  weight_operand(W_t, mode, backend, "fwd", scopes), offs)
     # never ``out.to(out_dtype)`` when it is already that dtype: that returns ``out`` itself, and torch 2.11's
     # dynamo then traces this Function's backward with a zero output gradient (every gradient zero; fixed in
     # later torch; tests/test_grouped_mm.py::test_compiled_gradients_equal_eager)
@@ -221,8 +185,11 @@ def backward(ctx, grad_out, stages=None):
     ``mode``, ``backend`` and ``reuse_scopes``): :func:`input_grads` with ``stages``, made first-order only.
     The one backward of the eager forms and of the compiled forward op."""
     A, W_t, offs = ctx.saved_tensors
+    # autograd's reference to A dropped (where nothing can read it again: .saved.free_saved), so that A is freed
+    # once input_grads has made its wgrad operand, its last reader
+    free_saved(ctx, [0])
     args = (W_t, offs, ctx.mode, ctx.backend, ctx.reuse_scopes, ctx.needs_input_grad[:2], ctx.shapes,
-            stages or BackwardStages, lambda: _free_a(ctx))
+            stages or BackwardStages)
     if not torch.is_grad_enabled():  # the usual backward (no create_graph): grad mode is off already
         held = [A]  # A's one reference here: input_grads drops it once A's wgrad operand is made
         del A
@@ -275,40 +242,32 @@ class _MXFP8GroupedMMTransforms(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
-def _free_a(ctx) -> None:
-    """Let autograd drop the saved ``A`` (:func:`.saved.free_saved`) once its wgrad operand is made: eager only, and
-    not inside ``torch.func`` transforms (whose ``ctx`` holds no raw saved tensors)."""
-    if not torch._C._are_functorch_transforms_active():
-        free_saved(ctx, [0])
-
-
 def backward_a_operand(held: list, offs, mode: ScaleMode, backend: GemmBackend) -> tuple:
     """A's colwise form as the wgrad GEMM reads it, from ``held`` (``[A]``, emptied: this is A's last reader, so A
     is freed once it returns where nothing else holds it)."""
-    return _GEMMS[backend].a_operand(held.pop(), offs, mode)
+    return bq.colwise(held.pop(), mode, offs, backend is GemmBackend.EMULATED)
 
 
 def backward_wgrad(grad_out, a_col: tuple, offs, mode: ScaleMode, backend: GemmBackend,
                    w_dtype: torch.dtype) -> torch.Tensor:
     """The weight gradient ``dW (E, N, K)`` in ``w_dtype`` from ``grad_out`` (row-major) and A's colwise form
     (:func:`backward_a_operand`); an expert without tokens gets exact zeros."""
-    dW = _GEMMS[backend].wgrad(grad_out, a_col, offs, mode)
-    if not (backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(dW.device)):
-        dW = _zero_empty_experts(dW, offs)  # a full pass over dW, where the GEMM leaves garbage
-    return dW if dW.dtype == w_dtype else dW.to(w_dtype)
+    # grad_out's colwise form made here, freed once the GEMM returns (before the zeroing pass)
+    return _weight_grad(_wgrad_gemm(bq.colwise(grad_out, mode, offs, backend is GemmBackend.EMULATED), a_col), offs,
+                        backend, w_dtype)
 
 
 def backward_g_operand(grad_out, offs, mode: ScaleMode, backend: GemmBackend) -> tuple:
     """grad_out's (row-major) rowwise form as the dgrad GEMM reads it; the known form where it arrived in MXFP8
     (:mod:`moe_quant.prequantized`)."""
-    return _GEMMS[backend].g_operand(grad_out, offs, mode)
+    return bq.rowwise(grad_out, mode, offs, backend is GemmBackend.EMULATED)
 
 
 def backward_dgrad(g_row: tuple, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
                    a_dtype: torch.dtype) -> torch.Tensor:
     """The input gradient ``dA (M, K)`` in ``a_dtype`` from grad_out's rowwise form (:func:`backward_g_operand`) and
     the weight's dgrad operand, made here (or served by ``scopes``)."""
-    grad_A = _GEMMS[backend].dgrad(g_row, W_t, offs, mode, scopes)
+    grad_A = _mm_dgrad(g_row, weight_operand(W_t, mode, backend, "dgrad", scopes), offs)
     return grad_A if grad_A.dtype == a_dtype else grad_A.to(a_dtype)
 
 
@@ -325,17 +284,13 @@ class BackwardStages:
     dgrad = staticmethod(backward_dgrad)
 
 
-def _no_free() -> None:
-    """:func:`input_grads`' ``free`` where nothing is to be freed early."""
-
-
 def input_grads(grad_out, held: list, W_t, offs, mode: ScaleMode, backend: GemmBackend, scopes: tuple, needs: tuple,
-                shapes: tuple, stages=BackwardStages, free=_no_free):
+                shapes: tuple, stages=BackwardStages):
     """``(dA, dW_t)`` (each ``None`` where ``needs``, the two input-grad flags, is False): dgrad and wgrad of
-    quantized operands; ``held``: ``[A]`` (emptied); ``shapes``: ``(A.shape, A.dtype, W_t.shape, W_t.dtype)``;
-    ``free()`` called once A is read for the last time (autograd's saved reference dropped then:
-    :func:`_free_a`). The one home of the backward's order; its GEMMs are the ``stages`` (:class:`BackwardStages`,
-    or the custom ops that run them under compile)."""
+    quantized operands; ``held``: ``[A]`` (emptied by the stage that reads A, so that A is freed once read where
+    the caller keeps no other reference); ``shapes``: ``(A.shape, A.dtype, W_t.shape, W_t.dtype)``. The one home of
+    the backward's order; its GEMMs are the ``stages`` (:class:`BackwardStages`, or the custom ops that run them
+    under compile)."""
     grad_out = row_major(grad_out)  # an expanded (stride 0) gradient stays one with M = 0 under .contiguous()
     grad_A = grad_W_t = None
     a_shape, a_dtype, w_shape, w_dtype = shapes
@@ -348,10 +303,8 @@ def input_grads(grad_out, held: list, W_t, offs, mode: ScaleMode, backend: GemmB
     # grad_out's are never alive together, nor A beside the GEMMs
     if needs[1]:
         a_col = stages.a_operand(held, offs, mode, backend)
-        free()
         grad_W_t = stages.wgrad(grad_out, a_col, offs, mode, backend, w_dtype).transpose(-2, -1)
         del a_col
-    held.clear()
     if needs[0]:
         g_row = stages.g_operand(grad_out, offs, mode, backend)
         grad_A = stages.dgrad(g_row, W_t, offs, mode, backend, scopes, a_dtype)

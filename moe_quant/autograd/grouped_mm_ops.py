@@ -89,8 +89,8 @@ class _OpStages:
     and grad_out's operand op the weight gradient where the wgrad op made one (run first, grad_out's rowwise form
     and then dA would live beside wgrad's operands)."""
 
-    def __init__(self):
-        self.dW, self.grad_out = None, None
+    def __init__(self, grad_out):
+        self.dW, self.grad_out = None, grad_out
 
     def a_operand(self, held, offs, mode, backend):
         return tuple(_a_operand_op(held.pop(), offs, mode.value, backend.value, [self.grad_out]))
@@ -116,9 +116,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     """:func:`.grouped_mm.backward` with its stages as ops; the gradients in the positions of ``A`` and ``W_t``."""
-    stages = _OpStages()
-    stages.grad_out = grad_out
-    return (*backward(ctx, grad_out, stages), None, None, None, None, None)
+    return (*backward(ctx, grad_out, _OpStages(grad_out)), None, None, None, None, None)
 
 
 torch.library.register_autograd("moe_quant::grouped_mm_fwd", _backward, setup_context=_setup_context)

@@ -4,13 +4,15 @@ Autograd holds what ``ctx.save_for_backward`` saved until the Function's backwar
 runs several GEMMs keeps every saved activation alive to its end, even those it is done with halfway (the
 SwiGLU block's ``a`` and ``b``, read only by its dSwiGLU pass; a grouped GEMM's input ``A``, read only by its weight
 gradient's first pass). :func:`free_saved` lets autograd drop its
-reference then, through PyTorch's own saved-tensor hooks (``SavedTensor.register_hooks``: the saved value is
-handed to a pack hook that keeps nothing), so that the caller's ``del`` frees the memory.
+reference once the backward has unpacked them (``ctx.saved_tensors``), through PyTorch's own saved-tensor hooks
+(``SavedTensor.register_hooks``: the saved value is handed to a pack hook that keeps nothing), so that the memory
+goes when the backward drops its own reference after the last read (its ``del``, or a list it empties).
 
 Only where nothing could read them again: an eager backward (not traced by ``torch.compile`` or compiled
 autograd, where the compiled backward frees its inputs after their last use itself) of a graph that is not
 kept (``retain_graph`` / ``create_graph`` off: PyTorch's ``_get_current_graph_task_keep_graph``, which
-``torch.utils.checkpoint`` consults alike). A tensor that saved-tensor hooks of the user's already hold
+``torch.utils.checkpoint`` consults alike), outside ``torch.func`` transforms (their saved tensors left to functorch,
+whose levels wrap them). A tensor that saved-tensor hooks of the user's already hold
 (``torch.utils.checkpoint``, ``torch.autograd.graph.save_on_cpu``) stays theirs: the copy the backward unpacked is
 its own, freed by the caller's ``del`` anyway.
 """
@@ -34,7 +36,8 @@ def _freed(packed) -> torch.Tensor:
 def free_saved(ctx, indices) -> None:
     """Let autograd drop the saved tensors at ``indices`` of ``ctx.save_for_backward``'s arguments now (see the
     module doc); a no-op where they may be read again or are not autograd's to drop."""
-    if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._autograd._get_current_graph_task_keep_graph()):
         return
     raw = ctx._raw_saved_tensors
     for i in indices:

@@ -31,15 +31,16 @@ from .. import block_quantize as bq
 from .. import layouts
 from .. import reuse
 from .. import quantize as q
-from ..backends import GemmBackend, grouped_mm_zero_fills_empty_groups, resolve_gemm_backend
+from ..backends import GemmBackend, resolve_gemm_backend
 from ..layouts import row_major, sanitize_offsets
 from ..numerics import BLOCK_SIZE, ScaleMode
 from ..validation import check_swiglu_experts_args, check_swiglu_experts_w13_args
-from .grouped_mm import _GEMM_DTYPE, _first_order_only, _zero_empty_experts, mxfp8_grouped_mm, weight_operand
+from .grouped_mm import _first_order_only, _mm_dgrad, _mm_fwd, _mm_wgrad, mxfp8_grouped_mm, weight_operand
 from .revision import source_revision
 from .saved import free_saved
 
-# ----------------------------------------------------------------------------- GEMMs on quantized forms
+# ----------------------------------------------------------------------------- weight operands (the GEMMs on
+# quantized forms: :mod:`.grouped_mm`'s, shared with the per-GEMM path)
 
 
 def _w_fwd(w: torch.Tensor, mode: ScaleMode, backend: GemmBackend, scopes: tuple):
@@ -50,34 +51,6 @@ def _w_fwd(w: torch.Tensor, mode: ScaleMode, backend: GemmBackend, scopes: tuple
 def _w_dgrad(w: torch.Tensor, mode: ScaleMode, backend: GemmBackend, scopes: tuple):
     """Dgrad operand of ``w (E, N, K)`` (blocks along N)."""
     return weight_operand(w.transpose(-2, -1), mode, backend, "dgrad", scopes)
-
-
-def _mm_fwd(row: tuple, w_op, offs: torch.Tensor) -> torch.Tensor:
-    """``A @ W_t`` per group from A's rowwise form and the weight's forward operand: ``(M, N)`` bf16."""
-    if len(row) == 1:
-        return torch._grouped_mm(row[0], w_op, offs=offs)
-    (a, a_s), (w, w_s) = row, w_op
-    return torch._scaled_grouped_mm(a, w.transpose(-2, -1), a_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
-
-
-def _mm_dgrad(row: tuple, w_op, offs: torch.Tensor) -> torch.Tensor:
-    """``grad_out @ W`` per group from grad_out's rowwise form and the weight's dgrad operand."""
-    if len(row) == 1:
-        return torch._grouped_mm(row[0], w_op.transpose(-2, -1), offs=offs)
-    (g, g_s), (w, w_s) = row, w_op
-    return torch._scaled_grouped_mm(g, w.transpose(-2, -1), g_s, w_s, offs=offs, out_dtype=_GEMM_DTYPE)
-
-
-def _mm_wgrad(g_col: tuple, a_col: tuple, offs: torch.Tensor, backend: GemmBackend, w_dtype) -> torch.Tensor:
-    """``dW (E, N, K)`` in the weight's dtype from the colwise forms of grad_out and A; empty experts zero."""
-    if len(g_col) == 2:
-        dw = torch._grouped_mm(g_col[0], a_col[0].t(), offs=g_col[1])
-    else:
-        dw = torch._scaled_grouped_mm(g_col[0], a_col[0].t(), g_col[1], a_col[1], offs=g_col[2],
-                                      out_dtype=_GEMM_DTYPE)
-    if not (backend is GemmBackend.EMULATED and grouped_mm_zero_fills_empty_groups(dw.device)):
-        dw = _zero_empty_experts(dw, offs)
-    return dw.to(w_dtype)
 
 
 # ----------------------------------------------------------------------------- forward and backward
@@ -329,17 +302,30 @@ def _degenerate(x, w1) -> bool:
     return x.shape[1] == 0 or w1.shape[1] == 0
 
 
+def swiglu_of_gemms(gemm, x, w1, w3, w2) -> torch.Tensor:
+    """``(silu(x W1^T) * (x W3^T)) W2^T`` with ``gemm(A, W_t)`` for each grouped GEMM: the per-GEMM path
+    (:func:`swiglu_experts_unfused`, and conversion's where the fused block does not serve). silu after both
+    gate-up GEMMs: autograd runs the node made last first among those ready, so silu's backward (which frees a and
+    silu's output gradient) runs before w3's GEMM's, not after it; the same values either way."""
+    a = gemm(x, w1.transpose(-2, -1))
+    b = gemm(x, w3.transpose(-2, -1))
+    return gemm(F.silu(a) * b, w2.transpose(-2, -1))
+
+
+def swiglu_w13_of_gemms(gemm, x, w13, w2) -> torch.Tensor:
+    """:func:`swiglu_of_gemms` with the gate and up weights concatenated (``w13 (E, 2H, D)``): one gate-up GEMM,
+    ``chunk`` and silu."""
+    gate, up = gemm(x, w13.transpose(-2, -1)).chunk(2, dim=-1)
+    return gemm(F.silu(gate) * up, w2.transpose(-2, -1))
+
+
 def swiglu_experts_unfused(x, w1, w3, w2, offs, *, scale_mode: ScaleMode | str = ScaleMode.RCEIL,
                            backend: GemmBackend | str = GemmBackend.AUTO,
                            validate_offsets: bool | None = None) -> torch.Tensor:
     """The SwiGLU expert block as three :func:`moe_quant.mxfp8_grouped_mm` calls and PyTorch's silu: the
     per-GEMM path, and the oracle :func:`mxfp8_swiglu_experts` equals bit for bit."""
     kw = dict(scale_mode=scale_mode, backend=backend, validate_offsets=validate_offsets)
-    a = mxfp8_grouped_mm(x, w1.transpose(-2, -1), offs, **kw)
-    b = mxfp8_grouped_mm(x, w3.transpose(-2, -1), offs, **kw)
-    # silu after both GEMMs: autograd runs the node made last first among those ready, so silu's backward (which
-    # frees a and silu's output gradient) runs before w3's GEMM's, not after it; the same values either way
-    return mxfp8_grouped_mm(F.silu(a) * b, w2.transpose(-2, -1), offs, **kw)
+    return swiglu_of_gemms(lambda A, W_t: mxfp8_grouped_mm(A, W_t, offs, **kw), x, w1, w3, w2)
 
 
 def mxfp8_swiglu_experts(
@@ -391,8 +377,7 @@ def swiglu_experts_w13_unfused(x, w13, w2, offs, *, scale_mode: ScaleMode | str 
     """:func:`mxfp8_swiglu_experts_w13` as two :func:`moe_quant.mxfp8_grouped_mm` calls, ``chunk`` and PyTorch's
     silu (transformers' concatenated experts, converted per GEMM): the oracle it equals bit for bit."""
     kw = dict(scale_mode=scale_mode, backend=backend, validate_offsets=validate_offsets)
-    gate, up = mxfp8_grouped_mm(x, w13.transpose(-2, -1), offs, **kw).chunk(2, dim=-1)
-    return mxfp8_grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs, **kw)
+    return swiglu_w13_of_gemms(lambda A, W_t: mxfp8_grouped_mm(A, W_t, offs, **kw), x, w13, w2)
 
 
 def mxfp8_swiglu_experts_w13(

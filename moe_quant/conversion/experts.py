@@ -12,9 +12,9 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.nn.functional as F
 
 from .. import autograd as _autograd
+from ..autograd.swiglu_block import swiglu_of_gemms, swiglu_w13_of_gemms
 from .config import MXFP8MoEConfig
 from .gemm import grouped_mm, unsupported_reason
 
@@ -44,10 +44,7 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
         # looked up on each call: tests and tools may wrap it
         return _autograd.mxfp8_swiglu_experts(x, w1, w3, w2, offs, scale_mode=config.scale_mode,
                                               backend=config.backend)
-    a = grouped_mm(x, w1.transpose(-2, -1), offs, config)
-    b = grouped_mm(x, w3.transpose(-2, -1), offs, config)
-    # silu after both GEMMs, as in moe_quant.swiglu_experts_unfused: its backward then runs before w3's GEMM's
-    return grouped_mm(F.silu(a) * b, w2.transpose(-2, -1), offs, config)
+    return swiglu_of_gemms(lambda A, W_t: grouped_mm(A, W_t, offs, config), x, w1, w3, w2)
 
 
 def swiglu_experts_w13(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
@@ -58,8 +55,7 @@ def swiglu_experts_w13(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, off
     if block_serves(x, w13, None, w2, offs, config):
         return _autograd.mxfp8_swiglu_experts_w13(x, w13, w2, offs, scale_mode=config.scale_mode,
                                                   backend=config.backend)
-    gate, up = grouped_mm(x, w13.transpose(-2, -1), offs, config).chunk(2, dim=-1)
-    return grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs, config)
+    return swiglu_w13_of_gemms(lambda A, W_t: grouped_mm(A, W_t, offs, config), x, w13, w2)
 
 
 def moe_quant_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:

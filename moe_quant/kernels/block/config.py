@@ -59,12 +59,12 @@ class Variant:
     # after the other by one copy of the quantization code. None: on for dswiglu where staged, fast_div and lean
     # hold (the default since 2026-12-02, the A/B below), else off
     fused_grads: bool | None = None
-    # bf16 outputs (the default since 2026-12-03, the A/Bs below): the dequantized
-    # bf16 value of an element of a block whose scale keeps it in e4m3's normal range is the element rounded to 4
-    # significant bits (RNE), whatever the scale: 4 integer instructions per packed bf16x2 word, shared by both forms,
-    # instead of the quantize-dequantize sequence per element and form. A block holding a nonzero element below
-    # 2^(E-13) (E: the block amax's exponent) or 2^-108, a non-finite element, or (floor) an amax that saturates is
-    # computed exactly as before (kernels/block/NOTES.md, 2026-12-03). None: on for bf16 outputs
+    # bf16 outputs (the default since 2026-12-03, the A/Bs below): the dequantized bf16 value of an element is the
+    # element rounded (RNE) to its block's e4m3 grid, which the block's amax gives: per packed bf16x2 word and form one
+    # bf16 addition and subtraction of 24 * 2^max(e, k-6) and the sign (5 instructions; 7 in floor mode, its 448 2^k
+    # saturation), instead of the quantize-dequantize sequence per element and form. A block whose amax is non-finite,
+    # at least 2^124 or in (0, 2^-108) is quantized and dequantized as before (kernel.py _GRID, kernels/block/NOTES.md,
+    # 2026-12-03). None: on for bf16 outputs
     round_bf16: bool | None = None
     # swiglu / dswiglu with fast_div (the default since 2026-12-03): the fast division's residual taken as d q0 - x and
     # subtracted (the same quotient; x = -0 gives -0 by itself): no sign fix, one instruction per element fewer
@@ -186,7 +186,7 @@ SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False
 # spread (+0.0..+0.4 points of memcpy, one H200, 2026-11-29 evening, NOTES.md). With fp8 outputs that cap spills
 # 8 bytes (ptxas, sm_90a), so those have no such candidate. "lean-c3" (2026-12-02, not yet measured): the lean
 # quantization under the 3-CTA cap (80 registers, no spills, both outputs; uncapped ptxas takes 96-102: two CTAs).
-# round_bf16 (the default with bf16 outputs since 2026-12-03): main path per element 28.3 -> 12.1 instructions at 126
+# round_bf16 (the default with bf16 outputs since 2026-12-03): main path per element 28.3 -> 11.9 instructions at 128
 # registers, so two CTAs per SM instead of three (under the 3-CTA cap it spills 96 bytes: the -c3 candidates keep the
 # former rounding); one H200 (2026-12-03, `ab_kernels.py --family block-dual --candidates default,round --rounds 3`,
 # byte-exact) 85.4 / 85.4 / 89.9 / 88.5 (pre-round) -> 86.7 / 86.5 / 91.6 / 89.2% of memcpy.
@@ -201,6 +201,13 @@ def candidates(op: str, out_dtype: str) -> dict:
         return DUAL_CANDIDATES if out_dtype == "bfloat16" else DUAL_FP8_CANDIDATES
     own = DSWIGLU_CANDIDATES if op == "dswiglu" else CANDIDATES
     return {**own, **(SWIGLU_BF16_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES)}
+
+
+def candidates_any_output(op: str, outs: tuple = OUT_DTYPES) -> dict:
+    """The A/B candidates of ``op`` writing any of ``outs``, by name (a name of one kind only, e.g. pre-round, is the
+    default in the others). A name's fields may differ between kinds (``sres``: the other field of its kind off):
+    these are the last kind's, so take a kind's own from :func:`candidates`."""
+    return {name: kw for o in outs for name, kw in candidates(op, o).items()}
 
 
 def candidate_variants() -> list[Variant]:
