@@ -147,17 +147,23 @@ def test_32x1_threads_follow_tile_cols():
 @pytest.fixture
 def launches(monkeypatch):
     """The ops run on CPU tensors with compiling and launching stubbed: each launch records the variant whose
-    kernel the op took (``get_kernel`` returns the variant itself)."""
+    kernel the op took (``get_kernel`` returns a kernel whose call logs its variant)."""
     import torch
 
     from moe_quant.kernels import compile_cache as cc
 
     log = []
+
+    class Kernel:
+        def __init__(self, variant):
+            self.call = lambda *args: log.append(variant)
+
     monkeypatch.setattr(cc, "_FAST", {})
     monkeypatch.setattr(cc, "arch", lambda device: "sm_90a")
-    monkeypatch.setattr(cc, "get_kernel", lambda variant, arch: variant)
-    monkeypatch.setattr(cc, "launch", lambda kernel, *args: log.append(kernel))
-    return log, torch.device("cpu")
+    monkeypatch.setattr(cc, "get_kernel", lambda variant, arch: Kernel(variant))
+    cc.forget_plans()  # the ops' plans hold the kernels they launch: none from before the stubs
+    yield log, torch.device("cpu")
+    cc.forget_plans()  # nor the stubs after
 
 
 def test_32x1_variant_in_place_reaches_every_op(launches):
