@@ -35,7 +35,9 @@ def _check_x(x, fn: str) -> None:
         raise ValueError(f"{fn}: x must be contiguous (row-major), got strides {x.stride()}")
 
 
-_MODE_VALUES = {m.value: m.value for m in ScaleMode}  # the modes' own spellings: ScaleMode.parse's answer, looked up
+# the modes and their own spellings -> ScaleMode.parse's value, looked up (other spellings: parse)
+_MODE_VALUES = {**{m.value: m.value for m in ScaleMode}, **{m: m.value for m in ScaleMode}}
+_MODE_TYPES = (str, ScaleMode)  # the types looked up there (not every argument hashes: a list raises TypeError)
 
 
 def _valid_x(x: torch.Tensor, shape, dtype) -> bool:
@@ -192,7 +194,7 @@ def quantize_1x32(
     without, ``scale_layout="blocked"`` gives ``layouts.to_blocked`` of the whole matrix and
     ``"plain"`` gives ``(M, K/32)``. Bit-identical to :func:`moe_quant.reference.quantize_rowwise`.
     """
-    value = _MODE_VALUES.get(mode) if type(mode) is str else None
+    value = _MODE_VALUES.get(mode) if type(mode) in _MODE_TYPES else None
     if value is not None and not cc.via_dispatcher(x):  # eager, on a plain tensor: the checks of the hot path
         shape, dtype, device = x.shape, x.dtype, x.device
         if _valid_x(x, shape, dtype) and (offs is None or _valid_offs(offs, device)) and \
