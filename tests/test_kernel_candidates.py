@@ -194,6 +194,28 @@ def test_32x1_variant_in_place_reaches_every_op(launches):
             assert log[-1] == v
 
 
+def test_variant_in_place_replaces_the_kernel_of_a_plan_made_before(launches):
+    """The ops' plans hold their compiled kernel (``compile_cache.plan``): a shape called before the block must launch
+    the candidate inside it, and its own kernel again after."""
+    import torch
+
+    from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
+
+    log, cpu = launches
+    v = config_32x1.Variant("bfloat16", "rceil", "kgroups")
+    cand = v.replace(raster=4)
+    x, offs = torch.zeros(64, 64, dtype=torch.bfloat16), torch.tensor([40, 64], dtype=torch.int32)
+    calls = []
+    for where in ("before", "inside", "after"):
+        if where == "inside":
+            with ops_32x1.variant_in_place(cand, cpu):
+                ops_32x1.run_quantize_32x1_k_groups(x, "rceil", offs)
+        else:
+            ops_32x1.run_quantize_32x1_k_groups(x, "rceil", offs)
+        calls.append(log[-1])
+    assert calls == [v, cand, v]
+
+
 def test_permute_variant_in_place_reaches_every_op(launches):
     import torch
 
