@@ -1,6 +1,7 @@
 """Host (CPU) time of the MXFP8 grouped GEMM and of each quantize kernel launch, against the host targets.
 
-    python -m benchmarks.bench_host [--n 100] [--reps 20] [--rounds 5] [--json PATH]
+    python -m benchmarks.bench_host [--n 100] [--reps 20] [--rounds 5] [--only launches] [--json PATH]
+    python -m benchmarks.bench_host --only launches --against DIR [--processes 4]
 
 Per call, eager, warm, inputs already on the GPU:
 
@@ -15,12 +16,19 @@ Per call, eager, warm, inputs already on the GPU:
   call (``cudaLaunchKernel`` / ``cuLaunchKernel`` / ``cudaLaunchKernelExC`` / ``cuLaunchKernelEx`` events).
 
 Rows: ``torch._grouped_mm`` fwd+bwd (bf16) vs ``mxfp8_grouped_mm`` fwd+bwd (default backend) at a tiny and a
-small-M size; each quantize kernel through its torch op (1x32 with M-groups, 32x1 K-groups, the permute
-kernel's blocked output), the compiled kernel called alone (the TVM-FFI call) and the op's output allocations
-alone (the rest of the op's time is its Python); for scale, a native torch op (``torch.neg``) and one CUDA
-allocation (``torch.empty``) on the same host, the 1x32 op's outputs allocated one ``torch.empty`` each against
-views of one allocation (and one view op alone), and TVM-FFI's no-op function with no and four tensor arguments
-(its cost per tensor argument). Targets (issue 20):
+small-M size; each quantize kernel through its public op (1x32 with M-groups, 32x1 K-groups, the permute
+kernel's blocked output), and of that: the compiled kernel called alone (the TVM-FFI function, as the op calls
+it), TVM-FFI's no-op function called with the same arguments (the kernel call less its own work: the compiled
+function's argument checks, device switch and CUDA launch), the op's output allocations alone, and the rest (the
+op's Python); each timed in ``--rounds`` interleaved rounds, the median. For scale: a native torch op
+(``torch.neg``), one CUDA allocation (``torch.empty``) and one bare kernel launch through torch
+(``torch.cuda._sleep(0)``: no allocation, no dispatcher) on the same host, the device test the launch path ran
+per call until 2026-12-03 (``x.get_device() != torch._C._cuda_getDevice()``), the 1x32 op's outputs allocated
+one ``torch.empty`` each against views of one allocation (and one view op alone), and TVM-FFI's no-op function
+with no and four tensor arguments (its cost per tensor argument). ``--only launches`` skips the fwd+bwd rows.
+``--against DIR`` times the launch rows of this checkout's ``moe_quant`` and of the one in folder ``DIR`` (e.g.
+``git archive REV moe_quant | tar -x -C DIR``), in ``--processes`` processes each, alternating, and prints each
+row's median over the processes (min-max) on both sides and their ratio. Targets (issue 20):
 ``mxfp8_grouped_mm`` fwd+bwd at most 2x ``torch._grouped_mm``'s host time; each kernel launch (its op) at
 most 10 us; no device-to-host synchronization (``syncs``: a call under ``torch.cuda.set_sync_debug_mode("error")``,
 which raises on ``.item()``, ``.cpu()``, stream synchronizations, must not raise).
@@ -29,15 +37,24 @@ which raises on ``.item()``, ``.cpu()``, stream synchronizations, must not raise
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 
-import torch
+if "--tree" in sys.argv[:-1]:  # a child of --against: the moe_quant of that folder, before anything imports one
+    sys.path.insert(0, os.path.abspath(sys.argv[sys.argv.index("--tree") + 1]))
 
-from benchmarks.timing import device_name, host_us, print_table, prog_name, require_cuda, write_json
-from moe_quant import cli
+import torch  # noqa: E402
+
+from benchmarks.timing import device_name, host_us, print_table, prog_name, require_cuda, write_json  # noqa: E402
+from moe_quant import cli  # noqa: E402
 
 MAX_RATIO = 2.0  # mxfp8_grouped_mm fwd+bwd host time / torch._grouped_mm's
 MAX_LAUNCH_US = 10.0  # host time of one quantize kernel launch (its torch op)
+ISSUE57_LAUNCH_US = 15.0  # issue 57's: at most 15 us per quantize call from Python
 SIZES = {"tiny": (256, 256, 256, 8), "small-M": (2048, 2048, 1024, 8)}  # M, K, N, experts
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # not the calls' time
@@ -114,10 +131,10 @@ def fwd_only(impl, A, W, offs, grad):
     return run
 
 
-def quantize_launches() -> list[tuple[str, object, object, object]]:
-    """(name, torch op call, compiled kernel call alone, the op's output allocations alone) of each quantize kernel,
-    tiny inputs: what is left of the op's host time after the kernel call and the allocations is its Python
-    (argument checks, shapes, the kernel lookup)."""
+def quantize_launches() -> list[tuple[str, object, object, object, object]]:
+    """(name, torch op call, compiled kernel call alone, TVM-FFI's no-op with the same arguments (None without
+    tvm_ffi), the op's output allocations alone) of each quantize kernel, tiny inputs: what is left of the op's host
+    time after the kernel call and the allocations is its Python (argument checks, shapes, the kernel lookup)."""
     from moe_quant import layouts
     from moe_quant.kernels import ops
     from moe_quant.kernels.quantize_1x32 import ops as ops_1x32
@@ -147,14 +164,31 @@ def quantize_launches() -> list[tuple[str, object, object, object]]:
         shapes = [(tuple(t.shape), t.dtype) for t in like]
         return lambda: [torch.empty(size=shape, dtype=dtype, device=x.device) for shape, dtype in shapes]
 
+    nop = tvm_ffi_nop()
+    k1, k32, kp = k1.call, k32.call, kp.call  # what the ops call (no Python frame of compile_cache between)
+
+    def same_args(*args):
+        return None if nop is None else (lambda: nop(*args))
+
     return [
         ("quantize_1x32 (M-groups)", lambda: ops.quantize_1x32(x, "rceil", offs), lambda: k1(x, d, sc, offs),
-         empties(d, sc)),
+         same_args(x, d, sc, offs), empties(d, sc)),
         ("quantize_32x1_k_groups", lambda: ops.quantize_32x1_k_groups(x, "rceil", offs),
-         lambda: k32(x, d32, s32, offs, p32), empties(d32, s32, p32)),
+         lambda: k32(x, d32, s32, offs, p32), same_args(x, d32, s32, offs, p32), empties(d32, s32, p32)),
         ("permute_mxfp8 (blocked)", lambda: ops_permute.permute_mxfp8(data, scales, counts, "blocked"),
-         lambda: kp(data, scales, counts, pd, ps, po), empties(pd, ps, po)),
+         lambda: kp(data, scales, counts, pd, ps, po), same_args(data, scales, counts, pd, ps, po),
+         empties(pd, ps, po)),
     ]
+
+
+def tvm_ffi_nop():
+    """TVM-FFI's no-op function (``testing.nop``), or None without tvm_ffi."""
+    try:
+        import tvm_ffi
+
+        return tvm_ffi.get_global_func("testing.nop")
+    except Exception:
+        return None
 
 
 def allocation_peers(device: torch.device) -> list[tuple[str, object]]:
@@ -187,34 +221,117 @@ def tvm_ffi_peers(x: torch.Tensor) -> list[tuple[str, object]]:
     """TVM-FFI's own cost per call and per tensor argument: its no-op function (``testing.nop``) with no tensor
     and with four (what a 1x32 call passes); the compiled kernels' calls add their argument checks and the
     launch. Empty without tvm_ffi."""
-    try:
-        import tvm_ffi
-
-        nop = tvm_ffi.get_global_func("testing.nop")
-    except Exception:
+    nop = tvm_ffi_nop()
+    if nop is None:
         return []
     offs = torch.zeros(2, dtype=torch.int32, device=x.device)
     return [("TVM-FFI no-op call, no tensor", lambda: nop()),
             ("TVM-FFI no-op call, 4 CUDA tensors", lambda: nop(x, x, x, offs))]
 
 
+def launch_rows(args) -> tuple[list, list]:
+    """``(rows, results)`` of each quantize op's launch: the op, the compiled kernel alone, TVM-FFI's no-op with the
+    same arguments, the allocations alone and the rest, each the median of ``--rounds`` interleaved rounds."""
+    rows, results = [], []
+    launches = quantize_launches()
+    parts = {name: {"op": op, "kernel": raw, "nop": nop, "alloc": alloc} for name, op, raw, nop, alloc in launches}
+    got = {name: {part: [] for part, fn in fns.items() if fn is not None} for name, fns in parts.items()}
+    for _ in range(args.rounds):  # interleaved: the host's speed drifts
+        for name, fns in parts.items():
+            for part, us in got[name].items():
+                us.append(host_us(fns[part], args.n, args.reps))
+    for name, fns in parts.items():
+        med = {part: statistics.median(us) for part, us in got[name].items()}
+        r = {"host_us": med["op"], "rounds_us": got[name]["op"], **profile_cpu(fns["op"], args.n)}
+        rest = med["op"] - med["kernel"] - med["alloc"]
+        ok = r["host_us"] <= MAX_LAUNCH_US and r["syncs"] == 0
+        ok57 = r["host_us"] <= ISSUE57_LAUNCH_US and r["syncs"] == 0
+        rows.append(["launch", "256x256", name, r["host_us"], r["profiler_us"], r["launches"], r["syncs"],
+                     f"<= {MAX_LAUNCH_US:g} / {ISSUE57_LAUNCH_US:g} us", f"{'PASS' if ok else 'FAIL'} / "
+                     f"{'PASS' if ok57 else 'FAIL'}"])
+        rows.append(["", "", "  of which: compiled kernel alone", med["kernel"], "", "", "", "", ""])
+        if "nop" in med:
+            rows.append(["", "", "    of that: TVM-FFI no-op, same arguments", med["nop"], "", "", "", "", ""])
+        rows.append(["", "", "  of which: its output allocations alone", med["alloc"], "", "", "", "", ""])
+        rows.append(["", "", "  of which: the rest (the op's Python)", rest, "", "", "", "", ""])
+        results.append({"name": name, **r, "compiled_kernel_us": med["kernel"], "nop_same_args_us": med.get("nop"),
+                        "allocations_us": med["alloc"], "rest_us": rest, "target_us": MAX_LAUNCH_US,
+                        "issue57_target_us": ISSUE57_LAUNCH_US, "pass": ok, "pass_issue57": ok57})
+    return rows, results
+
+
+def package_tree(text: str) -> str:
+    """``type=`` of ``--against``: a folder holding a ``moe_quant`` package. (Here, not in ``moe_quant.cli``: the
+    children of ``--against`` import the other folder's ``moe_quant``, which may predate it.)"""
+    if not os.path.isfile(os.path.join(text, "moe_quant", "__init__.py")):
+        raise argparse.ArgumentTypeError(f"expected a folder holding a moe_quant package, got {text!r}")
+    return text
+
+
+def against(args) -> int:
+    """``--against DIR``: the launch rows of this checkout and of ``DIR``'s moe_quant in alternating processes."""
+    trees = {"this checkout": None, args.against: args.against}
+    got: dict = {tree: [] for tree in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            for tree in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
+                out = os.path.join(tmp, f"{i}-{len(got[tree])}-{tree is None}.json")
+                cmd = [sys.executable, "-m", "benchmarks.bench_host", "--only", "launches", "--json", out,
+                       "--n", str(args.n), "--reps", str(args.reps), "--rounds", str(args.rounds)]
+                cmd += [] if trees[tree] is None else ["--tree", trees[tree]]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                with open(out) as fh:
+                    got[tree].append(json.load(fh))
+    rows = []
+    mine, theirs = got.values()
+
+    def cell(values):
+        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+    for i, launch in enumerate(mine[0]["launches"]):
+        for key, what in (("host_us", launch["name"]), ("compiled_kernel_us", "  compiled kernel alone"),
+                          ("nop_same_args_us", "    TVM-FFI no-op, same arguments"),
+                          ("allocations_us", "  output allocations alone"), ("rest_us", "  the rest (Python)")):
+            if launch.get(key) is None:
+                continue
+            a, b = ([run["launches"][i][key] for run in runs] for runs in (mine, theirs))
+            rows.append([what, cell(a), cell(b), f"{statistics.median(a) - statistics.median(b):+.2f}"])
+    for name in mine[0]["peers"]:  # the same host's scale, this checkout's processes
+        rows.append([f"peer: {name}", cell([run["peers"][name] for run in mine]), "", ""])
+    print_table(f"host us per call, median over {args.processes} processes each (min-max), {device_name()}",
+                ["call", "this checkout", args.against, "difference"], rows)
+    write_json(args.json, {"device": device_name(), "this checkout": mine, args.against: theirs})
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.splitlines()[0])
     p.add_argument("--n", type=cli.positive_int, default=100, help="calls per timed batch")
     p.add_argument("--reps", type=cli.positive_int, default=20, help="timed batches (the best is kept)")
-    p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds of the fwd+bwd rows")
+    p.add_argument("--rounds", type=cli.positive_int, default=5, help="interleaved rounds of the fwd+bwd rows and "
+                   "of the launch rows")
+    p.add_argument("--only", choices=("all", "launches"), default="all", help="launches: the launch rows and peers")
+    p.add_argument("--against", type=package_tree, default=None, metavar="DIR",
+                   help="time the launch rows of this checkout and of the moe_quant in folder DIR, alternating")
+    p.add_argument("--processes", type=cli.positive_int, default=4, help="with --against: processes per side")
+    p.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # a child of --against (read at import)
     p.add_argument("--json", type=cli.writable_file, default=None, help="write the results here")
     args = p.parse_args(argv)
     require_cuda(argv)
+    if args.against:
+        return against(args)
     from moe_quant import mxfp8_grouped_mm
 
     impls = {"torch._grouped_mm": lambda a, w, o: torch._grouped_mm(a, w, offs=o), "mxfp8_grouped_mm": mxfp8_grouped_mm}
+    import moe_quant
+
     results = {"device": device_name(), "torch": torch.__version__, "grouped_mm": [], "launches": [],
-               "tvm_ffi_dlpack_exchange_api": dlpack_exchange_api()}
+               "tvm_ffi_dlpack_exchange_api": dlpack_exchange_api(),
+               "moe_quant": os.path.dirname(os.path.dirname(os.path.abspath(moe_quant.__file__)))}
     print(f"TVM-FFI passes torch tensors through the C DLPack exchange API: {results['tvm_ffi_dlpack_exchange_api']} "
           "(without it every tensor argument of a kernel call goes through the Python DLPack protocol)")
     rows = []
-    for size, (m, k, n, e) in SIZES.items():
+    for size, (m, k, n, e) in (SIZES.items() if args.only == "all" else ()):
         problem = grouped_mm_problem(m, k, n, e)
         runs = {name: fwd_bwd(impl, *problem) for name, impl in impls.items()}
         rounds = {name: [] for name in impls}
@@ -238,23 +355,18 @@ def main(argv=None) -> int:
         results["grouped_mm"].append({"size": size, "shape": [m, k, n, e], **{k_: v for k_, v in per.items()},
                                       "ratio": ratio, "ratio_range": [ratios[0], ratios[-1]],
                                       "target_ratio": MAX_RATIO, "pass": ok})
-    for name, op, raw, alloc in quantize_launches():
-        r = {"host_us": host_us(op, args.n, args.reps), **profile_cpu(op, args.n)}
-        raw_us, alloc_us = host_us(raw, args.n, args.reps), host_us(alloc, args.n, args.reps)
-        ok = r["host_us"] <= MAX_LAUNCH_US and r["syncs"] == 0
-        rows.append(["launch", "256x256", name, r["host_us"], r["profiler_us"], r["launches"], r["syncs"],
-                     f"<= {MAX_LAUNCH_US} us", "PASS" if ok else "FAIL"])
-        rows.append(["", "", "  of which: compiled kernel alone", raw_us, "", "", "", "", ""])
-        rows.append(["", "", "  of which: its output allocations alone", alloc_us, "", "", "", "", ""])
-        results["launches"].append({"name": name, **r, "compiled_kernel_us": raw_us, "allocations_us": alloc_us,
-                                    "target_us": MAX_LAUNCH_US, "pass": ok})
-    # the scale of a launch on this host: one native torch op with its output, and one CUDA allocation (an op
-    # with two or three outputs allocates two or three times)
+    launch_table, results["launches"] = launch_rows(args)
+    rows += launch_table
+    # the scale of a launch on this host: one native torch op with its output, one CUDA allocation (an op with two
+    # or three outputs allocates two or three times) and one bare launch
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     results["peers"] = {}
     for name, fn in (("torch.neg (a native op, one output)", lambda: torch.neg(x)),
                      ("torch.empty (one CUDA allocation)", lambda: torch.empty(256, 264, device="cuda",
                                                                                dtype=torch.float8_e4m3fn)),
+                     ("torch.cuda._sleep(0) (one bare launch through torch)", lambda: torch.cuda._sleep(0)),
+                     ("the device test dropped from the launch path",
+                      lambda: x.get_device() != torch._C._cuda_getDevice()),
                      *allocation_peers(x.device), *tvm_ffi_peers(x)):
         us = results["peers"][name] = host_us(fn, args.n, args.reps)
         rows.append(["peer", "256x256", name, us, "", "", "", "", ""])

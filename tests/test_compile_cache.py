@@ -1,6 +1,6 @@
 """CI without a GPU: the compile cache's build path (cross-compile, export to the disk cache) for one
-variant of each kernel family, in a fresh process as a first GPU call would run it; and the sources its disk
-cache hashes."""
+variant of each kernel family, in a fresh process as a first GPU call would run it, and what the compiled functions'
+TVM-FFI entries do that the launch path relies on; and the sources its disk cache hashes."""
 
 import ast
 import json
@@ -12,15 +12,26 @@ from moe_quant.kernels import compile_check
 from repo_subprocess import run_python
 
 SCRIPT = """
-import json, os
+import json, os, tempfile
 os.environ["CUTE_DSL_ARCH"] = "sm_90a"
 from moe_quant.kernels import compile_cache as cc, compile_check
 first = {}
 for v in compile_check.all_variants():
     first.setdefault(v.family, v)
-built = {fam: cc.build(v, "sm_90a").source for fam, v in first.items()}
+kernels = {fam: cc.build(v, "sm_90a") for fam, v in first.items()}
+built = {fam: k.source for fam, k in kernels.items()}
 hashes = {fam: cc._src_hash(v) for fam, v in first.items()}
-print(json.dumps({"built": built, "hashes": hashes, "files": sorted(os.listdir(os.environ["MOE_QUANT_CACHE_DIR"]))}))
+entry = {}  # what the TVM-FFI entry function of each family's kernel calls, of the symbols cc.launch relies on
+ir_dir = tempfile.mkdtemp()
+for fam, k in kernels.items():
+    path = os.path.join(ir_dir, fam + ".ll")
+    k.owner.export_to_c(path, function_name="mq_ir")
+    text = open(path).read()
+    body = text[text.index("@__tvm_ffi_mq_ir("):]
+    body = body[:body.index("\\n}\\n")]
+    entry[fam] = sorted(s for s in ("_cudaGetDevice", "_cudaSetDevice", "TVMFFIEnvGetStream") if "@" + s + "(" in body)
+print(json.dumps({"built": built, "hashes": hashes, "files": sorted(os.listdir(os.environ["MOE_QUANT_CACHE_DIR"])),
+                  "entry": entry}))
 """
 
 
@@ -34,6 +45,10 @@ def test_build_exports_every_family_to_the_disk_cache(tmp_path, monkeypatch):
     assert len(set(got["hashes"].values())) == len(got["hashes"])  # one source hash per family
     for fam, h in got["hashes"].items():
         assert any(f.startswith(f"{fam}-") and h in f and f.endswith(".o") for f in got["files"]), (fam, got["files"])
+    # compile_cache.launch runs no device guard: each compiled function reads the current device, switches to its
+    # first CUDA tensor's for the launch (and back), and launches on TVM-FFI's environment stream (torch's current
+    # stream of that device)
+    assert got["entry"] == {fam: ["TVMFFIEnvGetStream", "_cudaGetDevice", "_cudaSetDevice"] for fam in got["built"]}
 
 
 def _moe_quant_imports(path) -> set:

@@ -190,6 +190,33 @@ def test_unaligned_input_storage():
     assert_bytes_equal(s, rs, "scales")
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_tensor_of_another_device_launches_there_on_its_current_stream():
+    """The launch path runs no device guard (``compile_cache.launch``): the compiled function switches to its
+    tensors' device for the launch (and back), and TVM-FFI launches on that device's current stream. ``x`` is
+    written on a side stream of device 1 after a long sleep there, and the op is called with device 0 current: a
+    launch on device 0, or on device 1's default stream, would read ``x`` unwritten."""
+    x_cpu = make_values((512, 256), "normal", 7, torch.bfloat16)
+    offs_cpu = offsets_from_sizes([200, 312])
+    dev1 = torch.device("cuda", 1)
+    src, offs = x_cpu.to(dev1), offs_cpu.to(dev1)
+    side = torch.cuda.Stream(dev1)
+    side.wait_stream(torch.cuda.current_stream(dev1))
+    torch.cuda.set_device(0)
+    with torch.cuda.stream(side):  # device 1 current here, its current stream the side one
+        x = torch.zeros_like(src)
+        torch.cuda._sleep(100_000_000)  # tens of ms of the side stream
+        x.copy_(src)
+        torch.cuda.set_device(0)
+        data, scales = ops.quantize_1x32(x, ScaleMode.RCEIL, offs)
+        assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(dev1) == side
+    torch.cuda.synchronize(dev1)
+    assert data.device == scales.device == dev1
+    rd, rs = reference.quantize_rowwise(x_cpu, ScaleMode.RCEIL, offs_cpu)
+    assert_bytes_equal(data, rd, "data")
+    assert_bytes_equal(scales, rs, "scales")
+
+
 def test_path_without_tvm_ffi(monkeypatch):
     """The fallback call path (cute.runtime.from_dlpack + explicit stream) gives the same bytes."""
     monkeypatch.setenv("MOE_QUANT_NO_TVM_FFI", "1")

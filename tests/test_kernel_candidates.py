@@ -167,17 +167,23 @@ def test_32x1_threads_follow_tile_cols():
 @pytest.fixture
 def launches(monkeypatch):
     """The ops run on CPU tensors with compiling and launching stubbed: each launch records the variant whose
-    kernel the op took (``get_kernel`` returns the variant itself)."""
+    kernel the op took (``get_kernel`` returns a kernel whose call logs its variant)."""
     import torch
 
     from moe_quant.kernels import compile_cache as cc
 
     log = []
+
+    class Kernel:
+        def __init__(self, variant):
+            self.call = lambda *args: log.append(variant)
+
     monkeypatch.setattr(cc, "_FAST", {})
     monkeypatch.setattr(cc, "arch", lambda device: "sm_90a")
-    monkeypatch.setattr(cc, "get_kernel", lambda variant, arch: variant)
-    monkeypatch.setattr(cc, "launch", lambda kernel, *args: log.append(kernel))
-    return log, torch.device("cpu")
+    monkeypatch.setattr(cc, "get_kernel", lambda variant, arch: Kernel(variant))
+    cc.forget_plans()  # the ops' plans hold the kernels they launch: none from before the stubs
+    yield log, torch.device("cpu")
+    cc.forget_plans()  # nor the stubs after
 
 
 def test_32x1_variant_in_place_reaches_every_op(launches):
@@ -206,6 +212,28 @@ def test_32x1_variant_in_place_reaches_every_op(launches):
         if v.groups == "uniform":
             ops_32x1._quantize_32x1_3d_impl(x.view(2, 32, 64), v.mode, getattr(torch, v.out_dtype), v.as_bf16)
             assert log[-1] == v
+
+
+def test_variant_in_place_replaces_the_kernel_of_a_plan_made_before(launches):
+    """The ops' plans hold their compiled kernel (``compile_cache.plan``): a shape called before the block must launch
+    the candidate inside it, and its own kernel again after."""
+    import torch
+
+    from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
+
+    log, cpu = launches
+    v = config_32x1.Variant("bfloat16", "rceil", "kgroups")
+    cand = v.replace(raster=4)
+    x, offs = torch.zeros(64, 64, dtype=torch.bfloat16), torch.tensor([40, 64], dtype=torch.int32)
+    calls = []
+    for where in ("before", "inside", "after"):
+        if where == "inside":
+            with ops_32x1.variant_in_place(cand, cpu):
+                ops_32x1.run_quantize_32x1_k_groups(x, "rceil", offs)
+        else:
+            ops_32x1.run_quantize_32x1_k_groups(x, "rceil", offs)
+        calls.append(log[-1])
+    assert calls == [v, cand, v]
 
 
 def test_permute_variant_in_place_reaches_every_op(launches):

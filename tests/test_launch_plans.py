@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_quant.kernels import compile_cache as cc
+from moe_quant.numerics import ScaleMode
 from moe_quant.kernels.permute import config as config_permute
 from moe_quant.kernels.permute import ops as ops_permute
 from moe_quant.kernels.quantize_1x32 import config as config_1x32
@@ -21,21 +22,29 @@ from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
 NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8_e4m3fn"}
 
 
+class Kernel:
+    """A compiled kernel's stand-in: its ``call`` (what the ops launch) records ``(variant, tensors)``."""
+
+    def __init__(self, variant, log):
+        self.variant, self.log = variant, log
+
+    def call(self, *tensors):
+        self.log.append((self.variant, tensors))
+
+
 class Stubs:
-    """Each launch records ``(variant, tensors)``: ``get_kernel`` returns the variant itself."""
+    """Each launch records ``(variant, tensors)``: ``get_kernel`` returns a :class:`Kernel` of the variant."""
 
     def __init__(self, monkeypatch):
         self.log = []
         monkeypatch.setattr(cc, "_FAST", {})
         monkeypatch.setattr(cc, "arch", lambda device: "sm_90a")
-        monkeypatch.setattr(cc, "get_kernel", lambda variant, arch: variant)
-        monkeypatch.setattr(cc, "launch", lambda kernel, *tensors: self.log.append((kernel, tensors)))
+        monkeypatch.setattr(cc, "get_kernel", lambda variant, arch: Kernel(variant, self.log))
         for mod, names in ((ops_1x32, ["_PLANS"]), (ops_32x1, ["_K_GROUPS_PLANS", "_3D_PLANS"]),
                            (ops_permute, ["_PLANS"])):
             for name in names:
                 monkeypatch.setattr(mod, name, {})
-        for mod in (ops_1x32, ops_32x1):  # the public functions' CUDA test: these tensors are on the CPU
-            monkeypatch.setattr(mod, "_check_device", lambda x, fn: None)
+        monkeypatch.setattr(cc, "CPU_STUBS", True)  # the public functions' CUDA test takes these CPU tensors
 
     def launched(self):
         """The variant and tensors of the call just made (None if it launched nothing); the log is emptied."""
@@ -215,11 +224,13 @@ def cost(fn):
 
 
 # (Python calls into moe_quant, torch ops) one call may cost: one allocation per output (no view: the kernels take
-# e4m3 / e8m0 tensors as they are returned), the Python of the public checks, one plan lookup and the launch
+# e4m3 / e8m0 tensors as they are returned), the public checks of the hot path (one function: x and offs, each read
+# once), one plan lookup (the plan holds the kernel) and the kernel's own call (no launch helper between)
 BUDGETS = {
-    "quantize_1x32": (9, ["empty", "empty"]),
-    "quantize_32x1_k_groups": (9, ["empty", "empty", "empty"]),
-    "permute_mxfp8": (6, ["empty", "empty", "empty"]),
+    "quantize_1x32": (5, ["empty", "empty"]),
+    "quantize_32x1_k_groups": (5, ["empty", "empty", "empty"]),
+    "permute_mxfp8": (5, ["empty", "empty", "empty"]),
+    "run_quantize_1x32": (4, ["empty", "empty"]),
 }
 
 
@@ -234,6 +245,7 @@ def one_call(name: str):
         "quantize_1x32": lambda: ops_1x32.quantize_1x32(x, "rceil", offs),
         "quantize_32x1_k_groups": lambda: ops_32x1.quantize_32x1_k_groups(x, "rceil", offs),
         "permute_mxfp8": lambda: ops_permute.permute_mxfp8(data, scales, counts, "blocked"),
+        "run_quantize_1x32": lambda: ops_1x32.run_quantize_1x32(x, "rceil", offs, "blocked"),  # the autograd entry
     }[name]
 
 
@@ -263,3 +275,70 @@ def test_one_call_costs_at_most_its_budget(stubs, name):
     max_py, want_ops = BUDGETS[name]
     assert len(py) <= max_py, f"{name}: {len(py)} Python calls into moe_quant: {py}"
     assert sorted(ops) == sorted(want_ops), f"{name}: torch ops {ops}"
+
+
+def _outcome(fn, args):
+    """What a call did: ``("raised", type, message)``, or ``("returned", output forms, the launched variant and what
+    it was passed)``: each tensor as the index of the argument (of ``args``) or output it is, else its form."""
+    try:
+        got = fn()
+    except Exception as e:  # noqa: BLE001 - the exception is the outcome compared
+        return "raised", type(e), str(e)
+    outs = [t for t in (got if isinstance(got, tuple) else (got,)) if t is not None]
+    launched = fn.launched()
+
+    def which(t):
+        for name, group in (("arg", args), ("out", outs)):
+            for i, u in enumerate(group):
+                if t is u:
+                    return name, i
+        return None if t is None else ("other", tuple(t.shape), t.stride(), t.dtype)
+
+    forms = [(tuple(t.shape), t.dtype) for t in outs]
+    return "returned", forms, launched and (launched[0], [which(t) for t in launched[1]])
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+XS = st.sampled_from(["ok", "fp32", "fp16", "k48", "1d", "3d", "rows0", "strided", "meta", "subclass", "list"])
+OFFS = st.sampled_from(["none", "ok", "int64", "2d", "meta", "list"])
+
+
+def _x_arg(kind):
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    return {"ok": x, "fp32": x.float(), "fp16": x.half(), "k48": x[:, :48].contiguous(), "1d": x[0],
+            "3d": x.view(2, 32, 64), "rows0": x[:0], "strided": x.t(), "meta": x.to("meta"),
+            "subclass": x.as_subclass(_Sub), "list": [[0.0] * 64]}[kind]
+
+
+def _offs_arg(kind):
+    offs = torch.tensor([30, 64], dtype=torch.int32)
+    return {"none": None, "ok": offs, "int64": offs.long(), "2d": offs.view(1, 2), "meta": offs.to("meta"),
+            "list": [30, 64]}[kind]
+
+
+@given(XS, OFFS, st.sampled_from(["rceil", "floor", "RCEIL", ScaleMode.FLOOR, "bogus", 3]),
+       st.sampled_from(["blocked", "plain", "bogus"]))
+def test_public_hot_path_checks_equal_the_full_checks(x_kind, offs_kind, mode, scale_layout):
+    """The public ops' hot path (each argument's properties read once, no check function called) against their full
+    checks (the hot path made to answer None, so every call takes the checks): the same error for each bad argument,
+    the same outputs and launch for good ones."""
+    x, offs = _x_arg(x_kind), _offs_arg(offs_kind)
+    calls = [lambda: ops_1x32.quantize_1x32(x, mode, offs, scale_layout)]
+    if scale_layout == "blocked":  # (the 32x1 op has no layout argument: once per example)
+        calls.append(lambda: ops_32x1.quantize_32x1_k_groups(x, mode, offs))
+    for call in calls:
+        outcomes = []
+        for hot in (True, False):
+            with fresh_stubs() as stubs, pytest.MonkeyPatch.context() as mp:
+                if not hot:
+                    mp.setattr(ops_1x32, "_hot_path", lambda *args: None)
+                    mp.setattr(ops_32x1, "_hot_path", lambda *args: None)
+                call.launched = stubs.launched
+                outcomes.append(_outcome(call, (x, offs)))
+        hot_path, checks = outcomes
+        assert hot_path == checks, (x_kind, offs_kind, mode, scale_layout)
+    if x_kind == offs_kind == "ok" and mode == "rceil" and scale_layout == "blocked":  # precondition: good ones launch
+        assert checks[0] == "returned" and checks[2] is not None

@@ -137,6 +137,16 @@ def test_host_glue_script_times_the_kernel_path_on_a_cpu():
     assert proc.stdout.startswith("round 0: fwd+bwd ") and " us, bwd " in proc.stdout, proc.stdout
 
 
+def test_host_glue_script_times_each_quantize_op_on_a_cpu():
+    proc = run("scripts/host_glue_cpu.py", "--ops", "--calls", "3", "--rounds", "1", pythonpath=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"moe_quant from {ROOT}", proc.stdout
+    assert [line.split(":")[0] for line in lines[1:]] == ["quantize_1x32 (M-groups)", "run_quantize_1x32 (autograd entry)",
+                                                         "quantize_32x1_k_groups", "permute_mxfp8 (blocked)"]
+    assert all(line.endswith(" us") for line in lines[1:]), proc.stdout
+
+
 def test_gpu_torch_script_says_what_is_missing(tmp_path):
     """``scripts/gpu_torch.sh``: a bare call prints its usage (exit 2); ``keep`` copies a part into the stash;
     ``install`` with the stash incomplete names what is missing (exit 1) and installs nothing."""

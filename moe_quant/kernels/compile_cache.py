@@ -35,6 +35,9 @@ from ..backends import device_capability, importable
 # kernel fails to write shows up as a mismatch.
 POISON_OUTPUTS = False
 INT32_MAX = 2**31 - 1
+# Tests and ``scripts/host_glue_cpu.py`` set this, with compiling and launching stubbed, to count and time the ops'
+# own Python (their checks, plans and allocations) on CPU tensors: the ops' test of a CUDA input then takes the CPU.
+CPU_STUBS = False
 
 
 def empty(shape, dtype, device) -> torch.Tensor:
@@ -137,8 +140,10 @@ class Compiled:
             align = 4 if t.dtype == torch.int32 else 16
             return from_dlpack(t, assumed_align=align).mark_layout_dynamic()
 
-        stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-        self.fn(*(conv(t) for t in tensors), stream)
+        device = tensors[0].device
+        stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        with torch.cuda.device(device):  # the launch goes to the current device's context
+            self.fn(*(conv(t) for t in tensors), stream)
 
 
 _LOCK = threading.Lock()
@@ -264,7 +269,7 @@ def sm_count(device: torch.device) -> int:
     return n
 
 
-_FAST: dict = {}  # (family key..., device index) -> Compiled: one dict lookup per call
+_FAST: dict = {}  # (family key..., device index) -> Compiled: one dict lookup
 
 
 def _fast_key(key: tuple, device: torch.device) -> tuple:
@@ -273,12 +278,9 @@ def _fast_key(key: tuple, device: torch.device) -> tuple:
 
 def kernel_for(key: tuple, make_variant, device: torch.device) -> Compiled:
     """The compiled kernel for ``key`` (a hashable tuple unique to the variant, without the device) on
-    ``device``; ``make_variant()`` builds the variant on the first call only."""
-    return kernel_at(_fast_key(key, device), make_variant, device)
-
-
-def kernel_at(fast_key: tuple, make_variant, device: torch.device) -> Compiled:
-    """:func:`kernel_for` of the key with ``device``'s index appended (what a :func:`plan` keeps)."""
+    ``device``; ``make_variant()`` builds the variant on the first call only. The ops with plans look it up once
+    per shape (their :func:`plan` holds it)."""
+    fast_key = _fast_key(key, device)
     k = _FAST.get(fast_key)
     if k is None:
         k = _FAST[fast_key] = get_kernel(make_variant(), arch(device))
@@ -286,13 +288,28 @@ def kernel_at(fast_key: tuple, make_variant, device: torch.device) -> Compiled:
 
 
 PLAN_LIMIT = 4096  # plans one op keeps; past it the op's dict is emptied (shapes that vary without end)
+_PLAN_TABLES: list = []  # every op's dict of plans (plan_table): emptied when a kernel is swapped (in_place_of)
+
+
+def plan_table() -> dict:
+    """A new dict of an op's plans (:func:`plan`), emptied whenever :func:`in_place_of` swaps a kernel (a plan holds
+    the compiled kernel it launches)."""
+    table: dict = {}
+    _PLAN_TABLES.append(table)
+    return table
+
+
+def forget_plans() -> None:
+    """Empty every op's plans: the next call at each shape makes its plan again (and looks its kernel up again)."""
+    for table in _PLAN_TABLES:
+        table.clear()
 
 
 def plan(plans: dict, key: tuple, make):
     """``plans[key]``, made by ``make(*key)`` on a miss: what an op's eager call at one shape needs beyond its
-    tensors (output shapes, the kernel's key with the device index, whether it launches), computed once per
-    shape. ``make`` may raise (a buffer past the int32 range): nothing is kept then. Keyed by every argument the
-    plan depends on, so a hit is the plain computation's answer; the ops read their dict first
+    tensors (output shapes, the compiled kernel on the device the key ends with, or None where nothing launches),
+    computed once per shape. ``make`` may raise (a buffer past the int32 range): nothing is kept then. Keyed by every
+    argument the plan depends on, so a hit is the plain computation's answer; the ops read their dict first
     (``plans.get(key) or cc.plan(plans, key, make)``: one lookup per call). Only eager calls use plans (under
     tracing the ops' fake implementations run), so no compiled graph guards on them."""
     p = make(*key)
@@ -318,6 +335,7 @@ def in_place_of(key: tuple, variant, device: torch.device):
     kernel = get_kernel(variant, arch(device))
     old = _FAST.get(fast_key)
     _FAST[fast_key] = kernel
+    forget_plans()  # the plans made before hold the op's own kernel
     try:
         yield
     finally:
@@ -325,6 +343,7 @@ def in_place_of(key: tuple, variant, device: torch.device):
             _FAST.pop(fast_key, None)
         else:
             _FAST[fast_key] = old
+        forget_plans()
 
 
 def via_dispatcher(t: torch.Tensor) -> bool:
@@ -344,9 +363,10 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def launch(kernel: Compiled, x, *tensors) -> None:
-    """Run ``kernel(x, *tensors)`` on ``x``'s device and the current stream."""
-    if x.get_device() != torch._C._cuda_getDevice():
-        with torch.cuda.device(x.device):
-            kernel.call(x, *tensors)
-    else:
-        kernel.call(x, *tensors)
+    """Run ``kernel(x, *tensors)`` on ``x``'s device and the current stream. Through TVM-FFI that is the call
+    itself: the compiled function switches to the device of its first CUDA tensor for the launch and back
+    (CuTe DSL's TVM-FFI call provider) and launches on that device's current torch stream (TVM-FFI's environment
+    stream, set from torch's ``current_work_stream`` of the first CUDA argument's device), so no Python guard
+    runs per call; the DLPack path (no TVM-FFI) switches in Python (:meth:`Compiled._call_dlpack`). The ops whose
+    plans hold their kernel call ``kernel.call(x, *tensors)`` themselves: the same, without this function's frame."""
+    kernel.call(x, *tensors)

@@ -58,12 +58,12 @@ def variants_in_place(device: torch.device, **fields):
         yield
 
 
-_PLANS: dict = {}  # the eager calls' plans (compile_cache.plan): key of _permute_impl -> _plan's
+_PLANS: dict = cc.plan_table()  # the eager calls' plans (compile_cache.plan): key of _permute_impl -> _plan's
 
 
-def _plan(shape, n_experts, out, out_dtype, index):
-    """``(output dtype, scale shape or None, the kernel's key on device ``index`` or None where nothing launches,
-    make_variant)`` of a call on ``data`` of ``shape`` with ``n_experts`` experts."""
+def _plan(shape, n_experts, out, out_dtype, device):
+    """``(output dtype, scale shape or None, the compiled kernel on ``device`` or None where nothing launches)`` of a
+    call on ``data`` of ``shape`` with ``n_experts`` experts."""
     m, k = shape
     scale_shape = None
     if out != "dequant":
@@ -72,8 +72,9 @@ def _plan(shape, n_experts, out, out_dtype, index):
             raise ValueError(f"permute_received: scale buffer of {scale_shape[0] * scale_shape[1]} bytes exceeds the "
                              "int32 index range")
         out_dtype = torch.float8_e4m3fn
-    name = _DEQUANT_DTYPES[out_dtype] if out == "dequant" else "float8_e4m3fn"
-    return out_dtype, scale_shape, _key(out, name) + (index,) if m * k else None, lambda: Variant(out, name)
+    if not m * k:
+        return out_dtype, scale_shape, None
+    return out_dtype, scale_shape, _kernel(out, out_dtype, device)
 
 
 def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):
@@ -81,21 +82,20 @@ def _permute_impl(data, scales, counts, out: str, out_dtype: torch.dtype):
     # the launch path of every eager call (host time): one dict lookup for everything that follows from the shapes
     device = data.device
     n_experts = counts.shape[1]
-    key = (data.shape, n_experts, out, out_dtype, device.index)
-    res_dtype, scale_shape, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
+    key = (data.shape, n_experts, out, out_dtype, device)
+    res_dtype, scale_shape, kernel = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
     offs = torch.empty(n_experts, dtype=torch.int32, device=device)
     res = torch.empty(size=key[0], dtype=res_dtype, device=device)
     res_scales = (None if scale_shape is None else
                   torch.empty(size=scale_shape, dtype=torch.float8_e8m0fnu, device=device))
     if cc.POISON_OUTPUTS:
         cc.poison(offs, res, res_scales)
-    if kernel_key is not None:
+    if kernel is not None:
         if data.dtype is not torch.float8_e4m3fn:  # its bytes
             data = data.view(torch.float8_e4m3fn)
         if scales.dtype is not torch.float8_e8m0fnu:  # its bytes
             scales = scales.view(torch.float8_e8m0fnu)
-        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(data), cc.aligned(scales), counts, res,
-                  res_scales, offs)
+        kernel.call(cc.aligned(data), cc.aligned(scales), counts, res, res_scales, offs)
     else:  # no rows or K = 0: nothing to move, offs from the (device-side) table, scale buffer all zero
         offs.copy_(layouts.received_group_table(counts, key[0][0])[3])
         if res_scales is not None:

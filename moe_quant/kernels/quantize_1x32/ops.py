@@ -35,8 +35,33 @@ def _check_x(x, fn: str) -> None:
         raise ValueError(f"{fn}: x must be contiguous (row-major), got strides {x.stride()}")
 
 
+# the modes and their own spellings -> ScaleMode.parse's value, looked up (other spellings: parse)
+_MODE_VALUES = {**{m.value: m.value for m in ScaleMode}, **{m: m.value for m in ScaleMode}}
+_MODE_TYPES = (str, ScaleMode)  # the types looked up there (not every argument hashes: a list raises TypeError)
+
+
+def _hot_path(x, offs):
+    """``(shape, dtype, device)`` of ``x`` where the public ops' checks of ``x`` and ``offs`` (:func:`_check_x`,
+    :func:`_check_offs`, :func:`_check_device`) pass on the eager path (a plain tensor, not tracing), each property
+    read once and no check function called; None for anything else: the caller then runs those checks (each failure
+    its own error) and the custom op where it dispatches."""
+    if cc.via_dispatcher(x):
+        return None
+    shape, dtype, device = x.shape, x.dtype, x.device
+    if (dtype in IN_DTYPES and len(shape) == 2 and not shape[1] % BLOCK_SIZE
+            and (x.is_cuda or cc.CPU_STUBS and x.is_cpu) and x.is_contiguous()  # _on_kernel_device, inlined
+            and (offs is None or (type(offs) is torch.Tensor and offs.dtype is torch.int32 and offs.dim() == 1
+                                  and offs.device == device))):
+        return shape, dtype, device
+    return None
+
+
+def _on_kernel_device(x: torch.Tensor) -> bool:
+    return x.is_cuda or cc.CPU_STUBS and x.is_cpu
+
+
 def _check_device(x, fn: str) -> None:
-    if not x.is_cuda:
+    if not _on_kernel_device(x):
         raise ValueError(f"{fn}: x must be on a CUDA device, got {x.device}")
 
 
@@ -47,7 +72,7 @@ def _check_offs(offs, x: torch.Tensor, fn: str) -> None:
         raise TypeError(f"{fn}: offs must be int32, got {offs.dtype}")
     if offs.dim() != 1:
         raise ValueError(f"{fn}: offs must be 1D (G,), got shape {tuple(offs.shape)}")
-    if offs.device != x.device and x.device.type != "cpu":
+    if offs.device != x.device and _on_kernel_device(x):  # (x elsewhere: _check_device says so)
         raise ValueError(f"{fn}: offs must be on the same device as x ({x.device}), got {offs.device}")
 
 
@@ -75,13 +100,14 @@ def _kernel_for(x: torch.Tensor, mode: str, kind: str, out: str, as_bf16: bool =
     return cc.kernel_for(*_spec(x.dtype, mode, kind, out, as_bf16), x.device)
 
 
-_PLANS: dict = {}  # the eager calls' plans (compile_cache.plan): key of _quantize_impl / _fake_impl -> _plan's
+# the eager calls' plans (compile_cache.plan): the key of _launch_quantize / _fake_impl -> _plan's answer
+_PLANS: dict = cc.plan_table()
 
 
-def _plan(shape, g, scale_layout, dtype, mode, as_bf16, out, index):
-    """``(scale shape or None, the kernel's key on device ``index`` (``compile_cache.kernel_at``; None where nothing
-    launches), make_variant)`` of a call on ``x`` of ``shape`` and ``dtype``; ``g``: offs' length or None; ``out``:
-    "float8_e4m3fn" to quantize, the output dtype's name to fake-quantize."""
+def _plan(shape, g, scale_layout, dtype, mode, as_bf16, out, device):
+    """``(scale shape or None, the compiled kernel on ``device`` or None where nothing launches)`` of a call on ``x``
+    of ``shape`` and ``dtype``; ``g``: offs' length or None; ``out``: "float8_e4m3fn" to quantize, the output dtype's
+    name to fake-quantize."""
     m, k = shape
     if out == "float8_e4m3fn":
         kind = "mgroups" if g is not None else ("blocked" if scale_layout == "blocked" else "plain")
@@ -92,36 +118,41 @@ def _plan(shape, g, scale_layout, dtype, mode, as_bf16, out, index):
         launches = m * k or scale_shape[0] * scale_shape[1]
     else:
         kind, scale_shape, launches = "fake", None, m * k
+    if not launches:
+        return scale_shape, None
     key, make = _spec(dtype, mode, kind, out, as_bf16)
-    return scale_shape, key + (index,) if launches else None, make
+    return scale_shape, cc.kernel_for(key, make, device)
 
 
 def _quantize_impl(x: torch.Tensor, mode: str, offs, scale_layout: str, as_bf16: bool = False):
+    return _launch_quantize(x, x.shape, x.dtype, x.device, mode, offs, scale_layout, as_bf16)
+
+
+def _launch_quantize(x, shape, dtype, device, mode: str, offs, scale_layout: str, as_bf16: bool):
+    """:func:`_quantize_impl` of ``x``'s shape, dtype and device, read by the caller (the public op reads them once,
+    for its checks and here)."""
     # the launch path of every eager call (host time): one dict lookup for everything that follows from the shapes
-    shape = x.shape
-    device = x.device
-    key = (shape, None if offs is None else offs.shape[0], scale_layout, x.dtype, mode, as_bf16, "float8_e4m3fn",
-           device.index)
-    scale_shape, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
+    key = (shape, None if offs is None else offs.shape[0], scale_layout, dtype, mode, as_bf16, "float8_e4m3fn", device)
+    scale_shape, kernel = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
     data = torch.empty(size=shape, dtype=torch.float8_e4m3fn, device=device)
     scales = torch.empty(size=scale_shape, dtype=torch.float8_e8m0fnu, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(data, scales)
-    if kernel_key is not None:
-        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(x), data, scales, offs)
+    if kernel is not None:
+        kernel.call(cc.aligned(x), data, scales, offs)
     return data, scales
 
 
 def _fake_impl(x: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False):
     shape = x.shape
     device = x.device
-    key = (shape, None, None, x.dtype, mode, as_bf16, FAKE_OUT_DTYPES[out_dtype], device.index)
-    _, kernel_key, make = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
+    key = (shape, None, None, x.dtype, mode, as_bf16, FAKE_OUT_DTYPES[out_dtype], device)
+    _, kernel = _PLANS.get(key) or cc.plan(_PLANS, key, _plan)
     out = torch.empty(size=shape, dtype=out_dtype, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(out)
-    if kernel_key is not None:
-        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(x), out, None, None)
+    if kernel is not None:
+        kernel.call(cc.aligned(x), out, None, None)
     return out
 
 
@@ -166,6 +197,13 @@ def quantize_1x32(
     without, ``scale_layout="blocked"`` gives ``layouts.to_blocked`` of the whole matrix and
     ``"plain"`` gives ``(M, K/32)``. Bit-identical to :func:`moe_quant.reference.quantize_rowwise`.
     """
+    value = _MODE_VALUES.get(mode) if type(mode) in _MODE_TYPES else None
+    hot = _hot_path(x, offs) if value is not None and scale_layout in SCALE_LAYOUTS else None
+    if hot is not None:
+        shape, dtype, device = hot
+        return _launch_quantize(x, shape, dtype, device, value, offs, scale_layout, False)
+    # anything else (tracing, a subclass, another spelling of the mode, bad arguments): each check in turn, each
+    # failure its own error
     fn = "quantize_1x32"
     mode = ScaleMode.parse(mode, "mode")
     _check_x(x, fn)
@@ -183,7 +221,7 @@ def run_quantize_1x32(x: torch.Tensor, mode: str, offs, scale_layout: str, as_bf
     ``as_bf16``: a float32 ``x`` is quantized as ``x.to(torch.bfloat16)`` (rounded in the kernel)."""
     if cc.via_dispatcher(x):
         return torch.ops.moe_quant.quantize_1x32(x, mode, offs, scale_layout, as_bf16)
-    return _quantize_impl(x, mode, offs, scale_layout, as_bf16)
+    return _launch_quantize(x, x.shape, x.dtype, x.device, mode, offs, scale_layout, as_bf16)
 
 
 def fake_quantize_1x32(x: torch.Tensor, mode: ScaleMode | str, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -9,7 +9,8 @@ from ... import layouts
 from ...numerics import BLOCK_SIZE, ScaleMode
 from .. import compile_cache as cc
 from .config import Variant
-from ..quantize_1x32.ops import IN_DTYPES, _check_device, _check_offs, _check_out_dtype, _check_w, _check_x
+from ..quantize_1x32.ops import (IN_DTYPES, _MODE_TYPES, _MODE_VALUES, _check_device, _check_offs, _check_out_dtype,
+                                 _check_w, _check_x, _hot_path)
 
 _OUT_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -44,13 +45,13 @@ def _k_groups_shapes(m: int, r: int, g: int):
 
 
 # the eager calls' plans (compile_cache.plan): key of each impl below -> its _plan_* function's answer
-_K_GROUPS_PLANS: dict = {}
-_3D_PLANS: dict = {}
+_K_GROUPS_PLANS: dict = cc.plan_table()
+_3D_PLANS: dict = cc.plan_table()
 
 
-def _plan_k_groups(shape, g, dtype, mode, out_dtype, index):
-    """``(data shape, scale shape or None, the kernel's key on device ``index`` or None where nothing launches,
-    make_variant)`` of a K-groups call on ``x`` of ``shape`` and ``dtype`` with ``g`` groups."""
+def _plan_k_groups(shape, g, dtype, mode, out_dtype, device):
+    """``(data shape, scale shape or None, the compiled kernel on ``device`` or None where nothing launches)`` of a
+    K-groups call on ``x`` of ``shape`` and ``dtype`` with ``g`` groups."""
     m, r = shape
     data_shape, scale_shape = _k_groups_shapes(m, r, g)
     if out_dtype != torch.float8_e4m3fn:
@@ -58,55 +59,61 @@ def _plan_k_groups(shape, g, dtype, mode, out_dtype, index):
     elif scale_shape[0] * scale_shape[1] > cc.INT32_MAX:
         raise ValueError(f"quantize_32x1: scale buffer of {scale_shape[0] * scale_shape[1]} bytes exceeds the int32 "
                          "index range")
-    key, make = _spec(dtype, mode, "kgroups", out_dtype, False)
-    key += (index,)
-    return data_shape, scale_shape, key if data_shape[0] * data_shape[1] else None, make
+    if not data_shape[0] * data_shape[1]:
+        return data_shape, scale_shape, None
+    return data_shape, scale_shape, cc.kernel_for(*_spec(dtype, mode, "kgroups", out_dtype, False), device)
 
 
 def _quantize_32x1_k_groups_impl(x: torch.Tensor, mode: str, offs: torch.Tensor, out_dtype: torch.dtype):
+    return _launch_k_groups(x, x.shape, x.dtype, x.device, mode, offs, out_dtype)
+
+
+def _launch_k_groups(x, shape, dtype, device, mode: str, offs: torch.Tensor, out_dtype: torch.dtype):
+    """:func:`_quantize_32x1_k_groups_impl` of ``x``'s shape, dtype and device, read by the caller (the public op
+    reads them once, for its checks and here)."""
     # the launch path of every eager call (host time): one dict lookup for everything that follows from the shapes
-    device = x.device
-    key = (x.shape, offs.shape[0], x.dtype, mode, out_dtype, device.index)
+    g = offs.shape[0]
+    key = (shape, g, dtype, mode, out_dtype, device)
     plans = _K_GROUPS_PLANS
-    data_shape, scale_shape, kernel_key, make = plans.get(key) or cc.plan(plans, key, _plan_k_groups)
+    data_shape, scale_shape, kernel = plans.get(key) or cc.plan(plans, key, _plan_k_groups)
     data = torch.empty(size=data_shape, dtype=out_dtype, device=device)
     scales = None if scale_shape is None else torch.empty(size=scale_shape, dtype=torch.float8_e8m0fnu,
                                                           device=device)
-    poffs = torch.empty(key[1], dtype=torch.int32, device=device)
+    poffs = torch.empty(g, dtype=torch.int32, device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(data, scales, poffs)
-    if kernel_key is not None:
-        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(x), data, scales, offs, poffs)
+    if kernel is not None:
+        kernel.call(cc.aligned(x), data, scales, offs, poffs)
     else:  # R = 0, or M = G = 0: no CTA, but the padded offsets still follow from offs
-        poffs.copy_(layouts.padded_group_offsets(offs, key[0][0]))
+        poffs.copy_(layouts.padded_group_offsets(offs, shape[0]))
     return data, scales, poffs
 
 
-def _plan_3d(shape, dtype, mode, out_dtype, as_bf16, index):
-    """``(data shape, scale shape or None, the kernel's key on device ``index`` or None where nothing launches,
-    make_variant)`` of a call on ``w`` of ``shape`` (E, N, K) and ``dtype``."""
+def _plan_3d(shape, dtype, mode, out_dtype, as_bf16, device):
+    """``(data shape, scale shape or None, the compiled kernel on ``device`` or None where nothing launches)`` of a
+    call on ``w`` of ``shape`` (E, N, K) and ``dtype``."""
     e, n, k = shape
     scale_shape = None
     if out_dtype == torch.float8_e4m3fn:
         rp, cp = layouts.blocked_shape(k, n // BLOCK_SIZE)
         scale_shape = (e, rp * cp)
-    key, make = _spec(dtype, mode, "uniform", out_dtype, as_bf16)
-    key += (index,)
-    return (e, k, n), scale_shape, key if e * n * k else None, make
+    if not e * n * k:
+        return (e, k, n), scale_shape, None
+    return (e, k, n), scale_shape, cc.kernel_for(*_spec(dtype, mode, "uniform", out_dtype, as_bf16), device)
 
 
 def _quantize_32x1_3d_impl(w: torch.Tensor, mode: str, out_dtype: torch.dtype, as_bf16: bool = False):
     device = w.device
-    key = (w.shape, w.dtype, mode, out_dtype, as_bf16, device.index)
-    data_shape, scale_shape, kernel_key, make = _3D_PLANS.get(key) or cc.plan(_3D_PLANS, key, _plan_3d)
+    key = (w.shape, w.dtype, mode, out_dtype, as_bf16, device)
+    data_shape, scale_shape, kernel = _3D_PLANS.get(key) or cc.plan(_3D_PLANS, key, _plan_3d)
     data = torch.empty(size=data_shape, dtype=out_dtype, device=device)
     scales = None if scale_shape is None else torch.empty(size=scale_shape, dtype=torch.float8_e8m0fnu,
                                                           device=device)
     if cc.POISON_OUTPUTS:
         cc.poison(data, scales)
-    if kernel_key is not None:
+    if kernel is not None:
         e, n, k = key[0]
-        cc.launch(cc.kernel_at(kernel_key, make, device), cc.aligned(w.view(e * n, k)), data, scales, None, None)
+        kernel.call(cc.aligned(w.view(e * n, k)), data, scales, None, None)
     elif scales is not None:
         scales.view(torch.uint8).zero_()
     return data, scales
@@ -172,6 +179,12 @@ def quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.T
     padded_offs int32 (G,))``, ``Mp = round_up(M, 32) + 32 G``: each group's tokens start at a multiple
     of 32, gaps and tail zero. Bit-identical to :func:`moe_quant.reference.quantize_colwise_k_groups`.
     """
+    value = _MODE_VALUES.get(mode) if type(mode) in _MODE_TYPES else None
+    hot = _hot_path(x, offs) if value is not None and offs is not None else None
+    if hot is not None:
+        shape, dtype, device = hot
+        return _launch_k_groups(x, shape, dtype, device, value, offs, torch.float8_e4m3fn)
+    # anything else (tracing, a subclass, another spelling of the mode, bad arguments): each check in turn
     fn = "quantize_32x1_k_groups"
     mode = ScaleMode.parse(mode, "mode")
     _check_x(x, fn)
@@ -185,7 +198,7 @@ def run_quantize_32x1_k_groups(x: torch.Tensor, mode: str, offs: torch.Tensor):
     op while tracing or on a tensor subclass, else the launch itself (the autograd functions' hot path)."""
     if cc.via_dispatcher(x):
         return torch.ops.moe_quant.quantize_32x1_k_groups(x, mode, offs)
-    return _quantize_32x1_k_groups_impl(x, mode, offs, torch.float8_e4m3fn)
+    return _launch_k_groups(x, x.shape, x.dtype, x.device, mode, offs, torch.float8_e4m3fn)
 
 
 def fake_quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.Tensor,
