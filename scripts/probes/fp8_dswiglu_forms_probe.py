@@ -104,9 +104,61 @@ def wgrad(cols, x_col, offs, backend, w_dtype):
     return WGRAD(_bf16_forms(cols, _dequantize_colwise), x_col, offs, backend, w_dtype)
 
 
+# ----------------------------------------------------------------------------- compiled: the dequantization as its
+# own op (an op's inputs live until it returns, so an fp8 form read inside the GEMM's op would live beside its bf16
+# values through the GEMM)
+
+
+def _dequantize_form(form: list[torch.Tensor], after: list[torch.Tensor], colwise: bool) -> torch.Tensor:
+    """The bf16 values of an fp8 form's ``(data, scales)``; ``after``: read by nothing (the op runs after those
+    exist, as ``swiglu_block_ops._OpStages``' ``after``)."""
+    with torch.profiler.record_function("kernel:dequantize_colwise" if colwise else "kernel:dequantize_rowwise"):
+        return q.dequantize_rows(form[0], form[1], torch.bfloat16)
+
+
+_dequantize_op = torch.library.custom_op("moe_quant_probe::dequantize_form", _dequantize_form, mutates_args=())
+_dequantize_op.register_fake(_dequantize_form)
+OPS_DSWIGLU, OPS_DGRAD, OPS_WGRAD = sbo._OpStages.dswiglu, sbo._OpStages.dgrad, sbo._OpStages.wgrad
+
+
+def ops_stages(rows_fp8: bool):
+    """``_OpStages``' dswiglu, dgrad and wgrad with the fp8 forms: dSwiGLU's op output unflattened by their arity,
+    each form dequantized by its own op just before the GEMM's op (ordered after the previous GEMM's output), which
+    then reads bf16 forms as today."""
+    arity = (2 if rows_fp8 else 1, 3)
+
+    def dswiglu(self, *args):
+        self.probe_dw = None
+        with mock.patch.object(sbo, "_arity", lambda fake: arity):
+            return OPS_DSWIGLU(self, *args)
+
+    def dgrad(self, rows, w, offs, mode, backend, scopes, x_dtype, acc):
+        if rows_fp8:
+            fp8 = list(rows)
+            rows.clear()
+            rows = []
+            while fp8:
+                rows.append((_dequantize_op(list(fp8.pop(0)), self._after(), False),))
+        return OPS_DGRAD(self, rows, w, offs, mode, backend, scopes, x_dtype, acc)
+
+    def wgrad(self, cols, x_col, offs, backend, w_dtype):
+        fp8 = list(cols)
+        cols.clear()
+        after = [x_col[0]] + ([self.probe_dw] if self.probe_dw is not None else [])
+        bf16 = []
+        while fp8:
+            data_t, scales, poffs = fp8.pop(0)
+            bf16.append((_dequantize_op([data_t, scales], after, True), poffs))
+        self.probe_dw = OPS_WGRAD(self, bf16, x_col, offs, backend, w_dtype)
+        return self.probe_dw
+
+    return dswiglu, dgrad, wgrad
+
+
 @contextlib.contextmanager
-def patched(which: str):
-    """Within it the fused block runs ``which`` (:data:`PATCHES`), eager and compiled."""
+def patched(which: str, in_op: bool = False):
+    """Within it the fused block runs ``which`` (:data:`PATCHES`), eager and compiled; ``in_op``: compiled, each
+    form dequantized inside the op of the GEMM that reads it (else by its own op before)."""
     with contextlib.ExitStack() as stack:
         # x's operand in its own range, so that its bf16 values count as a colwise form (padded rows)
         stack.enter_context(mock.patch.object(bq, "colwise_operand", _in_range("kernel:colwise_operand",
@@ -115,12 +167,17 @@ def patched(which: str):
             rows_fp8 = which == "fp8-forms"
             stack.enter_context(mock.patch.object(bq, "dswiglu", fp8_dswiglu(rows_fp8)))
             stack.enter_context(mock.patch.object(sb.BackwardStages, "wgrad", staticmethod(wgrad)))
-            stack.enter_context(mock.patch.object(sbo, "backward_wgrad", wgrad))
-            # tensors a form has across the ops: (rowwise, colwise); the emulated GEMM's are (1, 2)
-            stack.enter_context(mock.patch.object(sbo, "_arity", lambda fake: (2 if rows_fp8 else 1, 3)))
             if rows_fp8:
                 stack.enter_context(mock.patch.object(sb.BackwardStages, "dgrad", staticmethod(dgrad)))
-                stack.enter_context(mock.patch.object(sbo, "backward_dgrad", dgrad))
+            if in_op:
+                stack.enter_context(mock.patch.object(sbo, "backward_wgrad", wgrad))
+                # tensors a form has across the ops: (rowwise, colwise); the emulated GEMM's are (1, 2)
+                stack.enter_context(mock.patch.object(sbo, "_arity", lambda fake: (2 if rows_fp8 else 1, 3)))
+                if rows_fp8:
+                    stack.enter_context(mock.patch.object(sbo, "backward_dgrad", dgrad))
+            else:
+                for name, fn in zip(("dswiglu", "dgrad", "wgrad"), ops_stages(rows_fp8)):
+                    stack.enter_context(mock.patch.object(sbo._OpStages, name, fn))
         yield
 
 
@@ -145,14 +202,14 @@ def grads(fn, m, d, h, e) -> list:
     return [t.grad for t in (x, w1, w3, w2)]
 
 
-def check_bits(m, d, h, e, modes, backend) -> None:
+def check_bits(m, d, h, e, modes, backend, in_op: bool) -> None:
     """Raise unless every patch gives today's eager gradients bit for bit, in every mode."""
     with patched("today"):
         want = grads(sb.mxfp8_swiglu_experts, m, d, h, e)
     assert all(g is not None and g.abs().sum() > 0 for g in want), "a gradient is missing or zero"
     for which in PATCHES:
         for mode in modes:
-            with patched(which):
+            with patched(which, in_op):
                 fn = sb.mxfp8_swiglu_experts if mode == "eager" else _fresh_compiled(sb.mxfp8_swiglu_experts, backend)
                 got = grads(fn, m, d, h, e)
             for name, g, w in zip(("dx", "dW1", "dW3", "dW2"), got, want):
@@ -170,6 +227,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", type=cli.comma_choices("eager", "compiled"), default=["eager", "compiled"])
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     p.add_argument("--top", type=cli.non_negative_int, default=12)
+    p.add_argument("--stages", action="store_true", help="the most bytes alive in each backward stage, by kernel")
+    p.add_argument("--in-op", action="store_true",
+                   help="compiled: dequantize each form inside the op of the GEMM that reads it, not by its own op")
     args = p.parse_args(argv)
     d, h, e = args.d, args.h, args.experts
     m = e * args.rows
@@ -184,20 +244,22 @@ def main(argv=None) -> int:
         return size * factor * (pad if any(s in COLWISE_RANGES for s in stage) else 1)
 
     torch._inductor.config.fx_graph_cache = False  # the patches change the ops' outputs: trace afresh
-    check_bits(m, d, h, e, args.modes, args.backend)
+    check_bits(m, d, h, e, args.modes, args.backend, args.in_op)
     print(f"D {d}, H {h}, E {e}, M {m} x{factor:g} = D {sd}, H {sh}, E {se}, M {sm}; dx, dW1, dW3, dW2 bit-identical "
           f"to today's block in every variant and mode ({', '.join(args.modes)})")
     runs = [("bf16", None)] + [("fused", which) for which in PATCHES]
     for mode in args.modes:
         for name, which in runs:
             fn = bench_block.bf16_block if which is None else sb.mxfp8_swiglu_experts
-            with patched(which or "today"):
+            with patched(which or "today", args.in_op):
                 fn = fn if mode == "eager" else _fresh_compiled(fn, args.backend)
                 plain = block_peak.step_peak(fn, m, d, h, e)
                 pk = block_peak.step_peak(fn, m, d, h, e, weigh=weigh)
             label = name if which is None else f"{name} {which}"
             print(f"{label:18} {mode:8} x{factor:g} {plain.bytes * factor / 2**30:.3f} GiB, padded "
                   f"{pk.bytes / 2**30:.3f} GiB  at: {' > '.join(pk.stage[-3:])}")
+            for stage, b, _ in pk.stages if args.stages else []:
+                print(f"    stage {stage:60} max {b / 2**30:.3f} GiB")
             for size, where in pk.alive[:args.top]:
                 print(f"    {size / 2**30:7.3f} GiB ({size / theirs['X']:.2f} X, {size / theirs['Hh']:.2f} Hh, "
                       f"{size / theirs['W']:.2f} W)  {where}")
