@@ -7,7 +7,7 @@ that GEMM returns), as x's kept colwise form is already (:func:`moe_quant.block_
 
 CPU, ``benchmarks.block_peak``'s model of the GPU's allocations (its default shape is DeepSeek-V3 16B's experts
 divided by 256; ``--d 896 --h 256 --experts 4 --rows 192 --scale-to 7168,2048,64,98304`` is DeepSeek-V3's divided by
-512). Nothing in ``moe_quant`` changes: the probe patches, for the emulated GEMM the CPU runs,
+1024). Nothing in ``moe_quant`` changes: the probe patches, for the emulated GEMM the CPU runs,
 
 * ``block_quantize.dswiglu``: grad_a and grad_b (the reference) quantized to fp8 data and plain e8m0 scales, rowwise
   ``(data (M, H), scales (M, H/32))`` (rows past the last group zero, as the bf16 form) and colwise
@@ -23,8 +23,9 @@ divided by 256; ``--d 896 --h 256 --experts 4 --rows 192 --scale-to 7168,2048,64
 Each peak is printed as block_peak scales it (``xF``: every byte times the shape's factor) and ``padded``: each
 allocation of a colwise form, ``(R, Mp)`` with ``Mp = M + 32 E`` padded rows, weighed at the GPU shape's padding
 (2% of the rows at 1536 rows an expert against 8% at 384: the plain factor overstates them), so that the peak's
-stage is the GPU's. The GPU kernels write blocked scales in the scaled GEMM's layout; the plain ones here are the
-same bytes up to the tiles' padding (none at these shapes' H / 32).
+stage is the GPU's (today's fused block: 2.794 GiB, the H200's 2.79). The kernel's fp8 output (``fake=False``) has
+the scaled GEMM's blocked scales, which pad each group's scale rows to 128: under 1 MB more at these shapes than the
+plain scales here.
 """
 
 from __future__ import annotations
