@@ -4,6 +4,7 @@ that GEMM returns), as x's kept colwise form is already (:func:`moe_quant.block_
 
     python scripts/probes/fp8_dswiglu_forms_probe.py [--d 512] [--h 352] [--experts 4] [--rows 384]
         [--scale-to 2048,1408,64,98304] [--modes eager,compiled] [--backend inductor|aot_eager] [--top 12]
+        [--stages] [--in-op]
 
 CPU, ``benchmarks.block_peak``'s model of the GPU's allocations (its default shape is DeepSeek-V3 16B's experts
 divided by 256; ``--d 896 --h 256 --experts 4 --rows 192 --scale-to 7168,2048,64,98304`` is DeepSeek-V3's divided by
@@ -13,12 +14,16 @@ divided by 256; ``--d 896 --h 256 --experts 4 --rows 192 --scale-to 7168,2048,64
   ``(data (M, H), scales (M, H/32))`` (rows past the last group zero, as the bf16 form) and colwise
   ``(data_t (H, Mp), scales (H, Mp/32), poffs)`` (:func:`moe_quant.quantize.colwise_k_groups_plain`, the form the
   block keeps of x); ``fp8-colwise``: the colwise forms alone, the rowwise forms bf16 as today;
-* the dgrad and wgrad stages (:class:`moe_quant.autograd.swiglu_block.BackwardStages` eager, the custom ops'
-  ``backward_dgrad`` / ``backward_wgrad`` and ``_arity`` compiled): each fp8 form dequantized
-  (:func:`moe_quant.quantize.dequantize_rows`, one pass) into the bf16 form today's stage reads, the fp8 one dropped
-  then, and today's stage run on it. The bf16 values are the fp8 values times their scales, so every gradient is the
-  same bits: checked (``torch.equal`` of dx, dW1, dW3, dW2 against the unpatched block, eager and compiled) before
-  any peak is printed.
+* the dgrad and wgrad stages (:class:`moe_quant.autograd.swiglu_block.BackwardStages` eager): each fp8 form
+  dequantized (:func:`moe_quant.quantize.dequantize_rows`, one pass) into the bf16 form today's stage reads, the fp8
+  one dropped then, and today's stage run on it. Compiled (``swiglu_block_ops._OpStages``), each form dequantized by
+  an op of its own (``moe_quant_probe::dequantize_form``, ordered after the previous GEMM's output by an input it
+  does not read) before the GEMM's op, which reads the bf16 form as today; ``--in-op``: inside the GEMM's op instead
+  (the fp8 form, an input of that op, then lives through the GEMM). The bf16 values are the fp8 values times their
+  scales, so every gradient is the same bits: checked (``torch.equal`` of dx, dW1, dW3, dW2 against the unpatched
+  eager block, eager and compiled) before any peak is printed.
+
+Results (2026-12-03, torch 2.13): docs/lab/performance_log.md, "fp8 dSwiGLU forms and the fused block's peak".
 
 Each peak is printed as block_peak scales it (``xF``: every byte times the shape's factor) and ``padded``: each
 allocation of a colwise form, ``(R, Mp)`` with ``Mp = M + 32 E`` padded rows, weighed at the GPU shape's padding
