@@ -107,8 +107,10 @@ def _ancestors(event) -> list:
     return chain[::-1]  # outermost first
 
 
-def peak_of(prof) -> Peak:
-    """:class:`Peak` from a ``torch.profiler.profile(profile_memory=True)`` run of one step."""
+def peak_of(prof, weigh=None) -> Peak:
+    """:class:`Peak` from a ``torch.profiler.profile(profile_memory=True)`` run of one step; ``weigh(size, stage)``,
+    where given, the bytes an allocation of ``size`` made in the profiler ranges ``stage`` (outermost first) counts
+    as (e.g. its size at another shape: ``scripts/probes/fp8_dswiglu_forms_probe.py``)."""
     events = []
 
     def walk(e):
@@ -129,13 +131,16 @@ def peak_of(prof) -> Peak:
             step = next((a for a in chain[::-1] if _a_stage(a)), None)
             allocs[ptr] = dict(size=size, t=e.start_time_ns, kernel=kernel, step=step,
                                stage=[a.name for a in chain if _named(a)] or ["(step)"])
+            if weigh is not None:
+                allocs[ptr]["size"] = weigh(size, allocs[ptr]["stage"])
             timeline.append(("alloc", ptr, allocs[ptr]))
         else:
             a = allocs.pop(ptr, None)
             if a is not None and a["kernel"] is not None and e.start_time_ns <= a["kernel"].end_time_ns:
                 a["temporary"] = True  # made and freed inside one kernel's range: not on the GPU
                 temporaries += a["size"]
-            timeline.append(("free", ptr, a if a is not None else dict(size=-size, pre=True)))
+            pre = -size if weigh is None else weigh(-size, [])
+            timeline.append(("free", ptr, a if a is not None else dict(size=pre, pre=True)))
     live, best, best_i, alive = 0, -1, 0, {}
     snapshot, stages, names, counts = {}, {}, {}, {}  # stages: the most bytes alive while each node's / op's
     # kernels ran
@@ -167,8 +172,9 @@ def peak_of(prof) -> Peak:
     return Peak(max(best, 0), stage, rows, temporaries, [(k, b, at) for k, (b, at) in stages.items()])
 
 
-def step_peak(fn, m: int, d: int, h: int, e: int, warmup: int = 1) -> Peak:
-    """The :class:`Peak` of one ``benchmarks.bench_block`` step of ``fn`` (x routed), after ``warmup`` steps."""
+def step_peak(fn, m: int, d: int, h: int, e: int, warmup: int = 1, weigh=None) -> Peak:
+    """The :class:`Peak` of one ``benchmarks.bench_block`` step of ``fn`` (x routed), after ``warmup`` steps
+    (``weigh``: :func:`peak_of`'s)."""
     x, w1, w3, w2, offs, gy, w13 = bench_block.make_inputs(m, d, h, e, "cpu")
     step = bench_block.step_fn(fn, x, w1, w3, w2, offs, gy, w13, routed=True)
     with as_on_gpu():
@@ -178,7 +184,7 @@ def step_peak(fn, m: int, d: int, h: int, e: int, warmup: int = 1) -> Peak:
             warnings.filterwarnings("ignore", message=".*Profiler clears events", category=UserWarning)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
                 step()
-    return peak_of(prof)
+    return peak_of(prof, weigh)
 
 
 def compiled(fn, backend: str):

@@ -59,3 +59,42 @@ def test_fused_block_peaks_at_its_second_dx_gemm(compiled):
     bf16 = peak("bf16", False)
     assert 4 * X + Hh + 3 * W <= bf16.bytes <= 4 * X + Hh + 3 * W + SMALL
     assert got.bytes < bf16.bytes
+
+
+def test_weigh_counts_each_allocation_as_it_says():
+    """``step_peak(weigh=...)`` replays the same timeline with each allocation's bytes as ``weigh`` gives them: three
+    times every size is three times the peak (``scripts/probes/fp8_dswiglu_forms_probe.py`` weighs the colwise forms
+    at another shape's padding with it)."""
+    fn = block_peak.VARIANTS["bf16"]
+    plain = block_peak.step_peak(fn, M, D, H, E)
+    assert plain.bytes > 0
+    assert block_peak.step_peak(fn, M, D, H, E, weigh=lambda size, stage: 3 * size).bytes == 3 * plain.bytes
+
+
+def _probe():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "probes"))
+    return importlib.import_module("fp8_dswiglu_forms_probe")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_dswiglu_forms_lower_the_fused_peak_with_the_same_bits(compiled):
+    """The probe's measurement (issue 54): dSwiGLU writing grad_a's and grad_b's forms in fp8 and scales, each
+    dequantized just before its GEMM (compiled: by its own op), gives the same dx, dW1, dW3, dW2 (``check_bits``
+    raises otherwise), and the second dx GEMM then holds both colwise forms in fp8 and scales, ``(H + H/32) Mp``
+    each instead of ``2 H Mp``; the colwise forms alone in fp8 (``fp8-colwise``) give the same. At this shape
+    (a quarter of the rows padding) the block then peaks at its last weight gradient's GEMM, which the fp8 forms
+    leave as it is: y, dx, the three weight gradients, x's and grad_b's bf16 colwise operands."""
+    probe = _probe()
+    probe.check_bits(M, D, H, E, ["compiled" if compiled else "eager"], "aot_eager", in_op=False)
+    second_dx = 3 * X + X_KEPT + 2 * W + Hh + 2 * (H + H // 32) * MP
+    last_wgrad = 2 * X + 2 * D * MP + 2 * H * MP + 3 * W
+    assert second_dx < last_wgrad < 3 * X + X_KEPT + 2 * W + Hh + 2 * COL_H  # today's peak
+    for which in ("fp8-forms", "fp8-colwise"):
+        with probe.patched(which):
+            got = peak("fused", compiled)
+        assert last_wgrad <= got.bytes <= last_wgrad + SMALL, (which, got.bytes, last_wgrad, got.stage)
+        assert any(second_dx <= b <= second_dx + SMALL for _, b, _ in got.stages), (which, got.stages)
