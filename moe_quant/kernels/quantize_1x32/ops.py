@@ -40,19 +40,21 @@ _MODE_VALUES = {**{m.value: m.value for m in ScaleMode}, **{m: m.value for m in 
 _MODE_TYPES = (str, ScaleMode)  # the types looked up there (not every argument hashes: a list raises TypeError)
 
 
-def _hot_path(x, offs):
-    """``(shape, dtype, device)`` of ``x`` where the public ops' checks of ``x`` and ``offs`` (:func:`_check_x`,
-    :func:`_check_offs`, :func:`_check_device`) pass on the eager path (a plain tensor, not tracing), each property
-    read once and no check function called; None for anything else: the caller then runs those checks (each failure
-    its own error) and the custom op where it dispatches."""
-    if cc.via_dispatcher(x):
+def _hot_path(x, offs, mode):
+    """``(shape, dtype, device, mode's value)`` of ``x`` where the public ops' checks of ``mode``, ``x`` and ``offs``
+    (``ScaleMode.parse``, :func:`_check_x`, :func:`_check_offs`, :func:`_check_device`) pass on the eager path (a
+    mode spelled as its value or member, a plain tensor, not tracing), each property read once and no check function
+    called; None for anything else: the caller then runs those checks (each failure its own error) and the custom op
+    where it dispatches."""
+    value = _MODE_VALUES.get(mode) if type(mode) in _MODE_TYPES else None
+    if value is None or cc.via_dispatcher(x):
         return None
     shape, dtype, device = x.shape, x.dtype, x.device
     if (dtype in IN_DTYPES and len(shape) == 2 and not shape[1] % BLOCK_SIZE
             and (x.is_cuda or cc.CPU_STUBS and x.is_cpu) and x.is_contiguous()  # _on_kernel_device, inlined
             and (offs is None or (type(offs) is torch.Tensor and offs.dtype is torch.int32 and offs.dim() == 1
                                   and offs.device == device))):
-        return shape, dtype, device
+        return shape, dtype, device, value
     return None
 
 
@@ -197,10 +199,9 @@ def quantize_1x32(
     without, ``scale_layout="blocked"`` gives ``layouts.to_blocked`` of the whole matrix and
     ``"plain"`` gives ``(M, K/32)``. Bit-identical to :func:`moe_quant.reference.quantize_rowwise`.
     """
-    value = _MODE_VALUES.get(mode) if type(mode) in _MODE_TYPES else None
-    hot = _hot_path(x, offs) if value is not None and scale_layout in SCALE_LAYOUTS else None
+    hot = _hot_path(x, offs, mode) if scale_layout in SCALE_LAYOUTS else None
     if hot is not None:
-        shape, dtype, device = hot
+        shape, dtype, device, value = hot
         return _launch_quantize(x, shape, dtype, device, value, offs, scale_layout, False)
     # anything else (tracing, a subclass, another spelling of the mode, bad arguments): each check in turn, each
     # failure its own error

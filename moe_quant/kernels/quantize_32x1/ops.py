@@ -9,8 +9,8 @@ from ... import layouts
 from ...numerics import BLOCK_SIZE, ScaleMode
 from .. import compile_cache as cc
 from .config import Variant
-from ..quantize_1x32.ops import (IN_DTYPES, _MODE_TYPES, _MODE_VALUES, _check_device, _check_offs, _check_out_dtype,
-                                 _check_w, _check_x, _hot_path)
+from ..quantize_1x32.ops import (IN_DTYPES, _check_device, _check_offs, _check_out_dtype, _check_w, _check_x,
+                                 _hot_path)
 
 _OUT_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -179,10 +179,9 @@ def quantize_32x1_k_groups(x: torch.Tensor, mode: ScaleMode | str, offs: torch.T
     padded_offs int32 (G,))``, ``Mp = round_up(M, 32) + 32 G``: each group's tokens start at a multiple
     of 32, gaps and tail zero. Bit-identical to :func:`moe_quant.reference.quantize_colwise_k_groups`.
     """
-    value = _MODE_VALUES.get(mode) if type(mode) in _MODE_TYPES else None
-    hot = _hot_path(x, offs) if value is not None and offs is not None else None
+    hot = _hot_path(x, offs, mode) if offs is not None else None
     if hot is not None:
-        shape, dtype, device = hot
+        shape, dtype, device, value = hot
         return _launch_k_groups(x, shape, dtype, device, value, offs, torch.float8_e4m3fn)
     # anything else (tracing, a subclass, another spelling of the mode, bad arguments): each check in turn
     fn = "quantize_32x1_k_groups"
