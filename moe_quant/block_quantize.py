@@ -83,7 +83,8 @@ def _kernel_forms(outs: list, fake: bool):
 
 def rowwise(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
     """``x``'s rowwise form alone (one 1x32 pass): the forward's operand of w1 and w3, and the per-GEMM path's
-    (:func:`moe_quant.mxfp8_grouped_mm`) forward and dgrad operands. Rows past the last group's end are quantized values, not zeros (no GEMM reads them)."""
+    (:func:`moe_quant.mxfp8_grouped_mm`) forward and dgrad operands. Rows past the last group's end are quantized
+    values, not zeros (no GEMM reads them)."""
     return (pq.rowwise_values(x, mode),) if fake else tuple(pq.rowwise_operand(x, mode, offs))
 
 

@@ -12,8 +12,8 @@ identity: the entry holds it, so a replacement at the same address is another st
 offset, shape, strides, dtype and autograd version counter (an in-place write is a miss). A miss, a
 different scale mode, ``inference_mode`` or code being traced by ``torch.compile`` (which records and looks up
 nothing; the compiled per-GEMM custom ops run their stages at run time, where a lookup can hit) fall back to
-quantizing, which gives the same values: re-quantizing the dequantized values of a 1x32 MXFP8 tensor with the same mode and
-blocks reproduces them (``tests/test_ep_prequantized.py``), so a hit only saves the pass.
+quantizing, which gives the same values: re-quantizing the dequantized values of a 1x32 MXFP8 tensor with the same
+mode and blocks reproduces them (``tests/test_ep_prequantized.py``), so a hit only saves the pass.
 """
 
 from __future__ import annotations
