@@ -116,7 +116,7 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         # staged fast-division ones (the former defaults' stacked code)
         stacked = [kw for kw in config.candidates("dswiglu", "bfloat16").values()
                    if kw and kw.get("staged", True) and kw.get("fast_div", True)]
-        assert len(stacked) == 5 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
+        assert len(stacked) == 7 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
                                                        for o in config.OUT_DTYPES) + len(stacked)
         assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(stacked)
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)

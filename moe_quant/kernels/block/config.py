@@ -29,6 +29,7 @@ OUT_DTYPES = ("float8_e4m3fn", "bfloat16")
 MODES = ("rceil", "floor")
 N_INPUTS = {"dual": 1, "swiglu": 2, "dswiglu": 3}
 N_OUTPUTS = {"dual": 1, "swiglu": 1, "dswiglu": 2}  # tensors written in both forms
+STAGE_ORDERS = ("thread", "row", "swizzled")  # the staged inputs' shared-memory layout (Variant.stage_order)
 CTAS_PER_SM = (2, 3)  # min_blocks_per_mp choices (the defaults and the dual candidates, compile-checked in CI)
 
 
@@ -75,6 +76,14 @@ class Variant:
     # 8 columns, and of its 8 tokens, lie 16 bytes apart in the blocked tile), instead of a branch per block around its
     # address arithmetic (kernels/block/NOTES.md, 2026-12-03). None: on for the SwiGLU ops' fp8 outputs
     flat_scales: bool | None = None
+    # staged SwiGLU inputs: where a thread's 16-byte slot of a row lies in shared memory. "thread" (the default): slot
+    # tid of the row, so the 8 lanes that copy one token's 128 contiguous bytes (lanes q, q + 4, ..., q + 28) write 64
+    # bytes apart; ncu on one H200 (2026-12-03, kernels/block/NOTES.md) counted one L2 sector request per lane of each
+    # cp.async (34.5M sectors returned for 17.3M of input: every sector fetched twice). "row": those 8 lanes' slots
+    # adjacent (128 contiguous bytes a token, as in global memory; the read-back ld.shared.v4 then meets 4-way bank
+    # conflicts); "swizzled": the same 128 bytes with the 16-byte slots permuted (column group XOR 2 x token quad) so
+    # that the read-back is free of bank conflicts too. Each thread reads back only its own slots in every layout
+    stage_order: str = "thread"
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -88,6 +97,8 @@ class Variant:
         if self.stacked and (self.op != "dswiglu" or self.out_dtype != "bfloat16"):
             raise ValueError(f"stacked rowwise outputs exist for op 'dswiglu' with bfloat16 outputs only, got "
                              f"{self.op!r} with {self.out_dtype!r}")
+        if self.stage_order not in STAGE_ORDERS:
+            raise ValueError(f"stage_order must be one of {STAGE_ORDERS}, got {self.stage_order!r}")
         if self.ctas_per_sm not in CTAS_PER_SM:
             raise ValueError(f"ctas_per_sm must be one of {CTAS_PER_SM}, got {self.ctas_per_sm!r}")
         for name in ("staged", "fast_div", "packed_amax", "lean"):
@@ -114,6 +125,9 @@ class Variant:
         if self.signed_residual and not self.fast_div:
             raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or "
                              f"'dswiglu'), got op {self.op!r} with fast_div={self.fast_div}")
+        if self.stage_order != "thread" and not self.staged:
+            raise ValueError(f"stage_order lays out the staged inputs: it needs staged (op 'swiglu' or 'dswiglu'), got "
+                             f"op {self.op!r} with staged={self.staged}")
         if (self.staged or self.fast_div) and self.op == "dual":
             raise ValueError("staged and fast_div change the SwiGLU ops' input and math code: op must be 'swiglu' or "
                              f"'dswiglu', got {self.op!r}")
@@ -129,7 +143,8 @@ class Variant:
                 + ("" if self.packed_amax == (self.op in SWIGLU_OPS) else "-pamax" if self.packed_amax else "-nopamax")
                 + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else "") + ("-fused" if self.fused_grads else "")
                 + ("-lean" if self.lean else "") + ("-round" if self.round_bf16 else "")
-                + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else ""))
+                + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else "")
+                + ("" if self.stage_order == "thread" else f"-stage{self.stage_order}"))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -155,6 +170,8 @@ def all_variants() -> list[Variant]:
 # The fields the defaults of 2026-12-03 turned on, turned off: each former default's candidate names them, so that it
 # compiles to the code it was measured as.
 PRE_1203 = {"round_bf16": False, "signed_residual": False, "flat_scales": False}
+# The staged inputs' layout (stage_order, not yet timed): "srow" and "sswz", both output kinds.
+STAGE_CANDIDATES = {"srow": {"stage_order": "row"}, "sswz": {"stage_order": "swizzled"}}
 CANDIDATES = {"default": {},
               "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
               "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
@@ -200,7 +217,8 @@ def candidates(op: str, out_dtype: str) -> dict:
     if op == "dual":
         return DUAL_CANDIDATES if out_dtype == "bfloat16" else DUAL_FP8_CANDIDATES
     own = DSWIGLU_CANDIDATES if op == "dswiglu" else CANDIDATES
-    return {**own, **(SWIGLU_BF16_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES)}
+    return {**own, **(SWIGLU_BF16_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES),
+            **STAGE_CANDIDATES}
 
 
 def candidates_any_output(op: str, outs: tuple = OUT_DTYPES) -> dict:

@@ -738,8 +738,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         or column is not real: nothing read there)."""
         ok = col_ok & (t0 + i < n_real)
         src = x.iterator + cutlass.select_(ok, (src0 + Int64(t0 + i)) * Int64(r) + Int64(col0), Int64(0))
-        cu.cp_async_16(stage + ((j * TOKENS_PER_THREAD + i) * THREADS + tid) * 4, src,
-                       cutlass.select_(ok, Int32(16), Int32(0)))
+        cu.cp_async_16(self.stage_slot(stage, j, i, tid), src, cutlass.select_(ok, Int32(16), Int32(0)))
 
     def staged_row(self, stage, j, i: int, tid: Int32) -> list:
         """Row ``i`` of input ``j``'s staged tile: 4 bf16x2 words (``j`` may be a run-time value)."""
@@ -809,8 +808,16 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         return out, (in_fast_range_lo(lo) if self.lean else in_fast_range(lo, hi))
 
     def stage_slot(self, stage, j, i: int, tid: Int32):
-        """The address of row ``i`` of input ``j``'s staged tile of thread ``tid`` (``j`` may be a run-time value)."""
-        return stage + ((j * TOKENS_PER_THREAD + i) * THREADS + tid) * 4
+        """The address of row ``i`` of input ``j``'s staged tile of thread ``tid`` (``j`` may be a run-time value):
+        16-byte slot ``(8 j + i) T + p`` with ``p`` the thread's place in its row (config ``stage_order``)."""
+        p = tid
+        if cutlass.const_expr(self.v.stage_order != "thread"):
+            # lane = 4 g + q (g: the lane's column group, q: its token quad); the 8 lanes of one token side by side
+            quad, group = tid % 4, (tid % 32) // 4
+            if cutlass.const_expr(self.v.stage_order == "swizzled"):
+                group = group ^ (quad * 2)  # a permutation within the token's 128 bytes: no read-back bank conflicts
+            p = (tid // 32) * 32 + quad * 8 + group
+        return stage + ((j * TOKENS_PER_THREAD + i) * THREADS + p) * 4
 
     @cute.jit
     def load_row(self, x, i: int, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32):
