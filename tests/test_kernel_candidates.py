@@ -25,17 +25,18 @@ def test_default_keys_unchanged():
         "blocked-float8_e4m3fn-t256i4b1024"
     # block: the SwiGLU ops staged with the fast division since 2026-11-29, lean since 2026-12-02, and dswiglu's two
     # outputs in one CTA since 2026-12-02; since 2026-12-03 the signed residual, bf16 outputs rounded on the packed
-    # words and fp8 outputs' scale bytes by flat stores (the A/Bs on the H200); dual unchanged
-    assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16").key == \
-        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean-round-sres"
-    assert config_block.Variant("swiglu", "bfloat16", "rceil").key == \
-        "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-sres-flat"
-    assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16").key == \
-        "dswiglu-bfloat16-rceil-bfloat16-staged-fastdiv-fused-lean-round-sres"
-    assert config_block.Variant("dswiglu", "bfloat16", "rceil").key == \
-        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres-flat"
-    assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True).key == \
-        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres"
+    # words and fp8 outputs' scale bytes by flat stores (the A/Bs on the H200), and later that day the staged inputs'
+    # swizzled layout (pre-stage: the layout before, the keys of that morning); dual unchanged
+    keys = {("swiglu", "bfloat16", False): "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean-round-sres",
+            ("swiglu", "float8_e4m3fn", False): "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-sres-flat",
+            ("dswiglu", "bfloat16", False): "dswiglu-bfloat16-rceil-bfloat16-staged-fastdiv-fused-lean-round-sres",
+            ("dswiglu", "float8_e4m3fn", False):
+                "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres-flat",
+            ("dswiglu", "bfloat16", True): "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres"}
+    for (op, out, stacked), key in keys.items():
+        default = config_block.Variant(op, "bfloat16", "rceil", out, stacked=stacked)
+        assert default.key == key + "-stageswizzled"
+        assert default.replace(**config_block.candidates(op, out)["pre-stage"]).key == key
     # the former defaults, candidates now, keep their keys (the code they compile to): pre-round / pre-flat is the
     # default of 2026-12-02, pre-lean the one of 2026-11-29, registers the one before it
     for op in config_block.SWIGLU_OPS:
@@ -59,8 +60,15 @@ def test_default_keys_unchanged():
     assert not config_block.Variant("swiglu", "bfloat16", "rceil", fast_div=False).signed_residual
     # an explicit field is honoured: lean without the fused outputs, and fused_grads off where fast_div is
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", fused_grads=False).key == \
-        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-sres-flat"
+        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-sres-flat-stageswizzled"
     assert not config_block.Variant("dswiglu", "bfloat16", "rceil", fast_div=False).fused_grads
+    # the staged layout resolves per op: swizzled where staged, the plain layout elsewhere; a layout needs staging
+    assert config_block.Variant("dual", "bfloat16", "rceil").stage_order == "thread"
+    assert config_block.Variant("swiglu", "bfloat16", "rceil", staged=False, fast_div=False).stage_order == "thread"
+    with pytest.raises(ValueError, match="stage_order.*staged"):
+        config_block.Variant("dual", "bfloat16", "rceil", stage_order="swizzled")
+    with pytest.raises(ValueError, match="stage_order must be one of"):
+        config_block.Variant("swiglu", "bfloat16", "rceil", stage_order="columns")
     assert not config_block.Variant("dswiglu", "bfloat16", "rceil", lean=False).fused_grads
     assert config_block.Variant("dual", "bfloat16", "rceil").key == "dual-bfloat16-rceil-float8_e4m3fn"
     # dual's bf16 outputs rounded on the packed words since 2026-12-03 (the A/B on the H200)
@@ -81,17 +89,17 @@ def test_default_keys_unchanged():
         config_block.Variant("dual", "bfloat16", "rceil", ctas_per_sm=5)
     # the bf16 outputs rounded on the packed words (a default since 2026-12-03): bf16 outputs only
     assert config_block.Variant("swiglu", "bfloat16", "rceil", "bfloat16", signed_residual=False).key == \
-        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean-round"
+        "swiglu-bfloat16-rceil-bfloat16-staged-fastdiv-lean-round-stageswizzled"
     with pytest.raises(ValueError, match="round_bf16.*out_dtype must be 'bfloat16'"):
         config_block.Variant("dual", "bfloat16", "rceil", round_bf16=True)
     # the fast division with the signed residual (a default since 2026-12-03)
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", flat_scales=False).key == \
-        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres"
+        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres-stageswizzled"
     with pytest.raises(ValueError, match="signed_residual.*needs fast_div"):
         config_block.Variant("swiglu", "bfloat16", "rceil", fast_div=False, signed_residual=True)
     # the fp8 outputs' scale bytes by predicated stores (a default since 2026-12-03)
     assert config_block.Variant("swiglu", "bfloat16", "rceil", signed_residual=False).key == \
-        "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-flat"
+        "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-flat-stageswizzled"
     for bad in (dict(op="dual"), dict(op="swiglu", out_dtype="bfloat16")):
         with pytest.raises(ValueError, match="flat_scales.*'float8_e4m3fn'"):
             config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, flat_scales=True)

@@ -265,10 +265,10 @@ def test_stacked_block_variants_are_their_own_and_the_others_keep_their_keys():
     keys = [v.key for v in all_variants()]
     assert len(keys) == len(set(keys)) == 14
     assert [k for k in keys if "-stacked" in k] == [
-        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres",
-        "dswiglu-bfloat16-floor-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres"]
+        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres-stageswizzled",
+        "dswiglu-bfloat16-floor-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres-stageswizzled"]
     assert Variant("dswiglu", "bfloat16", "rceil", "bfloat16").key == \
-        "dswiglu-bfloat16-rceil-bfloat16-staged-fastdiv-fused-lean-round-sres"
+        "dswiglu-bfloat16-rceil-bfloat16-staged-fastdiv-fused-lean-round-sres-stageswizzled"
     for op, out in (("dual", "bfloat16"), ("swiglu", "bfloat16"), ("dswiglu", "float8_e4m3fn")):
         with pytest.raises(ValueError, match="stacked rowwise outputs exist for op 'dswiglu' with bfloat16"):
             Variant(op, "bfloat16", "rceil", out, stacked=True)

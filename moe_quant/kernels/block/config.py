@@ -76,14 +76,16 @@ class Variant:
     # 8 columns, and of its 8 tokens, lie 16 bytes apart in the blocked tile), instead of a branch per block around its
     # address arithmetic (kernels/block/NOTES.md, 2026-12-03). None: on for the SwiGLU ops' fp8 outputs
     flat_scales: bool | None = None
-    # staged SwiGLU inputs: where a thread's 16-byte slot of a row lies in shared memory. "thread" (the default): slot
-    # tid of the row, so the 8 lanes that copy one token's 128 contiguous bytes (lanes q, q + 4, ..., q + 28) write 64
-    # bytes apart; ncu on one H200 (2026-12-03, kernels/block/NOTES.md) counted one L2 sector request per lane of each
-    # cp.async (34.5M sectors returned for 17.3M of input: every sector fetched twice). "row": those 8 lanes' slots
-    # adjacent (128 contiguous bytes a token, as in global memory; the read-back ld.shared.v4 then meets 4-way bank
-    # conflicts); "swizzled": the same 128 bytes with the 16-byte slots permuted (column group XOR 2 x token quad) so
-    # that the read-back is free of bank conflicts too. Each thread reads back only its own slots in every layout
-    stage_order: str = "thread"
+    # staged SwiGLU inputs: where a thread's 16-byte slot of a row lies in shared memory. "thread" (the default before
+    # 2026-12-03, evening): slot tid of the row, so the 8 lanes that copy one token's 128 contiguous bytes (lanes q, q +
+    # 4, ..., q + 28) write 64 bytes apart; ncu on one H200 counted then one L2 request per lane of each cp.async and
+    # every input sector fetched twice (swiglu: 31.1M sectors read for 17.3M of input). "row": those 8 lanes' slots
+    # adjacent (128 contiguous bytes a token, as in global memory: one request per 4 sectors; the read-back
+    # ld.shared.v4 then meets 4-way bank conflicts); "swizzled": the same 128 bytes with the 16-byte slots permuted
+    # (column group XOR 2 x token quad), so the read-back is free of bank conflicts too. Each thread reads back only its
+    # own slots in every layout. None: "swizzled" where staged (the default since the A/B on the H200, kernels/block/
+    # NOTES.md: swiglu bf16 66.9-71.8 -> 89.7-94.6% of memcpy), else "thread"
+    stage_order: str | None = None
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -97,13 +99,15 @@ class Variant:
         if self.stacked and (self.op != "dswiglu" or self.out_dtype != "bfloat16"):
             raise ValueError(f"stacked rowwise outputs exist for op 'dswiglu' with bfloat16 outputs only, got "
                              f"{self.op!r} with {self.out_dtype!r}")
-        if self.stage_order not in STAGE_ORDERS:
+        if self.stage_order not in (None, *STAGE_ORDERS):
             raise ValueError(f"stage_order must be one of {STAGE_ORDERS}, got {self.stage_order!r}")
         if self.ctas_per_sm not in CTAS_PER_SM:
             raise ValueError(f"ctas_per_sm must be one of {CTAS_PER_SM}, got {self.ctas_per_sm!r}")
         for name in ("staged", "fast_div", "packed_amax", "lean"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.op in SWIGLU_OPS)
+        if self.stage_order is None:
+            object.__setattr__(self, "stage_order", "swizzled" if self.staged else "thread")
         swiglu = self.op in SWIGLU_OPS
         for name, default in (("round_bf16", self.fake), ("signed_residual", self.fast_div),
                               ("flat_scales", swiglu and not self.fake)):
@@ -169,9 +173,18 @@ def all_variants() -> list[Variant]:
 # 67.9 / 66.5 (lean). "pre-lean" keeps the former default measurable.
 # The fields the defaults of 2026-12-03 turned on, turned off: each former default's candidate names them, so that it
 # compiles to the code it was measured as.
-PRE_1203 = {"round_bf16": False, "signed_residual": False, "flat_scales": False}
-# The staged inputs' layout (stage_order, not yet timed): "srow" and "sswz", both output kinds.
-STAGE_CANDIDATES = {"srow": {"stage_order": "row"}, "sswz": {"stage_order": "swizzled"}}
+# The staged inputs' layout before the swizzled default of 2026-12-03 (evening), named by every former default.
+PRE_STAGE = {"stage_order": "thread"}
+PRE_1203 = {"round_bf16": False, "signed_residual": False, "flat_scales": False, **PRE_STAGE}
+# The staged inputs' layout (stage_order): "pre-stage" (the former default's, "thread") and "srow" (the 8 slots of a
+# token adjacent without the swizzle), both output kinds. One H200 (2026-12-03, `ab_kernels.py --family block-swiglu,
+# block-dswiglu,block-swiglu-fp8,block-dswiglu-fp8 --candidates default,srow,sswz --rounds 3`, the default then
+# "thread"), % of memcpy at 98304x1408 / 98304x2048 / 16384x2048 / 16384x7168: swiglu bf16 66.9 / 67.1 / 71.8 / 68.7
+# ("thread") -> 89.3 / 89.8 / 94.7 / 92.9 (row) -> 89.7 / 90.2 / 94.6 / 92.9 (swizzled); dswiglu bf16 68.1 / 68.3 /
+# 74.1 / 69.6 -> 84.4 / 85.6 / 91.6 / 89.4 -> 88.0 / 88.0 / 95.5 / 91.0; swiglu fp8 54.6 / 54.7 / 56.8 / 56.3 -> 71.4 /
+# 71.6 / 74.8 / 75.6 -> 73.1 / 73.4 / 77.1 / 77.3; dswiglu fp8 55.7 / 56.0 / 61.4 / 58.7 -> 63.3 / 63.6 / 67.3 / 66.3
+# -> 76.6 / 76.3 / 82.5 / 80.6.
+STAGE_CANDIDATES = {"pre-stage": PRE_STAGE, "srow": {"stage_order": "row"}}
 CANDIDATES = {"default": {},
               "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
               "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
@@ -192,7 +205,8 @@ DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False, **PRE
 # (pre-round, the default before) -> 66.8 / 66.9 / 73.5 / 68.8, dswiglu bf16 66.8 / 66.6 / 72.8 / 68.9 -> 68.5 /
 # 68.1 / 74.4 / 69.1 (round alone the same, sres alone the same as pre-round); swiglu fp8 52.1 / 52.1 / 55.1 / 54.3
 # (pre-flat) -> 54.6 / 54.5 / 58.2 / 56.7 (flat alone 0.1-0.5 below), dswiglu fp8 55.7 / 54.7 / 59.8 / 56.7 -> 56.2 /
-# 56.2 / 60.6 / 58.5. "round", "flat" and "sres" are each field alone.
+# 56.2 / 60.6 / 58.5. "round", "flat" and "sres" are each field alone, against today's default (its swizzled stage
+# included; they were measured with the "thread" stage).
 SWIGLU_BF16_CANDIDATES = {"pre-round": PRE_1203, "round": {"signed_residual": False}, "sres": {"round_bf16": False}}
 SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False}}
 

@@ -37,7 +37,10 @@ That fast path is exact for ``a`` in [-80, bf16 max] (every bf16 value checked a
 tile holding any other ``a`` (NaN, Inf, below -80) is computed again with ``div.rn`` / ``rcp.rn``. Since
 2026-12-02 both also take ``lean`` (the short scale formula, the range checked by one running min) and
 ``dswiglu`` ``fused_grads`` (both gradients of a tile in one CTA) by default; without ``fused_grads``
-neighbouring CTAs write grad_a and grad_b of one tile.
+neighbouring CTAs write grad_a and grad_b of one tile. Since 2026-12-03 (evening) the staged rows are laid out
+so that the 8 lanes copying one token's 128 bytes write 128 contiguous bytes of shared memory, their 16-byte slots
+swizzled against bank conflicts on the read-back (config ``stage_order``): with each lane's slot 64 bytes from its
+neighbour's, every ``cp.async`` lane had been its own L2 request, every input sector fetched twice.
 """
 
 from __future__ import annotations
