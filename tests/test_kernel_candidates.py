@@ -95,6 +95,14 @@ def test_default_keys_unchanged():
     for bad in (dict(op="dual"), dict(op="swiglu", out_dtype="bfloat16")):
         with pytest.raises(ValueError, match="flat_scales.*'float8_e4m3fn'"):
             config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, flat_scales=True)
+    # the SwiGLU ops' fp8 scale bytes gathered in shared memory (candidate "gather", 2026-12-03; dual's always are)
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", gather_scales=True).key == \
+        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres-flat-gather"
+    assert config_block.Variant("swiglu", "bfloat16", "rceil").replace(
+        **config_block.candidates("swiglu", "float8_e4m3fn")["gather"]).gather_scales
+    for bad in (dict(op="dual"), dict(op="swiglu", out_dtype="bfloat16")):
+        with pytest.raises(ValueError, match="gather_scales.*'float8_e4m3fn'"):
+            config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, gather_scales=True)
     for config in (config_32x1, config_permute, config_block):  # the first candidate is the default
         assert not config.CANDIDATES[next(iter(config.CANDIDATES))]
 
@@ -121,8 +129,8 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(stacked)
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
             names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]  # and round (bf16 outputs only)
-            want = {"pre-round", "round", "pre-flat", "flat"} if op != "dual" else {"packed-c3", "pre-round"}
-            assert names[0] ^ names[1] == want, names  # and flat (fp8 outputs only)
+            want = {"pre-round", "round", "pre-flat", "flat", "gather"} if op != "dual" else {"packed-c3", "pre-round"}
+            assert names[0] ^ names[1] == want, names  # and flat, gather (fp8 outputs only)
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")

@@ -75,6 +75,11 @@ class Variant:
     # 8 columns, and of its 8 tokens, lie 16 bytes apart in the blocked tile), instead of a branch per block around its
     # address arithmetic (kernels/block/NOTES.md, 2026-12-03). None: on for the SwiGLU ops' fp8 outputs
     flat_scales: bool | None = None
+    # swiglu / dswiglu with fp8 outputs (candidate `gather`, not yet measured): the scale bytes gathered in shared
+    # memory (the CTA's K-groups and M-groups tiles, 512 bytes each) and written as 16-byte rows after a barrier, as
+    # dual's fp8 outputs always are (kernel.py ``scale_tile``), instead of one-byte global stores (each a partial-sector
+    # L2 write). Lost 0.3-0.8 points of memcpy on 2026-11-29, when the kernels were issue-bound. None: off
+    gather_scales: bool | None = None
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -95,7 +100,7 @@ class Variant:
                 object.__setattr__(self, name, self.op in SWIGLU_OPS)
         swiglu = self.op in SWIGLU_OPS
         for name, default in (("round_bf16", self.fake), ("signed_residual", self.fast_div),
-                              ("flat_scales", swiglu and not self.fake)):
+                              ("flat_scales", swiglu and not self.fake), ("gather_scales", False)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
         if self.fused_grads is None:
@@ -111,6 +116,10 @@ class Variant:
         if self.flat_scales and (self.fake or self.op not in SWIGLU_OPS):
             raise ValueError(f"flat_scales stores the fp8 outputs' scale bytes of the SwiGLU ops: op must be 'swiglu' or "
                              f"'dswiglu' with out_dtype 'float8_e4m3fn', got {self.op!r} with {self.out_dtype!r}")
+        if self.gather_scales and (self.fake or self.op not in SWIGLU_OPS):
+            raise ValueError(f"gather_scales gathers the fp8 outputs' scale bytes of the SwiGLU ops (dual's always are): "
+                             f"op must be 'swiglu' or 'dswiglu' with out_dtype 'float8_e4m3fn', got {self.op!r} with "
+                             f"{self.out_dtype!r}")
         if self.signed_residual and not self.fast_div:
             raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or "
                              f"'dswiglu'), got op {self.op!r} with fast_div={self.fast_div}")
@@ -129,7 +138,8 @@ class Variant:
                 + ("" if self.packed_amax == (self.op in SWIGLU_OPS) else "-pamax" if self.packed_amax else "-nopamax")
                 + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else "") + ("-fused" if self.fused_grads else "")
                 + ("-lean" if self.lean else "") + ("-round" if self.round_bf16 else "")
-                + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else ""))
+                + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else "")
+                + ("-gather" if self.gather_scales else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -177,7 +187,9 @@ DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False, **PRE
 # (pre-flat) -> 54.6 / 54.5 / 58.2 / 56.7 (flat alone 0.1-0.5 below), dswiglu fp8 55.7 / 54.7 / 59.8 / 56.7 -> 56.2 /
 # 56.2 / 60.6 / 58.5. "round", "flat" and "sres" are each field alone.
 SWIGLU_BF16_CANDIDATES = {"pre-round": PRE_1203, "round": {"signed_residual": False}, "sres": {"round_bf16": False}}
-SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False}}
+# "gather" (not yet measured): the default with its scale bytes gathered in shared memory (gather_scales).
+SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False},
+                         "gather": {"gather_scales": True}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone

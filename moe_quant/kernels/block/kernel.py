@@ -365,9 +365,10 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.fake_f32 = False
         self.n_out = N_OUTPUTS[variant.op]
         self.stacked = variant.stacked  # rowwise outputs in one (M, 2R) buffer (row pitch 2R)
-        # scale bytes gathered in shared memory and written as 16-byte rows: dual with fp8 outputs only (H200,
-        # 2026-11-29: dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8, NOTES.md)
-        self.scale_tile = not variant.fake and variant.op == "dual"
+        # scale bytes gathered in shared memory and written as 16-byte rows: dual with fp8 outputs (H200, 2026-11-29:
+        # dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8 then, NOTES.md), the SwiGLU ops' fp8
+        # outputs with gather_scales (config)
+        self.scale_tile = not variant.fake and (variant.op == "dual" or variant.gather_scales)
         self.staged, self.fast_div = variant.staged, variant.fast_div  # on for swiglu / dswiglu (config)
         # the math's fast path: _PTX's key (SIGNED: the division with the signed residual, config signed_residual)
         self.fast_kind = SIGNED if variant.signed_residual else variant.fast_div
@@ -518,16 +519,23 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                            for k in range(COLS_PER_THREAD // 2)]
             # lean with the 2-CTA register budget: the colwise store address advanced by one add per column (a 64-bit
             # pointer live across the columns: under dual's 3-CTA cap ptxas spills it on sm_100a, so there it is not;
-            # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02)
-            running = self.lean and self.v.ctas_per_sm == 2 and not (self.fused and not self.fake and not self.rceil)
+            # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02,
+            # nor with its scale bytes gathered: 12 bytes on sm_90a, 2026-12-03)
+            running = self.lean and self.v.ctas_per_sm == 2 and not (
+                self.fused and not self.fake and (not self.rceil or self.v.gather_scales))
             col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
             flat = self.v.flat_scales  # fp8, SwiGLU ops: predicated scale stores at constant offsets (config)
             col_sc0 = row_sc0 = None
             if cutlass.const_expr(flat):
                 # the thread's first scale byte of each form; its 8 columns' (tokens') bytes follow 16 bytes apart
-                # (tile_byte: 16 (r % 32) + ..., and r % 32 + 7 < 32 for the 8 columns or tokens of a thread)
-                col_sc0 = col_sc + (scale_base + Int64(cu.tile_byte(tile_col, blk)))
-                row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
+                # (tile_byte: 16 (r % 32) + ..., and r % 32 + 7 < 32 for the 8 columns or tokens of a thread); in the
+                # gathered tiles (gather_scales) at the same offsets
+                if cutlass.const_expr(self.scale_tile):
+                    col_sc0 = ctile + cu.tile_byte(tile_col, blk)
+                    row_sc0 = mtile + cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)
+                else:
+                    col_sc0 = col_sc + (scale_base + Int64(cu.tile_byte(tile_col, blk)))
+                    row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
                 amax = None  # column c's half of its pair's packed max, widened (or quantize_block8's own)
@@ -587,6 +595,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     self.write_scale_rows(col_sc, ctile, scale_base, Int32(0), lane)
                 if warp == 1:
                     self.write_scale_rows(row_sc, mtile, mg_base, Int32(0), lane)
+                if cutlass.const_expr(self.fused):  # output 1's scale bytes go to the same tiles next
+                    cute.arch.sync_threads()
         if tail != 0:
             self.zero_tails(o_cta, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
                             ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp, info)
