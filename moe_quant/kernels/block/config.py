@@ -29,6 +29,7 @@ OUT_DTYPES = ("float8_e4m3fn", "bfloat16")
 MODES = ("rceil", "floor")
 N_INPUTS = {"dual": 1, "swiglu": 2, "dswiglu": 3}
 N_OUTPUTS = {"dual": 1, "swiglu": 1, "dswiglu": 2}  # tensors written in both forms
+TILES_PER_CTA = (1, 2, 4)  # tiles_per_cta choices
 CTAS_PER_SM = (2, 3)  # min_blocks_per_mp choices (the defaults and the dual candidates, compile-checked in CI)
 
 
@@ -80,6 +81,12 @@ class Variant:
     # dual's fp8 outputs always are (kernel.py ``scale_tile``), instead of one-byte global stores (each a partial-sector
     # L2 write). Lost 0.3-0.8 points of memcpy on 2026-11-29, when the kernels were issue-bound. None: off
     gather_scales: bool | None = None
+    # swiglu / dswiglu with staged inputs (candidates `t2`, `t4`, not yet measured): one CTA handles this many
+    # consecutive column tiles of its token chunk (the group record read once), and the next tile's inputs travel
+    # (cp.async, into the slots just read) while this tile is computed, quantized and stored (kernel.py's
+    # docstring; dswiglu with fused_grads only: its input a's slots free as each row is read, grad_h's and b's once
+    # both outputs' words are read back). The same bytes: only the order of the work changes. 1: one tile a CTA
+    tiles_per_cta: int = 1
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -120,6 +127,12 @@ class Variant:
             raise ValueError(f"gather_scales gathers the fp8 outputs' scale bytes of the SwiGLU ops (dual's always are): "
                              f"op must be 'swiglu' or 'dswiglu' with out_dtype 'float8_e4m3fn', got {self.op!r} with "
                              f"{self.out_dtype!r}")
+        if self.tiles_per_cta not in TILES_PER_CTA:
+            raise ValueError(f"tiles_per_cta must be one of {TILES_PER_CTA}, got {self.tiles_per_cta!r}")
+        if self.tiles_per_cta != 1 and not (self.staged and (self.op == "swiglu" or self.fused_grads)):
+            raise ValueError(f"tiles_per_cta overlaps the next tile's staged inputs with this tile's work: op 'swiglu' "
+                             f"with staged, or 'dswiglu' with fused_grads, got {self.op!r} (staged={self.staged}, "
+                             f"fused_grads={self.fused_grads})")
         if self.signed_residual and not self.fast_div:
             raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or "
                              f"'dswiglu'), got op {self.op!r} with fast_div={self.fast_div}")
@@ -139,7 +152,8 @@ class Variant:
                 + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else "") + ("-fused" if self.fused_grads else "")
                 + ("-lean" if self.lean else "") + ("-round" if self.round_bf16 else "")
                 + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else "")
-                + ("-gather" if self.gather_scales else ""))
+                + ("-gather" if self.gather_scales else "")
+                + (f"-t{self.tiles_per_cta}" if self.tiles_per_cta != 1 else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -168,7 +182,10 @@ PRE_1203 = {"round_bf16": False, "signed_residual": False, "flat_scales": False}
 CANDIDATES = {"default": {},
               "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
               "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
-              "pre-lean": {"lean": False, "fused_grads": False, **PRE_1203}}
+              "pre-lean": {"lean": False, "fused_grads": False, **PRE_1203},
+              # not yet measured (2026-12-03, NOTES.md): the default with 2 / 4 column tiles per CTA, the next tile's
+              # inputs in flight during this tile's math and stores (tiles_per_cta)
+              "t2": {"tiles_per_cta": 2}, "t4": {"tiles_per_cta": 4}}
 
 # dswiglu's own. fused_grads with lean (the default since 2026-12-02: one CTA for both outputs), the same H200 run
 # and shapes: 52.4 / 52.3 / 58.9 / 54.7 (pre-lean) -> 54.8 / 54.7 / 61.5 / 56.9 (lean-unfused: lean, two CTAs) ->
