@@ -447,7 +447,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             self.one_tile(ins, outs, sizes, bx, by, Int32(0), o_cta, tid, lane, warp, info, stage)
         else:
             # tiles_per_cta: the column tiles one after the other, each tile's inputs copied during the tile before
-            # (tile_loop in the module docstring); the last CTA of a row may have fewer real tiles
+            # (the module docstring); the last CTA of a row may have fewer real tiles
             for t in cutlass.range(0, self.n_tiles, 1, unroll=1):
                 if by + t < ny:
                     self.one_tile(ins, outs, sizes, bx, by + t, t, o_cta, tid, lane, warp, info, stage)
@@ -842,7 +842,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         from ``stage``, on the ``first`` pass each row after its own copies), and with ``fast`` whether every
         ``a`` is in the fast path's range (Int32 1 / 0). ``nxt`` (staged, first pass): the next tile, whose row i of
         each input of ``xs`` is copied into row i's slots once they are read (a thread reads only the slots it copied
-        to, so no barrier), one commit group per row: 8 groups are always newer than the row waited for."""
+        to, so no barrier), one commit group per row: 7 groups are always newer than the row waited for."""
         a_in = 0 if self.op == "swiglu" else 1  # which input is a
         n_in = self.inputs_of(o)
         lo = hi = None
@@ -898,7 +898,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         again with div.rn / rcp.rn from the inputs read again from global memory, a row at a time. ``nxt``
         (``tiles_per_cta``): the next tile of the CTA, whose row i of ``a`` is copied into row i's slot of ``a`` once it
         is read (grad_h's and b's rows follow once both outputs are read back, in the caller), one commit group per row
-        (8 groups are always newer than the row waited for); the copies of the CTA's first tile (``t`` = 0) are issued
+        (7 groups are always newer than the row waited for); the copies of the CTA's first tile (``t`` = 0) are issued
         here, the others' during the tile before."""
         tile = (src0, n_real, r, col0, col_ok, t0)
         xs = [x0, x1, x2]
