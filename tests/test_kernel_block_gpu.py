@@ -198,7 +198,8 @@ def test_candidates_match_reference(cand):
     staged fast-division candidates: pre-lean, lean-unfused), byte for byte: ragged groups with a tail and more
     columns than one tile, on values whose ``a`` stays in the fast path's range (normal), crosses it (wide:
     magnitudes to 2^127), holds NaN and Inf, bf16 subnormals, and a tile of the range's ends (-80, -80.5, -0, bf16
-    max, +-Inf); then offsets past M, negative and decreasing, long tails, and M = 0."""
+    max, +-Inf), normal values on 6 column tiles; then offsets past M, negative and decreasing, long tails, and M =
+    0."""
     import contextlib
 
     with contextlib.ExitStack() as stack:
@@ -219,6 +220,8 @@ def test_candidates_match_reference(cand):
         ends = torch.tensor([-80.0, -80.5, -0.0, torch.finfo(torch.bfloat16).max, -79.5, -87.5, 1.0, -1.0, inf, -inf,
                              -88.0, 90.0])
         cases = [(dist, offs, m, r) for dist in ("normal", "wide", "nan_inf", "subnormal", "ends", "grid")]
+        # 6 column tiles: the tiles_per_cta candidates' CTAs of 2 / 4 tiles, full ones and one with 2 of its 4
+        cases += [("normal", offs, m, 5 * 128 + 32)]
         cases += [("wide", torch.tensor([100, 700, 50, -5, 10**6, 299], dtype=torch.int32), 300, 160),
                   ("nan_inf", torch.tensor([3, 3, 63], dtype=torch.int32), 1000, 96),
                   ("normal", torch.tensor([0, 0], dtype=torch.int32), 0, 64)]

@@ -103,6 +103,27 @@ def test_default_keys_unchanged():
     for bad in (dict(op="dual"), dict(op="swiglu", out_dtype="bfloat16")):
         with pytest.raises(ValueError, match="flat_scales.*'float8_e4m3fn'"):
             config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, flat_scales=True)
+    # the SwiGLU ops' fp8 scale bytes gathered in shared memory (candidate "gather", 2026-12-03; dual's always are)
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", gather_scales=True).key == \
+        "dswiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-fused-lean-sres-flat-stageswizzled-gather"
+    assert config_block.Variant("swiglu", "bfloat16", "rceil").replace(
+        **config_block.candidates("swiglu", "float8_e4m3fn")["gather"]).gather_scales
+    for bad in (dict(op="dual"), dict(op="swiglu", out_dtype="bfloat16")):
+        with pytest.raises(ValueError, match="gather_scales.*'float8_e4m3fn'"):
+            config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, gather_scales=True)
+    # several column tiles per CTA (candidates "t2", "t4", 2026-12-03): the staged swiglu, dswiglu with fused outputs
+    for op in config_block.SWIGLU_OPS:
+        for out in config_block.OUT_DTYPES:
+            v = config_block.Variant(op, "bfloat16", "rceil", out).replace(**config_block.candidates(op, out)["t2"])
+            assert v.tiles_per_cta == 2 and v.key == config_block.Variant(op, "bfloat16", "rceil", out).key + "-t2"
+    assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, tiles_per_cta=4).key == \
+        "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres-stageswizzled-t4"
+    with pytest.raises(ValueError, match="tiles_per_cta must be one of"):
+        config_block.Variant("swiglu", "bfloat16", "rceil", tiles_per_cta=3)
+    for bad in (dict(op="dual"), dict(op="swiglu", staged=False, fast_div=False),
+                dict(op="dswiglu", fused_grads=False)):
+        with pytest.raises(ValueError, match="tiles_per_cta overlaps"):
+            config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, tiles_per_cta=2)
     for config in (config_32x1, config_permute, config_block):  # the first candidate is the default
         assert not config.CANDIDATES[next(iter(config.CANDIDATES))]
 
@@ -124,13 +145,13 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         # staged fast-division ones (the former defaults' stacked code)
         stacked = [kw for kw in config.candidates("dswiglu", "bfloat16").values()
                    if kw and kw.get("staged", True) and kw.get("fast_div", True)]
-        assert len(stacked) == 7 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
+        assert len(stacked) == 9 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
                                                        for o in config.OUT_DTYPES) + len(stacked)
         assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(stacked)
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
             names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]  # and round (bf16 outputs only)
-            want = {"pre-round", "round", "pre-flat", "flat"} if op != "dual" else {"packed-c3", "pre-round"}
-            assert names[0] ^ names[1] == want, names  # and flat (fp8 outputs only)
+            want = {"pre-round", "round", "pre-flat", "flat", "gather"} if op != "dual" else {"packed-c3", "pre-round"}
+            assert names[0] ^ names[1] == want, names  # and flat, gather (fp8 outputs only)
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")

@@ -61,6 +61,12 @@ def _asm(ret_types, args, text: str, constraints: str):
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(ret_types))
 
 
+def opaque(v) -> Int32:
+    """``v`` unchanged, through a ``mov`` the compiler must keep where it stands (a side effect): what is computed
+    from the result cannot be hoisted above it, e.g. out of a loop (so it is not kept live across the loop)."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(v).ir_value()], "mov.b32 $0, $1;", "=r,r", has_side_effects=True))
+
+
 # ----------------------------------------------------------------------------- global memory
 
 

@@ -30,6 +30,7 @@ MODES = ("rceil", "floor")
 N_INPUTS = {"dual": 1, "swiglu": 2, "dswiglu": 3}
 N_OUTPUTS = {"dual": 1, "swiglu": 1, "dswiglu": 2}  # tensors written in both forms
 STAGE_ORDERS = ("thread", "row", "swizzled")  # the staged inputs' shared-memory layout (Variant.stage_order)
+TILES_PER_CTA = (1, 2, 4)  # tiles_per_cta choices
 CTAS_PER_SM = (2, 3)  # min_blocks_per_mp choices (the defaults and the dual candidates, compile-checked in CI)
 
 
@@ -86,6 +87,17 @@ class Variant:
     # own slots in every layout. None: "swizzled" where staged (the default since the A/B on the H200, kernels/block/
     # NOTES.md: swiglu bf16 66.9-71.8 -> 89.7-94.6% of memcpy), else "thread"
     stage_order: str | None = None
+    # swiglu / dswiglu with fp8 outputs (candidate `gather`, not yet measured): the scale bytes gathered in shared
+    # memory (the CTA's K-groups and M-groups tiles, 512 bytes each) and written as 16-byte rows after a barrier, as
+    # dual's fp8 outputs always are (kernel.py ``scale_tile``), instead of one-byte global stores (each a partial-sector
+    # L2 write). Lost 0.3-0.8 points of memcpy on 2026-11-29, when the kernels were issue-bound. None: off
+    gather_scales: bool | None = None
+    # swiglu / dswiglu with staged inputs (candidates `t2`, `t4`, not yet measured): one CTA handles this many
+    # consecutive column tiles of its token chunk (the group record read once), and the next tile's inputs travel
+    # (cp.async, into the slots just read) while this tile is computed, quantized and stored (kernel.py's
+    # docstring; dswiglu with fused_grads only: its input a's slots free as each row is read, grad_h's and b's once
+    # both outputs' words are read back). The same bytes: only the order of the work changes. 1: one tile a CTA
+    tiles_per_cta: int = 1
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -110,7 +122,7 @@ class Variant:
             object.__setattr__(self, "stage_order", "swizzled" if self.staged else "thread")
         swiglu = self.op in SWIGLU_OPS
         for name, default in (("round_bf16", self.fake), ("signed_residual", self.fast_div),
-                              ("flat_scales", swiglu and not self.fake)):
+                              ("flat_scales", swiglu and not self.fake), ("gather_scales", False)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
         if self.fused_grads is None:
@@ -126,6 +138,16 @@ class Variant:
         if self.flat_scales and (self.fake or self.op not in SWIGLU_OPS):
             raise ValueError(f"flat_scales stores the fp8 outputs' scale bytes of the SwiGLU ops: op must be 'swiglu' or "
                              f"'dswiglu' with out_dtype 'float8_e4m3fn', got {self.op!r} with {self.out_dtype!r}")
+        if self.gather_scales and (self.fake or self.op not in SWIGLU_OPS):
+            raise ValueError(f"gather_scales gathers the fp8 outputs' scale bytes of the SwiGLU ops (dual's always are): "
+                             f"op must be 'swiglu' or 'dswiglu' with out_dtype 'float8_e4m3fn', got {self.op!r} with "
+                             f"{self.out_dtype!r}")
+        if self.tiles_per_cta not in TILES_PER_CTA:
+            raise ValueError(f"tiles_per_cta must be one of {TILES_PER_CTA}, got {self.tiles_per_cta!r}")
+        if self.tiles_per_cta != 1 and not (self.staged and (self.op == "swiglu" or self.fused_grads)):
+            raise ValueError(f"tiles_per_cta overlaps the next tile's staged inputs with this tile's work: op 'swiglu' "
+                             f"with staged, or 'dswiglu' with fused_grads, got {self.op!r} (staged={self.staged}, "
+                             f"fused_grads={self.fused_grads})")
         if self.signed_residual and not self.fast_div:
             raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or "
                              f"'dswiglu'), got op {self.op!r} with fast_div={self.fast_div}")
@@ -148,7 +170,9 @@ class Variant:
                 + (f"-c{self.ctas_per_sm}" if self.ctas_per_sm != 2 else "") + ("-fused" if self.fused_grads else "")
                 + ("-lean" if self.lean else "") + ("-round" if self.round_bf16 else "")
                 + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else "")
-                + ("" if self.stage_order == "thread" else f"-stage{self.stage_order}"))
+                + ("" if self.stage_order == "thread" else f"-stage{self.stage_order}")
+                + ("-gather" if self.gather_scales else "")
+                + (f"-t{self.tiles_per_cta}" if self.tiles_per_cta != 1 else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -188,7 +212,10 @@ STAGE_CANDIDATES = {"pre-stage": PRE_STAGE, "srow": {"stage_order": "row"}}
 CANDIDATES = {"default": {},
               "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
               "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
-              "pre-lean": {"lean": False, "fused_grads": False, **PRE_1203}}
+              "pre-lean": {"lean": False, "fused_grads": False, **PRE_1203},
+              # not yet measured (2026-12-03, NOTES.md): the default with 2 / 4 column tiles per CTA, the next tile's
+              # inputs in flight during this tile's math and stores (tiles_per_cta)
+              "t2": {"tiles_per_cta": 2}, "t4": {"tiles_per_cta": 4}}
 
 # dswiglu's own. fused_grads with lean (the default since 2026-12-02: one CTA for both outputs), the same H200 run
 # and shapes: 52.4 / 52.3 / 58.9 / 54.7 (pre-lean) -> 54.8 / 54.7 / 61.5 / 56.9 (lean-unfused: lean, two CTAs) ->
@@ -208,7 +235,9 @@ DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False, **PRE
 # 56.2 / 60.6 / 58.5. "round", "flat" and "sres" are each field alone, against today's default (its swizzled stage
 # included; they were measured with the "thread" stage).
 SWIGLU_BF16_CANDIDATES = {"pre-round": PRE_1203, "round": {"signed_residual": False}, "sres": {"round_bf16": False}}
-SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False}}
+# "gather" (not yet measured): the default with its scale bytes gathered in shared memory (gather_scales).
+SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False},
+                         "gather": {"gather_scales": True}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone

@@ -41,6 +41,15 @@ neighbouring CTAs write grad_a and grad_b of one tile. Since 2026-12-03 (evening
 so that the 8 lanes copying one token's 128 bytes write 128 contiguous bytes of shared memory, their 16-byte slots
 swizzled against bank conflicts on the read-back (config ``stage_order``): with each lane's slot 64 bytes from its
 neighbour's, every ``cp.async`` lane had been its own L2 request, every input sector fetched twice.
+
+``tiles_per_cta`` (candidates, 2026-12-03): a CTA handles that many consecutive column tiles of its token chunk
+(:meth:`QuantizeBlockKernel.one_tile` in a loop, the group record scanned once; the grid's y shrinks by that
+factor, the last CTA of a row may have fewer real tiles, tail CTAs zero what they zeroed before), and the next
+tile's inputs travel while this tile is computed, quantized and stored: as soon as a thread has read row i of a
+staged input (its own 16-byte slots: no barrier), it copies the next tile's row i into them (one commit group per
+row, so 7 groups are always newer than the row waited for; zero fills where there is no next tile). ``dswiglu``
+(fused) frees a's slots as each row is read, grad_h's and b's once both outputs' tiles are read back. A redo of
+the math (an ``a`` out of the fast range) reads its inputs from global memory (the stage holds the next tile).
 """
 
 from __future__ import annotations
@@ -368,9 +377,10 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.fake_f32 = False
         self.n_out = N_OUTPUTS[variant.op]
         self.stacked = variant.stacked  # rowwise outputs in one (M, 2R) buffer (row pitch 2R)
-        # scale bytes gathered in shared memory and written as 16-byte rows: dual with fp8 outputs only (H200,
-        # 2026-11-29: dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8, NOTES.md)
-        self.scale_tile = not variant.fake and variant.op == "dual"
+        # scale bytes gathered in shared memory and written as 16-byte rows: dual with fp8 outputs (H200, 2026-11-29:
+        # dual fp8 +1.0-1.5 points of memcpy; swiglu / dswiglu fp8 -0.3-0.8 then, NOTES.md), the SwiGLU ops' fp8
+        # outputs with gather_scales (config)
+        self.scale_tile = not variant.fake and (variant.op == "dual" or variant.gather_scales)
         self.staged, self.fast_div = variant.staged, variant.fast_div  # on for swiglu / dswiglu (config)
         # the math's fast path: _PTX's key (SIGNED: the division with the signed residual, config signed_residual)
         self.fast_kind = SIGNED if variant.signed_residual else variant.fast_div
@@ -381,6 +391,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.fused = variant.fused_grads  # dswiglu: one CTA for both outputs (config)
         self.round = variant.round_bf16  # bf16 outputs rounded on the packed words (config)
         self.n_ctas = 1 if self.fused else self.n_out  # CTAs per tile
+        self.n_tiles = variant.tiles_per_cta  # column tiles per CTA (config)
         self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
 
     # ------------------------------------------------------------------ host
@@ -403,7 +414,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             buf_rows = Int32(rs0.shape[0])
         self.kernel(x0, x1, x2, rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1, offs, poffs, Int32(x0.shape[0]),
                     Int32(r), n_groups, row_stride, rp, sw, buf_rows, nx, Int32(ny)).launch(
-            grid=[nx * self.n_ctas, ny, 1], block=[THREADS, 1, 1], stream=stream,
+            grid=[nx * self.n_ctas, (ny + (self.n_tiles - 1)) // self.n_tiles, 1], block=[THREADS, 1, 1], stream=stream,
             # two CTAs per SM (the default): ptxas keeps to 128 registers (the 8 x 8 tile is live across both
             # forms); staged inputs take 64 or 96 KB of shared memory per CTA
             min_blocks_per_mp=self.v.ctas_per_sm, preferred_smem_carveout=100 if self.staged else 0)
@@ -419,15 +430,40 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         tid = Int32(tid)
         o_cta = Int32(bx) % self.n_ctas  # dswiglu: neighbouring CTAs write grad_a and grad_b of one tile
         bx = Int32(bx) // self.n_ctas
-        by = Int32(by)
+        by = Int32(by) * self.n_tiles  # the CTA's first column tile (tiles_per_cta: n_tiles of them)
         lane = tid % 32
         warp = tid // 32
 
-        # ---- which tile (the 32x1 kernel's K-groups record)
+        # ---- which tile (the 32x1 kernel's K-groups record), once for all the CTA's column tiles
         info = cute.make_tensor(cute.arch.alloc_smem(Int32, _INFO, alignment=16), cute.make_layout(_INFO))
         if warp == 0:
             self.scan_groups(offs, poffs, m, n_groups, lane, bx, by, info)
         cute.arch.sync_threads()
+        stage = None  # staged: each input's 8 x 8 tile of every thread, row i of thread t at word (8 j + i) T + t
+        if cutlass.const_expr(self.staged):
+            # dynamic shared memory (a static array is limited to 48 KB)
+            stage = SmemAllocator().allocate_array(Int32, N_INPUTS[self.op] * TOKENS_PER_THREAD * THREADS * 4,
+                                                   byte_alignment=16)
+        ins, outs = (x0, x1, x2), (rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1)
+        sizes = (offs, m, r, n_groups, row_stride, rp, sw, buf_rows, nx, ny)
+        if cutlass.const_expr(self.n_tiles == 1):
+            self.one_tile(ins, outs, sizes, bx, by, Int32(0), o_cta, tid, lane, warp, info, stage)
+        else:
+            # tiles_per_cta: the column tiles one after the other, each tile's inputs copied during the tile before
+            # (the module docstring); the last CTA of a row may have fewer real tiles
+            for t in cutlass.range(0, self.n_tiles, 1, unroll=1):
+                if by + t < ny:
+                    self.one_tile(ins, outs, sizes, bx, by + t, t, o_cta, tid, lane, warp, info, stage)
+            cute.arch.cp_async_wait_group(0)  # the last tile's copies for no next tile (zero fills) landed
+
+    @cute.jit
+    def one_tile(self, ins, outs, sizes, bx: Int32, by: Int32, t: Int32, o_cta: Int32, tid: Int32, lane: Int32,
+                 warp: Int32, info, stage):
+        """Column tile ``by`` of chunk ``bx``: the inputs (staged: copied by cp.async; with ``tiles_per_cta`` the
+        ``t``-th of the CTA's tiles, whose copies the tile before issued, and whose math issues the next tile's), the
+        math, both forms of each output, and in tail CTAs what no group covers."""
+        x0, x1, x2 = ins
+        offs, m, r, n_groups, row_stride, rp, sw, buf_rows, nx, ny = sizes
         chunk_total = Int32(info[5])
         src0 = Int64(0)  # first source row of the tile
         n_real = Int32(0)  # real tokens in the tile (<= 0: none)
@@ -465,25 +501,27 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # below are one copy of code for both dswiglu outputs, which write through pointers picked at run
         # time (two copies, 8880 SASS instructions, overflowed the instruction cache: ncu's top stall
         # was "no instruction"; NOTES.md).
-        stage = None  # staged: each input's 8 x 8 tile of every thread, row i of thread t at word (8 j + i) T + t
-        if cutlass.const_expr(self.staged):
-            # dynamic shared memory (a static array is limited to 48 KB)
-            stage = SmemAllocator().allocate_array(Int32, N_INPUTS[self.op] * TOKENS_PER_THREAD * THREADS * 4,
-                                                   byte_alignment=16)
         tile = (src0, n_real, r, col0, col_ok, t0)
+        # tiles_per_cta: the next tile of the CTA (its copies zero fills where there is none: no read, no branch)
+        nxt = None
+        if cutlass.const_expr(self.n_tiles > 1):
+            nxt = (src0, n_real, r, col0 + TILE_COLS, (col0 + TILE_COLS < r) & (t + 1 < self.n_tiles), t0)
         where = (tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride)
-        outs = (rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1)
-        tails = (offs, m, r, n_groups, chunk_total, rp, sw, buf_rows, nx, ny, bx, by, tid, info)
+        tails = (offs, m, r, n_groups, chunk_total, rp, sw, buf_rows, nx, ny, bx, by, tid, info, t)
         if cutlass.const_expr(self.fused):
             # both gradients into the stage (grad_a over grad_h's rows, grad_b over b's), then each quantized by the
             # one copy of the code below (a loop, not unrolled)
-            self.compute_both(x0, x1, x2, *tile, stage, tid)
+            self.compute_both(x0, x1, x2, *tile, stage, tid, nxt, t)
             for o in cutlass.range(0, 2, 1, unroll=1):
                 words = [self.staged_row(stage, 2 * o, i, tid) for i in range(TOKENS_PER_THREAD)]
+                if cutlass.const_expr(nxt is not None):
+                    if o == 1:  # grad_h's and b's slots read for the last time: the next tile's rows go there
+                        # (their addresses from an opaque t0: hoisted out of the loop, 16 of them spilled)
+                        self.stage_rows((x0, None, x2), stage, (*nxt[:5], cu.opaque(nxt[5])), tid)
                 self.emit(o, words, outs, where, tile, tails)
         else:
             if cutlass.const_expr(self.n_out == 1):
-                words = self.compute(0, x0, x1, x2, *tile, stage, tid)
+                words = self.compute(0, x0, x1, x2, *tile, stage, tid, nxt, t)
             else:
                 words = [[Int32(0)] * 4 for _ in range(TOKENS_PER_THREAD)]
                 if o_cta == 0:
@@ -499,7 +537,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1 = outs
         tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride = where
         src0, n_real, r, col0, col_ok, t0 = tile
-        offs, m, r, n_groups, chunk_total, rp, sw, buf_rows, nx, ny, bx, by, tid, info = tails
+        offs, m, r, n_groups, chunk_total, rp, sw, buf_rows, nx, ny, bx, by, tid, info, t = tails
         row_out = self.pick(o_cta, rd0, None if self.stacked else rd1)  # stacked: both halves of one buffer
         row_sc, col_out, col_sc = self.pick(o_cta, rs0, rs1), self.pick(o_cta, cd0, cd1), self.pick(o_cta, cs0, cs1)
         # dual: both scale tiles gathered in shared memory, written as 16-byte rows after a barrier (as the 32x1
@@ -521,16 +559,23 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                            for k in range(COLS_PER_THREAD // 2)]
             # lean with the 2-CTA register budget: the colwise store address advanced by one add per column (a 64-bit
             # pointer live across the columns: under dual's 3-CTA cap ptxas spills it on sm_100a, so there it is not;
-            # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02)
-            running = self.lean and self.v.ctas_per_sm == 2 and not (self.fused and not self.fake and not self.rceil)
+            # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02,
+            # nor with its scale bytes gathered: 12 bytes on sm_90a, 2026-12-03)
+            running = self.lean and self.v.ctas_per_sm == 2 and not (
+                self.fused and not self.fake and (not self.rceil or self.v.gather_scales))
             col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
             flat = self.v.flat_scales  # fp8, SwiGLU ops: predicated scale stores at constant offsets (config)
             col_sc0 = row_sc0 = None
             if cutlass.const_expr(flat):
                 # the thread's first scale byte of each form; its 8 columns' (tokens') bytes follow 16 bytes apart
-                # (tile_byte: 16 (r % 32) + ..., and r % 32 + 7 < 32 for the 8 columns or tokens of a thread)
-                col_sc0 = col_sc + (scale_base + Int64(cu.tile_byte(tile_col, blk)))
-                row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
+                # (tile_byte: 16 (r % 32) + ..., and r % 32 + 7 < 32 for the 8 columns or tokens of a thread); in the
+                # gathered tiles (gather_scales) at the same offsets
+                if cutlass.const_expr(self.scale_tile):
+                    col_sc0 = ctile + cu.tile_byte(tile_col, blk)
+                    row_sc0 = mtile + cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)
+                else:
+                    col_sc0 = col_sc + (scale_base + Int64(cu.tile_byte(tile_col, blk)))
+                    row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
                 amax = None  # column c's half of its pair's packed max, widened (or quantize_block8's own)
@@ -590,9 +635,11 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     self.write_scale_rows(col_sc, ctile, scale_base, Int32(0), lane)
                 if warp == 1:
                     self.write_scale_rows(row_sc, mtile, mg_base, Int32(0), lane)
+                if cutlass.const_expr(self.fused or self.n_tiles > 1):  # the next output's or tile's bytes go there
+                    cute.arch.sync_threads()
         if tail != 0:
             self.zero_tails(o_cta, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
-                            ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp, info)
+                            ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp, info, t)
 
     def grid_maxima(self, words, again: bool = False):
         """Per token (rowwise) and per column pair over the tokens (colwise), the packed max of this thread's
@@ -749,47 +796,68 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
 
     @cute.jit
     def compute(self, o: cutlass.Constexpr, x0, x1, x2, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok,
-                t0: Int32, stage, tid: Int32):
+                t0: Int32, stage, tid: Int32, nxt=None, t=None):
         """Output tensor ``o``'s 8 x 8 tile of this thread, packed as loaded (bf16x2 words); zeros past the tile's
         real tokens and columns (every op maps zeros to zeros). ``staged``: the inputs go to shared memory first
         and are read a row at a time; ``fast_div``: the math without its division's slow path, the tile redone
-        with it where an ``a`` lies outside the fast path's range."""
+        with it where an ``a`` lies outside the fast path's range. ``nxt`` (``tiles_per_cta``): the next tile of the
+        CTA, whose rows are copied into each staged row's slots as soon as it is read (so the stage no longer holds
+        this tile for a redo: that reads the inputs again from global memory); the copies of the CTA's first tile
+        (``t`` = 0) are issued here, the others' during the tile before."""
         tile = (src0, n_real, r, col0, col_ok, t0)
         if cutlass.const_expr(self.op == "dual"):
             return self.load_words(x0, *tile)
         xs = [x0, x1, x2][:self.inputs_of(o)]
         loaded = None
         if cutlass.const_expr(self.staged):
-            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):  # one commit group per row: row i waits for its own
-                for j in cutlass.range_constexpr(len(xs)):
-                    self.stage_row(xs[j], stage, j, i, *tile, tid)
-                cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(nxt is None):
+                self.stage_rows(xs, stage, tile, tid)
+            else:
+                if t == 0:
+                    self.stage_rows(xs, stage, tile, tid)
         else:
             loaded = [self.load_words(x, *tile) for x in xs]
-        out, ok = self.math(o, loaded, stage, tid, self.fast_kind, True)
+        out, ok = self.math(o, loaded, stage, tid, self.fast_kind, True, xs, nxt)
         if cutlass.const_expr(self.fast_div):
             if ok == 0:  # an a below -80, Inf or NaN in the tile: div.rn / rcp.rn (inputs read again)
-                if cutlass.const_expr(not self.staged):
-                    loaded = [self.load_words(x, *tile) for x in xs]
-                out, _ = self.math(o, loaded, stage, tid, False, False)
+                if cutlass.const_expr(self.staged and nxt is None):
+                    out, _ = self.math(o, loaded, stage, tid, False, False)
+                else:
+                    out, _ = self.math(o, [self.load_words(x, *tile) for x in xs], stage, tid, False, False)
         return out
+
+    def stage_rows(self, xs, stage, tile, tid: Int32):
+        """The thread's 8 rows of each input of ``xs`` (``None``: not copied) into its stage slots by ``cp.async``, one
+        commit group per row (row i waits for its own copies)."""
+        for i in range(TOKENS_PER_THREAD):
+            for j in range(len(xs)):
+                if xs[j] is not None:
+                    self.stage_row(xs[j], stage, j, i, *tile, tid)
+            cute.arch.cp_async_commit_group()
 
     def inputs_of(self, o: int) -> int:
         """How many of the op's inputs output ``o`` reads: swiglu a, b; dswiglu's grad_a g, a, b, its grad_b g, a."""
         return 2 if self.op == "swiglu" or o == 1 else 3
 
-    def math(self, o: int, loaded, stage, tid: Int32, fast: bool, first: bool):
+    def math(self, o: int, loaded, stage, tid: Int32, fast: bool, first: bool, xs=None, nxt=None):
         """The op's 8 x 8 output words from the inputs (``loaded``: per input the 8 rows of words; ``None``: read
         from ``stage``, on the ``first`` pass each row after its own copies), and with ``fast`` whether every
-        ``a`` is in the fast path's range (Int32 1 / 0)."""
+        ``a`` is in the fast path's range (Int32 1 / 0). ``nxt`` (staged, first pass): the next tile, whose row i of
+        each input of ``xs`` is copied into row i's slots once they are read (a thread reads only the slots it copied
+        to, so no barrier), one commit group per row: 7 groups are always newer than the row waited for."""
         a_in = 0 if self.op == "swiglu" else 1  # which input is a
         n_in = self.inputs_of(o)
         lo = hi = None
         out = []
         for i in range(TOKENS_PER_THREAD):
+            prefetch = loaded is None and first and nxt is not None
             if loaded is None and first:
-                cute.arch.cp_async_wait_group(TOKENS_PER_THREAD - 1 - i)
+                cute.arch.cp_async_wait_group(TOKENS_PER_THREAD - 1 - (0 if prefetch else i))
             v = [self.staged_row(stage, j, i, tid) if loaded is None else loaded[j][i] for j in range(n_in)]
+            if prefetch:
+                for j in range(n_in):
+                    self.stage_row(xs[j], stage, j, i, *nxt, tid)
+                cute.arch.cp_async_commit_group()
             row = []
             for k in range(4):
                 if fast:
@@ -833,21 +901,29 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
 
     @cute.jit
     def compute_both(self, x0, x1, x2, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32, stage,
-                     tid: Int32):
+                     tid: Int32, nxt=None, t=None):
         """``fused_grads``: grad_a and grad_b of this thread's tile into the stage, each row over the staged rows of
         grad_h (input 0: grad_a) and b (input 2: grad_b) as soon as they are read (every thread touches its own
         slots only: no barrier). Where an ``a`` of the tile lies below the fast path's range, the tile is computed
-        again with div.rn / rcp.rn from the inputs read again from global memory, a row at a time."""
+        again with div.rn / rcp.rn from the inputs read again from global memory, a row at a time. ``nxt``
+        (``tiles_per_cta``): the next tile of the CTA, whose row i of ``a`` is copied into row i's slot of ``a`` once it
+        is read (grad_h's and b's rows follow once both outputs are read back, in the caller), one commit group per row
+        (7 groups are always newer than the row waited for); the copies of the CTA's first tile (``t`` = 0) are issued
+        here, the others' during the tile before."""
         tile = (src0, n_real, r, col0, col_ok, t0)
         xs = [x0, x1, x2]
-        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):  # one commit group per row: row i waits for its own
-            for j in cutlass.range_constexpr(3):
-                self.stage_row(xs[j], stage, j, i, *tile, tid)
-            cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(nxt is None):
+            self.stage_rows(xs, stage, tile, tid)
+        else:
+            if t == 0:
+                self.stage_rows(xs, stage, tile, tid)
         lo = None
         for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-            cute.arch.cp_async_wait_group(TOKENS_PER_THREAD - 1 - i)
+            cute.arch.cp_async_wait_group(TOKENS_PER_THREAD - 1 - (0 if nxt is not None else i))
             v = [self.staged_row(stage, j, i, tid) for j in range(3)]
+            if cutlass.const_expr(nxt is not None):
+                self.stage_row(x1, stage, 1, i, *nxt, tid)
+                cute.arch.cp_async_commit_group()
             for k in cutlass.range_constexpr(4):
                 lo = v[1][k] if lo is None else bf16x2_min(lo, v[1][k])  # the lean check (fused implies lean)
             self.store_both(v, stage, i, tid, self.fast_kind)
@@ -869,15 +945,17 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
     @cute.jit
     def zero_tails(self, o, rd, rs, cs, offs, m: Int32, r: Int32, n_groups: Int32,
                    chunk_total: Int32, rp: Int32, sw: Int32, buf_rows: Int32, ny: Int32, q: Int32, n_tail: Int32,
-                   tid: Int32, lane: Int32, warp: Int32, info):
+                   tid: Int32, lane: Int32, warp: Int32, info, t: Int32):
         """Tail CTAs (``q`` of ``n_tail``): zero the rowwise data rows past the last group's end, the M-groups
         scale rows past the last group's tiles and the K-groups scale tail of output tensor ``o``
         (``stacked``: the ``o``-th half of the rows past the end of the one ``(M, 2R)`` rowwise buffer).
         ``fused_grads`` (both outputs in one CTA): the end is found for output 0 and kept for output 1 (written
-        once, behind a barrier)."""
+        once, behind a barrier); ``tiles_per_cta``: for the CTA's first tile ``t`` = 0 and kept for the others."""
         find = Int32(1)
         if cutlass.const_expr(self.fused):
             find = Int32(cutlass.select_(o == 0, Int32(1), Int32(0)))
+        if cutlass.const_expr(self.n_tiles > 1):
+            find = find & Int32(cutlass.select_(t == 0, Int32(1), Int32(0)))
         if find != 0:
             if warp == 0:  # the last group's sanitized end: clamp(max(offs), 0, M)
                 mx = Int32(0)
