@@ -556,17 +556,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     cu.st_global_words(row_ptr, ys)
                 row_ptr = row_ptr + pitch
         col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
-        for p in cutlass.range_constexpr(COLS_PER_THREAD // 2):  # colwise: columns 2 p and 2 p + 1
-            amax2 = cu.quad_max_u16x2(col_max[p], (1, 2))
-            hi, lo = cu.grid_track(hi, lo, amax2)
-            t2, sat2 = cu.grid_params(amax2, self.rceil)
-            ys = [cu.grid_bf16x2(words[i][p], t2, sat2) for i in range(TOKENS_PER_THREAD)]
-            for h in cutlass.range_constexpr(2):
-                sel = 0x5410 if h == 0 else 0x7632
-                if write:
-                    cu.st_global_v4(col_ptr + Int64(h) * Int64(row_stride),
-                                    *[cu.prmt(ys[2 * m], ys[2 * m + 1], sel) for m in range(TOKENS_PER_THREAD // 2)])
-            col_ptr = col_ptr + Int64(2) * Int64(row_stride)
+        hi, lo = self.round_columns(words, col_max, col_ptr, row_stride, write, hi, lo)
         if cute.arch.vote_any_sync(cu.grid_any_exception(hi, lo)):
             self.round_exceptions(o_cta, words, row_out, col_out, where, tile)
 
@@ -592,13 +582,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 cu.st_global_words(row_ptr, cu.dequantize8(q0, q1, s, is_nan, False))
             row_ptr = row_ptr + pitch
         col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            amax16 = (col_amax[c // 2] >> (16 * (c % 2))) & Int32(0xFFFF)
-            if cu.grid_exception(amax16) & write:
-                col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
-                q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, (), amax=amax16 << 16, **quant)
-                self.store_tokens(col_ptr, q0, q1, s, is_nan)
-            col_ptr = col_ptr + Int64(row_stride)
+        self.round_column_exceptions(words, col_amax, col_ptr, row_stride, write)
 
     def pick(self, o, t0, t1):
         """The data pointer of output ``o``'s buffer: ``t0``'s or ``t1``'s (``o`` a run-time value; ``t1``
@@ -628,11 +612,6 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 a0, a1, a2, a3 = cu.ld_global_v4(x.iterator + ((src0 + Int64(t0 + i)) * Int64(r) + Int64(col0)))
             words.append([a0, a1, a2, a3])
         return words
-
-    def col_value(self, row_words, c: int):
-        """Column ``c`` of one token's words as an fp32 bit pattern (the colwise pass)."""
-        w = row_words[c // 2]
-        return w << 16 if c % 2 == 0 else w & Int32(-65536)
 
     def row_values(self, row_words) -> list:
         """One token's 8 columns as fp32 bit patterns (the rowwise pass). Unpacked with ``prmt`` rather than

@@ -319,6 +319,44 @@ class Quantize32x1Kernel:
         else:
             cu.st_global_words(ptr, cu.dequantize8(q0, q1, s, is_nan, self.fake_f32))
 
+    def col_value(self, row_words, c: int):
+        """Column ``c`` of one token's packed bf16x2 words as an fp32 bit pattern."""
+        w = row_words[c // 2]
+        return w << 16 if c % 2 == 0 else w & Int32(-65536)
+
+    @cute.jit
+    def round_columns(self, words, col_max, col_ptr, row_stride: Int32, write, hi, lo):
+        """``round_bf16``, colwise: the thread's 8 columns of 8 tokens (``words``: per token 4 bf16x2 words) rounded
+        to their blocks' e4m3 grids on the packed words (:data:`cute_utils._GRID`; ``col_max``: per column pair the
+        thread's packed magnitude max, joined here over the block's 4 lanes) and stored as bf16 from ``col_ptr``
+        (column 0's 8 tokens; a column is ``row_stride`` elements further) where ``write``. Returns the running
+        :func:`cute_utils.grid_track` ``(hi, lo)`` continued from the given one (``None``: none yet)."""
+        for p in cutlass.range_constexpr(COLS_PER_THREAD // 2):  # colwise: columns 2 p and 2 p + 1
+            amax2 = cu.quad_max_u16x2(col_max[p], (1, 2))
+            hi, lo = cu.grid_track(hi, lo, amax2)
+            t2, sat2 = cu.grid_params(amax2, self.rceil)
+            ys = [cu.grid_bf16x2(words[i][p], t2, sat2) for i in range(TOKENS_PER_THREAD)]
+            for h in cutlass.range_constexpr(2):
+                sel = 0x5410 if h == 0 else 0x7632
+                if write:
+                    cu.st_global_v4(col_ptr + Int64(h) * Int64(row_stride),
+                                    *[cu.prmt(ys[2 * m], ys[2 * m + 1], sel) for m in range(TOKENS_PER_THREAD // 2)])
+            col_ptr = col_ptr + Int64(2) * Int64(row_stride)
+        return hi, lo
+
+    @cute.jit
+    def round_column_exceptions(self, words, col_amax, col_ptr, row_stride: Int32, write):
+        """After :meth:`round_columns`: the columns whose block :func:`cute_utils.grid_exception` flags (``col_amax``:
+        per column pair the blocks' joined amax), quantized and dequantized and stored over the rounded values."""
+        quant = dict(short=self.lean, nan_words=False)  # dequantize8 replaces a NaN block's words
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            amax16 = (col_amax[c // 2] >> (16 * (c % 2))) & Int32(0xFFFF)
+            if cu.grid_exception(amax16) & write:
+                col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
+                q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, (), amax=amax16 << 16, **quant)
+                self.store_tokens(col_ptr, q0, q1, s, is_nan)
+            col_ptr = col_ptr + Int64(row_stride)
+
     @cute.jit
     def zero_scale_tail(self, sp, chunk_total: Int32, rp: Int32, sw: Int32, q: Int32, n_tail: Int32,
                         tid: Int32):
