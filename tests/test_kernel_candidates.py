@@ -116,11 +116,11 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         outs = ("float8_e4m3fn", "bfloat16")
         defaults = [config.Variant("bfloat16", "rceil", g, o) for g in config.GROUPS for o in outs]
         want = {config.with_candidate(d, kw) for kw in config.CANDIDATES.values() for d in defaults
-                if d.out_dtype == outs[0] or {"lean", "packed_amax", "flat_scales", "round_bf16"} & set(kw)}
+                if d.out_dtype == outs[0] or set(config.ELEMENT_FIELDS) & set(kw)}
         assert set(cands) == want - set(defaults) and len(cands) == len(set(cands))
         assert {v.key.split("-")[3] for v in cands} == set(outs)
         # each per-element field is compiled on, in each group kind and output kind where it applies
-        for name in ("lean", "packed_amax", "flat_scales", "round_bf16"):
+        for name in config.ELEMENT_FIELDS:
             assert {(v.groups, v.out_dtype) for v in cands if getattr(v, name)} == {
                 (d.groups, d.out_dtype) for d in defaults if config.applies(name, d)}, name
         # every CTA order a variant may name is compiled (and so compile-checked) by some default or candidate

@@ -107,14 +107,15 @@ class Variant:
         tile = "" if self.tile_cols == TILE_COLS else f"-c{self.tile_cols}"  # the default's key is unchanged
         tile += "" if self.raster == 1 else f"-g{self.raster}"  # K-groups' default keeps its key
         src = "float32asbf16" if self.as_bf16 else self.in_dtype
-        lean = "".join(f"-{tag}" for name, tag in _TAGS.items() if getattr(self, name))  # "" in the defaults
-        return f"{src}-{self.mode}-{self.groups}-{self.out_dtype}{tile}{lean}"
+        cuts = "".join(f"-{tag}" for name, tag in _TAGS.items() if getattr(self, name))  # "" in the defaults
+        return f"{src}-{self.mode}-{self.groups}-{self.out_dtype}{tile}{cuts}"
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
 
 
-_TAGS = {"lean": "lean", "packed_amax": "pamax", "flat_scales": "flat", "round_bf16": "round"}  # key suffixes
+ELEMENT_FIELDS = ("lean", "packed_amax", "flat_scales", "round_bf16")  # the per-element fields (2026-12-03)
+_TAGS = dict(zip(ELEMENT_FIELDS, ("lean", "pamax", "flat", "round")))  # their key suffixes
 _NEEDS = {"packed_amax": "a bfloat16 input and no round_bf16", "flat_scales": "float8_e4m3fn outputs",
           "round_bf16": "a bfloat16 input and bfloat16 outputs"}
 
@@ -166,7 +167,7 @@ def candidate_variants() -> list[Variant]:
     rceil, e4m3 out, and those with per-element fields also bf16 out (the two A/B families, q32x1 and q32x1-bf16)."""
     out = []
     for kw in (kw for kw in CANDIDATES.values() if kw):
-        for o in ("float8_e4m3fn", "bfloat16") if set(kw) & set(_TAGS) else ("float8_e4m3fn",):
+        for o in ("float8_e4m3fn", "bfloat16") if set(kw) & set(ELEMENT_FIELDS) else ("float8_e4m3fn",):
             for g in GROUPS:
                 default = Variant("bfloat16", "rceil", g, o)
                 if (v := with_candidate(default, kw)) != default and v not in out:
