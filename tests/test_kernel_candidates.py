@@ -195,6 +195,29 @@ def test_32x1_with_candidate_keeps_the_fields_that_apply():
     assert config_32x1.with_candidate(fp8.replace(lean=True), {"lean": False}) == fp8
 
 
+def test_32x1_flat_scale_stores_hit_each_byte_of_the_tile_once():
+    """``flat_scales``: the 32x1 kernel stores the scale of column c of a thread at ``tile_byte(row0 + tile_col, blk)
+    + 16 c`` (kernel.py ``quantize_tile``), predicated on lane ``quad == c // 2``: that is column c's own byte, for every
+    thread of both tile widths, and the CTAs of one 128-row scale tile write each of its 512 bytes exactly once."""
+    from moe_quant.layouts import TILE_BYTES, TILE_ROWS, tile_byte
+
+    for tile_cols in config_32x1.TILE_COLS_CHOICES:
+        halves = tile_cols // config_32x1.HALF_COLS
+        written = []
+        for by in range(TILE_ROWS // tile_cols):  # the CTAs of one scale tile
+            row0 = by * tile_cols % TILE_ROWS
+            for warp in range(4 * halves):
+                blk = warp // halves
+                for lane in range(32):
+                    tile_col = (warp % halves) * config_32x1.HALF_COLS + (lane // 4) * config_32x1.COLS_PER_THREAD
+                    first = tile_byte(row0 + tile_col, blk)
+                    for c in range(config_32x1.COLS_PER_THREAD):
+                        assert first + 16 * c == tile_byte(row0 + tile_col + c, blk)
+                        if lane % 4 == c // 2:
+                            written.append(first + 16 * c)
+        assert sorted(written) == list(range(TILE_BYTES)), tile_cols
+
+
 def test_32x1_threads_follow_tile_cols():
     assert config_32x1.Variant("bfloat16", "rceil", "kgroups").threads == 256
     assert config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=64).threads == 128
