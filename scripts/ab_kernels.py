@@ -69,8 +69,8 @@ def q32_family(out: str = "float8_e4m3fn"):
     from moe_quant.kernels.quantize_32x1 import config as config_32x1
     from moe_quant.kernels.quantize_32x1 import ops as ops_32x1
 
-    def variants(groups):
-        return {name: config_32x1.Variant("bfloat16", "rceil", groups, out, **kw)
+    def variants(groups):  # a candidate's fields that do not apply to the output kind left out (round with e4m3)
+        return {name: config_32x1.with_candidate(config_32x1.Variant("bfloat16", "rceil", groups, out), kw)
                 for name, kw in config_32x1.CANDIDATES.items()}
 
     return {groups: (variants(groups), ops_32x1.variant_in_place) for groups in ("kgroups", "uniform")}

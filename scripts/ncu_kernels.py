@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     for name, call in calls.items():
         profile(name, call)
     for cand in args.candidates:
-        v = config_32x1.Variant("bfloat16", "rceil", "kgroups", **config_32x1.CANDIDATES[cand])
+        default = config_32x1.Variant("bfloat16", "rceil", "kgroups")
+        v = config_32x1.with_candidate(default, config_32x1.CANDIDATES[cand])
         with ops_32x1.variant_in_place(v, dev):
             profile(f"q32_kgroups_{cand}", calls["q32_kgroups"])
     return 0

@@ -38,8 +38,9 @@ def k_groups_case(name, m, r, offs_list, dtype=torch.bfloat16, mode=ScaleMode.RC
     d, s, p = ops.quantize_32x1_k_groups(x, mode, offs)
     rd, rs, rp = reference.quantize_colwise_k_groups(x_cpu, offs_cpu, mode)
     ok = same(d, rd) and same(s, rs) and same(p, rp)
-    v, _ = ops.fake_quantize_32x1_k_groups(x, mode, offs, torch.float32)
-    ok &= same(v, reference.fake_quantize_colwise_k_groups(x_cpu, offs_cpu, mode, torch.float32)[0])
+    for out in (torch.float32, torch.bfloat16):  # bf16: the round_bf16 candidates' code
+        v, _ = ops.fake_quantize_32x1_k_groups(x, mode, offs, out)
+        ok &= same(v, reference.fake_quantize_colwise_k_groups(x_cpu, offs_cpu, mode, out)[0])
     torch.cuda.synchronize()
     print(f"{name:44s} {'ok' if ok else 'MISMATCH'}", flush=True)
     return ok
@@ -67,8 +68,8 @@ def candidate_in_place(stack: contextlib.ExitStack, name: str) -> None:
         raise SystemExit(f"--candidate must be one of {sorted(config.CANDIDATES)}, got {name!r}")
     dev = torch.device("cuda", torch.cuda.current_device())
     for v in config.all_variants():
-        if v.in_dtype == "bfloat16":
-            stack.enter_context(ops_32x1.variant_in_place(v.replace(**config.CANDIDATES[name]), dev))
+        if v.in_dtype == "bfloat16":  # the candidate's fields that apply to v (config.with_candidate)
+            stack.enter_context(ops_32x1.variant_in_place(config.with_candidate(v, config.CANDIDATES[name]), dev))
     print(f"candidate {name} in place of the bf16 variants", flush=True)
 
 

@@ -1,12 +1,17 @@
 """Static SASS of one kernel variant, compiled on the CPU (no GPU needed): instruction count and opcode mix.
 
     python scripts/sass_stats.py 'block.config:Variant("dswiglu", "bfloat16", "rceil", "bfloat16")' [--arch sm_90a]
-        [--dump PATH]
+        [--dump PATH] [--main-path]
 
 The spec is ``module:expression``: a config module under ``moe_quant.kernels`` and the variant to build from it.
 The variant is compiled with ``CUTE_DSL_KEEP=cubin`` and disassembled with ``nvdisasm`` (``$NVDISASM``, else
 the one on PATH, else the copy triton ships). A kernel's code size is what its instruction cache must hold:
 the block kernel's dswiglu stalled on "no instruction" at 8880 instructions (kernels/block/NOTES.md).
+
+``--main-path`` (the 32x1 kernel, ``quantize_32x1.config:...``): the instructions from the first 16-byte load of the
+tile (``LDG.E.128``) to the last store of data or scales (an ``STG`` whose source is not ``RZ``: the K-groups tail
+zeroing left out), or to the first ``VOTE`` (``round_bf16``: its exception path left out), and that per element of
+a thread's 8 x 8 tile (kernels/quantize_32x1/NOTES.md, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -40,11 +45,25 @@ def nvdisasm() -> str:
     return found
 
 
+def main_path(lines: list[str]) -> int:
+    """The 32x1 kernel's main path in ``lines`` (one instruction each), as ``--main-path`` describes it."""
+    start = next((i for i, b in enumerate(lines) if "LDG.E.128" in b), None)
+    if start is None:
+        raise SystemExit("--main-path: no 16-byte load (LDG.E.128) in the kernel")
+    vote = next((i for i, b in enumerate(lines) if i > start and b.startswith("VOTE")), None)
+    stores = [i for i, b in enumerate(lines) if i > start and "STG" in b and not b.endswith("RZ")]
+    end = vote if vote is not None else stores[-1] if stores else None
+    if end is None:
+        raise SystemExit("--main-path: no store after the first 16-byte load")
+    return end - start + 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("spec", help='e.g. \'block.config:Variant("swiglu", "bfloat16", "rceil", "bfloat16")\'')
     p.add_argument("--arch", default="sm_90a")
     p.add_argument("--dump", help="write the instructions, one per line, to this file")
+    p.add_argument("--main-path", action="store_true", help="also count the 32x1 kernel's main path (see above)")
     args = p.parse_args(argv)
     if ":" not in args.spec:
         p.error(f"spec must be module:expression, got {args.spec!r}")
@@ -73,6 +92,9 @@ def main(argv=None) -> int:
     ops = collections.Counter((b.split()[1] if b.startswith("@") else b.split()[0]).split(".")[0] for b in lines)
     print(f"{variant} ({args.arch}): {len(lines)} SASS instructions")
     print(" ".join(f"{op}:{n}" for op, n in ops.most_common(30)))
+    if args.main_path:
+        n = main_path(lines)
+        print(f"main path: {n} instructions, {n / 64:.2f} per element")
     if args.dump:
         with open(args.dump, "w") as f:
             f.write("\n".join(lines) + "\n")

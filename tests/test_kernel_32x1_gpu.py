@@ -120,21 +120,43 @@ def test_k_groups_fixed(sizes, r, mode):
 
 @pytest.mark.parametrize("cand", [name for name, fields in config_32x1.CANDIDATES.items() if fields])
 def test_candidates_match_reference(cand):
-    """Each A/B candidate (``config.CANDIDATES``), put in place of the bf16 rceil variants of both group kinds and
-    all three outputs, byte for byte: ragged groups with R % 128 == 64 (a half scale tile) and more column tiles
-    than a raster group, 3D weights with N % 128 != 0."""
+    """Each A/B candidate (``config.CANDIDATES``), put in place of the bf16-input variants of both group kinds, both
+    modes and all three outputs (``config.with_candidate``: a field that does not apply to a variant left out), byte
+    for byte: ragged groups with R % 128 == 64 (a half scale tile) and more column tiles than a raster group, 3D
+    weights with N % 128 != 0. Candidates with per-element fields (``config.ELEMENT_FIELDS``) also on NaN / Inf, bf16
+    subnormals, amaxes that floor saturates, zero blocks and blocks spanning their e4m3 grid (round_bf16's exception
+    and rounding cases) in both modes, and on empty groups only, offsets past M, negative and decreasing, G = 0 and
+    M = 0."""
     import contextlib
 
     dev = torch.device("cuda", torch.cuda.current_device())
+    per_element = bool(set(config_32x1.CANDIDATES[cand]) & set(config_32x1.ELEMENT_FIELDS))
     with contextlib.ExitStack() as stack:
         for v in config_32x1.all_variants():
-            if v.in_dtype == "bfloat16" and v.mode == "rceil":
-                stack.enter_context(ops_32x1.variant_in_place(v.replace(**config_32x1.CANDIDATES[cand]), dev))
+            if v.in_dtype == "bfloat16":
+                stack.enter_context(ops_32x1.variant_in_place(
+                    config_32x1.with_candidate(v, config_32x1.CANDIDATES[cand]), dev))
         for sizes, r in (([0, 1, 31, 33, 127, 129, 0, 300], 2144), ([4000, 0, 5, 4191], 7168), ([3] * 100, 64)):
             x = colwise_values(sum(sizes) + 17, r, "wide", 99, torch.bfloat16)
             check_k_groups(x, offsets_from_sizes(sizes), ScaleMode.RCEIL)
         for shape in ((3, 160, 96), (2, 2048, 7168), (5, 96, 2080)):
             check_3d(make_values(shape, "normal", 5, torch.bfloat16), ScaleMode.RCEIL)
+        if not per_element:  # a CTA order or tile width: the same code per element
+            return
+        sizes = [0, 1, 31, 33, 127, 129, 0, 300]
+        for i, dist in enumerate(("nan_inf", "subnormal", "amax_band", "zero_blocks", "grid", "normal")):
+            x = colwise_values(sum(sizes) + 17, 544, dist, 7 + i, torch.bfloat16)
+            for mode in ScaleMode:
+                check_k_groups(x, offsets_from_sizes(sizes), mode)
+        for m, r, offs in ((500, 96, [100, 700, 50, -5, 10**6, 499]), (96, 64, [0, 0, 0]), (300, 64, []),
+                           (0, 128, [0, 0, 0])):
+            x = colwise_values(m, r, "wide", m + r, torch.bfloat16)
+            for mode in ScaleMode:
+                check_k_groups(x, torch.tensor(offs, dtype=torch.int32), mode)
+        for i, dist in enumerate(("nan_inf", "amax_band", "grid")):  # blocks along N: drawn as (E, K, N)
+            w = make_values((3, 96, 160), dist, 21 + i, torch.bfloat16).transpose(-2, -1).contiguous()
+            for mode in ScaleMode:
+                check_3d(w, mode)
 
 
 @given(e=st.integers(1, 5), n=st.integers(1, 10).map(lambda v: 32 * v), k=st.integers(1, 10).map(lambda v: 32 * v),

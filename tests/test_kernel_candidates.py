@@ -15,6 +15,12 @@ def test_default_keys_unchanged():
     # 3D along N: 16 column tiles side by side since 2026-11-29 (the A/B on the H200)
     assert config_32x1.Variant("bfloat16", "rceil", "uniform").key == "bfloat16-rceil-uniform-float8_e4m3fn-g16"
     assert config_32x1.Variant("bfloat16", "rceil", "uniform", raster=1).key == "bfloat16-rceil-uniform-float8_e4m3fn"
+    # the per-element fields (candidates since 2026-12-03): off in every variant the ops launch, tagged where on
+    assert not any(v.lean or v.packed_amax or v.flat_scales or v.round_bf16 for v in config_32x1.all_variants())
+    assert config_32x1.Variant("bfloat16", "rceil", "kgroups", lean=True, packed_amax=True, flat_scales=True).key == \
+        "bfloat16-rceil-kgroups-float8_e4m3fn-lean-pamax-flat"
+    assert config_32x1.Variant("bfloat16", "floor", "uniform", "bfloat16", lean=True, round_bf16=True).key == \
+        "bfloat16-floor-uniform-bfloat16-g16-lean-round"
     # permute: the fp8 outputs rows since 2026-11-28 (the A/B on the H200), dequant scatter with register staging
     # since 2026-11-26 (the A/B on the H100); scatter and gather keep their keys
     assert config_permute.Variant("blocked").key == "blocked-float8_e4m3fn-t256i4b1024-rows"
@@ -134,11 +140,18 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     from moe_quant.kernels import compile_check
 
     cands = config.candidate_variants()
-    if config is config_32x1:  # a candidate naming a group kind's own default is not listed again
-        defaults = [config.Variant("bfloat16", "rceil", g) for g in config.GROUPS]
-        assert len(cands) == sum(1 for kw in config.CANDIDATES.values() if kw for g in config.GROUPS
-                                 if config.Variant("bfloat16", "rceil", g, **kw) not in defaults)
-        assert cands and not set(defaults) & set(cands)
+    if config is config_32x1:  # a candidate naming a group kind's own default is not listed again; those with
+        # per-element fields in both A/B output kinds (the fields that apply there)
+        outs = ("float8_e4m3fn", "bfloat16")
+        defaults = [config.Variant("bfloat16", "rceil", g, o) for g in config.GROUPS for o in outs]
+        want = {config.with_candidate(d, kw) for kw in config.CANDIDATES.values() for d in defaults
+                if d.out_dtype == outs[0] or set(config.ELEMENT_FIELDS) & set(kw)}
+        assert set(cands) == want - set(defaults) and len(cands) == len(set(cands))
+        assert {v.key.split("-")[3] for v in cands} == set(outs)
+        # each per-element field is compiled on, in each group kind and output kind where it applies
+        for name in config.ELEMENT_FIELDS:
+            assert {(v.groups, v.out_dtype) for v in cands if getattr(v, name)} == {
+                (d.groups, d.out_dtype) for d in defaults if config.applies(name, d)}, name
         # every CTA order a variant may name is compiled (and so compile-checked) by some default or candidate
         assert {v.raster for v in cands + config.all_variants()} == set(config.RASTER_CHOICES)
     elif config is config_block:  # every candidate of every op and output, and the stacked variant of dswiglu's
@@ -167,6 +180,11 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
 @pytest.mark.parametrize("make", [
     lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", tile_cols=32),
     lambda: config_32x1.Variant("bfloat16", "rceil", "uniform", raster=3),
+    lambda: config_32x1.Variant("float32", "rceil", "kgroups", packed_amax=True),  # packed words: bf16 input only
+    lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", "bfloat16", flat_scales=True),  # no scales
+    lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", round_bf16=True),  # e4m3 outputs
+    lambda: config_32x1.Variant("float32", "rceil", "uniform", "bfloat16", as_bf16=True, round_bf16=True),
+    lambda: config_32x1.Variant("bfloat16", "rceil", "kgroups", "bfloat16", packed_amax=True, round_bf16=True),
     lambda: config_permute.Variant("blocked", threads=100),
     lambda: config_permute.Variant("blocked", iters=0),
     lambda: config_permute.Variant("blocked", order="sorted"),
@@ -186,6 +204,47 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
 def test_bad_tiles_raise(make):
     with pytest.raises(ValueError):
         make()
+
+
+def test_32x1_with_candidate_keeps_the_fields_that_apply():
+    """One candidate name is put in place of every 32x1 variant (the GPU tests, ab_kernels.py, sanitize_32x1.py):
+    its fields that do not apply to a variant are left out, the others kept."""
+    every = config_32x1.CANDIDATES["lean-all"]
+    fp8 = config_32x1.Variant("bfloat16", "rceil", "kgroups")
+    bf16 = config_32x1.Variant("bfloat16", "floor", "uniform", "bfloat16")
+    f32_in = config_32x1.Variant("float32", "rceil", "kgroups", "bfloat16")
+    assert config_32x1.with_candidate(fp8, every) == fp8.replace(lean=True, packed_amax=True, flat_scales=True)
+    assert config_32x1.with_candidate(bf16, every) == bf16.replace(lean=True, round_bf16=True)
+    assert config_32x1.with_candidate(f32_in, every) == f32_in.replace(lean=True)
+    assert config_32x1.with_candidate(fp8, config_32x1.CANDIDATES["round"]) == fp8
+    assert config_32x1.with_candidate(bf16, config_32x1.CANDIDATES["lean-pamax"]) == bf16.replace(lean=True,
+                                                                                                   packed_amax=True)
+    assert config_32x1.with_candidate(fp8, {"tile_cols": 64, "lean": True}) == fp8.replace(tile_cols=64, lean=True)
+    # an explicit False is kept (turns a field off)
+    assert config_32x1.with_candidate(fp8.replace(lean=True), {"lean": False}) == fp8
+
+
+def test_32x1_flat_scale_stores_hit_each_byte_of_the_tile_once():
+    """``flat_scales``: the 32x1 kernel stores the scale of column c of a thread at ``tile_byte(row0 + tile_col, blk)
+    + 16 c`` (kernel.py ``quantize_tile``), predicated on lane ``quad == c // 2``: that is column c's own byte, for every
+    thread of both tile widths, and the CTAs of one 128-row scale tile write each of its 512 bytes exactly once."""
+    from moe_quant.layouts import TILE_BYTES, TILE_ROWS, tile_byte
+
+    for tile_cols in config_32x1.TILE_COLS_CHOICES:
+        halves = tile_cols // config_32x1.HALF_COLS
+        written = []
+        for by in range(TILE_ROWS // tile_cols):  # the CTAs of one scale tile
+            row0 = by * tile_cols % TILE_ROWS
+            for warp in range(4 * halves):
+                blk = warp // halves
+                for lane in range(32):
+                    tile_col = (warp % halves) * config_32x1.HALF_COLS + (lane // 4) * config_32x1.COLS_PER_THREAD
+                    first = tile_byte(row0 + tile_col, blk)
+                    for c in range(config_32x1.COLS_PER_THREAD):
+                        assert first + 16 * c == tile_byte(row0 + tile_col + c, blk)
+                        if lane % 4 == c // 2:
+                            written.append(first + 16 * c)
+        assert sorted(written) == list(range(TILE_BYTES)), tile_cols
 
 
 def test_32x1_threads_follow_tile_cols():

@@ -131,6 +131,24 @@ def test_sass_stats_counts_a_variants_instructions_on_a_cpu(tmp_path):
     assert "Traceback" not in bad.stderr, bad.stderr[-3000:]
 
 
+def test_sass_stats_main_path_spans_the_tile_loads_to_the_last_store():
+    """``--main-path`` (the 32x1 kernel's per-element counts, kernels/quantize_32x1/NOTES.md): from the first 16-byte
+    load to the last store of data or scales (a zeroing store of RZ is tail code), or to the first VOTE (the
+    round_bf16 exception path after it is left out)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_stats", Path(ROOT) / "scripts" / "sass_stats.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    body = ["S2R R0, SR_TID.X", "LDG.E R5, desc[UR4][R2.64]", "@!P1 LDG.E.128 R8, desc[UR4][R2.64]", "FMUL R1, R2, R3",
+            "@P1 STG.E.64 desc[UR4][R6.64], R4", "LDS.128 R4, [R0]", "STG.E.128 desc[UR4][R2.64], R4", "EXIT"]
+    assert mod.main_path(body + ["STG.E.128 desc[UR4][R2.64], RZ", "EXIT"]) == 5
+    vote = body[:4] + ["VOTE.ANY R0, PT, P0", "@!P0 EXIT"] + body[4:]
+    assert mod.main_path(vote) == 3
+    with pytest.raises(SystemExit, match="no 16-byte load"):
+        mod.main_path(["EXIT"])
+
+
 def test_host_glue_script_times_the_kernel_path_on_a_cpu():
     proc = run("scripts/host_glue_cpu.py", "--calls", "3", "--rounds", "1", pythonpath=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -205,7 +205,7 @@ def test_kernel_short_scale_formula_equals_the_reference(mode):
                                  f"want {want[bad[:4]].tolist()}")
 
 
-# The block kernels' bf16 outputs rounded on the packed words (``round_bf16``, kernels/block/kernel.py ``_GRID``,
+# The kernels' bf16 outputs rounded on the packed words (``round_bf16``, kernels/cute_utils.py ``_GRID``,
 # ``grid_params``, ``grid_exception``), modelled here element by element on bf16 bit patterns: the constants are the
 # kernel's (2^-108 and 2^124 as bf16 bits, 24 = 1.5 * 2^4, the RCEIL bump 0x1F, 2^(k-6) = Kb - 14 << 7).
 _GRID_LOW, _GRID_HIGH = 19 << 7, 251 << 7

@@ -345,6 +345,97 @@ def st_global_words(ptr, words) -> None:
         st_global_v4(ptr + 4, *words[4:])
 
 
+# ----------------------------------------------------------------------------- bf16 outputs by rounding (round_bf16)
+# (the block kernel's and the 32x1 kernel's ``round_bf16`` variants)
+
+# The dequantized bf16 value of an element x of a block with scale 2^k is x rounded (RNE) to e4m3's grid scaled by
+# 2^k: to 4 significant bits where |x| >= 2^(k-6) (e4m3 normal), to a multiple of q = 2^(k-9) below (subnormal), at
+# most 448 2^k (satfinite: floor mode only; an RCEIL scale keeps amax 2^-k <= 448) -- exactly, as long as the
+# products are normal: fp32(x) 2^-k is exact, the e4m3 conversion rounds once, the product with 2^k and its bf16
+# rounding are exact for k >= -116. That rounding is one bf16 addition of a constant and its subtraction: C = 24 *
+# 2^max(e, k-6) (e: x's exponent, so ulp(C) = 2^(max(e, k-6) - 3), the grid's spacing at x, and x + C stays in C's
+# binade for either sign of x; C / ulp(C) = 192 is even, so ties go to the even grid point as cvt.rn does): x + C -
+# C, then x's sign (a zero result is +0; a tiny negative x must give -0, as its e4m3 byte 0x80 dequantizes). On
+# packed bf16x2 words both halves at once: ``C0 = max.u16x2(x & 0x7F807F80, 2^(k-6))``, ``fma.rn.bf16x2(C0, 24, x)``,
+# ``fma.rn.bf16x2(C0, -24, t)``, the sign: 5 instructions a word and form (7 in floor mode: the ``min.u16x2`` with
+# 448 2^k on the magnitude) instead of about 17 (quantize, dequantize). A block whose amax is non-finite, at least
+# 2^124 (24 C0 would overflow) or in (0, 2^-108) (k < -116) is quantized and dequantized as before (no real data has
+# the last two; zero blocks take the rounding). tests/test_numerics.py checks the recipe against
+# numerics.fake_quantize_blocks on the CPU (every amax mantissa, every element pattern within 2^-19 of it).
+_GRID = """{
+.reg .b32 c, t, s, k, nk;
+mov.b32 k, 0x41C041C0;
+mov.b32 nk, 0xC1C0C1C0;
+and.b32 c, $1, 0x7F807F80;
+max.u16x2 c, c, $2;
+fma.rn.bf16x2 t, c, k, $1;
+fma.rn.bf16x2 t, c, nk, t;
+%s
+and.b32 s, $1, 0x80008000;
+or.b32 $0, t, s;
+}"""
+GRID_AMAX_LOW, GRID_AMAX_HIGH = 19 << 7, 251 << 7  # bf16 bits of 2^-108 and 2^124: the rounded blocks' amax range
+
+
+def grid_bf16x2(w, t2, sat=None) -> Int32:
+    """The packed word ``w`` rounded to the e4m3 grid of :data:`_GRID` (``t2``: the blocks' 2^(k-6) per half, as bf16
+    bits; ``sat``: floor mode's 448 2^k per half). On the signed value: for a negative x, ``C - |x|`` stays in C's
+    binade and rounds as ``|x|`` does (C on the grid, C / ulp even), so ``t - C`` is ``-round(|x|)``, and the sign put
+    back makes a zero -0. The exponent bits of ``w`` are taken in each form (kept for both forms, 32 more registers
+    would be live)."""
+    if sat is None:
+        return _asm(1, [w, t2], _GRID % "", "=r,r,r")
+    return _asm(1, [w, t2, sat], _GRID % "and.b32 t, t, 0x7FFF7FFF;\nmin.u16x2 t, t, $3;", "=r,r,r,r")
+
+
+def max_u16x2(a, b) -> Int32:
+    return _asm(1, [a, b], "max.u16x2 $0, $1, $2;", "=r,r,r")
+
+
+def prmt(a, b, sel: int) -> Int32:
+    return _asm(1, [a, b], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
+
+def quad_max_u16x2(amax2, lanes=QUAD_LANES) -> Int32:
+    """:func:`quad_max` of packed bf16x2 magnitude words (``max.u16x2``): both halves' maxima over the lanes at once."""
+    for d in lanes:
+        amax2 = max_u16x2(amax2, cute.arch.shuffle_sync_bfly(amax2, offset=d))
+    return amax2
+
+
+def grid_params(amax2, rceil: bool):
+    """Per half of ``amax2`` (two blocks' amax, bf16 bits): ``(2^(k-6), 448 2^k)`` of the block's scale 2^k, packed
+    as bf16 bits (the second ``None`` in RCEIL mode). RCEIL: k = E - 8, or E - 7 where amax's mantissa exceeds 1.75
+    (the exponent field of ``amax + 0x1F``: ``fp32(amax / 448)`` is a power of two exactly at 1.75); floor: k = E - 8.
+    Clamped at 2^-127 so that no borrow crosses the halves (a block below 2^-108 is not rounded)."""
+    bump = 0x001F001F if rceil else 0
+    kb = _asm(1, [amax2], f"add.u32 $0, $1, {bump:#x};\nand.b32 $0, $0, 0x7F807F80;", "=r,r")
+    t0 = max_u16x2(kb, Int32(0x07000700)) - Int32(0x07000700)
+    return t0, (None if rceil else kb | 0x00600060)
+
+
+def grid_track(hi, lo, amax2):
+    """Running ``(hi, lo)`` of the packed amax words seen so far (``None``, ``None`` at first): ``max.u16x2`` of them,
+    and ``min.s16x2`` of ``amax2 + 0x7FFF7FFF`` (per half 0x7FFF for a zero, 0x7FFF + a for a nonzero a: negative as
+    s16, ordered as a), so the smallest nonzero amax; :func:`grid_any_exception` reads them."""
+    key = _asm(1, [amax2], "add.u32 $0, $1, 0x7FFF7FFF;", "=r,r")
+    if hi is None:
+        return amax2, key
+    return max_u16x2(hi, amax2), _asm(1, [lo, key], "min.s16x2 $0, $1, $2;", "=r,r,r")
+
+
+def grid_any_exception(hi, lo):
+    """Whether any block seen by :func:`grid_track` is one :func:`grid_exception` flags: the largest amax at least
+    2^124 (or non-finite), or the smallest nonzero one below 2^-108."""
+    top = cutlass.max(hi << 16, hi & Int32(-65536))  # the largest half, in the top half (bit 31 clear)
+    low = cutlass.min(lo << 16, lo & Int32(-65536))  # the smallest key, signed
+    return (top >= Int32(GRID_AMAX_HIGH << 16)) | (low < Int32((0x7FFF + GRID_AMAX_LOW - 0x10000) << 16))
+
+
+def grid_exception(amax16):
+    """Whether a block (amax ``amax16``, bf16 bits) is quantized and dequantized instead of rounded (:data:`_GRID`)."""
+    return (amax16 >= GRID_AMAX_HIGH) | ((amax16 != 0) & (amax16 < GRID_AMAX_LOW))
+
+
 # ----------------------------------------------------------------------------- groups
 
 

@@ -65,7 +65,7 @@ class Variant:
     # element rounded (RNE) to its block's e4m3 grid, which the block's amax gives: per packed bf16x2 word and form one
     # bf16 addition and subtraction of 24 * 2^max(e, k-6) and the sign (5 instructions; 7 in floor mode, its 448 2^k
     # saturation), instead of the quantize-dequantize sequence per element and form. A block whose amax is non-finite,
-    # at least 2^124 or in (0, 2^-108) is quantized and dequantized as before (kernel.py _GRID, kernels/block/NOTES.md,
+    # at least 2^124 or in (0, 2^-108) is quantized and dequantized as before (cute_utils._GRID, kernels/block/NOTES.md,
     # 2026-12-03). None: on for bf16 outputs
     round_bf16: bool | None = None
     # swiglu / dswiglu with fast_div (the default since 2026-12-03): the fast division's residual taken as d q0 - x and

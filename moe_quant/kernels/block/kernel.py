@@ -268,90 +268,6 @@ def in_fast_range(lo, hi) -> Int32:
     return cu._asm(1, [lo, hi], _IN_FAST_RANGE, "=r,r,r")
 
 
-# ----------------------------------------------------------------------------- bf16 outputs by rounding (round_bf16)
-
-# The dequantized bf16 value of an element x of a block with scale 2^k is x rounded (RNE) to e4m3's grid scaled by
-# 2^k: to 4 significant bits where |x| >= 2^(k-6) (e4m3 normal), to a multiple of q = 2^(k-9) below (subnormal), at
-# most 448 2^k (satfinite: floor mode only; an RCEIL scale keeps amax 2^-k <= 448) -- exactly, as long as the
-# products are normal: fp32(x) 2^-k is exact, the e4m3 conversion rounds once, the product with 2^k and its bf16
-# rounding are exact for k >= -116. That rounding is one bf16 addition of a constant and its subtraction: C = 24 *
-# 2^max(e, k-6) (e: x's exponent, so ulp(C) = 2^(max(e, k-6) - 3), the grid's spacing at x, and x + C stays in C's
-# binade for either sign of x; C / ulp(C) = 192 is even, so ties go to the even grid point as cvt.rn does): x + C -
-# C, then x's sign (a zero result is +0; a tiny negative x must give -0, as its e4m3 byte 0x80 dequantizes). On
-# packed bf16x2 words both halves at once: ``C0 = max.u16x2(x & 0x7F807F80, 2^(k-6))``, ``fma.rn.bf16x2(C0, 24, x)``,
-# ``fma.rn.bf16x2(C0, -24, t)``, the sign: 5 instructions a word and form (7 in floor mode: the ``min.u16x2`` with
-# 448 2^k on the magnitude) instead of about 17 (quantize, dequantize). A block whose amax is non-finite, at least
-# 2^124 (24 C0 would overflow) or in (0, 2^-108) (k < -116) is quantized and dequantized as before (no real data has
-# the last two; zero blocks take the rounding). tests/test_numerics.py checks the recipe against
-# numerics.fake_quantize_blocks on the CPU (every amax mantissa, every element pattern within 2^-19 of it).
-_GRID = """{
-.reg .b32 c, t, s, k, nk;
-mov.b32 k, 0x41C041C0;
-mov.b32 nk, 0xC1C0C1C0;
-and.b32 c, $1, 0x7F807F80;
-max.u16x2 c, c, $2;
-fma.rn.bf16x2 t, c, k, $1;
-fma.rn.bf16x2 t, c, nk, t;
-%s
-and.b32 s, $1, 0x80008000;
-or.b32 $0, t, s;
-}"""
-GRID_AMAX_LOW, GRID_AMAX_HIGH = 19 << 7, 251 << 7  # bf16 bits of 2^-108 and 2^124: the rounded blocks' amax range
-
-
-def grid_bf16x2(w, t2, sat=None) -> Int32:
-    """The packed word ``w`` rounded to the e4m3 grid of :data:`_GRID` (``t2``: the blocks' 2^(k-6) per half, as bf16
-    bits; ``sat``: floor mode's 448 2^k per half). On the signed value: for a negative x, ``C - |x|`` stays in C's
-    binade and rounds as ``|x|`` does (C on the grid, C / ulp even), so ``t - C`` is ``-round(|x|)``, and the sign put
-    back makes a zero -0. The exponent bits of ``w`` are taken in each form (kept for both forms, 32 more registers
-    would be live)."""
-    if sat is None:
-        return cu._asm(1, [w, t2], _GRID % "", "=r,r,r")
-    return cu._asm(1, [w, t2, sat], _GRID % "and.b32 t, t, 0x7FFF7FFF;\nmin.u16x2 t, t, $3;", "=r,r,r,r")
-
-
-def max_u16x2(a, b) -> Int32:
-    return cu._asm(1, [a, b], "max.u16x2 $0, $1, $2;", "=r,r,r")
-
-
-def prmt(a, b, sel: int) -> Int32:
-    return cu._asm(1, [a, b], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
-
-
-def grid_params(amax2, rceil: bool):
-    """Per half of ``amax2`` (two blocks' amax, bf16 bits): ``(2^(k-6), 448 2^k)`` of the block's scale 2^k, packed
-    as bf16 bits (the second ``None`` in RCEIL mode). RCEIL: k = E - 8, or E - 7 where amax's mantissa exceeds 1.75
-    (the exponent field of ``amax + 0x1F``: ``fp32(amax / 448)`` is a power of two exactly at 1.75); floor: k = E - 8.
-    Clamped at 2^-127 so that no borrow crosses the halves (a block below 2^-108 is not rounded)."""
-    bump = 0x001F001F if rceil else 0
-    kb = cu._asm(1, [amax2], f"add.u32 $0, $1, {bump:#x};\nand.b32 $0, $0, 0x7F807F80;", "=r,r")
-    t0 = max_u16x2(kb, Int32(0x07000700)) - Int32(0x07000700)
-    return t0, (None if rceil else kb | 0x00600060)
-
-
-def grid_track(hi, lo, amax2):
-    """Running ``(hi, lo)`` of the packed amax words seen so far (``None``, ``None`` at first): ``max.u16x2`` of them,
-    and ``min.s16x2`` of ``amax2 + 0x7FFF7FFF`` (per half 0x7FFF for a zero, 0x7FFF + a for a nonzero a: negative as
-    s16, ordered as a), so the smallest nonzero amax; :func:`grid_any_exception` reads them."""
-    key = cu._asm(1, [amax2], "add.u32 $0, $1, 0x7FFF7FFF;", "=r,r")
-    if hi is None:
-        return amax2, key
-    return max_u16x2(hi, amax2), cu._asm(1, [lo, key], "min.s16x2 $0, $1, $2;", "=r,r,r")
-
-
-def grid_any_exception(hi, lo):
-    """Whether any block seen by :func:`grid_track` is one :func:`grid_exception` flags: the largest amax at least
-    2^124 (or non-finite), or the smallest nonzero one below 2^-108."""
-    top = cutlass.max(hi << 16, hi & Int32(-65536))  # the largest half, in the top half (bit 31 clear)
-    low = cutlass.min(lo << 16, lo & Int32(-65536))  # the smallest key, signed
-    return (top >= Int32(GRID_AMAX_HIGH << 16)) | (low < Int32((0x7FFF + GRID_AMAX_LOW - 0x10000) << 16))
-
-
-def grid_exception(amax16):
-    """Whether a block (amax ``amax16``, bf16 bits) is quantized and dequantized instead of rounded (:data:`_GRID`)."""
-    return (amax16 >= GRID_AMAX_HIGH) | ((amax16 != 0) & (amax16 < GRID_AMAX_LOW))
-
-
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -651,27 +567,22 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 mags = [cu._asm(1, [w], "and.b32 $0, $1, 0x7FFF7FFF;", "=r,r") for w in words[i]]
             else:
                 mags = [w & 0x7FFF7FFF for w in words[i]]
-            row_max.append(max_u16x2(max_u16x2(mags[0], mags[1]), max_u16x2(mags[2], mags[3])))
-            col_max = mags if i == 0 else [max_u16x2(a, b) for a, b in zip(col_max, mags)]
+            row_max.append(cu.max_u16x2(cu.max_u16x2(mags[0], mags[1]), cu.max_u16x2(mags[2], mags[3])))
+            col_max = mags if i == 0 else [cu.max_u16x2(a, b) for a, b in zip(col_max, mags)]
         return row_max, col_max
 
     def row_amax2(self, row_max, j: int):
         """The amax of the rowwise blocks of tokens 2 j (low half) and 2 j + 1 (high half), joined over the 4 lanes
         of each block (shuffles: every lane of the warp runs it)."""
         a, b = row_max[2 * j], row_max[2 * j + 1]
-        return self.join(max_u16x2(prmt(a, b, 0x5410), prmt(a, b, 0x7632)), ROW_LANES)
-
-    def join(self, amax2, lanes):
-        for d in lanes:
-            amax2 = max_u16x2(amax2, cute.arch.shuffle_sync_bfly(amax2, offset=d))
-        return amax2
+        return cu.quad_max_u16x2(cu.max_u16x2(cu.prmt(a, b, 0x5410), cu.prmt(a, b, 0x7632)), ROW_LANES)
 
     @cute.jit
     def round_forms(self, o_cta, words, row_out, col_out, where, tile):
         """``round_bf16``: both forms' bf16 values of output ``o_cta``'s tile (``words``), each element rounded to its
-        block's e4m3 grid on the packed words (:data:`_GRID`), the blocks' amax on the packed words too. Every block
-        is stored rounded; where a lane of the warp holds a block that :func:`grid_exception` flags (rare:
-        non-finite, huge or tiny amax), the warp finds the amaxes again (:meth:`round_exceptions`)."""
+        block's e4m3 grid on the packed words (:data:`cute_utils._GRID`), the blocks' amax on the packed words too.
+        Every block is stored rounded; where a lane of the warp holds a block that :func:`cute_utils.grid_exception`
+        flags (rare: non-finite, huge or tiny amax), the warp finds the amaxes again (:meth:`round_exceptions`)."""
         tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride = where
         src0, n_real, r, col0, col_ok, t0 = tile
         row_max, col_max = self.grid_maxima(words)
@@ -683,41 +594,31 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         n_left = n_real - t0  # the thread's real tokens
         for j in cutlass.range_constexpr(TOKENS_PER_THREAD // 2):  # rowwise: tokens 2 j and 2 j + 1
             amax2 = self.row_amax2(row_max, j)
-            hi, lo = grid_track(hi, lo, amax2)
-            t2, sat2 = grid_params(amax2, self.rceil)
+            hi, lo = cu.grid_track(hi, lo, amax2)
+            t2, sat2 = cu.grid_params(amax2, self.rceil)
             for h in cutlass.range_constexpr(2):
                 i = 2 * j + h
                 sel = 0x1010 if h == 0 else 0x3232  # the half, in both halves
-                tt = prmt(t2, t2, sel)
-                st = None if sat2 is None else prmt(sat2, sat2, sel)
-                ys = [grid_bf16x2(words[i][k], tt, st) for k in range(4)]
+                tt = cu.prmt(t2, t2, sel)
+                st = None if sat2 is None else cu.prmt(sat2, sat2, sel)
+                ys = [cu.grid_bf16x2(words[i][k], tt, st) for k in range(4)]
                 if col_ok & (n_left > i):
                     cu.st_global_words(row_ptr, ys)
                 row_ptr = row_ptr + pitch
         col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
-        for p in cutlass.range_constexpr(COLS_PER_THREAD // 2):  # colwise: columns 2 p and 2 p + 1
-            amax2 = self.join(col_max[p], (1, 2))
-            hi, lo = grid_track(hi, lo, amax2)
-            t2, sat2 = grid_params(amax2, self.rceil)
-            ys = [grid_bf16x2(words[i][p], t2, sat2) for i in range(TOKENS_PER_THREAD)]
-            for h in cutlass.range_constexpr(2):
-                sel = 0x5410 if h == 0 else 0x7632
-                if write:
-                    cu.st_global_v4(col_ptr + Int64(h) * Int64(row_stride),
-                                    *[prmt(ys[2 * m], ys[2 * m + 1], sel) for m in range(TOKENS_PER_THREAD // 2)])
-            col_ptr = col_ptr + Int64(2) * Int64(row_stride)
-        if cute.arch.vote_any_sync(grid_any_exception(hi, lo)):
+        hi, lo = self.round_columns(words, col_max, col_ptr, row_stride, write, hi, lo)
+        if cute.arch.vote_any_sync(cu.grid_any_exception(hi, lo)):
             self.round_exceptions(o_cta, words, row_out, col_out, where, tile)
 
     @cute.jit
     def round_exceptions(self, o_cta, words, row_out, col_out, where, tile):
-        """The blocks of this thread that :func:`grid_exception` flags, quantized and dequantized from their amax
-        (found again: the whole warp runs this) and stored over the rounded values."""
+        """The blocks of this thread that :func:`cute_utils.grid_exception` flags, quantized and dequantized from their
+        amax (found again: the whole warp runs this) and stored over the rounded values."""
         tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride = where
         src0, n_real, r, col0, col_ok, t0 = tile
         row_max, col_max = self.grid_maxima(words, again=True)
         row_amax = [self.row_amax2(row_max, j) for j in range(TOKENS_PER_THREAD // 2)]
-        col_amax = [self.join(c, (1, 2)) for c in col_max]
+        col_amax = [cu.quad_max_u16x2(c, (1, 2)) for c in col_max]
         quant = dict(short=self.lean, nan_words=False)  # dequantize8 replaces a NaN block's words
         # addresses by one add per row or column, as in round_forms (no per-token address hoisted out of a loop)
         row_ptr = row_out + self.row_element(o_cta, src0 + Int64(t0), r, col0)
@@ -725,19 +626,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         n_left = n_real - t0  # the thread's real tokens
         for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
             amax16 = (row_amax[i // 2] >> (16 * (i % 2))) & Int32(0xFFFF)
-            if grid_exception(amax16) & col_ok & (n_left > i):
+            if cu.grid_exception(amax16) & col_ok & (n_left > i):
                 q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, (), amax=amax16 << 16,
                                                        **quant)
                 cu.st_global_words(row_ptr, cu.dequantize8(q0, q1, s, is_nan, False))
             row_ptr = row_ptr + pitch
         col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            amax16 = (col_amax[c // 2] >> (16 * (c % 2))) & Int32(0xFFFF)
-            if grid_exception(amax16) & write:
-                col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
-                q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, (), amax=amax16 << 16, **quant)
-                self.store_tokens(col_ptr, q0, q1, s, is_nan)
-            col_ptr = col_ptr + Int64(row_stride)
+        self.round_column_exceptions(words, col_amax, col_ptr, row_stride, write)
 
     def pick(self, o, t0, t1):
         """The data pointer of output ``o``'s buffer: ``t0``'s or ``t1``'s (``o`` a run-time value; ``t1``
@@ -767,11 +662,6 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 a0, a1, a2, a3 = cu.ld_global_v4(x.iterator + ((src0 + Int64(t0 + i)) * Int64(r) + Int64(col0)))
             words.append([a0, a1, a2, a3])
         return words
-
-    def col_value(self, row_words, c: int):
-        """Column ``c`` of one token's words as an fp32 bit pattern (the colwise pass)."""
-        w = row_words[c // 2]
-        return w << 16 if c % 2 == 0 else w & Int32(-65536)
 
     def row_values(self, row_words) -> list:
         """One token's 8 columns as fp32 bit patterns (the rowwise pass). Unpacked with ``prmt`` rather than

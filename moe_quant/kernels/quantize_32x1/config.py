@@ -55,6 +55,23 @@ class Variant:
     # CTA order (RASTER_CHOICES; -1: the measured default of the group kind, DEFAULT_RASTER). Changes which bytes
     # the CTAs resident at once read and write together, not the work of any CTA.
     raster: int = -1
+    # Fewer instructions per element, the same bytes (A/B candidates, not yet measured; NOTES.md, 2026-12-03; the
+    # block kernel's fields of these names, kernels/block/NOTES.md 2026-12-02 / 2026-12-03). False: today's code.
+    # lean: each block's scale in 7 instructions instead of 17 and its reciprocal in one
+    # (cute_utils.e8m0_from_amax_bits_short), no NaN select of the e4m3 words that dequantized outputs replace anyway,
+    # the transposed store address advanced by one add per column
+    lean: bool = False
+    # bf16 input: each column pair's amax on the packed bf16x2 words (max.u16x2), joined over the block's 4 lanes by
+    # 2 shuffles per pair instead of 2 per column (not with round_bf16, which takes its amax that way itself)
+    packed_amax: bool = False
+    # e4m3 outputs: each scale byte by one store predicated on the lane that owns it, at a constant offset from the
+    # thread's first byte of the shared scale tile (its 8 columns' bytes lie 16 bytes apart), instead of a branch
+    # around its address arithmetic per column
+    flat_scales: bool = False
+    # bf16 input and output: each element rounded to its block's e4m3 grid on the packed words (cute_utils._GRID: 5
+    # instructions per word, 7 in floor mode) instead of quantized and dequantized; a warp holding a block with a
+    # non-finite, huge or tiny amax quantizes and dequantizes those blocks as before
+    round_bf16: bool = False
 
     family = "q32x1"
     kernel_module = "quantize_32x1.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -71,6 +88,10 @@ class Variant:
             raise ValueError(f"raster must be one of {RASTER_CHOICES}, got {self.raster!r}")
         if self.as_bf16 and self.in_dtype != "float32":
             raise ValueError(f"as_bf16 rounds a float32 input, got in_dtype {self.in_dtype!r}")
+        for name in ("packed_amax", "flat_scales", "round_bf16"):
+            if getattr(self, name) and not applies(name, self):
+                raise ValueError(f"{name} needs {_NEEDS[name]}, got in_dtype {self.in_dtype!r}, out_dtype "
+                                 f"{self.out_dtype!r}, round_bf16={self.round_bf16}")
 
     @property
     def threads(self) -> int:
@@ -86,10 +107,35 @@ class Variant:
         tile = "" if self.tile_cols == TILE_COLS else f"-c{self.tile_cols}"  # the default's key is unchanged
         tile += "" if self.raster == 1 else f"-g{self.raster}"  # K-groups' default keeps its key
         src = "float32asbf16" if self.as_bf16 else self.in_dtype
-        return f"{src}-{self.mode}-{self.groups}-{self.out_dtype}{tile}"
+        cuts = "".join(f"-{tag}" for name, tag in _TAGS.items() if getattr(self, name))  # "" in the defaults
+        return f"{src}-{self.mode}-{self.groups}-{self.out_dtype}{tile}{cuts}"
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
+
+
+ELEMENT_FIELDS = ("lean", "packed_amax", "flat_scales", "round_bf16")  # the per-element fields (2026-12-03)
+_TAGS = dict(zip(ELEMENT_FIELDS, ("lean", "pamax", "flat", "round")))  # their key suffixes
+_NEEDS = {"packed_amax": "a bfloat16 input and no round_bf16", "flat_scales": "float8_e4m3fn outputs",
+          "round_bf16": "a bfloat16 input and bfloat16 outputs"}
+
+
+def applies(name: str, v: Variant) -> bool:
+    """Whether the per-element field ``name`` (lean, packed_amax, flat_scales, round_bf16) changes ``v``'s code."""
+    bf16_in = v.in_dtype == "bfloat16"
+    return {"lean": True, "packed_amax": bf16_in and not v.round_bf16, "flat_scales": not v.fake,
+            "round_bf16": bf16_in and v.out_dtype == "bfloat16"}[name]
+
+
+def with_candidate(v: Variant, fields: dict) -> Variant:
+    """``v`` with a candidate's ``fields`` (``CANDIDATES[name]``), those of the per-element fields that do not apply to
+    it left out (round_bf16 first: packed_amax does not apply where it holds), so that one candidate name can be put
+    in place of every variant (scripts/ab_kernels.py, the GPU tests, scripts/sanitize_32x1.py)."""
+    v = v.replace(**{k: x for k, x in fields.items() if k not in _TAGS})
+    for name in ("round_bf16", "lean", "packed_amax", "flat_scales"):
+        if name in fields and (not fields[name] or applies(name, v)):
+            v = v.replace(**{name: fields[name]})
+    return v
 
 
 def all_variants() -> list[Variant]:
@@ -105,12 +151,25 @@ def all_variants() -> list[Variant]:
 # of 2026-11-29 (a local candidate, 12 bytes of spills in the K-groups fp8 variant): 1-3 points slower; not kept. Measured on the H200 (2026-11-29): c64
 # slower from M = 32768; raster 16 for 3D along N (the default since), 1 for K-groups; g32 and g0 faster at N = 2048
 # and slower at 8x8192x5120.
+# The per-element fields (2026-12-03, not yet measured; NOTES.md): each alone, lean with the packed amax, and every
+# field where it applies ("lean-all": lean, pamax and flat with e4m3 outputs, lean and round with bf16 outputs). A
+# candidate is put in place by with_candidate (a field that does not apply to a variant is left out: "flat" with bf16
+# outputs and "round" with e4m3 outputs are the defaults there).
 CANDIDATES = {"default": {}, "c64": {"tile_cols": 64}, "g1": {"raster": 1}, "g4": {"raster": 4},
-              "g16": {"raster": 16}, "g32": {"raster": 32}, "g-all": {"raster": 0}}
+              "g16": {"raster": 16}, "g32": {"raster": 32}, "g-all": {"raster": 0},
+              "lean": {"lean": True}, "pamax": {"packed_amax": True}, "flat": {"flat_scales": True},
+              "round": {"round_bf16": True}, "lean-pamax": {"lean": True, "packed_amax": True},
+              "lean-all": {"lean": True, "packed_amax": True, "flat_scales": True, "round_bf16": True}}
 
 
 def candidate_variants() -> list[Variant]:
-    """The candidates' variants other than the defaults (a candidate may name a group kind's own default)."""
-    defaults = [Variant("bfloat16", "rceil", g) for g in GROUPS]
-    return [v for kw in CANDIDATES.values() if kw for g in GROUPS
-            if (v := Variant("bfloat16", "rceil", g, **kw)) not in defaults]
+    """The candidates' variants other than the defaults (a candidate may name a group kind's own default): bf16 in,
+    rceil, e4m3 out, and those with per-element fields also bf16 out (the two A/B families, q32x1 and q32x1-bf16)."""
+    out = []
+    for kw in (kw for kw in CANDIDATES.values() if kw):
+        for o in ("float8_e4m3fn", "bfloat16") if set(kw) & set(ELEMENT_FIELDS) else ("float8_e4m3fn",):
+            for g in GROUPS:
+                default = Variant("bfloat16", "rceil", g, o)
+                if (v := with_candidate(default, kw)) != default and v not in out:
+                    out.append(v)
+    return out

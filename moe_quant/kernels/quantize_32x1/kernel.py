@@ -36,6 +36,10 @@ output row gets 128 consecutive tokens.
 * ``uniform``: tile ``(e, k)`` of expert e, no table.
 * ``as_bf16`` (fp32 input): loaded values are rounded to bf16 first (as ``x.to(torch.bfloat16)``):
   fp32 master weights quantized as their bf16 values, no cast kernel.
+* A/B candidates with fewer instructions per element, the same bytes (config fields, off in the defaults: NOTES.md,
+  2026-12-03): ``lean`` (short scale and reciprocal, store address by one add per column), ``packed_amax`` (amax on
+  the packed bf16x2 words), ``flat_scales`` (predicated scale-byte stores at constant offsets), ``round_bf16``
+  (bf16 outputs rounded to the block's e4m3 grid on the packed words; the block kernel's colwise code, shared here).
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ class Quantize32x1Kernel:
         self.threads = variant.threads
         self.halves = variant.tile_cols // HALF_COLS  # warps per 32-token block
         self.raster = variant.raster
+        # fewer instructions per element, the same bytes (config; NOTES.md, 2026-12-03)
+        self.lean = variant.lean
+        self.packed_amax = variant.packed_amax
+        self.flat = variant.flat_scales
+        self.round = variant.round_bf16
 
     # ------------------------------------------------------------------ host
 
@@ -192,25 +201,22 @@ class Quantize32x1Kernel:
         col0 = by * self.tile_cols + tile_col
         t0 = blk * BLOCK_SIZE + quad * TOKENS_PER_THREAD
         col_ok = col0 < r
-        vals = self.load_tile(x, src0, n_real, r, col0, col_ok, t0)
+        words = self.load_tile_words(x, src0, n_real, r, col0, col_ok, t0)
+        vals = None if self.round else self.unpack_tile(words)  # fp32 bit patterns (round_bf16: the words only)
 
         # ---- per column: scale, quantize 8 tokens, store transposed
         write = col_ok & (blk * BLOCK_SIZE < n_out)
         # the CTA's scale bytes are gathered in shared memory and written as whole 16-byte rows of its scale tile
         # (one byte store per scale reached L2 as a partial sector: a quarter of the kernel's L2 sector writes)
         stile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16) if not self.fake else None
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            col = [vals[i][c] for i in range(TOKENS_PER_THREAD)]
-            q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil)
-            dst = out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)
-            if write:
-                self.store_tokens(out.iterator + dst, q0, q1, s, is_nan)
-            if cutlass.const_expr(not self.fake):
-                if tail == 0:
-                    # lane q of the block's quad holds columns 2q, 2q+1: rows row0 + tile_col + c of scale tile ty
-                    if quad == c // 2:
-                        rr = row0 + tile_col + c
-                        cu.st_global_u8(stile + cu.tile_byte(rr, blk), s)
+        col_ptr = None  # lean, round_bf16: column c's 8 tokens of the output, advanced by one add per column
+        if cutlass.const_expr(self.lean or self.round):
+            col_ptr = out.iterator + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))
+        if cutlass.const_expr(self.round):
+            self.round_tile(words, col_ptr, row_stride, write)
+        else:
+            self.quantize_tile(words, vals, out, stile, col_ptr, out_base, row_stride, row0, tile_col, col0, t0, blk,
+                               quad, tail, write)
 
         if cutlass.const_expr(not self.fake):
             if tail == 0:
@@ -220,6 +226,56 @@ class Quantize32x1Kernel:
             if tail != 0:
                 self.zero_scale_tail(scales.iterator, chunk_total, rp, sw, (bx - chunk_total) * ny + by,
                                      (nx - chunk_total) * ny, tid)
+
+    @cute.jit
+    def quantize_tile(self, words, vals, out, stile, col_ptr, out_base: Int64, row_stride: Int32, row0: Int32,
+                      tile_col: Int32, col0: Int32, t0: Int32, blk: Int32, quad: Int32, tail: Int32, write):
+        """Per column of the thread's tile (``words`` as loaded, ``vals`` unpacked): the block's scale, its 8 tokens
+        quantized (or dequantized) and stored transposed; e4m3 outputs' scale bytes into the shared tile ``stile``."""
+        # packed_amax: per column pair the blocks' amax on the packed words, joined over the quad (both halves at once)
+        col_amax = None
+        if cutlass.const_expr(self.packed_amax):
+            col_amax = [cu.quad_max_u16x2(cu.absmax_bf16x2([words[i][p] for i in range(TOKENS_PER_THREAD)]))
+                        for p in range(COLS_PER_THREAD // 2)]
+        # lean: the short scale and reciprocal; a NaN block's e4m3 words not selected where dequantize8 replaces them
+        quant = dict(short=self.lean, nan_words=not (self.lean and self.fake))
+        sc0 = None  # flat_scales: the thread's first scale byte in the tile; its 8 columns' bytes are 16 apart
+        if cutlass.const_expr(self.flat):
+            sc0 = stile + cu.tile_byte(row0 + tile_col, blk)  # (row0 + tile_col) % 32 + 7 < 32: no wrap
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            col = [vals[i][c] for i in range(TOKENS_PER_THREAD)]
+            lanes, amax = cu.QUAD_LANES, None
+            if cutlass.const_expr(self.packed_amax):
+                lanes, amax = (), self.col_value(col_amax, c)
+            q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, lanes, amax=amax, **quant)
+            if cutlass.const_expr(self.lean):
+                if write:
+                    self.store_tokens(col_ptr, q0, q1, s, is_nan)
+                col_ptr = col_ptr + Int64(row_stride)
+            else:
+                dst = out_base + Int64(col0 + c) * Int64(row_stride) + Int64(t0)
+                if write:
+                    self.store_tokens(out.iterator + dst, q0, q1, s, is_nan)
+            if cutlass.const_expr(self.flat):
+                if (tail == 0) & (quad == c // 2):
+                    cu.st_global_u8(sc0 + 16 * c, s)
+            elif cutlass.const_expr(not self.fake):
+                if tail == 0:
+                    # lane q of the block's quad holds columns 2q, 2q+1: rows row0 + tile_col + c of scale tile ty
+                    if quad == c // 2:
+                        rr = row0 + tile_col + c
+                        cu.st_global_u8(stile + cu.tile_byte(rr, blk), s)
+
+    @cute.jit
+    def round_tile(self, words, col_ptr, row_stride: Int32, write):
+        """``round_bf16`` (bf16 in and out): :meth:`round_columns`, then where any lane of the warp holds a block that
+        :func:`cute_utils.grid_exception` flags, :meth:`round_column_exceptions` (its amaxes joined again)."""
+        col_max = [cu.absmax_bf16x2([words[i][p] for i in range(TOKENS_PER_THREAD)])
+                   for p in range(COLS_PER_THREAD // 2)]
+        hi, lo = self.round_columns(words, col_max, col_ptr, row_stride, write, None, None)
+        if cute.arch.vote_any_sync(cu.grid_any_exception(hi, lo)):
+            col_amax = [cu.quad_max_u16x2(m, (1, 2)) for m in col_max]
+            self.round_column_exceptions(words, col_amax, col_ptr, row_stride, write)
 
     @cute.jit
     def store_scale_tile(self, sp, stile, scale_base: Int64, row0: Int32, tid: Int32):
@@ -280,10 +336,9 @@ class Quantize32x1Kernel:
             info[6] = carry_pad
 
     @cute.jit
-    def load_tile(self, x, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32):
-        """8 tokens x 8 columns of fp32 bit patterns (zeros where the token or column is not real).
-
-        Every load is issued before any value is used."""
+    def load_tile_words(self, x, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32):
+        """8 tokens x 8 columns as loaded (per token 4 bf16x2 words, or 8 fp32 words; zeros where the token or column
+        is not real). Every load is issued before any value is used."""
         words = []
         for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
             ok = col_ok & (t0 + i < n_real)
@@ -299,10 +354,15 @@ class Quantize32x1Kernel:
                 if ok:
                     a0, a1, a2, a3 = cu.ld_global_v4(src)
                 words.append([a0, a1, a2, a3])
+        return words
+
+    def unpack_tile(self, words):
+        """:meth:`load_tile_words`' tile as 8 tokens x 8 columns of fp32 bit patterns (``as_bf16``: fp32 rounded to
+        bf16 first)."""
         vals = []
-        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-            if cutlass.const_expr(self.in_f32):
-                vals.append(cu.f32_bits_as_bf16(words[i]) if cutlass.const_expr(self.as_bf16) else words[i])
+        for i in range(TOKENS_PER_THREAD):
+            if self.in_f32:
+                vals.append(cu.f32_bits_as_bf16(words[i]) if self.as_bf16 else words[i])
             else:
                 row = []
                 for wd in words[i]:
@@ -318,6 +378,44 @@ class Quantize32x1Kernel:
             cu.st_global_v2(ptr, q0, q1)
         else:
             cu.st_global_words(ptr, cu.dequantize8(q0, q1, s, is_nan, self.fake_f32))
+
+    def col_value(self, row_words, c: int):
+        """Column ``c`` of one token's packed bf16x2 words as an fp32 bit pattern."""
+        w = row_words[c // 2]
+        return w << 16 if c % 2 == 0 else w & Int32(-65536)
+
+    @cute.jit
+    def round_columns(self, words, col_max, col_ptr, row_stride: Int32, write, hi, lo):
+        """``round_bf16``, colwise: the thread's 8 columns of 8 tokens (``words``: per token 4 bf16x2 words) rounded
+        to their blocks' e4m3 grids on the packed words (:data:`cute_utils._GRID`; ``col_max``: per column pair the
+        thread's packed magnitude max, joined here over the block's 4 lanes) and stored as bf16 from ``col_ptr``
+        (column 0's 8 tokens; a column is ``row_stride`` elements further) where ``write``. Returns the running
+        :func:`cute_utils.grid_track` ``(hi, lo)`` continued from the given one (``None``: none yet)."""
+        for p in cutlass.range_constexpr(COLS_PER_THREAD // 2):  # colwise: columns 2 p and 2 p + 1
+            amax2 = cu.quad_max_u16x2(col_max[p], (1, 2))
+            hi, lo = cu.grid_track(hi, lo, amax2)
+            t2, sat2 = cu.grid_params(amax2, self.rceil)
+            ys = [cu.grid_bf16x2(words[i][p], t2, sat2) for i in range(TOKENS_PER_THREAD)]
+            for h in cutlass.range_constexpr(2):
+                sel = 0x5410 if h == 0 else 0x7632
+                if write:
+                    cu.st_global_v4(col_ptr + Int64(h) * Int64(row_stride),
+                                    *[cu.prmt(ys[2 * m], ys[2 * m + 1], sel) for m in range(TOKENS_PER_THREAD // 2)])
+            col_ptr = col_ptr + Int64(2) * Int64(row_stride)
+        return hi, lo
+
+    @cute.jit
+    def round_column_exceptions(self, words, col_amax, col_ptr, row_stride: Int32, write):
+        """After :meth:`round_columns`: the columns whose block :func:`cute_utils.grid_exception` flags (``col_amax``:
+        per column pair the blocks' joined amax), quantized and dequantized and stored over the rounded values."""
+        quant = dict(short=self.lean, nan_words=False)  # dequantize8 replaces a NaN block's words
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            amax16 = (col_amax[c // 2] >> (16 * (c % 2))) & Int32(0xFFFF)
+            if cu.grid_exception(amax16) & write:
+                col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
+                q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, (), amax=amax16 << 16, **quant)
+                self.store_tokens(col_ptr, q0, q1, s, is_nan)
+            col_ptr = col_ptr + Int64(row_stride)
 
     @cute.jit
     def zero_scale_tail(self, sp, chunk_total: Int32, rp: Int32, sw: Int32, q: Int32, n_tail: Int32,
