@@ -11,12 +11,21 @@ from moe_quant.kernels.permute import config as config_permute
 def test_default_keys_unchanged():
     """Defaults keep their keys (the on-disk cache and the measured kernels stay what they were) until a change
     of default records its new key here."""
-    assert config_32x1.Variant("bfloat16", "rceil", "kgroups").key == "bfloat16-rceil-kgroups-float8_e4m3fn"
+    # K-groups (bf16 in): every per-element field where it applies since 2026-12-03 evening (the A/B on the H200);
+    # pre-lean is the default before, with its key
+    off = config_32x1.CANDIDATES["pre-lean"]
+    for out, tags in (("float8_e4m3fn", "-lean-pamax-flat"), ("bfloat16", "-lean-round"), ("float32", "-lean-pamax")):
+        default = config_32x1.Variant("bfloat16", "rceil", "kgroups", out)
+        assert default.key == f"bfloat16-rceil-kgroups-{out}{tags}"
+        assert config_32x1.with_candidate(default, off).key == f"bfloat16-rceil-kgroups-{out}"
     # 3D along N: 16 column tiles side by side since 2026-11-29 (the A/B on the H200)
     assert config_32x1.Variant("bfloat16", "rceil", "uniform").key == "bfloat16-rceil-uniform-float8_e4m3fn-g16"
     assert config_32x1.Variant("bfloat16", "rceil", "uniform", raster=1).key == "bfloat16-rceil-uniform-float8_e4m3fn"
-    # the per-element fields (candidates since 2026-12-03): off in every variant the ops launch, tagged where on
-    assert not any(v.lean or v.packed_amax or v.flat_scales or v.round_bf16 for v in config_32x1.all_variants())
+    # the per-element fields: on in the bf16-input K-groups variants only (3D weights and fp32 inputs not measured)
+    for v in config_32x1.all_variants():
+        on = v.in_dtype == "bfloat16" and v.groups == "kgroups"
+        assert [getattr(v, f) for f in config_32x1.ELEMENT_FIELDS] == [
+            on and config_32x1.applies(f, v) for f in config_32x1.ELEMENT_FIELDS], v
     assert config_32x1.Variant("bfloat16", "rceil", "kgroups", lean=True, packed_amax=True, flat_scales=True).key == \
         "bfloat16-rceil-kgroups-float8_e4m3fn-lean-pamax-flat"
     assert config_32x1.Variant("bfloat16", "floor", "uniform", "bfloat16", lean=True, round_bf16=True).key == \
@@ -148,9 +157,9 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
                 if d.out_dtype == outs[0] or set(config.ELEMENT_FIELDS) & set(kw)}
         assert set(cands) == want - set(defaults) and len(cands) == len(set(cands))
         assert {v.key.split("-")[3] for v in cands} == set(outs)
-        # each per-element field is compiled on, in each group kind and output kind where it applies
+        # each per-element field is compiled on (a default or a candidate), in each group and output kind where it applies
         for name in config.ELEMENT_FIELDS:
-            assert {(v.groups, v.out_dtype) for v in cands if getattr(v, name)} == {
+            assert {(v.groups, v.out_dtype) for v in cands + defaults if getattr(v, name)} == {
                 (d.groups, d.out_dtype) for d in defaults if config.applies(name, d)}, name
         # every CTA order a variant may name is compiled (and so compile-checked) by some default or candidate
         assert {v.raster for v in cands + config.all_variants()} == set(config.RASTER_CHOICES)
@@ -210,7 +219,8 @@ def test_32x1_with_candidate_keeps_the_fields_that_apply():
     """One candidate name is put in place of every 32x1 variant (the GPU tests, ab_kernels.py, sanitize_32x1.py):
     its fields that do not apply to a variant are left out, the others kept."""
     every = config_32x1.CANDIDATES["lean-all"]
-    fp8 = config_32x1.Variant("bfloat16", "rceil", "kgroups")
+    fp8 = config_32x1.Variant("bfloat16", "rceil", "kgroups", **config_32x1.CANDIDATES["pre-lean"])
+    assert config_32x1.with_candidate(fp8, every) == config_32x1.Variant("bfloat16", "rceil", "kgroups")  # the default
     bf16 = config_32x1.Variant("bfloat16", "floor", "uniform", "bfloat16")
     f32_in = config_32x1.Variant("float32", "rceil", "kgroups", "bfloat16")
     assert config_32x1.with_candidate(fp8, every) == fp8.replace(lean=True, packed_amax=True, flat_scales=True)

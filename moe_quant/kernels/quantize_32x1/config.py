@@ -55,23 +55,25 @@ class Variant:
     # CTA order (RASTER_CHOICES; -1: the measured default of the group kind, DEFAULT_RASTER). Changes which bytes
     # the CTAs resident at once read and write together, not the work of any CTA.
     raster: int = -1
-    # Fewer instructions per element, the same bytes (A/B candidates, not yet measured; NOTES.md, 2026-12-03; the
-    # block kernel's fields of these names, kernels/block/NOTES.md 2026-12-02 / 2026-12-03). False: today's code.
+    # Fewer instructions per element, the same bytes (NOTES.md, 2026-12-03; the block kernel's fields of these names,
+    # kernels/block/NOTES.md 2026-12-02 / 2026-12-03). None: each where it applies for bf16-input K-groups (the wgrad
+    # operands; "lean-all", the default since the H200 A/B of 2026-12-03), off elsewhere (3D weights and fp32 inputs:
+    # not measured). False: the code before.
     # lean: each block's scale in 7 instructions instead of 17 and its reciprocal in one
     # (cute_utils.e8m0_from_amax_bits_short), no NaN select of the e4m3 words that dequantized outputs replace anyway,
     # the transposed store address advanced by one add per column
-    lean: bool = False
+    lean: bool | None = None
     # bf16 input: each column pair's amax on the packed bf16x2 words (max.u16x2), joined over the block's 4 lanes by
     # 2 shuffles per pair instead of 2 per column (not with round_bf16, which takes its amax that way itself)
-    packed_amax: bool = False
+    packed_amax: bool | None = None
     # e4m3 outputs: each scale byte by one store predicated on the lane that owns it, at a constant offset from the
     # thread's first byte of the shared scale tile (its 8 columns' bytes lie 16 bytes apart), instead of a branch
     # around its address arithmetic per column
-    flat_scales: bool = False
+    flat_scales: bool | None = None
     # bf16 input and output: each element rounded to its block's e4m3 grid on the packed words (cute_utils._GRID: 5
     # instructions per word, 7 in floor mode) instead of quantized and dequantized; a warp holding a block with a
     # non-finite, huge or tiny amax quantizes and dequantizes those blocks as before
-    round_bf16: bool = False
+    round_bf16: bool | None = None
 
     family = "q32x1"
     kernel_module = "quantize_32x1.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -88,6 +90,10 @@ class Variant:
             raise ValueError(f"raster must be one of {RASTER_CHOICES}, got {self.raster!r}")
         if self.as_bf16 and self.in_dtype != "float32":
             raise ValueError(f"as_bf16 rounds a float32 input, got in_dtype {self.in_dtype!r}")
+        on = self.in_dtype == "bfloat16" and self.groups == "kgroups"  # the per-element fields' default
+        for name in ("round_bf16", "lean", "packed_amax", "flat_scales"):  # round_bf16 first: packed_amax reads it
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, on and applies(name, self))
         for name in ("packed_amax", "flat_scales", "round_bf16"):
             if getattr(self, name) and not applies(name, self):
                 raise ValueError(f"{name} needs {_NEEDS[name]}, got in_dtype {self.in_dtype!r}, out_dtype "
@@ -155,7 +161,13 @@ def all_variants() -> list[Variant]:
 # field where it applies ("lean-all": lean, pamax and flat with e4m3 outputs, lean and round with bf16 outputs). A
 # candidate is put in place by with_candidate (a field that does not apply to a variant is left out: "flat" with bf16
 # outputs and "round" with e4m3 outputs are the defaults there).
-CANDIDATES = {"default": {}, "c64": {"tile_cols": 64}, "g1": {"raster": 1}, "g4": {"raster": 4},
+# "pre-lean": the per-element fields off (the K-groups default before 2026-12-03 evening; the 3D default still).
+# Measured on one H200 (2026-12-03, `ab_kernels.py --family q32x1,q32x1-bf16 --candidates
+# default,lean,pamax,flat,round,lean-pamax,lean-all --rounds 3`, the fields off in the default then; % of memcpy at
+# 8192x2048 / 32768x2048 / 32768x7168 / 131072x2048, median of 3 interleaved rounds, byte-exact): fp8 out 69.6 / 88.0 /
+# 94.9 / 95.4 -> 73.8 / 89.4 / 95.2 / 95.7 (lean-all); bf16 out 86.0 / 91.7 / 93.4 / 92.6 -> 90.2 / 93.4 / 93.3 / 92.5.
+CANDIDATES = {"default": {}, "pre-lean": {"lean": False, "packed_amax": False, "flat_scales": False, "round_bf16": False},
+              "c64": {"tile_cols": 64}, "g1": {"raster": 1}, "g4": {"raster": 4},
               "g16": {"raster": 16}, "g32": {"raster": 32}, "g-all": {"raster": 0},
               "lean": {"lean": True}, "pamax": {"packed_amax": True}, "flat": {"flat_scales": True},
               "round": {"round_bf16": True}, "lean-pamax": {"lean": True, "packed_amax": True},
