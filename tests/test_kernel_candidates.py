@@ -430,3 +430,25 @@ def test_block_candidate_in_place_reaches_the_ops_that_have_it(launches, name):
     # registers (whose stacked variant is not compile-checked)
     assert {v.fused_grads for v in log if v.op == "dswiglu" and not v.stacked} == {name == "lean-c3"}
     assert {v.fused_grads for v in log if v.stacked} == {name in ("lean-c3", "registers")}
+
+
+def test_block_stage_places_are_row_slots_coalesced_and_conflict_free():
+    """``stage_order`` (the staged SwiGLU inputs' layout): each layout is a permutation of a row's slots; in "row" and
+    "swizzled" the 8 lanes that copy one token's 128 bytes (same warp and token quad, column groups 0..7) fill one
+    128-byte segment of shared memory (one L2 request per 4 sectors: NOTES.md 2026-12-03, evening); "swizzled" and
+    "thread" read back without bank conflicts (each quarter warp's 8 slots in 8 distinct 16-byte bank groups)."""
+    pytest.importorskip("cutlass")
+    from moe_quant.kernels.block.config import STAGE_ORDERS
+    from moe_quant.kernels.block.kernel import THREADS, stage_place
+
+    for order in STAGE_ORDERS:
+        places = [stage_place(t, order) for t in range(THREADS)]
+        assert sorted(places) == list(range(THREADS)), order
+        quarters = [{places[t] % 8 for t in range(w * 32 + 8 * k, w * 32 + 8 * k + 8)}
+                    for w in range(THREADS // 32) for k in range(4)]
+        assert all(len(q) == 8 for q in quarters) == (order != "row"), order
+        if order != "thread":
+            for w in range(THREADS // 32):
+                for quad in range(4):
+                    token = sorted(places[w * 32 + 4 * g + quad] for g in range(8))
+                    assert token == list(range(token[0], token[0] + 8)) and token[0] % 8 == 0, (order, w, quad)

@@ -271,6 +271,20 @@ def in_fast_range(lo, hi) -> Int32:
 # ----------------------------------------------------------------------------- kernel
 
 
+def stage_place(tid, order: str):
+    """The 16-byte slot of thread ``tid`` within a staged row of ``THREADS`` slots (config ``stage_order``; ``tid`` an
+    int or a DSL Int32). "thread": ``tid``. Otherwise lane ``4 g + q`` (column group ``g``, token quad ``q``) of warp
+    ``w`` at ``32 w + 8 q + g``, the 8 lanes of one token side by side as their 128 bytes lie in global memory;
+    "swizzled": ``g XOR 2 q`` in place of ``g`` (a permutation within the token's 128 bytes, so that the 8 lanes of a
+    quarter warp read back from 8 distinct 16-byte bank groups)."""
+    if order == "thread":
+        return tid
+    quad, group = tid % 4, (tid % 32) // 4
+    if order == "swizzled":
+        group = group ^ (quad * 2)
+    return (tid // 32) * 32 + quad * 8 + group
+
+
 class QuantizeBlockKernel(Quantize32x1Kernel):
     """The block's fused passes; see the module docstring.
 
@@ -771,14 +785,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
     def stage_slot(self, stage, j, i: int, tid: Int32):
         """The address of row ``i`` of input ``j``'s staged tile of thread ``tid`` (``j`` may be a run-time value):
         16-byte slot ``(8 j + i) T + p`` with ``p`` the thread's place in its row (config ``stage_order``)."""
-        p = tid
-        if cutlass.const_expr(self.v.stage_order != "thread"):
-            # lane = 4 g + q (g: the lane's column group, q: its token quad); the 8 lanes of one token side by side
-            quad, group = tid % 4, (tid % 32) // 4
-            if cutlass.const_expr(self.v.stage_order == "swizzled"):
-                group = group ^ (quad * 2)  # a permutation within the token's 128 bytes: no read-back bank conflicts
-            p = (tid // 32) * 32 + quad * 8 + group
-        return stage + ((j * TOKENS_PER_THREAD + i) * THREADS + p) * 4
+        return stage + ((j * TOKENS_PER_THREAD + i) * THREADS + stage_place(tid, self.v.stage_order)) * 4
 
     @cute.jit
     def load_row(self, x, i: int, src0: Int64, n_real: Int32, r: Int32, col0: Int32, col_ok, t0: Int32):
