@@ -369,7 +369,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if warp == 0:
             self.scan_groups(offs, poffs, m, n_groups, lane, bx, by, info)
         cute.arch.sync_threads()
-        stage = None  # staged: each input's 8 x 8 tile of every thread, row i of thread t at word (8 j + i) T + t
+        stage = None  # staged: each input's 8 x 8 tiles, row i of thread t in 16-byte slot (8 j + i) T + stage_place(t)
         if cutlass.const_expr(self.staged):
             # dynamic shared memory (a static array is limited to 48 KB)
             stage = SmemAllocator().allocate_array(Int32, N_INPUTS[self.op] * TOKENS_PER_THREAD * THREADS * 4,

@@ -91,7 +91,7 @@ class Variant:
         if self.as_bf16 and self.in_dtype != "float32":
             raise ValueError(f"as_bf16 rounds a float32 input, got in_dtype {self.in_dtype!r}")
         on = self.in_dtype == "bfloat16" and self.groups == "kgroups"  # the per-element fields' default
-        for name in ("round_bf16", "lean", "packed_amax", "flat_scales"):  # round_bf16 first: packed_amax reads it
+        for name in _RESOLVE_ORDER:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, on and applies(name, self))
         for name in ("packed_amax", "flat_scales", "round_bf16"):
@@ -121,6 +121,7 @@ class Variant:
 
 
 ELEMENT_FIELDS = ("lean", "packed_amax", "flat_scales", "round_bf16")  # the per-element fields (2026-12-03)
+_RESOLVE_ORDER = ("round_bf16", "lean", "packed_amax", "flat_scales")  # round_bf16 first: packed_amax reads it
 _TAGS = dict(zip(ELEMENT_FIELDS, ("lean", "pamax", "flat", "round")))  # their key suffixes
 _NEEDS = {"packed_amax": "a bfloat16 input and no round_bf16", "flat_scales": "float8_e4m3fn outputs",
           "round_bf16": "a bfloat16 input and bfloat16 outputs"}
@@ -138,7 +139,7 @@ def with_candidate(v: Variant, fields: dict) -> Variant:
     it left out (round_bf16 first: packed_amax does not apply where it holds), so that one candidate name can be put
     in place of every variant (scripts/ab_kernels.py, the GPU tests, scripts/sanitize_32x1.py)."""
     v = v.replace(**{k: x for k, x in fields.items() if k not in _TAGS})
-    for name in ("round_bf16", "lean", "packed_amax", "flat_scales"):
+    for name in _RESOLVE_ORDER:
         if name in fields and (not fields[name] or applies(name, v)):
             v = v.replace(**{name: fields[name]})
     return v
@@ -166,7 +167,7 @@ def all_variants() -> list[Variant]:
 # default,lean,pamax,flat,round,lean-pamax,lean-all --rounds 3`, the fields off in the default then; % of memcpy at
 # 8192x2048 / 32768x2048 / 32768x7168 / 131072x2048, median of 3 interleaved rounds, byte-exact): fp8 out 69.6 / 88.0 /
 # 94.9 / 95.4 -> 73.8 / 89.4 / 95.2 / 95.7 (lean-all); bf16 out 86.0 / 91.7 / 93.4 / 92.6 -> 90.2 / 93.4 / 93.3 / 92.5.
-CANDIDATES = {"default": {}, "pre-lean": {"lean": False, "packed_amax": False, "flat_scales": False, "round_bf16": False},
+CANDIDATES = {"default": {}, "pre-lean": dict.fromkeys(ELEMENT_FIELDS, False),
               "c64": {"tile_cols": 64}, "g1": {"raster": 1}, "g4": {"raster": 4},
               "g16": {"raster": 16}, "g32": {"raster": 32}, "g-all": {"raster": 0},
               "lean": {"lean": True}, "pamax": {"packed_amax": True}, "flat": {"flat_scales": True},
