@@ -6,7 +6,8 @@
 
 Ranges: ``copy`` (a bf16 memcpy of ``(M, R)``), ``q1x32`` (the 1x32 kernel, M-groups scales, G = 8 ragged),
 ``q32_kgroups`` (the 32x1 kernel's K-groups form, G = 8 ragged), ``q32_uniform`` (its 3D form along N, E = 8),
-and per ``--candidates`` name (``quantize_32x1.config.CANDIDATES``) ``q32_kgroups_NAME``: the K-groups call with
+``perm_dequant`` / ``perm_blocked`` (the EP permute of ``(M, R)`` received fp8 rows, 8 ranks x 8 experts ragged as
+``benchmarks.bench_permute`` times it, bf16 rows / fp8 rows + blocked scales out), and per ``--candidates`` name (``quantize_32x1.config.CANDIDATES``) ``q32_kgroups_NAME``: the K-groups call with
 that candidate in the op's place.
 Each kernel runs once outside its range first (compile, load), then once inside it. GPU only.
 """
@@ -45,6 +46,13 @@ def main(argv=None) -> int:
     calls = {"copy": lambda: y.copy_(x), "q1x32": lambda: ops.quantize_1x32(x, "rceil", offs),
              "q32_kgroups": lambda: ops.quantize_32x1_k_groups(x, "rceil", offs),
              "q32_uniform": lambda: ops.quantize_3d_along_n(x.view(8, m // 8, r), "rceil")}
+    from benchmarks.bench_permute import ragged_counts, received_rows
+    from moe_quant.kernels.permute import ops as ops_permute
+
+    counts = ragged_counts(m, r, 8, 8)
+    rows, row_scales = received_rows(m, r)
+    for out in ("dequant", "blocked"):
+        calls[f"perm_{out}"] = lambda out=out: ops_permute.permute_mxfp8(rows, row_scales, counts, out, torch.bfloat16)
     dev = torch.device("cuda", torch.cuda.current_device())
     for name, call in calls.items():
         profile(name, call)
