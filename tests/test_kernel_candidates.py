@@ -50,7 +50,7 @@ def test_default_keys_unchanged():
             ("dswiglu", "bfloat16", True): "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres"}
     for (op, out, stacked), key in keys.items():
         default = config_block.Variant(op, "bfloat16", "rceil", out, stacked=stacked)
-        assert default.key == key + "-stageswizzled"
+        assert default.key == key + "-stageswizzled" + ("-t4" if (op, out) == ("swiglu", "float8_e4m3fn") else "")
         assert default.replace(**config_block.candidates(op, out)["pre-stage"]).key == key
     # the former defaults, candidates now, keep their keys (the code they compile to): pre-round / pre-flat is the
     # default of 2026-12-02, pre-lean the one of 2026-11-29, registers the one before it
@@ -114,7 +114,7 @@ def test_default_keys_unchanged():
         config_block.Variant("swiglu", "bfloat16", "rceil", fast_div=False, signed_residual=True)
     # the fp8 outputs' scale bytes by predicated stores (a default since 2026-12-03)
     assert config_block.Variant("swiglu", "bfloat16", "rceil", signed_residual=False).key == \
-        "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-flat-stageswizzled"
+        "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-flat-stageswizzled-t4"
     for bad in (dict(op="dual"), dict(op="swiglu", out_dtype="bfloat16")):
         with pytest.raises(ValueError, match="flat_scales.*'float8_e4m3fn'"):
             config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, flat_scales=True)
@@ -129,8 +129,18 @@ def test_default_keys_unchanged():
     # several column tiles per CTA (candidates "t2", "t4", 2026-12-03): the staged swiglu, dswiglu with fused outputs
     for op in config_block.SWIGLU_OPS:
         for out in config_block.OUT_DTYPES:
-            v = config_block.Variant(op, "bfloat16", "rceil", out).replace(**config_block.candidates(op, out)["t2"])
-            assert v.tiles_per_cta == 2 and v.key == config_block.Variant(op, "bfloat16", "rceil", out).key + "-t2"
+            default = config_block.Variant(op, "bfloat16", "rceil", out)
+            v = default.replace(**config_block.candidates(op, out)["t2"])
+            assert v.tiles_per_cta == 2 and v.key == default.key.removesuffix("-t4") + "-t2"
+    # swiglu with fp8 outputs: 4 tiles a CTA by default since 2026-12-03 night (the A/B and sanitizer runs on the H200),
+    # pre-t4 the default before with its key; the other ops and outputs one tile
+    swiglu_fp8 = config_block.Variant("swiglu", "bfloat16", "rceil")
+    assert swiglu_fp8.tiles_per_cta == 4 and swiglu_fp8.key.endswith("-flat-stageswizzled-t4")
+    assert swiglu_fp8.replace(**config_block.candidates("swiglu", "float8_e4m3fn")["pre-t4"]).key == \
+        "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-sres-flat-stageswizzled"
+    assert "pre-t4" not in config_block.candidates("dswiglu", "float8_e4m3fn")
+    assert [v.tiles_per_cta for v in config_block.all_variants()] == [
+        4 if (v.op, v.out_dtype) == ("swiglu", "float8_e4m3fn") else 1 for v in config_block.all_variants()]
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, tiles_per_cta=4).key == \
         "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres-stageswizzled-t4"
     with pytest.raises(ValueError, match="tiles_per_cta must be one of"):
@@ -173,7 +183,8 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
             names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]  # and round (bf16 outputs only)
             want = {"pre-round", "round", "pre-flat", "flat", "gather"} if op != "dual" else {"packed-c3", "pre-round"}
-            assert names[0] ^ names[1] == want, names  # and flat, gather (fp8 outputs only)
+            assert names[0] ^ names[1] == want | ({"t4", "pre-t4"} if op == "swiglu" else set()), names  # and flat,
+            # gather (fp8 outputs only); swiglu's fp8 outputs have pre-t4 for t4 (their default)
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")

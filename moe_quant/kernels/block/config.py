@@ -92,12 +92,14 @@ class Variant:
     # dual's fp8 outputs always are (kernel.py ``scale_tile``), instead of one-byte global stores (each a partial-sector
     # L2 write). Lost 0.3-0.8 points of memcpy on 2026-11-29, when the kernels were issue-bound. None: off
     gather_scales: bool | None = None
-    # swiglu / dswiglu with staged inputs (candidates `t2`, `t4`, not yet measured): one CTA handles this many
-    # consecutive column tiles of its token chunk (the group record read once), and the next tile's inputs travel
+    # swiglu / dswiglu with staged inputs (candidates `t2`, `t4`; measured 2026-12-03 evening, NOTES.md): one CTA
+    # handles this many consecutive column tiles of its token chunk (the group record read once), and the next tile's inputs travel
     # (cp.async, into the slots just read) while this tile is computed, quantized and stored (kernel.py's
     # docstring; dswiglu with fused_grads only: its input a's slots free as each row is read, grad_h's and b's once
-    # both outputs' words are read back). The same bytes: only the order of the work changes. 1: one tile a CTA
-    tiles_per_cta: int = 1
+    # both outputs' words are read back). The same bytes: only the order of the work changes. 1: one tile a CTA.
+    # None: 4 for staged swiglu with fp8 outputs (the default since 2026-12-03 night, after its sanitizer run; the A/B
+    # of that evening at SWIGLU_T4 below), else 1
+    tiles_per_cta: int | None = None
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -125,6 +127,8 @@ class Variant:
                               ("flat_scales", swiglu and not self.fake), ("gather_scales", False)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
+        if self.tiles_per_cta is None:
+            object.__setattr__(self, "tiles_per_cta", 4 if self.op == "swiglu" and self.staged and not self.fake else 1)
         if self.fused_grads is None:
             fused = self.op == "dswiglu" and self.staged and self.fast_div and self.lean
             object.__setattr__(self, "fused_grads", fused)
@@ -198,7 +202,7 @@ def all_variants() -> list[Variant]:
 # The fields the defaults of 2026-12-03 turned on, turned off: each former default's candidate names them, so that it
 # compiles to the code it was measured as.
 # The staged inputs' layout before the swizzled default of 2026-12-03 (evening), named by every former default.
-PRE_STAGE = {"stage_order": "thread"}
+PRE_STAGE = {"stage_order": "thread", "tiles_per_cta": 1}
 PRE_1203 = {"round_bf16": False, "signed_residual": False, "flat_scales": False, **PRE_STAGE}
 # The staged inputs' layout (stage_order): "pre-stage" (the former default's, "thread") and "srow" (the 8 slots of a
 # token adjacent without the swizzle), both output kinds. One H200 (2026-12-03, `ab_kernels.py --family block-swiglu,
@@ -213,8 +217,8 @@ CANDIDATES = {"default": {},
               "registers": {"staged": False, "fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
               "staged-plain-div": {"fast_div": False, "lean": False, "fused_grads": False, **PRE_1203},
               "pre-lean": {"lean": False, "fused_grads": False, **PRE_1203},
-              # not yet measured (2026-12-03, NOTES.md): the default with 2 / 4 column tiles per CTA, the next tile's
-              # inputs in flight during this tile's math and stores (tiles_per_cta)
+              # the default with 2 / 4 column tiles per CTA, the next tile's inputs in flight during this tile's math
+              # and stores (tiles_per_cta; measured 2026-12-03 evening, NOTES.md; t4 swiglu fp8's default since)
               "t2": {"tiles_per_cta": 2}, "t4": {"tiles_per_cta": 4}}
 
 # dswiglu's own. fused_grads with lean (the default since 2026-12-02: one CTA for both outputs), the same H200 run
@@ -238,6 +242,13 @@ SWIGLU_BF16_CANDIDATES = {"pre-round": PRE_1203, "round": {"signed_residual": Fa
 # "gather" (not yet measured): the default with its scale bytes gathered in shared memory (gather_scales).
 SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False},
                          "gather": {"gather_scales": True}}
+# swiglu with fp8 outputs: 4 column tiles per CTA (tiles_per_cta) the default since 2026-12-03 night; "pre-t4" the default
+# before (one tile a CTA). One H200 (torch 2.11, 2026-12-03 evening, `ab_kernels.py --family block-swiglu-fp8
+# --candidates default,t2,t4,gather --rounds 3`, the swizzled stage, every candidate byte-exact), % of memcpy at 98304x1408
+# / 98304x2048 / 16384x2048 / 16384x7168: 73.2 / 73.5 / 78.8 / 78.0 (one tile) -> 82.5 / 80.6 / 78.2 / 86.4 (t4); t2
+# and t4 lost 1-11 points on the other ops and outputs (NOTES.md). memcheck and racecheck over
+# `scripts/sanitize_block.py --quick --candidate t4`: 0 errors, 0 hazards (2026-12-03 night).
+SWIGLU_T4 = {"pre-t4": {"tiles_per_cta": 1}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
@@ -260,8 +271,10 @@ def candidates(op: str, out_dtype: str) -> dict:
     if op == "dual":
         return DUAL_CANDIDATES if out_dtype == "bfloat16" else DUAL_FP8_CANDIDATES
     own = DSWIGLU_CANDIDATES if op == "dswiglu" else CANDIDATES
-    return {**own, **(SWIGLU_BF16_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES),
-            **STAGE_CANDIDATES}
+    if op == "swiglu" and out_dtype != "bfloat16":  # t4 is its default: pre-t4 instead
+        return {**{k: kw for k, kw in own.items() if k != "t4"}, **SWIGLU_FP8_CANDIDATES, **SWIGLU_T4,
+                **STAGE_CANDIDATES}
+    return {**own, **(SWIGLU_BF16_CANDIDATES if out_dtype == "bfloat16" else SWIGLU_FP8_CANDIDATES), **STAGE_CANDIDATES}
 
 
 def candidates_any_output(op: str, outs: tuple = OUT_DTYPES) -> dict:
