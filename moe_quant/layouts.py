@@ -400,11 +400,46 @@ def from_blocked_k_groups(blocked: torch.Tensor, offs: torch.Tensor, rows: int, 
 
 def unblock_k_groups(blocked: torch.Tensor, offs: torch.Tensor, rows: int, m: int) -> torch.Tensor:
     """:func:`from_blocked_k_groups` of checked arguments (``offs`` sanitized int32 on ``blocked``'s device): device
-    ops only, no host read (the block keeps x's colwise scales plain for the emulated GEMM's dequantization)."""
+    ops only, no host read (the block keeps x's colwise scales plain for the emulated GEMM's dequantization).
+
+    The source byte of scale ``(r, j)`` is ``col_base[j] + (r // 128) col_stride[j] + tile_row[r]``
+    (:func:`_k_groups_dest` split into a part per column and a part per row), so the ``(rows, n_cols)`` index is one
+    broadcast multiply and two adds (int32 where the buffer allows) and the bytes one gather; a column outside every
+    group reads a 512-byte zero pad past the buffer (``tile_row`` < 512). :func:`_k_groups_dest`'s full-size index
+    arithmetic was about sixteen passes over ``rows x n_cols`` int64 values."""
     b = _as_bytes(blocked).reshape(-1)
     n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
     if offs.numel() == 0:
         return _like(torch.zeros(rows, n_cols, dtype=torch.uint8, device=b.device), blocked)
-    dest, keep = _k_groups_dest(rows, m, offs)
-    out = torch.where(keep, b[torch.where(keep, dest, 0)], 0)
-    return _like(out, blocked)
+    col_base, col_stride, tile_row = _k_groups_source(rows, m, offs, b.numel())
+    src = torch.arange(rows, device=b.device, dtype=col_base.dtype).div_(TILE_ROWS, rounding_mode="floor")
+    src = src.unsqueeze(1) * col_stride.unsqueeze(0)
+    src += col_base.unsqueeze(0)
+    src += tile_row.unsqueeze(1)
+    padded = torch.cat([b, b.new_zeros(TILE_BYTES)])
+    return _like(padded.index_select(0, src.view(-1)).view(rows, n_cols), blocked)
+
+
+def _k_groups_source(rows: int, m: int, offs: torch.Tensor, n_bytes: int):
+    """``(col_base (n_cols,), col_stride (n_cols,), tile_row (rows,))`` of :func:`unblock_k_groups`: scale ``(r, j)``
+    of per-group-padded data lies at byte ``col_base[j] + (r // 128) col_stride[j] + tile_row[r]`` of the K-groups
+    blocked buffer (``n_bytes`` long; :func:`_k_groups_dest`'s ``dest``); a column outside every group has
+    ``col_base = n_bytes`` and stride 0 (the zero pad). int32 when every index fits, else int64."""
+    dtype = torch.int32 if n_bytes + TILE_BYTES < 2**31 else torch.int64
+    n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
+    _, sizes, pstarts, pends = group_bounds(offs, m, K_GROUP_ALIGN)
+    c_g = ceil_div(sizes, BLOCK_SIZE)
+    tiles_g = ceil_div(c_g, TILE_COLS)
+    s_g = torch.cumsum(tiles_g, 0) - tiles_g  # in column tiles
+    j = torch.arange(n_cols, device=offs.device)
+    g = group_of(j * BLOCK_SIZE, pends)
+    keep = g < offs.numel()
+    g = g.clamp(max=offs.numel() - 1)
+    local = j - pstarts[g] // BLOCK_SIZE
+    keep &= local < c_g[g]
+    rp = round_up(rows, TILE_ROWS)
+    base = s_g[g] * TILE_COLS * rp + TILE_BYTES * (local // TILE_COLS) + local % TILE_COLS
+    col_base = torch.where(keep, base, n_bytes).to(dtype)
+    col_stride = torch.where(keep, TILE_BYTES * tiles_g[g], 0).to(dtype)
+    r = torch.arange(rows, device=offs.device, dtype=dtype)
+    return col_base, col_stride, tile_byte(r, 0)

@@ -127,6 +127,26 @@ def test_k_groups_any_sizes(groups, rows, seed):
     assert torch.equal(from_blocked_k_groups(b, offs, rows, m), s)
 
 
+@given(sizes=group_sizes(), rows=st.integers(1, 300), seed=st.integers(0, 99))
+def test_unblock_k_groups_reads_the_bytes_of_the_full_size_index(sizes, rows, seed):
+    """unblock_k_groups (the kernels' path from the 32x1 kernel's blocked scales to the plain ones the emulated GEMM's
+    dequantization reads) gathers by a per-column and a per-row part of the index: the same bytes as the full-size
+    index of _k_groups_dest, on a buffer of random bytes everywhere (the tiles' padding rows and columns and the
+    columns of no group included: those must come out 0), with empty groups and rows past the last group."""
+    sizes, tail = sizes
+    m = sum(sizes) + tail
+    offs = offsets_from_sizes(sizes)
+    shape = layouts.k_groups_blocked_shape(rows, m, len(sizes))
+    blocked = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    dest, keep = layouts._k_groups_dest(rows, m, offs)
+    expect = torch.where(keep, blocked.reshape(-1)[torch.where(keep, dest, 0)], 0)
+    assert keep.any() or not any(sizes)  # the precondition: real scales to move where there are tokens
+    got = layouts.unblock_k_groups(blocked, offs, rows, m)
+    assert got.dtype == torch.uint8 and torch.equal(got, expect)
+    assert torch.equal(layouts.unblock_k_groups(blocked.view(torch.float8_e8m0fnu), offs, rows, m).view(torch.uint8),
+                       expect)
+
+
 @given(e=st.integers(1, 4), rows=st.integers(1, 200), cols=st.integers(1, 9), seed=st.integers(0, 99))
 def test_3d(e, rows, cols, seed):
     s = torch.randint(0, 256, (e, rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
