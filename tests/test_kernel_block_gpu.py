@@ -204,9 +204,10 @@ def test_candidates_match_reference(cand):
 
     with contextlib.ExitStack() as stack:
         dev = torch.device("cuda", torch.cuda.current_device())
-        # every SwiGLU candidate is dswiglu's too; "default": {}; some are of one output kind only (round: bf16,
-        # flat: fp8), in place of that kind's variants (the other kind runs its default)
-        fields = config_block.candidates_any_output("dswiglu")[cand]
+        # "default": {}; some are of one output kind only (round: bf16, flat: fp8), in place of that kind's variants
+        # (the other kind runs its default), or of one op (pre-t4: swiglu's; lean-unfused: dswiglu's)
+        fields = {op: config_block.candidates_any_output(op).get(cand) for op in config_block.SWIGLU_OPS}
+        fields = fields["dswiglu"] if fields["dswiglu"] is not None else fields["swiglu"]
         served = ops_block.candidate_in_place(stack, cand, dev, config_block.SWIGLU_OPS) if fields else list(
             config_block.SWIGLU_OPS)
         assert served, cand
