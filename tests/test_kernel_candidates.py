@@ -126,6 +126,18 @@ def test_default_keys_unchanged():
     for bad in (dict(op="dual"), dict(op="swiglu", out_dtype="bfloat16")):
         with pytest.raises(ValueError, match="gather_scales.*'float8_e4m3fn'"):
             config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, gather_scales=True)
+    # the colwise tile written as whole lines (candidates "cw-smem", "pre-t4-cw-smem", "cw-gather", dual's "cw-smem-c3";
+    # "cw-smem-bf16" for bf16 outputs)
+    for op in config_block.OPS:
+        for out, name in (("float8_e4m3fn", "cw-smem"), ("bfloat16", "cw-smem-bf16")):
+            default = config_block.Variant(op, "bfloat16", "rceil", out)
+            v = default.replace(**config_block.candidates(op, out)[name])
+            assert v.colwise_smem and not default.colwise_smem and v.key == default.key + "-cwsmem"
+    assert config_block.Variant("swiglu", "bfloat16", "rceil").replace(
+        **config_block.candidates("swiglu", "float8_e4m3fn")["pre-t4-cw-smem"]).key == \
+        "swiglu-bfloat16-rceil-float8_e4m3fn-staged-fastdiv-lean-sres-flat-stageswizzled-cwsmem"
+    assert config_block.Variant("dual", "bfloat16", "rceil", **config_block.DUAL_FP8_CANDIDATES["cw-smem-c3"]).key == \
+        "dual-bfloat16-rceil-float8_e4m3fn-c3-cwsmem"
     # several column tiles per CTA (candidates "t2", "t4", 2026-12-03): the staged swiglu, dswiglu with fused outputs
     for op in config_block.SWIGLU_OPS:
         for out in config_block.OUT_DTYPES:
@@ -177,14 +189,16 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         # staged fast-division ones (the former defaults' stacked code)
         stacked = [kw for kw in config.candidates("dswiglu", "bfloat16").values()
                    if kw and kw.get("staged", True) and kw.get("fast_div", True)]
-        assert len(stacked) == 9 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
+        assert len(stacked) == 10 and len(cands) == sum(len(config.candidates(op, o)) - 1 for op in config.OPS
                                                        for o in config.OUT_DTYPES) + len(stacked)
         assert {v.op for v in cands} == set(config.OPS) and sum(v.stacked for v in cands) == len(stacked)
         for op in config.OPS:  # every op's candidates are the same in both output kinds but dual's packed-c3 (spills)
             names = [set(config.candidates(op, o)) for o in config.OUT_DTYPES]  # and round (bf16 outputs only)
-            want = {"pre-round", "round", "pre-flat", "flat", "gather"} if op != "dual" else {"packed-c3", "pre-round"}
-            assert names[0] ^ names[1] == want | ({"t4", "pre-t4"} if op == "swiglu" else set()), names  # and flat,
-            # gather (fp8 outputs only); swiglu's fp8 outputs have pre-t4 for t4 (their default)
+            want = ({"pre-round", "round", "pre-flat", "flat", "gather", "cw-smem", "cw-gather", "cw-smem-bf16"}
+                    if op != "dual" else {"packed-c3", "pre-round", "cw-smem", "cw-smem-c3", "cw-smem-bf16"})
+            assert names[0] ^ names[1] == want | ({"t4", "pre-t4", "pre-t4-cw-smem"} if op == "swiglu" else set()), \
+                names  # and flat, gather, cw-smem (fp8 outputs only); swiglu's fp8 outputs have pre-t4 for t4 (their
+            # default)
         assert not set(cands) & set(config.all_variants())
     else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
         default = config.Variant("blocked")
@@ -463,3 +477,41 @@ def test_block_stage_places_are_row_slots_coalesced_and_conflict_free():
                 for quad in range(4):
                     token = sorted(places[w * 32 + 4 * g + quad] for g in range(8))
                     assert token == list(range(token[0], token[0] + 8)) and token[0] % 8 == 0, (order, w, quad)
+
+
+@pytest.mark.parametrize("esize", [1, 2])
+def test_block_line_places_are_whole_column_rows_and_conflict_free(esize):
+    """``colwise_smem`` (the colwise tile gathered in shared memory; ``esize`` 1: e4m3, 2: bf16): ``line_place`` maps
+    the tile's 128 columns x 128 tokens one to one onto its ``16 esize`` KB, each column's tokens onto one row of ``128
+    esize`` bytes (written out as whole lines); the thread's 8 columns share one permutation (the kernel steps a row a
+    column from ``line_place(tile_col, t0)``); the stores of a column of the thread's 8 (the 32x1 geometry: lane
+    ``4 g + q`` of warp ``w``, columns ``64 (w % 2) + 8 g + c``, tokens ``32 (w // 2) + 8 q``; 8 bytes a lane for
+    e4m3, a half warp a wavefront; 16 for bf16, a quarter warp) cover the 32 banks once per wavefront, and so do a
+    quarter warp's 16-byte read-backs (``write_lines``: ``128 esize / 16`` lanes a column, in token order)."""
+    pytest.importorskip("cutlass")
+    from moe_quant.kernels.block.kernel import THREADS, line_place
+
+    cols = toks = 128
+    row = toks * esize
+    places = {(c, t): line_place(c, t, esize) for c in range(cols) for t in range(toks)}
+    assert sorted(places.values()) == list(range(0, cols * row, esize))
+    for c in range(cols):
+        assert {places[c, t] for t in range(toks)} == set(range(c * row, (c + 1) * row, esize)), c
+    per = 16 // esize  # tokens a 16-byte piece
+    lanes = toks // per  # read-back lanes a column
+    for s in range(cols * lanes // THREADS):
+        for w in range(THREADS // 32):
+            for k in range(4):
+                group = range(w * 32 + 8 * k, w * 32 + 8 * k + 8)
+                got = {places[s * (THREADS // lanes) + tid // lanes, per * (tid % lanes)] % 128 // 16 for tid in group}
+                assert len(got) == 8, (s, w, k)
+    width = 8 * esize  # bytes a lane stores (8 tokens)
+    wave = 128 // width  # lanes a wavefront
+    for w in range(THREADS // 32):
+        for c in range(8):
+            for k in range(32 // wave):
+                lanes_ = range(wave * k, wave * k + wave)
+                col = [64 * (w % 2) + 8 * (lane // 4) for lane in lanes_]
+                tok = [32 * (w // 2) + 8 * (lane % 4) for lane in lanes_]
+                assert all(line_place(co, t, esize) + row * c == places[co + c, t] for co, t in zip(col, tok))
+                assert len({places[co + c, t] % 128 // width for co, t in zip(col, tok)}) == wave, (w, c, k)

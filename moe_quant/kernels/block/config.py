@@ -100,6 +100,15 @@ class Variant:
     # None: 4 for staged swiglu with fp8 outputs (the default since 2026-12-03 night, after its sanitizer run; the A/B
     # of that evening at SWIGLU_T4 below), else 1
     tiles_per_cta: int | None = None
+    # every op and output kind (candidates `cw-smem` for fp8 outputs, `cw-smem-bf16` for bf16; not yet measured): the
+    # CTA's colwise tile (128 columns x 128 tokens, 16 KB e4m3 / 32 KB bf16) gathered in shared memory (kernel.py
+    # ``line_place``: each column's tokens in one row, its pieces permuted against bank conflicts) and written after a
+    # barrier by 16-byte stores, 8 (e4m3) or 16 (bf16) lanes a column: each column's 128 contiguous elements (the CTA's
+    # tokens) whole 128-byte lines, 4 sectors a request, instead of the thread's 8-token stores that put one sector
+    # (e4m3; bf16: two) of each of 8 columns in a request (ncu, one H200: dual fp8 wrote 9.03M sectors in 6.38M
+    # requests). dswiglu with one tile a CTA gathers over its staged input a's slots (32 KB, free once the math has
+    # read them); the others take 16 / 32 KB more shared memory. None: off
+    colwise_smem: bool | None = None
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -124,7 +133,8 @@ class Variant:
             object.__setattr__(self, "stage_order", "swizzled" if self.staged else "thread")
         swiglu = self.op in SWIGLU_OPS
         for name, default in (("round_bf16", self.fake), ("signed_residual", self.fast_div),
-                              ("flat_scales", swiglu and not self.fake), ("gather_scales", False)):
+                              ("flat_scales", swiglu and not self.fake), ("gather_scales", False),
+                              ("colwise_smem", False)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
         if self.tiles_per_cta is None:
@@ -176,7 +186,8 @@ class Variant:
                 + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else "")
                 + ("" if self.stage_order == "thread" else f"-stage{self.stage_order}")
                 + ("-gather" if self.gather_scales else "")
-                + (f"-t{self.tiles_per_cta}" if self.tiles_per_cta != 1 else ""))
+                + (f"-t{self.tiles_per_cta}" if self.tiles_per_cta != 1 else "")
+                + ("-cwsmem" if self.colwise_smem else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -201,6 +212,7 @@ def all_variants() -> list[Variant]:
 # 67.9 / 66.5 (lean). "pre-lean" keeps the former default measurable.
 # The fields the defaults of 2026-12-03 turned on, turned off: each former default's candidate names them, so that it
 # compiles to the code it was measured as.
+CW_SMEM = {"colwise_smem": True}  # the colwise tile written as whole lines (candidates cw-smem, cw-smem-bf16, ...)
 # The staged inputs' layout before the swizzled default of 2026-12-03 (evening), named by every former default.
 PRE_STAGE = {"stage_order": "thread", "tiles_per_cta": 1}
 PRE_1203 = {"round_bf16": False, "signed_residual": False, "flat_scales": False, **PRE_STAGE}
@@ -238,17 +250,24 @@ DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False, **PRE
 # (pre-flat) -> 54.6 / 54.5 / 58.2 / 56.7 (flat alone 0.1-0.5 below), dswiglu fp8 55.7 / 54.7 / 59.8 / 56.7 -> 56.2 /
 # 56.2 / 60.6 / 58.5. "round", "flat" and "sres" are each field alone, against today's default (its swizzled stage
 # included; they were measured with the "thread" stage).
-SWIGLU_BF16_CANDIDATES = {"pre-round": PRE_1203, "round": {"signed_residual": False}, "sres": {"round_bf16": False}}
+# "cw-smem-bf16" (not yet measured): the default with its colwise bf16 tile written as whole lines (colwise_smem).
+SWIGLU_BF16_CANDIDATES = {"pre-round": PRE_1203, "round": {"signed_residual": False}, "sres": {"round_bf16": False},
+                          "cw-smem-bf16": CW_SMEM}
 # "gather" (not yet measured): the default with its scale bytes gathered in shared memory (gather_scales).
+# "cw-smem" (not yet measured): the default with its colwise e4m3 tile written as whole lines (colwise_smem; swiglu's
+# default takes 4 tiles a CTA: its tile in 16 KB more shared memory); "cw-gather" with the scale bytes gathered too
+# (their 16-byte rows written after the barrier the colwise tile already waits on: gather's own barrier saved).
 SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False},
-                         "gather": {"gather_scales": True}}
+                         "gather": {"gather_scales": True}, "cw-smem": CW_SMEM,
+                         "cw-gather": {"gather_scales": True, **CW_SMEM}}
 # swiglu with fp8 outputs: 4 column tiles per CTA (tiles_per_cta) the default since 2026-12-03 night; "pre-t4" the default
 # before (one tile a CTA). One H200 (torch 2.11, 2026-12-03 evening, `ab_kernels.py --family block-swiglu-fp8
 # --candidates default,t2,t4,gather --rounds 3`, the swizzled stage, every candidate byte-exact), % of memcpy at 98304x1408
 # / 98304x2048 / 16384x2048 / 16384x7168: 73.2 / 73.5 / 78.8 / 78.0 (one tile) -> 82.5 / 80.6 / 78.2 / 86.4 (t4); t2
 # and t4 lost 1-11 points on the other ops and outputs (NOTES.md). memcheck and racecheck over
 # `scripts/sanitize_block.py --quick --candidate t4`: 0 errors, 0 hazards (2026-12-03 night).
-SWIGLU_T4 = {"pre-t4": {"tiles_per_cta": 1}}
+# "pre-t4-cw-smem" (not yet measured): colwise_smem on one tile a CTA (cw-smem is on t4, the default).
+SWIGLU_T4 = {"pre-t4": {"tiles_per_cta": 1}, "pre-t4-cw-smem": {"tiles_per_cta": 1, **CW_SMEM}}
 
 
 # A/B candidates of ``dual`` with bf16 outputs (scripts/ab_kernels.py, family block-dual). The packed amax alone
@@ -262,8 +281,10 @@ SWIGLU_T4 = {"pre-t4": {"tiles_per_cta": 1}}
 # former rounding); one H200 (2026-12-03, `ab_kernels.py --family block-dual --candidates default,round --rounds 3`,
 # byte-exact) 85.4 / 85.4 / 89.9 / 88.5 (pre-round) -> 86.7 / 86.5 / 91.6 / 89.2% of memcpy.
 DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3, **PRE_1203},
-                   "lean-c3": {"lean": True, "ctas_per_sm": 3, **PRE_1203}, "pre-round": PRE_1203}
-DUAL_FP8_CANDIDATES = {"default": {}, "lean-c3": {"lean": True, "ctas_per_sm": 3}}
+                   "lean-c3": {"lean": True, "ctas_per_sm": 3, **PRE_1203}, "pre-round": PRE_1203,
+                   "cw-smem-bf16": CW_SMEM}
+DUAL_FP8_CANDIDATES = {"default": {}, "lean-c3": {"lean": True, "ctas_per_sm": 3}, "cw-smem": CW_SMEM,
+                       "cw-smem-c3": {"ctas_per_sm": 3, **CW_SMEM}}
 
 
 def candidates(op: str, out_dtype: str) -> dict:

@@ -50,6 +50,11 @@ staged input (its own 16-byte slots: no barrier), it copies the next tile's row 
 row, so 7 groups are always newer than the row waited for; zero fills where there is no next tile). ``dswiglu``
 (fused) frees a's slots as each row is read, grad_h's and b's once both outputs' tiles are read back. A redo of
 the math (an ``a`` out of the fast range) reads its inputs from global memory (the stage holds the next tile).
+
+``colwise_smem`` (candidates, 2026-12-03): the colwise form's 8-token pieces go to the CTA's colwise tile in shared
+memory (:func:`line_place`; dswiglu with one tile a CTA over input a's staged slots) instead of global memory, and
+after a barrier :meth:`QuantizeBlockKernel.write_lines` writes each column's 128 tokens as whole 128-byte lines (16
+bytes a lane, consecutive lanes in token order); the same bytes where the thread stores wrote them.
 """
 
 from __future__ import annotations
@@ -285,6 +290,23 @@ def stage_place(tid, order: str):
     return (tid // 32) * 32 + quad * 8 + group
 
 
+def line_place(col, tok, esize: int = 1):
+    """``colwise_smem`` (config): the byte of (column ``col``, token ``tok``) in the CTA's colwise tile in shared memory
+    (``col`` < 128, ``tok`` < 128; ints or DSL Int32), of ``esize``-byte elements (1: e4m3, 2: bf16). Column ``col``'s
+    128 elements (the CTA's tokens) fill row ``col`` of ``128 esize`` bytes, their pieces permuted against bank
+    conflicts: e4m3, the four 32-token blocks (block ``b`` at ``b XOR (col // 8) % 4``), so that a half warp's 8-byte
+    stores (4 column groups ``col // 8`` of one block, 4 token quads) fall in 4 distinct 32-byte bank groups; bf16, the
+    16 8-token pieces (piece ``k`` at ``k XOR 4 ((col // 8) % 2)``), so that a quarter warp's 16-byte stores (2 column
+    groups, 4 token quads) fall in 8 distinct 16-byte bank groups. Either way the lanes that read a column's 16-byte
+    pieces back in order (8 a row of 128 bytes) cover each bank once."""
+    group = col // COLS_PER_THREAD
+    if esize == 1:
+        piece = (tok // BLOCK_SIZE) ^ (group % 4)
+        return col * TILE_TOKENS + piece * BLOCK_SIZE + tok % BLOCK_SIZE
+    piece = (tok // TOKENS_PER_THREAD) ^ ((group % 2) * 4)
+    return col * (2 * TILE_TOKENS) + piece * 16 + (tok % TOKENS_PER_THREAD) * 2
+
+
 class QuantizeBlockKernel(Quantize32x1Kernel):
     """The block's fused passes; see the module docstring.
 
@@ -323,6 +345,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.n_ctas = 1 if self.fused else self.n_out  # CTAs per tile
         self.n_tiles = variant.tiles_per_cta  # column tiles per CTA (config)
         self.tile_cols, self.threads, self.halves = TILE_COLS, THREADS, TILE_COLS // HALF_COLS  # inherited helpers
+        # colwise_smem (config): the colwise tile gathered in shared memory, written as whole lines. dswiglu with one
+        # tile a CTA gathers it over input a's staged slots (32 KB, read by then: a barrier first), the others in 16 KB
+        # (e4m3) or 32 KB (bf16) of their own (the barrier first where the CTA's previous output or tile reads them)
+        self.lines = variant.colwise_smem
+        self.esize = 2 if self.fake else 1  # bytes of an output element
+        self.lines_over_stage = self.lines and self.op == "dswiglu" and self.staged and self.n_tiles == 1
+        self.lines_wait = self.lines_over_stage or self.fused or self.n_tiles > 1
 
     # ------------------------------------------------------------------ host
 
@@ -347,7 +376,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             grid=[nx * self.n_ctas, (ny + (self.n_tiles - 1)) // self.n_tiles, 1], block=[THREADS, 1, 1], stream=stream,
             # two CTAs per SM (the default): ptxas keeps to 128 registers (the 8 x 8 tile is live across both
             # forms); staged inputs take 64 or 96 KB of shared memory per CTA
-            min_blocks_per_mp=self.v.ctas_per_sm, preferred_smem_carveout=100 if self.staged else 0)
+            min_blocks_per_mp=self.v.ctas_per_sm, preferred_smem_carveout=100 if self.staged or self.lines else 0)
 
     # ------------------------------------------------------------------ device
 
@@ -374,21 +403,27 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             # dynamic shared memory (a static array is limited to 48 KB)
             stage = SmemAllocator().allocate_array(Int32, N_INPUTS[self.op] * TOKENS_PER_THREAD * THREADS * 4,
                                                    byte_alignment=16)
+        ltile = None  # colwise_smem: the colwise tile, 128 elements a column (line_place)
+        if cutlass.const_expr(self.lines_over_stage):
+            ltile = stage + TOKENS_PER_THREAD * THREADS * 4  # input 1's (a's) slots, 32 KB
+        elif cutlass.const_expr(self.lines):
+            ltile = SmemAllocator().allocate_array(Int32, TILE_COLS * TILE_TOKENS * self.esize // 4,
+                                                   byte_alignment=128)
         ins, outs = (x0, x1, x2), (rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1)
         sizes = (offs, m, r, n_groups, row_stride, rp, sw, buf_rows, nx, ny)
         if cutlass.const_expr(self.n_tiles == 1):
-            self.one_tile(ins, outs, sizes, bx, by, Int32(0), o_cta, tid, lane, warp, info, stage)
+            self.one_tile(ins, outs, sizes, bx, by, Int32(0), o_cta, tid, lane, warp, info, stage, ltile)
         else:
             # tiles_per_cta: the column tiles one after the other, each tile's inputs copied during the tile before
             # (the module docstring); the last CTA of a row may have fewer real tiles
             for t in cutlass.range(0, self.n_tiles, 1, unroll=1):
                 if by + t < ny:
-                    self.one_tile(ins, outs, sizes, bx, by + t, t, o_cta, tid, lane, warp, info, stage)
+                    self.one_tile(ins, outs, sizes, bx, by + t, t, o_cta, tid, lane, warp, info, stage, ltile)
             cute.arch.cp_async_wait_group(0)  # the last tile's copies for no next tile (zero fills) landed
 
     @cute.jit
     def one_tile(self, ins, outs, sizes, bx: Int32, by: Int32, t: Int32, o_cta: Int32, tid: Int32, lane: Int32,
-                 warp: Int32, info, stage):
+                 warp: Int32, info, stage, ltile):
         """Column tile ``by`` of chunk ``bx``: the inputs (staged: copied by cp.async; with ``tiles_per_cta`` the
         ``t``-th of the CTA's tiles, whose copies the tile before issued, and whose math issues the next tile's), the
         math, both forms of each output, and in tail CTAs what no group covers."""
@@ -438,6 +473,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             nxt = (src0, n_real, r, col0 + TILE_COLS, (col0 + TILE_COLS < r) & (t + 1 < self.n_tiles), t0)
         where = (tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride)
         tails = (offs, m, r, n_groups, chunk_total, rp, sw, buf_rows, nx, ny, bx, by, tid, info, t)
+        lines = None if ltile is None else (ltile, n_out)
         if cutlass.const_expr(self.fused):
             # both gradients into the stage (grad_a over grad_h's rows, grad_b over b's), then each quantized by the
             # one copy of the code below (a loop, not unrolled)
@@ -448,7 +484,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     if o == 1:  # grad_h's and b's slots read for the last time: the next tile's rows go there
                         # (their addresses from an opaque t0: hoisted out of the loop, 16 of them spilled)
                         self.stage_rows((x0, None, x2), stage, (*nxt[:5], cu.opaque(nxt[5])), tid)
-                self.emit(o, words, outs, where, tile, tails)
+                self.emit(o, words, outs, where, tile, tails, lines)
         else:
             if cutlass.const_expr(self.n_out == 1):
                 words = self.compute(0, x0, x1, x2, *tile, stage, tid, nxt, t)
@@ -458,12 +494,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     words = self.compute(0, x0, x1, x2, *tile, stage, tid)
                 else:
                     words = self.compute(1, x0, x1, x2, *tile, stage, tid)
-            self.emit(o_cta, words, outs, where, tile, tails)
+            self.emit(o_cta, words, outs, where, tile, tails, lines)
 
     @cute.jit
-    def emit(self, o_cta, words, outs, where, tile, tails):
+    def emit(self, o_cta, words, outs, where, tile, tails, lines=None):
         """Output tensor ``o_cta``'s tile of this thread (``words``: 8 tokens x 4 bf16x2 words) in both forms: the
-        data, the scales, and in tail CTAs what no group covers."""
+        data, the scales, and in tail CTAs what no group covers. ``lines`` (``colwise_smem``): the shared colwise tile
+        and the tile's colwise tokens to write, the colwise data gathered there and written as whole lines."""
         rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1 = outs
         tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride = where
         src0, n_real, r, col0, col_ok, t0 = tile
@@ -476,8 +513,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if cutlass.const_expr(self.scale_tile):
             ctile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
             mtile = cute.arch.alloc_smem(cutlass.Uint8, TILE_BYTES, alignment=16)
+        ltile = None  # colwise_smem: the shared colwise tile (32-bit words)
+        if cutlass.const_expr(self.lines):
+            ltile = lines[0]
+            if cutlass.const_expr(self.lines_wait):  # the stage's or the previous output's or tile's readers done
+                cute.arch.sync_threads()
         if cutlass.const_expr(self.round):  # bf16 outputs: each element rounded on the packed words (config)
-            self.round_forms(o_cta, words, row_out, col_out, where, tile)
+            self.round_forms(o_cta, words, row_out, col_out, where, tile, ltile)
         else:
             # lean: the bytes of a NaN block's e4m3 words are replaced by the dequantization (bf16 outputs): no select
             quant = dict(short=self.lean, nan_words=not (self.lean and self.fake))
@@ -491,9 +533,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             # pointer live across the columns: under dual's 3-CTA cap ptxas spills it on sm_100a, so there it is not;
             # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02,
             # nor with its scale bytes gathered: 12 bytes on sm_90a, 2026-12-03)
-            running = self.lean and self.v.ctas_per_sm == 2 and not (
+            running = self.lean and self.v.ctas_per_sm == 2 and not self.lines and not (
                 self.fused and not self.fake and (not self.rceil or self.v.gather_scales))
-            col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
+            col_ptr = col_lines = None
+            if cutlass.const_expr(self.lines):  # column c is 128 c elements further (line_place: the same permutation
+                col_lines = ltile + self.line_word(tile_col, t0)  # for the thread's 8 columns)
+            if cutlass.const_expr(running):
+                col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
             flat = self.v.flat_scales  # fp8, SwiGLU ops: predicated scale stores at constant offsets (config)
             col_sc0 = row_sc0 = None
             if cutlass.const_expr(flat):
@@ -512,7 +558,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 if cutlass.const_expr(self.packed_amax):
                     amax = self.col_value([col_max[c // 2]], c % 2)
                 q0, q1, s, is_nan = cu.quantize_block8(col, self.rceil, amax=amax, **quant)
-                if write:
+                if cutlass.const_expr(self.lines):  # every column and token of the tile (written out predicated)
+                    self.store_tokens(col_lines + c * (TILE_TOKENS * self.esize // 4), q0, q1, s, is_nan)
+                elif write:
                     if cutlass.const_expr(running):  # the next column's row of the colwise output: one add
                         self.store_tokens(col_ptr, q0, q1, s, is_nan)
                     else:
@@ -558,7 +606,16 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                                 cu.st_global_u8(mtile + byte, s)
                             else:
                                 cu.st_global_u8(row_sc + (mg_base + Int64(byte)), s)
-        if cutlass.const_expr(self.scale_tile):
+        if cutlass.const_expr(self.lines):
+            cute.arch.sync_threads()
+            self.write_lines(col_out, lines, out_base, row_stride, r, by, tid)
+            if cutlass.const_expr(self.scale_tile):  # the next output's or tile's bytes wait (lines_wait)
+                if tail == 0:
+                    if warp == 0:
+                        self.write_scale_rows(col_sc, ctile, scale_base, Int32(0), lane)
+                    if warp == 1:
+                        self.write_scale_rows(row_sc, mtile, mg_base, Int32(0), lane)
+        elif cutlass.const_expr(self.scale_tile):
             if tail == 0:
                 cute.arch.sync_threads()
                 if warp == 0:
@@ -570,6 +627,31 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if tail != 0:
             self.zero_tails(o_cta, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
                             ny, (bx - chunk_total) * ny + by, (nx - chunk_total) * ny, tid, lane, warp, info, t)
+
+    def line_word(self, col, tok):
+        """``colwise_smem``: the 32-bit word of (``col``, ``tok``) in the shared colwise tile (:func:`line_place`)."""
+        return line_place(col, tok, self.esize) // 4
+
+    @cute.jit
+    def write_lines(self, col_out, lines, out_base: Int64, row_stride: Int32, r: Int32, by: Int32, tid: Int32):
+        """``colwise_smem``: the CTA's colwise tile (``lines``: the shared tile, :func:`line_place`, and the tile's
+        colwise tokens to write, a multiple of 32) into its columns' rows of the colwise output, 16 bytes a lane, so
+        8 lanes (e4m3) or 16 (bf16) a column: its 128 contiguous elements (one or two whole 128-byte lines). Columns
+        past R and tokens past the count are not written (where the thread's 8-token stores did not write either)."""
+        ltile, n_out = lines
+        per = 16 // self.esize  # tokens a lane
+        lanes = TILE_TOKENS // per  # lanes a column
+        if cutlass.const_expr(self.fused and self.fake):
+            # the addresses from an opaque tid: hoisted out of the loop over the two outputs, they were kept live
+            # across it and spilled (16 bytes, dswiglu bf16); elsewhere it costs ~130 SASS instructions and no spill
+            tid = cu.opaque(tid)
+        p = tid % lanes
+        for s in cutlass.range_constexpr(TILE_COLS * lanes // THREADS):
+            cc = s * (THREADS // lanes) + tid // lanes
+            if (by * TILE_COLS + cc < r) & (p * per < n_out):
+                w = cu.ld_global_v4(ltile + self.line_word(cc, p * per))
+                cu.st_global_v4(col_out + (out_base + Int64(by * TILE_COLS + cc) * Int64(row_stride) + Int64(p * per)),
+                                *w)
 
     def grid_maxima(self, words, again: bool = False):
         """Per token (rowwise) and per column pair over the tokens (colwise), the packed max of this thread's
@@ -592,7 +674,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         return cu.quad_max_u16x2(cu.max_u16x2(cu.prmt(a, b, 0x5410), cu.prmt(a, b, 0x7632)), ROW_LANES)
 
     @cute.jit
-    def round_forms(self, o_cta, words, row_out, col_out, where, tile):
+    def round_forms(self, o_cta, words, row_out, col_out, where, tile, ltile=None):
         """``round_bf16``: both forms' bf16 values of output ``o_cta``'s tile (``words``), each element rounded to its
         block's e4m3 grid on the packed words (:data:`cute_utils._GRID`), the blocks' amax on the packed words too.
         Every block is stored rounded; where a lane of the warp holds a block that :func:`cute_utils.grid_exception`
@@ -619,13 +701,17 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 if col_ok & (n_left > i):
                     cu.st_global_words(row_ptr, ys)
                 row_ptr = row_ptr + pitch
-        col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
-        hi, lo = self.round_columns(words, col_max, col_ptr, row_stride, write, hi, lo)
+        if cutlass.const_expr(ltile is None):
+            col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
+            hi, lo = self.round_columns(words, col_max, col_ptr, row_stride, write, hi, lo)
+        else:  # colwise_smem: every column and token into the shared tile (written out predicated)
+            hi, lo = self.round_columns(words, col_max, ltile + self.line_word(tile_col, t0), Int32(TILE_TOKENS // 2),
+                                        True, hi, lo)
         if cute.arch.vote_any_sync(cu.grid_any_exception(hi, lo)):
-            self.round_exceptions(o_cta, words, row_out, col_out, where, tile)
+            self.round_exceptions(o_cta, words, row_out, col_out, where, tile, ltile)
 
     @cute.jit
-    def round_exceptions(self, o_cta, words, row_out, col_out, where, tile):
+    def round_exceptions(self, o_cta, words, row_out, col_out, where, tile, ltile=None):
         """The blocks of this thread that :func:`cute_utils.grid_exception` flags, quantized and dequantized from their
         amax (found again: the whole warp runs this) and stored over the rounded values."""
         tile_col, blk, quad, lane, warp, write, tail, out_base, scale_base, mg_base, row_stride = where
@@ -645,8 +731,12 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                                                        **quant)
                 cu.st_global_words(row_ptr, cu.dequantize8(q0, q1, s, is_nan, False))
             row_ptr = row_ptr + pitch
-        col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))
-        self.round_column_exceptions(words, col_amax, col_ptr, row_stride, write)
+        if cutlass.const_expr(ltile is None):
+            col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))
+            self.round_column_exceptions(words, col_amax, col_ptr, row_stride, write)
+        else:  # colwise_smem: over the rounded values in the shared tile, before the barrier that writes it out
+            self.round_column_exceptions(words, col_amax, ltile + self.line_word(tile_col, t0), Int32(TILE_TOKENS // 2),
+                                         True)
 
     def pick(self, o, t0, t1):
         """The data pointer of output ``o``'s buffer: ``t0``'s or ``t1``'s (``o`` a run-time value; ``t1``
