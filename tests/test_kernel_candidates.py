@@ -47,6 +47,10 @@ def test_default_keys_unchanged():
         assert config_permute.Variant(out, pair_stores=True) == config_permute.Variant(out)
     with pytest.raises(ValueError, match="tiles > 1 is for the scatter and rows orders"):
         config_permute.Variant("dequant", "bfloat16", order="gather", tiles=2)
+    assert config_permute.Variant("blocked", counts_first=True, tiles=4).key == \
+        "blocked-float8_e4m3fn-t256i4b1024-rows-x4-cfirst"
+    with pytest.raises(ValueError, match="counts_first is for the scatter and rows orders"):
+        config_permute.Variant("blocked", order="gather", counts_first=True)
     # block: the SwiGLU ops staged with the fast division since 2026-11-29, lean since 2026-12-02, and dswiglu's two
     # outputs in one CTA since 2026-12-02; since 2026-12-03 the signed residual, bf16 outputs rounded on the packed
     # words and fp8 outputs' scale bytes by flat stores (the A/Bs on the H200), and later that day the staged inputs'
@@ -191,6 +195,7 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
         assert set(cands) == want - defaults and len(cands) == len(set(cands))
         assert {v.out for v in cands} == {"blocked", "dequant"}
         assert any(v.pair_stores for v in cands) and any(v.tiles > 1 for v in cands)
+        assert all(any(v.counts_first and v.out == o for v in cands) for o in ("blocked", "dequant"))
     keys = [v.key for v in cands] + [v.key for v in config.all_variants()]
     assert len(set(keys)) == len(keys)
     names = {compile_check.variant_name(v) for v in compile_check.all_variants()}

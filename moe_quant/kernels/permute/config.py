@@ -63,6 +63,10 @@ class Variant:
     # take 2 or 4 stores at a 32 or 64-byte lane stride: half of each sector per instruction). The fp8 outputs
     # store whole sectors already: off for them (normalized, so that a candidate's fields fit every output).
     pair_stores: bool = False
+    # Scatter and rows orders: warp 0 loads the counts of the first 64 (rank, expert) blocks before its data loads
+    # (the table's first step otherwise waits for a count load issued behind the CTA's data loads), the later ones two
+    # steps ahead.
+    counts_first: bool = False
 
     family = "perm"
     kernel_module = "permute.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -96,6 +100,8 @@ class Variant:
         if self.tiles > 1 and (self.order == "gather" or self.staging != "registers"):
             raise ValueError(f"tiles > 1 is for the scatter and rows orders with register staging, got "
                              f"order={self.order!r}, staging={self.staging!r}")
+        if self.counts_first and self.order == "gather":
+            raise ValueError("counts_first is for the scatter and rows orders (gather loads after the table)")
         if self.staging == "smem" and self.threads * self.iters * CHUNK > MAX_STAGE_BYTES:
             raise ValueError(f"staging='smem' holds threads * iters * {CHUNK} bytes, at most {MAX_STAGE_BYTES}: "
                              f"got threads={self.threads}, iters={self.iters}")
@@ -109,6 +115,8 @@ class Variant:
             order += f"-x{self.tiles}"
         if self.pair_stores:
             order += "-pairs"
+        if self.counts_first:
+            order += "-cfirst"
         return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{order}"
 
     def replace(self, **kw) -> "Variant":
@@ -187,6 +195,11 @@ CANDIDATES = {
     "x2 tiles": {"tiles": 2},
     "x4 tiles i2": {"tiles": 4, "iters": 2},
     "pair stores x4 tiles i2": {"pair_stores": True, "tiles": 4, "iters": 2},
+    # (2026-12-03, not yet measured) warp 0's first counts loaded before the data loads (ncu at 32768x2048, blocked:
+    # 13.2 of the cycles per issued instruction stalled at the table's CTA barrier, the other warps' loads landed)
+    "counts first": {"counts_first": True},
+    "pair stores counts first": {"pair_stores": True, "counts_first": True},
+    "counts first x4 tiles i2": {"counts_first": True, "tiles": 4, "iters": 2},
 }
 # The outputs whose candidate variants are compile-checked: the A/B's two (scripts/ab_kernels.py perm, perm-dequant).
 CANDIDATE_OUTS = (("blocked", "float8_e4m3fn"), ("dequant", "bfloat16"))

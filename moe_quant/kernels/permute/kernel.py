@@ -82,6 +82,7 @@ class PermuteMxfp8Kernel:
         self.smem_staging = variant.staging == "smem"
         self.tiles = variant.tiles
         self.pairs = variant.pair_stores
+        self.counts_first = variant.counts_first
         # Scatter builds the table while its loads are in flight: its scans are not unrolled (fewer registers
         # live next to the loaded chunks; their latency hides behind the loads). Gather keeps the compiler's.
         self.table_unroll = 1 if self.scatter else 0
@@ -154,9 +155,12 @@ class PermuteMxfp8Kernel:
             stage = None
             if cutlass.const_expr(self.smem_staging):
                 stage = cute.arch.alloc_smem(Int32, self.threads * self.iters * CHUNK_WORDS, alignment=16)
+            pre = None
+            if cutlass.const_expr(self.counts_first):
+                pre = self.preload_counts(counts, n_blocks, tid)
             first = bid * self.tiles  # the CTA's first tile (a tile: the chunks of a CTA of tiles=1)
             loaded = self.load_tile(data, scales, m, k, kb, n_seg, n_chunks, first, tid, stage)
-            self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == 0, tables)
+            self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == 0, tables, pre)
             if cutlass.const_expr(self.smem_staging):
                 cute.arch.cp_async_wait_group(0)  # this thread's own copies (every CTA: none left in flight)
                 loaded = (stage, *loaded[1:])
@@ -183,7 +187,9 @@ class PermuteMxfp8Kernel:
 
     @cute.jit
     def build_tables(self, counts, offs, m: Int32, n_ranks: Int32, n_experts: Int32, n_blocks: Int32, tid: Int32,
-                     writes_offs, tables):
+                     writes_offs, tables, pre=None):
+        """The group tables (module doc); ``pre``: warp 0's counts of the first 64 blocks, loaded already
+        (:meth:`preload_counts`), the later ones then loaded two steps ahead."""
         t_send, t_dend, t_shift, g_end, g_shift, g_pend = tables
         lane = tid % 32
         warp = tid // 32
@@ -193,14 +199,24 @@ class PermuteMxfp8Kernel:
         if warp == 0:
             carry = Int32(0)
             nxt = Int32(0)  # the counts of the next 32 blocks, loaded one step ahead (no L2 round trip per step)
-            if lane < n_blocks:
-                nxt = Int32(cute.arch.load(counts.iterator + lane, Int32))
+            nxt2 = Int32(0)  # with pre: the 32 after them, two steps ahead
+            if cutlass.const_expr(pre is None):
+                if lane < n_blocks:
+                    nxt = Int32(cute.arch.load(counts.iterator + lane, Int32))
+            else:
+                nxt, nxt2 = pre
             for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
                 b = sub * 32 + lane
                 raw = nxt
-                nxt = Int32(0)
-                if b + 32 < n_blocks:
-                    nxt = Int32(cute.arch.load(counts.iterator + (b + 32), Int32))
+                if cutlass.const_expr(pre is None):
+                    nxt = Int32(0)
+                    if b + 32 < n_blocks:
+                        nxt = Int32(cute.arch.load(counts.iterator + (b + 32), Int32))
+                else:
+                    nxt = nxt2
+                    nxt2 = Int32(0)
+                    if b + 64 < n_blocks:
+                        nxt2 = Int32(cute.arch.load(counts.iterator + (b + 64), Int32))
                 v = cutlass.min(cutlass.max(raw, Int32(0)), m)
                 for d in cutlass.range_constexpr(5):
                     y = cute.arch.shuffle_sync_up(v, offset=1 << d)
@@ -265,6 +281,15 @@ class PermuteMxfp8Kernel:
                         g_shift[e] = shift
                         g_pend[e] = pend
         cute.arch.sync_threads()
+
+    @cute.jit
+    def preload_counts(self, counts, n_blocks: Int32, tid: Int32):
+        """``counts_first``: warp 0's counts of blocks ``lane`` and ``lane + 32`` (0 past ``n_blocks``; other warps:
+        0), loaded before the CTA's data loads so that they do not queue behind them (predicated loads, no branch:
+        ptxas moves later loads ahead of a branch's)."""
+        w0 = tid < 32
+        return (cu.ld_global_u32_if(counts.iterator + tid, w0 & (tid < n_blocks)),
+                cu.ld_global_u32_if(counts.iterator + (tid + 32), w0 & (tid + 32 < n_blocks)))
 
     @cute.jit
     def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32, tables):
