@@ -128,7 +128,7 @@ def all_variants() -> list[Variant]:
 
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
-# every arch (compile_check) on the blocked output. Measured and dropped (H100, 2026-11-24, blocked at (32768, 2048),
+# every arch (compile_check) on the blocked and bf16 dequant outputs (CANDIDATE_OUTS). Measured and dropped (H100, 2026-11-24, blocked at (32768, 2048),
 # % of memcpy; the default then, gather t256i4, 77.7): gather t256i8 54.5, gather t128i8 65.7, gather t256i4 on a
 # persistent grid of 132x4 CTAs building the table once each 74.6. Scatter (each CTA owns consecutive input chunks:
 # its loads need no table; the table is built and searched while they are in flight) measured on the H100
@@ -196,7 +196,8 @@ CANDIDATES = {
     "x4 tiles i2": {"tiles": 4, "iters": 2},
     "pair stores x4 tiles i2": {"pair_stores": True, "tiles": 4, "iters": 2},
     # (2026-12-03, not yet measured) warp 0's first counts loaded before the data loads (ncu at 32768x2048, blocked:
-    # 13.2 of the cycles per issued instruction stalled at the table's CTA barrier, the other warps' loads landed)
+    # 13.2 of the cycles per issued instruction stalled at the table's CTA barrier, 1.2 on loads); blocked 48
+    # registers, dequant 56, with pair stores 52
     "counts first": {"counts_first": True},
     "pair stores counts first": {"pair_stores": True, "counts_first": True},
     "counts first x4 tiles i2": {"counts_first": True, "tiles": 4, "iters": 2},
