@@ -128,10 +128,11 @@ def all_variants() -> list[Variant]:
 
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
-# every arch (compile_check) on the blocked and bf16 dequant outputs (CANDIDATE_OUTS). Measured and dropped (H100, 2026-11-24, blocked at (32768, 2048),
-# % of memcpy; the default then, gather t256i4, 77.7): gather t256i8 54.5, gather t128i8 65.7, gather t256i4 on a
-# persistent grid of 132x4 CTAs building the table once each 74.6. Scatter (each CTA owns consecutive input chunks:
-# its loads need no table; the table is built and searched while they are in flight) measured on the H100
+# every arch (compile_check) on the blocked and bf16 dequant outputs (CANDIDATE_OUTS). Measured and dropped (H100,
+# 2026-11-24, blocked at (32768, 2048), % of memcpy; the default then, gather t256i4, 77.7): gather t256i8 54.5,
+# gather t128i8 65.7, gather t256i4 on a persistent grid of 132x4 CTAs building the table once each 74.6. Scatter
+# (each CTA owns consecutive input chunks: its loads need no table; the table is built and searched while they are
+# in flight) measured on the H100
 # (2026-11-26, `ab_kernels.py --family perm --rounds 5`, blocked, % of memcpy, median over rounds at 8192x2048 /
 # 32768x2048 / 32768x7168 / 131072x7168): scatter registers 65.5 / 83.4 / 88.2 / 91.5 (the default since), scatter
 # smem 66.5 / 82.1 / 87.9 / 91.3, gather 58.0 / 78.3 / 85.3 / 88.2. Fewer table builds per chunk, measured and
