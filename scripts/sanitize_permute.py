@@ -1,13 +1,15 @@
 """Cases for compute-sanitizer (memcheck / racecheck) over the received-rows permutation kernel; each
 also checked byte for byte against the reference.
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_permute.py [--quick]
+    compute-sanitizer --tool memcheck python scripts/sanitize_permute.py [--quick] [--candidate NAME ...]
 
 Ragged blocks, a silent rank, empty experts, negative / overflowing counts, totals past M, M = 0, K = 0,
 E = 0, 1024 blocks, raw fp8 / e8m0 bytes, every output kind; for the default variant and every A/B
-candidate (``config_permute.CANDIDATES``: the gather, scatter and rows orders, register and cp.async staging).
+candidate (``config_permute.CANDIDATES``: the gather, scatter and rows orders, register and cp.async staging,
+several tiles per CTA, the dequant pair stores), or only the candidates named by ``--candidate`` (repeatable).
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -47,8 +49,13 @@ def case(name, counts, m, k, seed=0) -> bool:
 
 
 def main():
+    ap = argparse.ArgumentParser(description="compute-sanitizer cases of the permute kernel")
+    ap.add_argument("--quick", action="store_true", help="two cases (ragged; 1024 blocks) instead of all")
+    ap.add_argument("--candidate", action="append", choices=list(config_permute.CANDIDATES), metavar="NAME",
+                    help="only this candidate of config_permute.CANDIDATES (repeatable; default: all)")
+    args = ap.parse_args()
     require_cuda()
-    quick = "--quick" in sys.argv
+    quick = args.quick
     cases = [
         ("ragged, silent rank, empty expert", [[0, 0, 0, 0], [1, 31, 0, 129], [300, 33, 0, 127]], 700, 224),
         ("negative / overflowing counts, past M", [[-5, 2**31 - 1], [7, -(2**31)]], 400, 96),
@@ -63,7 +70,8 @@ def main():
         cases = [cases[0], cases[5]]
     ok = True
     dev = torch.device("cuda", torch.cuda.current_device())
-    for cand, fields in config_permute.CANDIDATES.items():
+    for cand in args.candidate or list(config_permute.CANDIDATES):
+        fields = config_permute.CANDIDATES[cand]
         print(f"-- {cand}", flush=True)
         with ops_permute.variants_in_place(dev, **fields):
             for name, counts, m, k in cases:

@@ -38,6 +38,19 @@ def test_default_keys_unchanged():
     assert config_permute.Variant("blocked", order="scatter").key == "blocked-float8_e4m3fn-t256i4b1024-scatter"
     assert config_permute.Variant("blocked", order="gather", staging="registers").key == \
         "blocked-float8_e4m3fn-t256i4b1024"
+    # several tiles per CTA and the dequant pair stores (candidates, 2026-12-03); pair_stores leaves the fp8 outputs'
+    # code as it is, so it is off there (one key, one compiled kernel)
+    assert config_permute.Variant("dequant", "float32", tiles=4, iters=2, pair_stores=True).key == \
+        "dequant-float32-t256i2b1024-scatter-x4-pairs"
+    assert config_permute.Variant("blocked", tiles=2).key == "blocked-float8_e4m3fn-t256i4b1024-rows-x2"
+    for out in ("blocked", "plain"):
+        assert config_permute.Variant(out, pair_stores=True) == config_permute.Variant(out)
+    with pytest.raises(ValueError, match="tiles > 1 is for the scatter and rows orders"):
+        config_permute.Variant("dequant", "bfloat16", order="gather", tiles=2)
+    assert config_permute.Variant("blocked", counts_first=True, tiles=4).key == \
+        "blocked-float8_e4m3fn-t256i4b1024-rows-x4-cfirst"
+    with pytest.raises(ValueError, match="counts_first is for the scatter and rows orders"):
+        config_permute.Variant("blocked", order="gather", counts_first=True)
     # block: the SwiGLU ops staged with the fast division since 2026-11-29, lean since 2026-12-02, and dswiglu's two
     # outputs in one CTA since 2026-12-02; since 2026-12-03 the signed residual, bf16 outputs rounded on the packed
     # words and fp8 outputs' scale bytes by flat stores (the A/Bs on the H200), and later that day the staged inputs'
@@ -200,11 +213,14 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
                 names  # and flat, gather, cw-smem (fp8 outputs only); swiglu's fp8 outputs have pre-t4 for t4 (their
             # default)
         assert not set(cands) & set(config.all_variants())
-    else:  # a candidate naming the default's own order ("rows" for blocked) is the default, not listed again
-        default = config.Variant("blocked")
-        assert len(cands) == sum(1 for kw in config.CANDIDATES.values() if kw and config.Variant("blocked", **kw)
-                                 != default)
-        assert cands and default not in cands
+    else:  # a candidate naming an output's default code ("rows" for blocked, pair_stores for the fp8 outputs) is
+        # not listed again; both A/B outputs (blocked, bf16 dequant)
+        defaults = {config.Variant(o, d) for o, d in config.CANDIDATE_OUTS}
+        want = {config.Variant(o, d, **kw) for kw in config.CANDIDATES.values() for o, d in config.CANDIDATE_OUTS}
+        assert set(cands) == want - defaults and len(cands) == len(set(cands))
+        assert {v.out for v in cands} == {"blocked", "dequant"}
+        assert any(v.pair_stores for v in cands) and any(v.tiles > 1 for v in cands)
+        assert all(any(v.counts_first and v.out == o for v in cands) for o in ("blocked", "dequant"))
     keys = [v.key for v in cands] + [v.key for v in config.all_variants()]
     assert len(set(keys)) == len(keys)
     names = {compile_check.variant_name(v) for v in compile_check.all_variants()}
@@ -227,6 +243,10 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_permute.Variant("blocked", order="gather", staging="smem"),  # gather has no smem staging
     lambda: config_permute.Variant("blocked", staging="tmem"),
     lambda: config_permute.Variant("blocked", staging="smem", iters=8),  # past the 24 KB stage
+    lambda: config_permute.Variant("blocked", tiles=0),
+    lambda: config_permute.Variant("blocked", tiles=9),
+    lambda: config_permute.Variant("blocked", order="gather", tiles=2),  # gather builds the table before its loads
+    lambda: config_permute.Variant("blocked", order="scatter", staging="smem", tiles=2),  # one stage per CTA
     lambda: config_block.Variant("dual", "bfloat16", "rceil", staged=True),  # dual has no SwiGLU inputs or math
     lambda: config_block.Variant("dual", "bfloat16", "rceil", fast_div=True),
     lambda: config_block.Variant("swiglu", "bfloat16", "rceil", lean=True, fused_grads=True),  # one output only

@@ -1,6 +1,7 @@
 """GPU: the received-rows permutation kernel byte-exact against the reference, outputs poisoned first; the
 default and every A/B candidate (``config_permute.CANDIDATES``: gather, scatter and rows orders, register and
-shared-memory staging), each for every output kind."""
+shared-memory staging, several tiles per CTA, the dequant pair stores), each for every output kind (bf16 and fp32
+dequant)."""
 
 import pytest
 import torch

@@ -106,6 +106,16 @@ def st_global_v2(ptr, a, b) -> None:
     cute.arch.store(ptr, vec)
 
 
+def ld_global_u32_if(ptr, ok) -> Int32:
+    """One 32-bit word where ``ok`` (0 elsewhere, nothing read), by a predicated load in one asm block: no branch
+    around it, across which ptxas would move later loads ahead of it."""
+    addr = Int64(ptr.toint()).ir_value()
+    return Int32(llvm.inline_asm(
+        T.i32(), [addr, _i32(Int32(cutlass.select_(ok, Int32(1), Int32(0))))],
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.b32 $0, [$1];\n}",
+        "=r,l,r", has_side_effects=True))
+
+
 def st_global_u32(ptr, a) -> None:
     cute.arch.store(ptr, Int32(a))
 

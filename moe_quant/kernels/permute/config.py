@@ -40,6 +40,8 @@ MAX_BLOCKS = 1024
 # Shared memory a CTA may stage its chunks in (staging="smem"): with the table (20 KB) under the 48 KB of
 # static shared memory.
 MAX_STAGE_BYTES = 24 * 1024
+# Row tiles a CTA may move (Variant.tiles): each tile's loads held next to the previous tile's until it is stored.
+MAX_TILES = 8
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,18 @@ class Variant:
     iters: int = ITERS
     order: str = ""  # "": the measured default of the output, DEFAULT_ORDER[out]
     staging: str = "registers"  # "smem": scatter only
+    # Tiles (the chunks of one CTA of tiles=1) per CTA, scatter and rows orders: the table built once for all, tile
+    # j + 1's loads issued before tile j's stores (the grid `tiles` times smaller).
+    tiles: int = 1
+    # dequant: the lanes of a pair (the two halves of a 32-element block) swap half their loaded words, so that
+    # every 16-byte store instruction of the warp writes whole 32-byte sectors (each lane's own 32 or 64 output bytes
+    # take 2 or 4 stores at a 32 or 64-byte lane stride: half of each sector per instruction). The fp8 outputs
+    # store whole sectors already: off for them (normalized, so that a candidate's fields fit every output).
+    pair_stores: bool = False
+    # Scatter and rows orders: warp 0 loads the counts of the first 64 (rank, expert) blocks before its data loads
+    # (the table's first step otherwise waits for a count load issued behind the CTA's data loads), the later ones two
+    # steps ahead.
+    counts_first: bool = False
 
     family = "perm"
     kernel_module = "permute.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -62,6 +76,8 @@ class Variant:
             raise ValueError(f"out must be one of {OUTS}, got {self.out!r}")
         if not self.order:
             object.__setattr__(self, "order", DEFAULT_ORDER[self.out])
+        if self.out != "dequant":
+            object.__setattr__(self, "pair_stores", False)
         if self.out == "dequant":
             if self.out_dtype not in DEQUANT_DTYPES:
                 raise ValueError(f"dequant out_dtype must be one of {DEQUANT_DTYPES}, got {self.out_dtype!r}")
@@ -79,6 +95,13 @@ class Variant:
             raise ValueError(f"staging={self.staging!r} is for order='scatter', got order={self.order!r}")
         if self.order == "rows" and self.iters > 8:
             raise ValueError(f"order='rows' loads iters chunks per lane before storing: iters <= 8, got {self.iters}")
+        if not (1 <= self.tiles <= MAX_TILES):
+            raise ValueError(f"tiles must be in [1, {MAX_TILES}], got {self.tiles}")
+        if self.tiles > 1 and (self.order == "gather" or self.staging != "registers"):
+            raise ValueError(f"tiles > 1 is for the scatter and rows orders with register staging, got "
+                             f"order={self.order!r}, staging={self.staging!r}")
+        if self.counts_first and self.order == "gather":
+            raise ValueError("counts_first is for the scatter and rows orders (gather loads after the table)")
         if self.staging == "smem" and self.threads * self.iters * CHUNK > MAX_STAGE_BYTES:
             raise ValueError(f"staging='smem' holds threads * iters * {CHUNK} bytes, at most {MAX_STAGE_BYTES}: "
                              f"got threads={self.threads}, iters={self.iters}")
@@ -88,6 +111,12 @@ class Variant:
         order = "" if self.order == "gather" else f"-{self.order}"  # gather keys as before the field
         if self.staging != "registers":
             order += f"-{self.staging}"
+        if self.tiles > 1:
+            order += f"-x{self.tiles}"
+        if self.pair_stores:
+            order += "-pairs"
+        if self.counts_first:
+            order += "-cfirst"
         return f"{self.out}-{self.out_dtype}-t{self.threads}i{self.iters}b{MAX_BLOCKS}{order}"
 
     def replace(self, **kw) -> "Variant":
@@ -99,10 +128,11 @@ def all_variants() -> list[Variant]:
 
 
 # A/B candidates (scripts/ab_kernels.py): name -> fields that differ from the default. Compile-checked for
-# every arch (compile_check) on the blocked output. Measured and dropped (H100, 2026-11-24, blocked at (32768, 2048),
-# % of memcpy; the default then, gather t256i4, 77.7): gather t256i8 54.5, gather t128i8 65.7, gather t256i4 on a
-# persistent grid of 132x4 CTAs building the table once each 74.6. Scatter (each CTA owns consecutive input chunks:
-# its loads need no table; the table is built and searched while they are in flight) measured on the H100
+# every arch (compile_check) on the blocked and bf16 dequant outputs (CANDIDATE_OUTS). Measured and dropped (H100,
+# 2026-11-24, blocked at (32768, 2048), % of memcpy; the default then, gather t256i4, 77.7): gather t256i8 54.5,
+# gather t128i8 65.7, gather t256i4 on a persistent grid of 132x4 CTAs building the table once each 74.6. Scatter
+# (each CTA owns consecutive input chunks: its loads need no table; the table is built and searched while they are
+# in flight) measured on the H100
 # (2026-11-26, `ab_kernels.py --family perm --rounds 5`, blocked, % of memcpy, median over rounds at 8192x2048 /
 # 32768x2048 / 32768x7168 / 131072x7168): scatter registers 65.5 / 83.4 / 88.2 / 91.5 (the default since), scatter
 # smem 66.5 / 82.1 / 87.9 / 91.3, gather 58.0 / 78.3 / 85.3 / 88.2. Fewer table builds per chunk, measured and
@@ -152,10 +182,39 @@ CANDIDATES = {
     "gather t256i4": {"order": "gather"},
     # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks a lane
     "rows t256i4": {"order": "rows"},
+    # (2026-12-03, not yet measured) dequant: whole-sector stores (ncu at 32768x2048: 16 of the 32 bytes of a stored
+    # sector used per store instruction, 4.87M sectors written to L2 for 4.19M). ptxas sm_90a: 53 registers (58).
+    # The fp8 outputs' code is the default's.
+    "pair stores": {"pair_stores": True},
+    # the same in the rows order (rows dequant was slower than scatter: long-scoreboard stalls, cause not found);
+    # 40 registers
+    "rows pair stores": {"order": "rows", "pair_stores": True},
+    # (2026-12-03, not yet measured) several tiles per CTA, tile j + 1's loads issued before tile j's stores: one
+    # table build (warp 0's scans, the CTA barrier) per 2 tiles of 4 chunks a lane (blocked rows 70 registers,
+    # dequant scatter 80: 3 CTAs per SM) or per 4 tiles of 2 chunks a lane (the same chunks a lane in flight as
+    # the default; blocked 58, dequant 54)
+    "x2 tiles": {"tiles": 2},
+    "x4 tiles i2": {"tiles": 4, "iters": 2},
+    "pair stores x4 tiles i2": {"pair_stores": True, "tiles": 4, "iters": 2},
+    # (2026-12-03, not yet measured) warp 0's first counts loaded before the data loads (ncu at 32768x2048, blocked:
+    # 13.2 of the cycles per issued instruction stalled at the table's CTA barrier, 1.2 on loads); blocked 48
+    # registers, dequant 56, with pair stores 52
+    "counts first": {"counts_first": True},
+    "pair stores counts first": {"pair_stores": True, "counts_first": True},
+    "counts first x4 tiles i2": {"counts_first": True, "tiles": 4, "iters": 2},
 }
+# The outputs whose candidate variants are compile-checked: the A/B's two (scripts/ab_kernels.py perm, perm-dequant).
+CANDIDATE_OUTS = (("blocked", "float8_e4m3fn"), ("dequant", "bfloat16"))
 
 
 def candidate_variants() -> list[Variant]:
-    """The candidates' blocked variants other than the default (a candidate may name the default's own order)."""
-    default = Variant("blocked")
-    return [v for v in (Variant("blocked", **kw) for kw in CANDIDATES.values() if kw) if v != default]
+    """The candidates' variants of ``CANDIDATE_OUTS`` other than those outputs' defaults and each other (a candidate
+    may name a default's own order, or fields that leave an output's code as it is: ``pair_stores``)."""
+    defaults = [Variant(out, dtype) for out, dtype in CANDIDATE_OUTS]
+    out = []
+    for kw in CANDIDATES.values():
+        for o, dtype in CANDIDATE_OUTS:
+            v = Variant(o, dtype, **kw)
+            if v not in defaults and v not in out:
+                out.append(v)
+    return out

@@ -35,12 +35,17 @@ One source for SM90 (Hopper) and SM100 (Blackwell); the semantics are
     and the row's addresses are computed once for its ``iters`` chunks.
 
   Output rows past the total ``T`` are zero.
+
+  Scatter and rows with ``tiles > 1`` (A/B candidates): a CTA moves ``tiles`` consecutive tiles (a tile: the chunks of
+  a CTA of ``tiles = 1``) after one table build, issuing tile ``j + 1``'s loads before tile ``j``'s stores; a tile
+  past the end loads in range and stores nothing, as such a CTA would.
 * ``dequant`` writes ``fp32(q) * 2**(s-127)`` rounded to bf16 (or fp32), canonical NaN (the NaN handling runs
-  only for a chunk with a NaN byte or a NaN scale: a finite byte under a finite scale gives no NaN); ``plain`` the fp8
-  chunk and its scale byte; ``blocked`` the fp8 chunk and the scale at its M-groups blocked byte, the
-  row's last scale also zeroing the pad columns, and extra CTAs (one per 128-row tile of the scale buffer;
-  gather: at the front of the grid, scatter: after the data CTAs) zero every other byte that holds no real
-  scale, as the 1x32 kernel does.
+  only for a chunk with a NaN byte or a NaN scale: a finite byte under a finite scale gives no NaN); with
+  ``pair_stores`` the two lanes of a 32-element block swap half their words first, so that each 16-byte store
+  instruction writes whole sectors (:meth:`PermuteMxfp8Kernel.pair_words`). ``plain`` the fp8 chunk and its scale
+  byte; ``blocked`` the fp8 chunk and the scale at its M-groups blocked byte, the row's last scale also zeroing the
+  pad columns, and extra CTAs (one per 128-row tile of the scale buffer; gather: at the front of the grid,
+  scatter: after the data CTAs) zero every other byte that holds no real scale, as the 1x32 kernel does.
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ class PermuteMxfp8Kernel:
         self.rows = variant.order == "rows"
         self.scatter = variant.order in ("scatter", "rows")  # loads before the table, searched by source row
         self.smem_staging = variant.staging == "smem"
+        self.tiles = variant.tiles
+        self.pairs = variant.pair_stores
+        self.counts_first = variant.counts_first
         # Scatter builds the table while its loads are in flight: its scans are not unrolled (fewer registers
         # live next to the loaded chunks; their latency hides behind the loads). Gather keeps the compiler's.
         self.table_unroll = 1 if self.scatter else 0
@@ -103,6 +111,8 @@ class PermuteMxfp8Kernel:
             n_seg = Int32((k // CHUNK + (seg_chunks - 1)) // seg_chunks)
             warps = self.threads // 32
             n_data = Int32((m + (warps - 1)) // warps) * n_seg
+        if cutlass.const_expr(self.tiles > 1):  # n_data tiles, `tiles` per CTA
+            n_data = (n_data + (self.tiles - 1)) // self.tiles
         n_data = cutlass.max(n_data, Int32(1))  # one CTA writes offs even with no rows
         n_pad = Int32(0)
         buf_rows = Int32(0)
@@ -145,25 +155,23 @@ class PermuteMxfp8Kernel:
             stage = None
             if cutlass.const_expr(self.smem_staging):
                 stage = cute.arch.alloc_smem(Int32, self.threads * self.iters * CHUNK_WORDS, alignment=16)
-            row = Int32(0)
-            cols = None
-            if cutlass.const_expr(self.rows):
-                words, sbytes, row, cols = self.load_row_chunks(data, scales, m, k, kb, n_seg, bid, tid)
-            else:
-                words, sbytes = self.load_src_chunks(data, scales, n_chunks, bid, tid, stage)
-            self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == 0, tables)
+            pre = None
+            if cutlass.const_expr(self.counts_first):
+                pre = self.preload_counts(counts, n_blocks, tid)
+            first = bid * self.tiles  # the CTA's first tile (a tile: the chunks of a CTA of tiles=1)
+            loaded = self.load_tile(data, scales, m, k, kb, n_seg, n_chunks, first, tid, stage)
+            self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == 0, tables, pre)
             if cutlass.const_expr(self.smem_staging):
                 cute.arch.cp_async_wait_group(0)  # this thread's own copies (every CTA: none left in flight)
-                words = stage
+                loaded = (stage, *loaded[1:])
+            args = (data, scales, out, out_scales, m, k, kb, nc, n_experts, n_blocks, n_seg, n_chunks, first, tid)
             if cutlass.const_expr(self.blocked):
                 if bid >= n_data:
                     self.pad_tile(out_scales, nc, (bid - n_data) * TILE_ROWS, n_experts, buf_rows, tid, tables)
                 else:
-                    self.store_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
-                                    sbytes, row, cols, tables)
+                    self.store_tiles(*args, loaded, tables)
             else:
-                self.store_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, bid, tid, words,
-                                sbytes, row, cols, tables)
+                self.store_tiles(*args, loaded, tables)
         else:
             # Pad CTAs first, then the data CTAs; the table before any load.
             self.build_tables(counts, offs, m, n_ranks, n_experts, n_blocks, tid, bid == n_pad, tables)
@@ -179,7 +187,9 @@ class PermuteMxfp8Kernel:
 
     @cute.jit
     def build_tables(self, counts, offs, m: Int32, n_ranks: Int32, n_experts: Int32, n_blocks: Int32, tid: Int32,
-                     writes_offs, tables):
+                     writes_offs, tables, pre=None):
+        """The group tables (module doc); ``pre``: warp 0's counts of the first 64 blocks, loaded already
+        (:meth:`preload_counts`), the later ones then loaded two steps ahead."""
         t_send, t_dend, t_shift, g_end, g_shift, g_pend = tables
         lane = tid % 32
         warp = tid // 32
@@ -189,14 +199,24 @@ class PermuteMxfp8Kernel:
         if warp == 0:
             carry = Int32(0)
             nxt = Int32(0)  # the counts of the next 32 blocks, loaded one step ahead (no L2 round trip per step)
-            if lane < n_blocks:
-                nxt = Int32(cute.arch.load(counts.iterator + lane, Int32))
+            nxt2 = Int32(0)  # with pre: the 32 after them, two steps ahead
+            if cutlass.const_expr(pre is None):
+                if lane < n_blocks:
+                    nxt = Int32(cute.arch.load(counts.iterator + lane, Int32))
+            else:
+                nxt, nxt2 = pre
             for sub in cutlass.range(0, (n_blocks + 31) // 32, 1, unroll=self.table_unroll):
                 b = sub * 32 + lane
                 raw = nxt
-                nxt = Int32(0)
-                if b + 32 < n_blocks:
-                    nxt = Int32(cute.arch.load(counts.iterator + (b + 32), Int32))
+                if cutlass.const_expr(pre is None):
+                    nxt = Int32(0)
+                    if b + 32 < n_blocks:
+                        nxt = Int32(cute.arch.load(counts.iterator + (b + 32), Int32))
+                else:
+                    nxt = nxt2
+                    nxt2 = Int32(0)
+                    if b + 64 < n_blocks:
+                        nxt2 = Int32(cute.arch.load(counts.iterator + (b + 64), Int32))
                 v = cutlass.min(cutlass.max(raw, Int32(0)), m)
                 for d in cutlass.range_constexpr(5):
                     y = cute.arch.shuffle_sync_up(v, offset=1 << d)
@@ -261,6 +281,15 @@ class PermuteMxfp8Kernel:
                         g_shift[e] = shift
                         g_pend[e] = pend
         cute.arch.sync_threads()
+
+    @cute.jit
+    def preload_counts(self, counts, n_blocks: Int32, tid: Int32):
+        """``counts_first``: warp 0's counts of blocks ``lane`` and ``lane + 32`` (0 past ``n_blocks``; other warps:
+        0), loaded before the CTA's data loads so that they do not queue behind them (predicated loads, no branch:
+        ptxas moves later loads ahead of a branch's)."""
+        w0 = tid < 32
+        return (cu.ld_global_u32_if(counts.iterator + tid, w0 & (tid < n_blocks)),
+                cu.ld_global_u32_if(counts.iterator + (tid + 32), w0 & (tid + 32 < n_blocks)))
 
     @cute.jit
     def pad_tile(self, out_scales, nc: Int32, p0: Int32, n_experts: Int32, buf_rows: Int32, tid: Int32, tables):
@@ -339,9 +368,35 @@ class PermuteMxfp8Kernel:
             sbytes.append(cu.ld_global_u8(scales.iterator + (Int64(srcs[u]) * Int64(kb) + Int64(cols[u] // 2))))
         # ---- stores
         for u in cutlass.range_constexpr(self.iters):
+            w = self.pair_words(words[u])
             if chs[u] < n_chunks:
-                self.store_chunk(out, out_scales, kb, nc, chs[u], rows[u], cols[u], brows[u], valids[u] != 0,
-                                 words[u], sbytes[u])
+                self.store_chunk(out, out_scales, kb, nc, chs[u], rows[u], cols[u], brows[u], valids[u] != 0, w,
+                                 sbytes[u])
+
+    @cute.jit
+    def load_tile(self, data, scales, m: Int32, k: Int32, kb: Int32, n_seg: Int32, n_chunks: Int64, tile: Int32,
+                  tid: Int32, stage):
+        """Scatter and rows: issue the loads of tile ``tile`` (no table needed); ``(words, scale bytes, row,
+        cols)`` (row and cols: rows order only)."""
+        if cutlass.const_expr(self.rows):
+            return self.load_row_chunks(data, scales, m, k, kb, n_seg, tile, tid)
+        words, sbytes = self.load_src_chunks(data, scales, n_chunks, tile, tid, stage)
+        return words, sbytes, Int32(0), None
+
+    @cute.jit
+    def store_tiles(self, data, scales, out, out_scales, m: Int32, k: Int32, kb: Int32, nc: Int32, n_experts: Int32,
+                    n_blocks: Int32, n_seg: Int32, n_chunks: Int64, first: Int32, tid: Int32, loaded, tables):
+        """Scatter and rows: store the CTA's ``tiles`` tiles from ``first`` on, the first one ``loaded``; the next
+        tile's loads are issued before this one's stores (a tile past the end loads in range and stores nothing,
+        as a CTA past the end of tiles=1 would)."""
+        for j in cutlass.range_constexpr(self.tiles):
+            nxt = None
+            if cutlass.const_expr(j + 1 < self.tiles):
+                nxt = self.load_tile(data, scales, m, k, kb, n_seg, n_chunks, first + (j + 1), tid, None)
+            words, sbytes, row, cols = loaded
+            self.store_tile(out, out_scales, k, kb, nc, n_experts, n_blocks, n_chunks, first + j, tid, words, sbytes,
+                            row, cols, tables)
+            loaded = nxt
 
     @cute.jit
     def load_src_chunks(self, data, scales, n_chunks: Int64, dbid: Int32, tid: Int32, stage):
@@ -421,12 +476,13 @@ class PermuteMxfp8Kernel:
         if cutlass.const_expr(self.blocked):
             sbase = cu.blocked_offset(brow, cutlass.max(cols[0], Int32(0)) // CHUNKS_PER_BLOCK, nc)
         for u in cutlass.range_constexpr(self.iters):
+            w = self.pair_words(words[u])
             if cols[u] >= 0:
                 at = None
                 if cutlass.const_expr(self.blocked):
                     at = sbase + (u * 32 // CHUNKS_PER_BLOCK // TILE_COLS) * TILE_BYTES
-                self.store_chunk(out, out_scales, kb, nc, dst_ch + Int64(cols[u]), dst, cols[u], brow, valid,
-                                 words[u], sbytes[u], at)
+                self.store_chunk(out, out_scales, kb, nc, dst_ch + Int64(cols[u]), dst, cols[u], brow, valid, w,
+                                 sbytes[u], at)
 
     @cute.jit
     def scatter_tile(self, out, out_scales, k: Int32, kb: Int32, nc: Int32, n_experts: Int32, n_blocks: Int32,
@@ -443,6 +499,7 @@ class PermuteMxfp8Kernel:
                 w = cu.ld_global_v4(words + (u * self.threads + tid) * CHUNK_WORDS)
             else:
                 w = words[u]
+            w = self.pair_words(w)
             if chs[u] < n_chunks:
                 self.store_chunk(out, out_scales, kb, nc, Int64(dst) * Int64(kc) + Int64(cols[u]), dst, cols[u],
                                  brow, valid, w, sbytes[u])
@@ -469,6 +526,28 @@ class PermuteMxfp8Kernel:
         if cutlass.const_expr(self.blocked):
             brow = dst + Int32(g_shift[block % cutlass.max(n_experts, Int32(1))])
         return valid, dst, brow
+
+    @cute.jit
+    def pair_words(self, words):
+        """``pair_stores``: the loaded words (4 packed e4m3 words of a 16-element chunk) as this lane stores them.
+        The lanes 2i, 2i + 1 hold the two chunks of one 32-element block (every order: a chunk's parity is its
+        lane's; the same row, scale and validity); each lane's output is P = 2 (bf16) or 4 (fp32) pieces of 16
+        bytes, piece q from its words' part q (bf16: words 2q, 2q + 1; fp32: word q). Store instruction g writes
+        sector g of the pair's 2P pieces: the even lane its piece 2g, the odd lane piece 2g + 1, so the even lane
+        stores the even pieces of both chunks, the odd lane the odd ones. Each lane swaps the pieces of its
+        partner's parity for its partner's of its own (two shuffles): returned are the words of its pieces in
+        store order (its own chunk's first for the even lane, the partner's first for the odd lane). Off: the
+        words as loaded."""
+        if cutlass.const_expr(not self.pairs):
+            return words
+        w0, w1, w2, w3 = words
+        a, b, c, d = (w0, w2, w1, w3) if self.f32 else (w0, w1, w2, w3)  # even pieces (a, b), odd pieces (c, d)
+        odd = (Int32(cute.arch.lane_idx()) & 1) != 0
+        r0 = cute.arch.shuffle_sync_bfly(Int32(cutlass.select_(odd, a, c)), offset=1)
+        r1 = cute.arch.shuffle_sync_bfly(Int32(cutlass.select_(odd, b, d)), offset=1)
+        first = [Int32(cutlass.select_(odd, r0, a)), Int32(cutlass.select_(odd, r1, b))]
+        second = [Int32(cutlass.select_(odd, c, r0)), Int32(cutlass.select_(odd, d, r1))]
+        return first[0], first[1], second[0], second[1]
 
     @cute.jit
     def store_chunk(self, out, out_scales, kb: Int32, nc: Int32, ch: Int64, row: Int32, col: Int32, brow: Int32,
@@ -498,8 +577,16 @@ class PermuteMxfp8Kernel:
                 for i in cutlass.range_constexpr(n_words):
                     vals[i] = Int32(slow[i])
             dst = out.iterator + ch * CHUNK
-            cu.st_global_words(dst, [vals[i] for i in range(n_words // 2)])
-            cu.st_global_words(dst + 8, [vals[i] for i in range(n_words // 2, n_words)])
+            if cutlass.const_expr(self.pairs):  # piece g of this lane (pair_words) at the pair's byte 32 g + 16 par
+                esize = 4 if self.f32 else 2
+                pieces = n_words // 4
+                odd = Int32(cute.arch.lane_idx()) & 1
+                base = dst + odd * (-16 * (pieces - 1) // esize)  # the pair's first byte plus 16 par
+                for g in cutlass.range_constexpr(pieces):
+                    cu.st_global_v4(base + g * (32 // esize), *[vals[4 * g + i] for i in range(4)])
+            else:
+                cu.st_global_words(dst, [vals[i] for i in range(n_words // 2)])
+                cu.st_global_words(dst + 8, [vals[i] for i in range(n_words // 2, n_words)])
         else:
             cu.st_global_v4(out.iterator + ch * CHUNK, w0, w1, w2, w3)
             if col % CHUNKS_PER_BLOCK == 0:
