@@ -40,7 +40,9 @@ tile holding any other ``a`` (NaN, Inf, below -80) is computed again with ``div.
 neighbouring CTAs write grad_a and grad_b of one tile. Since 2026-12-03 (evening) the staged rows are laid out
 so that the 8 lanes copying one token's 128 bytes write 128 contiguous bytes of shared memory, their 16-byte slots
 swizzled against bank conflicts on the read-back (config ``stage_order``): with each lane's slot 64 bytes from its
-neighbour's, every ``cp.async`` lane had been its own L2 request, every input sector fetched twice.
+neighbour's, every ``cp.async`` lane had been its own L2 request, every input sector fetched twice. ``dual`` takes
+the same staging as a candidate (``staged``, off by default: its x copied and read back row by row as the SwiGLU ops'
+inputs, 32 KB a CTA; the words then go to both forms as loaded words do).
 
 ``tiles_per_cta`` (candidates, 2026-12-03): a CTA handles that many consecutive column tiles of its token chunk
 (:meth:`QuantizeBlockKernel.one_tile` in a loop, the group record scanned once; the grid's y shrinks by that
@@ -709,7 +711,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         this tile for a redo: that reads the inputs again from global memory); the copies of the CTA's first tile
         (``t`` = 0) are issued here, the others' during the tile before."""
         tile = (src0, n_real, r, col0, col_ok, t0)
-        if cutlass.const_expr(self.op == "dual"):
+        if cutlass.const_expr(self.op == "dual" and not self.staged):
             return self.load_words(x0, *tile)
         xs = [x0, x1, x2][:self.inputs_of(o)]
         loaded = None
@@ -740,15 +742,17 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             cute.arch.cp_async_commit_group()
 
     def inputs_of(self, o: int) -> int:
-        """How many of the op's inputs output ``o`` reads: swiglu a, b; dswiglu's grad_a g, a, b, its grad_b g, a."""
-        return 2 if self.op == "swiglu" or o == 1 else 3
+        """How many of the op's inputs output ``o`` reads: dual x; swiglu a, b; dswiglu's grad_a g, a, b, its grad_b
+        g, a."""
+        return N_INPUTS[self.op] if self.op != "dswiglu" else 3 - o
 
     def math(self, o: int, loaded, stage, tid: Int32, fast: bool, first: bool, xs=None, nxt=None):
-        """The op's 8 x 8 output words from the inputs (``loaded``: per input the 8 rows of words; ``None``: read
-        from ``stage``, on the ``first`` pass each row after its own copies), and with ``fast`` whether every
-        ``a`` is in the fast path's range (Int32 1 / 0). ``nxt`` (staged, first pass): the next tile, whose row i of
-        each input of ``xs`` is copied into row i's slots once they are read (a thread reads only the slots it copied
-        to, so no barrier), one commit group per row: 7 groups are always newer than the row waited for."""
+        """The op's 8 x 8 output words (``dual``: the input's words) from the inputs (``loaded``: per input the 8 rows
+        of words; ``None``: read from ``stage``, on the ``first`` pass each row after its own copies), and with
+        ``fast`` whether every ``a`` is in the fast path's range (Int32 1 / 0). ``nxt`` (staged, first pass): the next
+        tile, whose row i of each input of ``xs`` is copied into row i's slots once they are read (a thread reads only
+        the slots it copied to, so no barrier), one commit group per row: 7 groups are always newer than the row
+        waited for."""
         a_in = 0 if self.op == "swiglu" else 1  # which input is a
         n_in = self.inputs_of(o)
         lo = hi = None
@@ -771,7 +775,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                         lo = bf16x2_min(lo, v[a_in][k])
                     else:
                         lo, hi = bf16x2_min_max(lo, hi, v[a_in][k])
-                if self.op == "swiglu":
+                if self.op == "dual":  # staged: the input's words as they are
+                    row.append(v[0][k])
+                elif self.op == "swiglu":
                     row.append(swiglu_bf16x2(v[0][k], v[1][k], fast))
                 elif o == 0:
                     row.append(grad_a_bf16x2(v[0][k], v[1][k], v[2][k], fast))
