@@ -59,6 +59,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
 from cutlass.memory import SmemAllocator
 
 from ...layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
@@ -285,6 +287,50 @@ def stage_place(tid, order: str):
     if order == "swizzled":
         group = group ^ (quad * 2)
     return (tid // 32) * 32 + quad * 8 + group
+
+
+def _ld_shared_volatile(ptr, k=None) -> list:
+    """Word ``k`` (``None``: all 4 words) of the 16 bytes at shared-memory ``ptr``, by a volatile ``ld.shared`` whose
+    place the compiler keeps (a side effect): read again where used, never held from an earlier read."""
+    addr = Int32(llvm.ptrtoint(T.i32(), ptr.llvm_ptr))
+    if k is not None:
+        return Int32(llvm.inline_asm(T.i32(), [addr.ir_value()], f"ld.volatile.shared.b32 $0, [$1+{4 * k}];", "=r,r",
+                                     has_side_effects=True))
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    res = llvm.inline_asm(st, [addr.ir_value()], "ld.volatile.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                          "=r,=r,=r,=r,r", has_side_effects=True)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
+
+
+class StagedRow:
+    """One token's 4 staged words (``reread``): each ``[k]`` a 4-byte read of the stage, iterating one 16-byte read."""
+
+    def __init__(self, slot):
+        self.slot = slot
+
+    def __getitem__(self, k: int):
+        return _ld_shared_volatile(self.slot, k)
+
+    def __iter__(self):
+        return iter(_ld_shared_volatile(self.slot))
+
+    def __len__(self):
+        return 4
+
+
+class StagedWords:
+    """``reread`` (config): the thread's staged 8 x 8 tile of input ``j`` where the forms take its words
+    (``words[i][k]``, ``for w in words[i]``): each use a read of the stage, so the tile is not held in registers across
+    both forms."""
+
+    def __init__(self, kernel, stage, j: int, tid):
+        self.rows = [StagedRow(kernel.stage_slot(stage, j, i, tid)) for i in range(TOKENS_PER_THREAD)]
+
+    def __getitem__(self, i: int) -> StagedRow:
+        return self.rows[i]
+
+    def __len__(self):
+        return TOKENS_PER_THREAD
 
 
 class QuantizeBlockKernel(Quantize32x1Kernel):
@@ -723,6 +769,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     self.stage_rows(xs, stage, tile, tid)
         else:
             loaded = [self.load_words(x, *tile) for x in xs]
+        if cutlass.const_expr(self.v.reread):  # dual: both forms read the words back from the stage where they use them
+            cute.arch.cp_async_wait_group(0)
+            return StagedWords(self, stage, 0, tid)
         out, ok = self.math(o, loaded, stage, tid, self.fast_kind, True, xs, nxt)
         if cutlass.const_expr(self.fast_div):
             if ok == 0:  # an a below -80, Inf or NaN in the tile: div.rn / rcp.rn (inputs read again)
