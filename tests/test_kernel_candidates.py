@@ -149,7 +149,7 @@ def test_default_keys_unchanged():
     # dual's words read back from the stage by each form (candidates "dreread*"): staged dual, one tile a CTA only
     assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16").replace(
         **config_block.candidates("dual", "bfloat16")["dreread-c4"]).key == \
-        "dual-bfloat16-rceil-bfloat16-staged-c4-lean-round-stageswizzled-reread"
+        "dual-bfloat16-rceil-bfloat16-staged-c4-round-stageswizzled-reread"
     for bad in (dict(op="dual"), dict(op="swiglu"), dict(op="dual", staged=True, tiles_per_cta=2)):
         with pytest.raises(ValueError, match="reread reads dual's words"):
             config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, reread=True)

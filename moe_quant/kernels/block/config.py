@@ -263,11 +263,11 @@ SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False
 # outputs: round_bf16), the rows read back into registers as they land; "dstage-t2" / "dstage-t4" with 2 / 4 column
 # tiles a CTA (the next tile's copies in flight during this tile's stores); "dstage-c3" / "dstage-t2-c3" under the
 # 3-CTA cap (with bf16 outputs the former rounding: round_bf16 spills 160 bytes there). "dreread*" (field reread): the
-# words read from the stage again where each form uses them, not held across the forms: bf16 (round_bf16) 78 registers
-# uncapped, so three CTAs a SM; "-c3", "-c4" cap at 3 / 4 CTAs (80 / 64 registers; bf16 -c4 with lean: without it 8
-# bytes spill on sm_90a). ptxas (sm_90a / sm_100a, rceil, no spills): bf16 dstage 125 / 125 (default 128 / 127), t2
-# 123 / 118, t4 124 / 126, dreread 78 / 77; fp8 dstage 114 / 112 (default 80 / 79: three CTAs a SM fit already), t2
-# 123 / 124, t4 128 / 128, dreread 113 / 112; every c3 78-80, c4 64.
+# words read from the stage again where each form uses them, not held across the forms: bf16 (round_bf16) 77
+# registers uncapped, so three CTAs a SM; "-c3", "-c4" cap at 3 / 4 CTAs (80 / 64 registers). ptxas (sm_90a / sm_100a,
+# rceil, no spills): bf16 dstage 125 / 125 (default 128 / 127), t2 123 / 118, t4 124 / 126, dreread 77 / 76; fp8
+# dstage 114 / 112 (default 80 / 79: three CTAs a SM fit already), t2 123 / 124, t4 128 / 128, dreread 113 / 112;
+# every c3 77-80, c4 64.
 DSTAGE = {"staged": True, "stage_order": "swizzled"}
 DUAL_STAGE_CANDIDATES = {"dstage": DSTAGE, "dstage-t2": {**DSTAGE, "tiles_per_cta": 2},
                          "dstage-t4": {**DSTAGE, "tiles_per_cta": 4}}
@@ -276,8 +276,7 @@ DREREAD = {**DSTAGE, "reread": True}
 _REREAD = {"dreread": DREREAD, "dreread-c3": {**DREREAD, "ctas_per_sm": 3}, "dreread-c4": {**DREREAD, "ctas_per_sm": 4}}
 DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3, **PRE_1203},
                    "lean-c3": {"lean": True, "ctas_per_sm": 3, **PRE_1203}, "pre-round": PRE_1203,
-                   **DUAL_STAGE_CANDIDATES, **{k: {**PRE_1203, **v} for k, v in _C3.items()}, **_REREAD,
-                   "dreread-c4": {**_REREAD["dreread-c4"], "lean": True}}
+                   **DUAL_STAGE_CANDIDATES, **{k: {**PRE_1203, **v} for k, v in _C3.items()}, **_REREAD}
 DUAL_FP8_CANDIDATES = {"default": {}, "lean-c3": {"lean": True, "ctas_per_sm": 3}, **DUAL_STAGE_CANDIDATES, **_C3,
                        **_REREAD}
 

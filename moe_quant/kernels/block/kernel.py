@@ -663,7 +663,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 sel = 0x1010 if h == 0 else 0x3232  # the half, in both halves
                 tt = cu.prmt(t2, t2, sel)
                 st = None if sat2 is None else cu.prmt(sat2, sat2, sel)
-                ys = [cu.grid_bf16x2(words[i][k], tt, st) for k in range(4)]
+                ys = [cu.grid_bf16x2(w, tt, st) for w in words[i]]  # reread: one 16-byte read
                 if col_ok & (n_left > i):
                     cu.st_global_words(row_ptr, ys)
                 row_ptr = row_ptr + pitch
