@@ -42,7 +42,8 @@ so that the 8 lanes copying one token's 128 bytes write 128 contiguous bytes of 
 swizzled against bank conflicts on the read-back (config ``stage_order``): with each lane's slot 64 bytes from its
 neighbour's, every ``cp.async`` lane had been its own L2 request, every input sector fetched twice. ``dual`` takes
 the same staging as a candidate (``staged``, off by default: its x copied and read back row by row as the SwiGLU ops'
-inputs, 32 KB a CTA; the words then go to both forms as loaded words do).
+inputs, 32 KB a CTA; the words then go to both forms as loaded words do), and with ``reread`` the forms read the
+words back from the stage where they use them (:class:`StagedWords`), so the tile is not held in registers.
 
 ``tiles_per_cta`` (candidates, 2026-12-03): a CTA handles that many consecutive column tiles of its token chunk
 (:meth:`QuantizeBlockKernel.one_tile` in a loop, the group record scanned once; the grid's y shrinks by that
