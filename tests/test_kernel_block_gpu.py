@@ -255,7 +255,8 @@ def test_dual_candidates_match_reference(cand, out):
     DUAL_FP8_CANDIDATES for fp8), put in place of the dual variant of both modes, byte for byte: ragged groups with
     a tail and more columns than one tile, on normal, wide (magnitudes to 2^127), NaN / Inf and subnormal values,
     amaxes that floor saturates, zero blocks, blocks spanning their e4m3 grid (every amax mantissa, elements down to
-    2^-20 of it), and offsets past M, negative and decreasing."""
+    2^-20 of it), 6 column tiles (the staged ``dstage-t2`` / ``-t4``: full CTAs and one with 2 of its 4 tiles), and
+    offsets past M, negative and decreasing."""
     import contextlib
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -268,6 +269,7 @@ def test_dual_candidates_match_reference(cand, out):
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
         cases = [(dist, offsets_from_sizes(sizes), sum(sizes) + tail, r)
                  for dist in ("normal", "wide", "nan_inf", "subnormal", "amax_band", "zero_blocks", "grid")]
+        cases.append(("normal", offsets_from_sizes(sizes), sum(sizes) + tail, 5 * 128 + 32))
         cases.append(("wide", torch.tensor([100, 700, 50, -5, 10**6, 299], dtype=torch.int32), 300, 160))
         for dist, offs, m, r in cases:
             (x,) = inputs(1, m, r, dist, 5)

@@ -168,6 +168,26 @@ def test_default_keys_unchanged():
         4 if (v.op, v.out_dtype) == ("swiglu", "float8_e4m3fn") else 1 for v in config_block.all_variants()]
     assert config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, tiles_per_cta=4).key == \
         "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres-stageswizzled-t4"
+    # dual staged (candidates "dstage*", issue 57): the SwiGLU ops' swizzled stage; several tiles a CTA need the stage
+    for out in config_block.OUT_DTYPES:
+        default = config_block.Variant("dual", "bfloat16", "rceil", out)
+        for name, tiles in (("dstage", 1), ("dstage-t4", 4)):
+            v = default.replace(**config_block.candidates("dual", out)[name])
+            assert v.staged and v.stage_order == "swizzled" and not v.fast_div and v.tiles_per_cta == tiles
+            assert v.round_bf16 == (out == "bfloat16")  # on the default
+        c3 = default.replace(**config_block.candidates("dual", out)["dstage-t2-c3"])
+        assert c3.ctas_per_sm == 3 and c3.tiles_per_cta == 2 and not c3.round_bf16  # round spills under the cap
+    assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16", staged=True, tiles_per_cta=2).key == \
+        "dual-bfloat16-rceil-bfloat16-staged-round-stageswizzled-t2"
+    assert config_block.Variant("dual", "bfloat16", "rceil", staged=True, stage_order="row").key == \
+        "dual-bfloat16-rceil-float8_e4m3fn-staged-stagerow"
+    # dual's words read back from the stage by each form (candidates "dreread*"): staged dual, one tile a CTA only
+    assert config_block.Variant("dual", "bfloat16", "rceil", "bfloat16").replace(
+        **config_block.candidates("dual", "bfloat16")["dreread-c4"]).key == \
+        "dual-bfloat16-rceil-bfloat16-staged-c4-round-stageswizzled-reread"
+    for bad in (dict(op="dual"), dict(op="swiglu"), dict(op="dual", staged=True, tiles_per_cta=2)):
+        with pytest.raises(ValueError, match="reread reads dual's words"):
+            config_block.Variant(**{"in_dtype": "bfloat16", "mode": "rceil", **bad}, reread=True)
     with pytest.raises(ValueError, match="tiles_per_cta must be one of"):
         config_block.Variant("swiglu", "bfloat16", "rceil", tiles_per_cta=3)
     for bad in (dict(op="dual"), dict(op="swiglu", staged=False, fast_div=False),
@@ -247,8 +267,8 @@ def test_candidates_have_distinct_keys_and_are_compile_checked(config):
     lambda: config_permute.Variant("blocked", tiles=9),
     lambda: config_permute.Variant("blocked", order="gather", tiles=2),  # gather builds the table before its loads
     lambda: config_permute.Variant("blocked", order="scatter", staging="smem", tiles=2),  # one stage per CTA
-    lambda: config_block.Variant("dual", "bfloat16", "rceil", staged=True),  # dual has no SwiGLU inputs or math
-    lambda: config_block.Variant("dual", "bfloat16", "rceil", fast_div=True),
+    lambda: config_block.Variant("dual", "bfloat16", "rceil", fast_div=True),  # dual has no SwiGLU math
+    lambda: config_block.Variant("dual", "bfloat16", "rceil", staged=True, fast_div=True),
     lambda: config_block.Variant("swiglu", "bfloat16", "rceil", lean=True, fused_grads=True),  # one output only
     lambda: config_block.Variant("dswiglu", "bfloat16", "rceil", lean=False, fused_grads=True),  # fused implies lean
     lambda: config_block.Variant("dswiglu", "bfloat16", "rceil", fast_div=False, fused_grads=True),

@@ -31,7 +31,7 @@ N_INPUTS = {"dual": 1, "swiglu": 2, "dswiglu": 3}
 N_OUTPUTS = {"dual": 1, "swiglu": 1, "dswiglu": 2}  # tensors written in both forms
 STAGE_ORDERS = ("thread", "row", "swizzled")  # the staged inputs' shared-memory layout (Variant.stage_order)
 TILES_PER_CTA = (1, 2, 4)  # tiles_per_cta choices
-CTAS_PER_SM = (2, 3)  # min_blocks_per_mp choices (the defaults and the dual candidates, compile-checked in CI)
+CTAS_PER_SM = (2, 3, 4)  # min_blocks_per_mp choices (the defaults and the dual candidates, compile-checked in CI)
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,13 @@ class Variant:
     mode: str  # "rceil" | "floor"
     out_dtype: str = "float8_e4m3fn"  # or "bfloat16": dequantized values, no scales
     stacked: bool = False  # dswiglu, bf16 only: both rowwise outputs in one (M, 2R) buffer (row pitch 2R)
-    # swiglu / dswiglu only; None: the op's default (both on for the SwiGLU ops since 2026-11-29, H200 A/B below)
+    # None: the op's default (both on for the SwiGLU ops since 2026-11-29, H200 A/B below; off for dual, whose staged
+    # candidates `dstage*` are not yet measured; fast_div: swiglu / dswiglu only)
     staged: bool | None = None  # inputs copied to shared memory by cp.async (one commit group per row), read per row
     fast_div: bool | None = None  # silu's division and sigmoid's reciprocal without ptxas' per-element branch
     # None: the op's default. Both forms' amax on the packed bf16x2 words (max.u16x2); on for the SwiGLU ops
     packed_amax: bool | None = None
-    ctas_per_sm: int = 2  # the launch's register cap: 2 -> 128 registers a thread (256 threads a CTA), 3 -> 80
+    ctas_per_sm: int = 2  # the launch's register cap: 2 -> 128 registers a thread (256 threads a CTA), 3 -> 80, 4 -> 64
     # None: the op's default, on for the SwiGLU ops since 2026-12-02 (the A/B on the H200 below, CANDIDATES), off for
     # dual (its lean-c3 candidate not yet measured). Fewer instructions, the same bytes (kernels/block/NOTES.md,
     # 2026-12-02): each block's scale in 7 instructions instead of 17 and its reciprocal in one, no NaN select of the
@@ -92,9 +93,9 @@ class Variant:
     # dual's fp8 outputs always are (kernel.py ``scale_tile``), instead of one-byte global stores (each a partial-sector
     # L2 write). Lost 0.3-0.8 points of memcpy on 2026-11-29, when the kernels were issue-bound. None: off
     gather_scales: bool | None = None
-    # swiglu / dswiglu with staged inputs (candidates `t2`, `t4`; measured 2026-12-03 evening, NOTES.md): one CTA
-    # handles this many consecutive column tiles of its token chunk (the group record read once), and the next tile's inputs travel
-    # (cp.async, into the slots just read) while this tile is computed, quantized and stored (kernel.py's
+    # staged inputs (candidates `t2`, `t4`, measured 2026-12-03 evening, NOTES.md; dual's `dstage-t2`, `dstage-t4`, not
+    # yet measured): one CTA handles this many consecutive column tiles of its token chunk (the group record read once),
+    # and the next tile's inputs travel (cp.async, into the slots just read) while this tile is computed, quantized and stored (kernel.py's
     # docstring; dswiglu with fused_grads only: its input a's slots free as each row is read, grad_h's and b's once
     # both outputs' words are read back). The same bytes: only the order of the work changes. 1: one tile a CTA.
     # None: 4 for staged swiglu with fp8 outputs (the default since 2026-12-03 night, after its sanitizer run; the A/B
@@ -109,6 +110,10 @@ class Variant:
     # requests). dswiglu with one tile a CTA gathers over its staged input a's slots (32 KB, free once the math has
     # read them); the others take 16 / 32 KB more shared memory. None: off
     colwise_smem: bool | None = None
+    # dual with staged inputs, one tile a CTA (candidates `dreread*`, not yet measured): the tile is not held in
+    # registers across both forms; each form reads the words it uses back from the stage where it uses them (kernel.py
+    # ``StagedWords``: volatile ld.shared), so ptxas keeps far fewer live (78 instead of 125 with round_bf16)
+    reread: bool = False
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -158,19 +163,22 @@ class Variant:
                              f"{self.out_dtype!r}")
         if self.tiles_per_cta not in TILES_PER_CTA:
             raise ValueError(f"tiles_per_cta must be one of {TILES_PER_CTA}, got {self.tiles_per_cta!r}")
-        if self.tiles_per_cta != 1 and not (self.staged and (self.op == "swiglu" or self.fused_grads)):
-            raise ValueError(f"tiles_per_cta overlaps the next tile's staged inputs with this tile's work: op 'swiglu' "
-                             f"with staged, or 'dswiglu' with fused_grads, got {self.op!r} (staged={self.staged}, "
-                             f"fused_grads={self.fused_grads})")
+        if self.tiles_per_cta != 1 and not (self.staged and (self.op in ("dual", "swiglu") or self.fused_grads)):
+            raise ValueError(f"tiles_per_cta overlaps the next tile's staged inputs with this tile's work: op 'dual' or "
+                             f"'swiglu' with staged, or 'dswiglu' with fused_grads, got {self.op!r} (staged="
+                             f"{self.staged}, fused_grads={self.fused_grads})")
+        if self.reread and not (self.op == "dual" and self.staged and self.tiles_per_cta == 1):
+            raise ValueError(f"reread reads dual's words back from its stage for each form: op 'dual' with staged and "
+                             f"tiles_per_cta 1, got {self.op!r} (staged={self.staged}, tiles_per_cta="
+                             f"{self.tiles_per_cta})")
         if self.signed_residual and not self.fast_div:
             raise ValueError(f"signed_residual changes the fast division: it needs fast_div (op 'swiglu' or "
                              f"'dswiglu'), got op {self.op!r} with fast_div={self.fast_div}")
         if self.stage_order != "thread" and not self.staged:
-            raise ValueError(f"stage_order lays out the staged inputs: it needs staged (op 'swiglu' or 'dswiglu'), got "
-                             f"op {self.op!r} with staged={self.staged}")
-        if (self.staged or self.fast_div) and self.op == "dual":
-            raise ValueError("staged and fast_div change the SwiGLU ops' input and math code: op must be 'swiglu' or "
-                             f"'dswiglu', got {self.op!r}")
+            raise ValueError(f"stage_order lays out the staged inputs: it needs staged, got op {self.op!r} with "
+                             f"staged={self.staged}")
+        if self.fast_div and self.op == "dual":
+            raise ValueError("fast_div changes the SwiGLU ops' math: op must be 'swiglu' or 'dswiglu', got 'dual'")
 
     @property
     def fake(self) -> bool:
@@ -186,7 +194,7 @@ class Variant:
                 + ("-sres" if self.signed_residual else "") + ("-flat" if self.flat_scales else "")
                 + ("" if self.stage_order == "thread" else f"-stage{self.stage_order}")
                 + ("-gather" if self.gather_scales else "")
-                + (f"-t{self.tiles_per_cta}" if self.tiles_per_cta != 1 else "")
+                + (f"-t{self.tiles_per_cta}" if self.tiles_per_cta != 1 else "") + ("-reread" if self.reread else "")
                 + ("-cwsmem" if self.colwise_smem else ""))
 
     def replace(self, **kw) -> "Variant":
@@ -280,11 +288,28 @@ SWIGLU_T4 = {"pre-t4": {"tiles_per_cta": 1}, "pre-t4-cw-smem": {"tiles_per_cta":
 # registers, so two CTAs per SM instead of three (under the 3-CTA cap it spills 96 bytes: the -c3 candidates keep the
 # former rounding); one H200 (2026-12-03, `ab_kernels.py --family block-dual --candidates default,round --rounds 3`,
 # byte-exact) 85.4 / 85.4 / 89.9 / 88.5 (pre-round) -> 86.7 / 86.5 / 91.6 / 89.2% of memcpy.
+# dual's staged candidates (issue 57, 2026-12-03, not yet measured; NOTES.md): x copied to shared memory by cp.async in
+# the SwiGLU ops' swizzled layout (32 KB a CTA), one commit group per row. "dstage": the default plus the stage (bf16
+# outputs: round_bf16), the rows read back into registers as they land; "dstage-t2" / "dstage-t4" with 2 / 4 column
+# tiles a CTA (the next tile's copies in flight during this tile's stores); "dstage-c3" / "dstage-t2-c3" under the
+# 3-CTA cap (with bf16 outputs the former rounding: round_bf16 spills 160 bytes there). "dreread*" (field reread): the
+# words read from the stage again where each form uses them, not held across the forms: bf16 (round_bf16) 77
+# registers uncapped, so three CTAs a SM; "-c3", "-c4" cap at 3 / 4 CTAs (80 / 64 registers). ptxas (sm_90a / sm_100a,
+# rceil, no spills): bf16 dstage 125 / 125 (default 128 / 127), t2 123 / 118, t4 124 / 126, dreread 77 / 76; fp8
+# dstage 114 / 112 (default 80 / 79: three CTAs a SM fit already), t2 123 / 124, t4 128 / 128, dreread 113 / 112;
+# every c3 77-80, c4 64.
+DSTAGE = {"staged": True, "stage_order": "swizzled"}
+DUAL_STAGE_CANDIDATES = {"dstage": DSTAGE, "dstage-t2": {**DSTAGE, "tiles_per_cta": 2},
+                         "dstage-t4": {**DSTAGE, "tiles_per_cta": 4}}
+_C3 = {"dstage-c3": {**DSTAGE, "ctas_per_sm": 3}, "dstage-t2-c3": {**DSTAGE, "tiles_per_cta": 2, "ctas_per_sm": 3}}
+DREREAD = {**DSTAGE, "reread": True}
+_REREAD = {"dreread": DREREAD, "dreread-c3": {**DREREAD, "ctas_per_sm": 3}, "dreread-c4": {**DREREAD, "ctas_per_sm": 4}}
 DUAL_CANDIDATES = {"default": {}, "packed-c3": {"packed_amax": True, "ctas_per_sm": 3, **PRE_1203},
                    "lean-c3": {"lean": True, "ctas_per_sm": 3, **PRE_1203}, "pre-round": PRE_1203,
-                   "cw-smem-bf16": CW_SMEM}
+                   "cw-smem-bf16": CW_SMEM, **DUAL_STAGE_CANDIDATES, **{k: {**PRE_1203, **v} for k, v in _C3.items()},
+                   **_REREAD}
 DUAL_FP8_CANDIDATES = {"default": {}, "lean-c3": {"lean": True, "ctas_per_sm": 3}, "cw-smem": CW_SMEM,
-                       "cw-smem-c3": {"ctas_per_sm": 3, **CW_SMEM}}
+                       "cw-smem-c3": {"ctas_per_sm": 3, **CW_SMEM}, **DUAL_STAGE_CANDIDATES, **_C3, **_REREAD}
 
 
 def candidates(op: str, out_dtype: str) -> dict:

@@ -40,7 +40,10 @@ tile holding any other ``a`` (NaN, Inf, below -80) is computed again with ``div.
 neighbouring CTAs write grad_a and grad_b of one tile. Since 2026-12-03 (evening) the staged rows are laid out
 so that the 8 lanes copying one token's 128 bytes write 128 contiguous bytes of shared memory, their 16-byte slots
 swizzled against bank conflicts on the read-back (config ``stage_order``): with each lane's slot 64 bytes from its
-neighbour's, every ``cp.async`` lane had been its own L2 request, every input sector fetched twice.
+neighbour's, every ``cp.async`` lane had been its own L2 request, every input sector fetched twice. ``dual`` takes
+the same staging as a candidate (``staged``, off by default: its x copied and read back row by row as the SwiGLU ops'
+inputs, 32 KB a CTA; the words then go to both forms as loaded words do), and with ``reread`` the forms read the
+words back from the stage where they use them (:class:`StagedWords`), so the tile is not held in registers.
 
 ``tiles_per_cta`` (candidates, 2026-12-03): a CTA handles that many consecutive column tiles of its token chunk
 (:meth:`QuantizeBlockKernel.one_tile` in a loop, the group record scanned once; the grid's y shrinks by that
@@ -62,6 +65,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
 from cutlass.memory import SmemAllocator
 
 from ...layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
@@ -305,6 +310,50 @@ def line_place(col, tok, esize: int = 1):
         return col * TILE_TOKENS + piece * BLOCK_SIZE + tok % BLOCK_SIZE
     piece = (tok // TOKENS_PER_THREAD) ^ ((group % 2) * 4)
     return col * (2 * TILE_TOKENS) + piece * 16 + (tok % TOKENS_PER_THREAD) * 2
+
+
+def _ld_shared_volatile(ptr, k=None) -> list:
+    """Word ``k`` (``None``: all 4 words) of the 16 bytes at shared-memory ``ptr``, by a volatile ``ld.shared`` whose
+    place the compiler keeps (a side effect): read again where used, never held from an earlier read."""
+    addr = Int32(llvm.ptrtoint(T.i32(), ptr.llvm_ptr))
+    if k is not None:
+        return Int32(llvm.inline_asm(T.i32(), [addr.ir_value()], f"ld.volatile.shared.b32 $0, [$1+{4 * k}];", "=r,r",
+                                     has_side_effects=True))
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    res = llvm.inline_asm(st, [addr.ir_value()], "ld.volatile.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                          "=r,=r,=r,=r,r", has_side_effects=True)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
+
+
+class StagedRow:
+    """One token's 4 staged words (``reread``): each ``[k]`` a 4-byte read of the stage, iterating one 16-byte read."""
+
+    def __init__(self, slot):
+        self.slot = slot
+
+    def __getitem__(self, k: int):
+        return _ld_shared_volatile(self.slot, k)
+
+    def __iter__(self):
+        return iter(_ld_shared_volatile(self.slot))
+
+    def __len__(self):
+        return 4
+
+
+class StagedWords:
+    """``reread`` (config): the thread's staged 8 x 8 tile of input ``j`` where the forms take its words
+    (``words[i][k]``, ``for w in words[i]``): each use a read of the stage, so the tile is not held in registers across
+    both forms."""
+
+    def __init__(self, kernel, stage, j: int, tid):
+        self.rows = [StagedRow(kernel.stage_slot(stage, j, i, tid)) for i in range(TOKENS_PER_THREAD)]
+
+    def __getitem__(self, i: int) -> StagedRow:
+        return self.rows[i]
+
+    def __len__(self):
+        return TOKENS_PER_THREAD
 
 
 class QuantizeBlockKernel(Quantize32x1Kernel):
@@ -697,7 +746,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 sel = 0x1010 if h == 0 else 0x3232  # the half, in both halves
                 tt = cu.prmt(t2, t2, sel)
                 st = None if sat2 is None else cu.prmt(sat2, sat2, sel)
-                ys = [cu.grid_bf16x2(words[i][k], tt, st) for k in range(4)]
+                ys = [cu.grid_bf16x2(w, tt, st) for w in words[i]]  # reread: one 16-byte read
                 if col_ok & (n_left > i):
                     cu.st_global_words(row_ptr, ys)
                 row_ptr = row_ptr + pitch
@@ -799,7 +848,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         this tile for a redo: that reads the inputs again from global memory); the copies of the CTA's first tile
         (``t`` = 0) are issued here, the others' during the tile before."""
         tile = (src0, n_real, r, col0, col_ok, t0)
-        if cutlass.const_expr(self.op == "dual"):
+        if cutlass.const_expr(self.op == "dual" and not self.staged):
             return self.load_words(x0, *tile)
         xs = [x0, x1, x2][:self.inputs_of(o)]
         loaded = None
@@ -811,6 +860,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     self.stage_rows(xs, stage, tile, tid)
         else:
             loaded = [self.load_words(x, *tile) for x in xs]
+        if cutlass.const_expr(self.v.reread):  # dual: both forms read the words back from the stage where they use them
+            cute.arch.cp_async_wait_group(0)
+            return StagedWords(self, stage, 0, tid)
         out, ok = self.math(o, loaded, stage, tid, self.fast_kind, True, xs, nxt)
         if cutlass.const_expr(self.fast_div):
             if ok == 0:  # an a below -80, Inf or NaN in the tile: div.rn / rcp.rn (inputs read again)
@@ -830,15 +882,17 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             cute.arch.cp_async_commit_group()
 
     def inputs_of(self, o: int) -> int:
-        """How many of the op's inputs output ``o`` reads: swiglu a, b; dswiglu's grad_a g, a, b, its grad_b g, a."""
-        return 2 if self.op == "swiglu" or o == 1 else 3
+        """How many of the op's inputs output ``o`` reads: dual x; swiglu a, b; dswiglu's grad_a g, a, b, its grad_b
+        g, a."""
+        return N_INPUTS[self.op] if self.op != "dswiglu" else 3 - o
 
     def math(self, o: int, loaded, stage, tid: Int32, fast: bool, first: bool, xs=None, nxt=None):
-        """The op's 8 x 8 output words from the inputs (``loaded``: per input the 8 rows of words; ``None``: read
-        from ``stage``, on the ``first`` pass each row after its own copies), and with ``fast`` whether every
-        ``a`` is in the fast path's range (Int32 1 / 0). ``nxt`` (staged, first pass): the next tile, whose row i of
-        each input of ``xs`` is copied into row i's slots once they are read (a thread reads only the slots it copied
-        to, so no barrier), one commit group per row: 7 groups are always newer than the row waited for."""
+        """The op's 8 x 8 output words (``dual``: the input's words) from the inputs (``loaded``: per input the 8 rows
+        of words; ``None``: read from ``stage``, on the ``first`` pass each row after its own copies), and with
+        ``fast`` whether every ``a`` is in the fast path's range (Int32 1 / 0). ``nxt`` (staged, first pass): the next
+        tile, whose row i of each input of ``xs`` is copied into row i's slots once they are read (a thread reads only
+        the slots it copied to, so no barrier), one commit group per row: 7 groups are always newer than the row
+        waited for."""
         a_in = 0 if self.op == "swiglu" else 1  # which input is a
         n_in = self.inputs_of(o)
         lo = hi = None
@@ -861,7 +915,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                         lo = bf16x2_min(lo, v[a_in][k])
                     else:
                         lo, hi = bf16x2_min_max(lo, hi, v[a_in][k])
-                if self.op == "swiglu":
+                if self.op == "dual":  # staged: the input's words as they are
+                    row.append(v[0][k])
+                elif self.op == "swiglu":
                     row.append(swiglu_bf16x2(v[0][k], v[1][k], fast))
                 elif o == 0:
                     row.append(grad_a_bf16x2(v[0][k], v[1][k], v[2][k], fast))
