@@ -345,6 +345,12 @@ def main(argv=None) -> int:
     p.add_argument("--candidates", type=lambda t: [c for c in t.split(",") if c], default=None,
                    help="comma list: only these candidates (and the default) are checked and timed")
     args = p.parse_args(argv)
+    if args.candidates:  # a misspelt name would be dropped by every family: say so before any GPU work
+        known = {name for fam in args.family for variants, _ in FAMILIES[fam][0]().values() for name in variants}
+        unknown = [c for c in args.candidates if c not in known]
+        if unknown:
+            p.error(f"--candidates: {', '.join(map(repr, unknown))} is no candidate of --family "
+                    f"{','.join(args.family)}; theirs: {', '.join(sorted(known))}")
     require_cuda(argv)
     out = {"device": device_name(), "torch": torch.__version__}
     for fam in args.family:

@@ -38,6 +38,19 @@ def test_ab_script_runs_from_repo_root_without_pythonpath(script):
 
 
 @no_gpu
+def test_ab_kernels_names_a_candidate_no_family_has():
+    """A candidate name none of the chosen families has is an argparse error naming it (it used to be dropped
+    silently, and the run timed the default alone); the families' own names pass on to the GPU check."""
+    proc = run("scripts/ab_kernels.py", "--family", "block-dual", "--candidates", "default,cw-smem-bf16,pre-t4",
+               pythonpath=False)
+    assert proc.returncode == 2 and "--candidates: 'pre-t4' is no candidate of --family block-dual" in proc.stderr, \
+        proc.stderr[-3000:]
+    proc = run("scripts/ab_kernels.py", "--family", "perm,block-swiglu-fp8", "--candidates", "counts first,pre-t4",
+               pythonpath=False)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-3000:]
+
+
+@no_gpu
 @pytest.mark.parametrize("script", ["sanitize_1x32.py", "sanitize_32x1.py", "sanitize_block.py", "sanitize_fingerprint.py",
                                     "cache_timing.py", "ab_kernels.py", "fixed_cost_fit.py", "ab_commits.py",
                                     "ncu_block.py",
