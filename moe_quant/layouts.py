@@ -336,8 +336,10 @@ def from_blocked_m_groups(blocked: torch.Tensor, offs: torch.Tensor, m: int, col
 # ----------------------------------------------------------------------------- K groups
 
 
-def _k_groups_dest(rows: int, m: int, offs: torch.Tensor):
-    """Destination byte and validity of every scale ``(r, j)`` of per-group-padded data.
+def _k_groups_columns(rows: int, m: int, offs: torch.Tensor):
+    """Per scale column of per-group-padded data, ``(base, stride, keep)`` (int64, ``(n_cols,)``): scale ``(r, j)``
+    lies at byte ``base[j] + (r // 128) stride[j] + tile_byte(r, 0)`` of the K-groups blocked buffer, where ``keep[j]``
+    (a column of a group).
 
     Scale column ``j`` covers padded tokens ``[32 j, 32 j + 32)``; group g owns columns
     ``[P_g/32, P_g/32 + c_g)`` with ``c_g = ceil(m_g/32)``, blocked on its own with
@@ -348,15 +350,24 @@ def _k_groups_dest(rows: int, m: int, offs: torch.Tensor):
     c_g = ceil_div(sizes, BLOCK_SIZE)
     tiles_g = ceil_div(c_g, TILE_COLS)
     s_g = torch.cumsum(tiles_g, 0) - tiles_g  # in column tiles
-    r, j = _flat_index_2d(rows, n_cols, offs.device)
-    g = group_of(torch.arange(n_cols, device=offs.device) * BLOCK_SIZE, pends)
+    j = torch.arange(n_cols, device=offs.device)
+    g = group_of(j * BLOCK_SIZE, pends)
     keep = g < offs.numel()
     g = g.clamp(max=offs.numel() - 1)
-    local = torch.arange(n_cols, device=offs.device) - pstarts[g] // BLOCK_SIZE
-    keep = (keep & (local < c_g[g])).unsqueeze(0).expand(rows, n_cols)
+    local = j - pstarts[g] // BLOCK_SIZE
+    keep &= local < c_g[g]
     rp = round_up(rows, TILE_ROWS)
-    dest = (s_g[g] * TILE_COLS * rp).unsqueeze(0) + blocked_offset(r, local.unsqueeze(0), tiles_g[g].unsqueeze(0))
-    return dest, keep
+    base = s_g[g] * TILE_COLS * rp + TILE_BYTES * (local // TILE_COLS) + local % TILE_COLS
+    return base, TILE_BYTES * tiles_g[g], keep
+
+
+def _k_groups_dest(rows: int, m: int, offs: torch.Tensor):
+    """Destination byte and validity of every scale ``(r, j)`` of per-group-padded data (:func:`_k_groups_columns`
+    over the full ``(rows, n_cols)`` grid)."""
+    base, stride, keep = _k_groups_columns(rows, m, offs)
+    r = torch.arange(rows, device=offs.device).unsqueeze(1)
+    dest = base.unsqueeze(0) + (r // TILE_ROWS) * stride.unsqueeze(0) + tile_byte(r, 0)
+    return dest, keep.unsqueeze(0).expand(rows, keep.numel())
 
 
 def to_blocked_k_groups(scales: torch.Tensor, offs: torch.Tensor, m: int) -> torch.Tensor:
@@ -403,10 +414,9 @@ def unblock_k_groups(blocked: torch.Tensor, offs: torch.Tensor, rows: int, m: in
     ops only, no host read (the block keeps x's colwise scales plain for the emulated GEMM's dequantization).
 
     The source byte of scale ``(r, j)`` is ``col_base[j] + (r // 128) col_stride[j] + tile_row[r]``
-    (:func:`_k_groups_dest` split into a part per column and a part per row), so the ``(rows, n_cols)`` index is one
+    (:func:`_k_groups_columns`: a part per column and a part per row), so the ``(rows, n_cols)`` index is one
     broadcast multiply and two adds (int32 where the buffer allows) and the bytes one gather; a column outside every
-    group reads a 512-byte zero pad past the buffer (``tile_row`` < 512). :func:`_k_groups_dest`'s full-size index
-    arithmetic was about sixteen passes over ``rows x n_cols`` int64 values."""
+    group reads a 512-byte zero pad past the buffer (``tile_row`` < 512)."""
     b = _as_bytes(blocked).reshape(-1)
     n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
     if offs.numel() == 0:
@@ -423,23 +433,10 @@ def unblock_k_groups(blocked: torch.Tensor, offs: torch.Tensor, rows: int, m: in
 def _k_groups_source(rows: int, m: int, offs: torch.Tensor, n_bytes: int):
     """``(col_base (n_cols,), col_stride (n_cols,), tile_row (rows,))`` of :func:`unblock_k_groups`: scale ``(r, j)``
     of per-group-padded data lies at byte ``col_base[j] + (r // 128) col_stride[j] + tile_row[r]`` of the K-groups
-    blocked buffer (``n_bytes`` long; :func:`_k_groups_dest`'s ``dest``); a column outside every group has
-    ``col_base = n_bytes`` and stride 0 (the zero pad). int32 when every index fits, else int64."""
+    blocked buffer (``n_bytes`` long; :func:`_k_groups_columns`); a column outside every group has ``col_base =
+    n_bytes`` and stride 0 (the zero pad). int32 when every index fits, else int64."""
     dtype = torch.int32 if n_bytes + TILE_BYTES < 2**31 else torch.int64
-    n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
-    _, sizes, pstarts, pends = group_bounds(offs, m, K_GROUP_ALIGN)
-    c_g = ceil_div(sizes, BLOCK_SIZE)
-    tiles_g = ceil_div(c_g, TILE_COLS)
-    s_g = torch.cumsum(tiles_g, 0) - tiles_g  # in column tiles
-    j = torch.arange(n_cols, device=offs.device)
-    g = group_of(j * BLOCK_SIZE, pends)
-    keep = g < offs.numel()
-    g = g.clamp(max=offs.numel() - 1)
-    local = j - pstarts[g] // BLOCK_SIZE
-    keep &= local < c_g[g]
-    rp = round_up(rows, TILE_ROWS)
-    base = s_g[g] * TILE_COLS * rp + TILE_BYTES * (local // TILE_COLS) + local % TILE_COLS
+    base, stride, keep = _k_groups_columns(rows, m, offs)
     col_base = torch.where(keep, base, n_bytes).to(dtype)
-    col_stride = torch.where(keep, TILE_BYTES * tiles_g[g], 0).to(dtype)
-    r = torch.arange(rows, device=offs.device, dtype=dtype)
-    return col_base, col_stride, tile_byte(r, 0)
+    col_stride = torch.where(keep, stride, 0).to(dtype)
+    return col_base, col_stride, tile_byte(torch.arange(rows, device=offs.device, dtype=dtype), 0)
