@@ -655,23 +655,19 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                                 cu.st_global_u8(mtile + byte, s)
                             else:
                                 cu.st_global_u8(row_sc + (mg_base + Int64(byte)), s)
-        if cutlass.const_expr(self.lines):
+        if cutlass.const_expr(self.lines):  # the scale rows below go out after the same barrier
             cute.arch.sync_threads()
             self.write_lines(col_out, lines, out_base, row_stride, r, by, tid)
-            if cutlass.const_expr(self.scale_tile):  # the next output's or tile's bytes wait (lines_wait)
-                if tail == 0:
-                    if warp == 0:
-                        self.write_scale_rows(col_sc, ctile, scale_base, Int32(0), lane)
-                    if warp == 1:
-                        self.write_scale_rows(row_sc, mtile, mg_base, Int32(0), lane)
-        elif cutlass.const_expr(self.scale_tile):
+        if cutlass.const_expr(self.scale_tile):
             if tail == 0:
-                cute.arch.sync_threads()
+                if cutlass.const_expr(not self.lines):
+                    cute.arch.sync_threads()
                 if warp == 0:
                     self.write_scale_rows(col_sc, ctile, scale_base, Int32(0), lane)
                 if warp == 1:
                     self.write_scale_rows(row_sc, mtile, mg_base, Int32(0), lane)
-                if cutlass.const_expr(self.fused or self.n_tiles > 1):  # the next output's or tile's bytes go there
+                # the next output's or tile's bytes go there (colwise_smem: its barrier first, lines_wait)
+                if cutlass.const_expr(not self.lines and (self.fused or self.n_tiles > 1)):
                     cute.arch.sync_threads()
         if tail != 0:
             self.zero_tails(o_cta, row_out, row_sc, col_sc, offs, m, r, n_groups, chunk_total, rp, sw, buf_rows,
