@@ -88,31 +88,34 @@ class Variant:
     # own slots in every layout. None: "swizzled" where staged (the default since the A/B on the H200, kernels/block/
     # NOTES.md: swiglu bf16 66.9-71.8 -> 89.7-94.6% of memcpy), else "thread"
     stage_order: str | None = None
-    # swiglu / dswiglu with fp8 outputs (candidate `gather`, not yet measured): the scale bytes gathered in shared
-    # memory (the CTA's K-groups and M-groups tiles, 512 bytes each) and written as 16-byte rows after a barrier, as
-    # dual's fp8 outputs always are (kernel.py ``scale_tile``), instead of one-byte global stores (each a partial-sector
-    # L2 write). Lost 0.3-0.8 points of memcpy on 2026-11-29, when the kernels were issue-bound. None: off
+    # swiglu / dswiglu with fp8 outputs (candidate `gather`; level or slower on 2026-12-03, NOTES.md): the scale bytes
+    # gathered in shared memory (the CTA's K-groups and M-groups tiles, 512 bytes each) and written as 16-byte rows
+    # after a barrier, as dual's fp8 outputs always are (kernel.py ``scale_tile``), instead of one-byte global stores
+    # (each a partial-sector L2 write). Lost 0.3-0.8 points of memcpy on 2026-11-29, when the kernels were issue-bound.
+    # None: off
     gather_scales: bool | None = None
     # staged inputs (candidates `t2`, `t4`, measured 2026-12-03 evening, NOTES.md; dual's `dstage-t2`, `dstage-t4`, not
     # yet measured): one CTA handles this many consecutive column tiles of its token chunk (the group record read once),
-    # and the next tile's inputs travel (cp.async, into the slots just read) while this tile is computed, quantized and stored (kernel.py's
-    # docstring; dswiglu with fused_grads only: its input a's slots free as each row is read, grad_h's and b's once
-    # both outputs' words are read back). The same bytes: only the order of the work changes. 1: one tile a CTA.
-    # None: 4 for staged swiglu with fp8 outputs (the default since 2026-12-03 night, after its sanitizer run; the A/B
-    # of that evening at SWIGLU_T4 below), else 1
+    # and the next tile's inputs travel (cp.async, into the slots just read) while this tile is computed, quantized and
+    # stored (kernel.py's docstring; dswiglu with fused_grads only: its input a's slots free as each row is read,
+    # grad_h's and b's once both outputs' words are read back). The same bytes: only the order of the work changes. 1:
+    # one tile a CTA. None: 4 for staged swiglu with fp8 outputs (the default since 2026-12-03 night, after its
+    # sanitizer run; the A/B of that evening at SWIGLU_T4 below), else 1
     tiles_per_cta: int | None = None
-    # every op and output kind (candidates `cw-smem` for fp8 outputs, `cw-smem-bf16` for bf16; not yet measured): the
-    # CTA's colwise tile (128 columns x 128 tokens, 16 KB e4m3 / 32 KB bf16) gathered in shared memory (kernel.py
-    # ``line_place``: each column's tokens in one row, its pieces permuted against bank conflicts) and written after a
-    # barrier by 16-byte stores, 8 (e4m3) or 16 (bf16) lanes a column: each column's 128 contiguous elements (the CTA's
-    # tokens) whole 128-byte lines, 4 sectors a request, instead of the thread's 8-token stores that put one sector
-    # (e4m3; bf16: two) of each of 8 columns in a request (ncu, one H200: dual fp8 wrote 9.03M sectors in 6.38M
-    # requests). dswiglu with one tile a CTA gathers over its staged input a's slots (32 KB, free once the math has
-    # read them); the others take 16 / 32 KB more shared memory. None: off
+    # every op and output kind (candidates `cw-smem` for fp8 outputs, `cw-smem-bf16` for bf16; measured 2026-12-03
+    # night, NOTES.md: fp8 outputs 1-12 points slower, bf16 level but dual's +0.2-0.8): the CTA's colwise tile (128
+    # columns x 128 tokens, 16 KB e4m3 / 32 KB bf16) gathered in shared memory (kernel.py ``line_place``: each column's
+    # tokens in one row, its pieces permuted against bank conflicts) and written after a barrier by 16-byte stores, 8
+    # (e4m3) or 16 (bf16) lanes a column: each column's 128 contiguous elements (the CTA's tokens) whole 128-byte lines,
+    # 4 sectors a request, instead of the thread's 8-token stores that put one sector (e4m3; bf16: two) of each of 8
+    # columns in a request (ncu, one H200: dual fp8 wrote 9.03M sectors in 6.38M requests). dswiglu with one tile a CTA
+    # gathers over its staged input a's slots (32 KB, free once the math has read them); the others take 16 / 32 KB more
+    # shared memory. None: off
     colwise_smem: bool | None = None
-    # dual with staged inputs, one tile a CTA (candidates `dreread*`, not yet measured): the tile is not held in
-    # registers across both forms; each form reads the words it uses back from the stage where it uses them (kernel.py
-    # ``StagedWords``: volatile ld.shared), so ptxas keeps far fewer live (78 instead of 125 with round_bf16)
+    # dual with staged inputs, one tile a CTA (candidates `dreread*`; slower everywhere, 2026-12-03 night, NOTES.md):
+    # the tile is not held in registers across both forms; each form reads the words it uses back from the stage where
+    # it uses them (kernel.py ``StagedWords``: volatile ld.shared), so ptxas keeps far fewer live (78 instead of 125
+    # with round_bf16)
     reread: bool = False
 
     family = "block"
@@ -258,23 +261,25 @@ DSWIGLU_CANDIDATES = {**CANDIDATES, "lean-unfused": {"fused_grads": False, **PRE
 # (pre-flat) -> 54.6 / 54.5 / 58.2 / 56.7 (flat alone 0.1-0.5 below), dswiglu fp8 55.7 / 54.7 / 59.8 / 56.7 -> 56.2 /
 # 56.2 / 60.6 / 58.5. "round", "flat" and "sres" are each field alone, against today's default (its swizzled stage
 # included; they were measured with the "thread" stage).
-# "cw-smem-bf16" (not yet measured): the default with its colwise bf16 tile written as whole lines (colwise_smem).
+# "cw-smem-bf16" (measured 2026-12-03 night: level): the default with its colwise bf16 tile written as whole lines
+# (colwise_smem).
 SWIGLU_BF16_CANDIDATES = {"pre-round": PRE_1203, "round": {"signed_residual": False}, "sres": {"round_bf16": False},
                           "cw-smem-bf16": CW_SMEM}
-# "gather" (not yet measured): the default with its scale bytes gathered in shared memory (gather_scales).
-# "cw-smem" (not yet measured): the default with its colwise e4m3 tile written as whole lines (colwise_smem; swiglu's
-# default takes 4 tiles a CTA: its tile in 16 KB more shared memory); "cw-gather" with the scale bytes gathered too
-# (their 16-byte rows written after the barrier the colwise tile already waits on: gather's own barrier saved).
+# "gather": the default with its scale bytes gathered in shared memory (gather_scales). "cw-smem" (measured with
+# "cw-gather" on 2026-12-03 night, NOTES.md: 1-4 points slower): the default with its colwise e4m3 tile written as whole
+# lines (colwise_smem; swiglu's default takes 4 tiles a CTA: its tile in 16 KB more shared memory); "cw-gather" with the
+# scale bytes gathered too (their 16-byte rows written after the barrier the colwise tile already waits on: gather's own
+# barrier saved).
 SWIGLU_FP8_CANDIDATES = {"pre-flat": PRE_1203, "flat": {"signed_residual": False}, "sres": {"flat_scales": False},
                          "gather": {"gather_scales": True}, "cw-smem": CW_SMEM,
                          "cw-gather": {"gather_scales": True, **CW_SMEM}}
-# swiglu with fp8 outputs: 4 column tiles per CTA (tiles_per_cta) the default since 2026-12-03 night; "pre-t4" the default
-# before (one tile a CTA). One H200 (torch 2.11, 2026-12-03 evening, `ab_kernels.py --family block-swiglu-fp8
-# --candidates default,t2,t4,gather --rounds 3`, the swizzled stage, every candidate byte-exact), % of memcpy at 98304x1408
-# / 98304x2048 / 16384x2048 / 16384x7168: 73.2 / 73.5 / 78.8 / 78.0 (one tile) -> 82.5 / 80.6 / 78.2 / 86.4 (t4); t2
-# and t4 lost 1-11 points on the other ops and outputs (NOTES.md). memcheck and racecheck over
-# `scripts/sanitize_block.py --quick --candidate t4`: 0 errors, 0 hazards (2026-12-03 night).
-# "pre-t4-cw-smem" (not yet measured): colwise_smem on one tile a CTA (cw-smem is on t4, the default).
+# swiglu with fp8 outputs: 4 column tiles per CTA (tiles_per_cta) the default since 2026-12-03 night; "pre-t4" the
+# default before (one tile a CTA). One H200 (torch 2.11, 2026-12-03 evening, `ab_kernels.py --family block-swiglu-fp8
+# --candidates default,t2,t4,gather --rounds 3`, the swizzled stage, every candidate byte-exact), % of memcpy at
+# 98304x1408 / 98304x2048 / 16384x2048 / 16384x7168: 73.2 / 73.5 / 78.8 / 78.0 (one tile) -> 82.5 / 80.6 / 78.2 / 86.4
+# (t4); t2 and t4 lost 1-11 points on the other ops and outputs (NOTES.md). memcheck and racecheck over
+# `scripts/sanitize_block.py --quick --candidate t4`: 0 errors, 0 hazards (2026-12-03 night). "pre-t4-cw-smem"
+# (2026-12-03 night: 72.7 / 72.7 / 78.1 / 76.9): colwise_smem on one tile a CTA (cw-smem is on t4).
 SWIGLU_T4 = {"pre-t4": {"tiles_per_cta": 1}, "pre-t4-cw-smem": {"tiles_per_cta": 1, **CW_SMEM}}
 
 
@@ -288,7 +293,8 @@ SWIGLU_T4 = {"pre-t4": {"tiles_per_cta": 1}, "pre-t4-cw-smem": {"tiles_per_cta":
 # registers, so two CTAs per SM instead of three (under the 3-CTA cap it spills 96 bytes: the -c3 candidates keep the
 # former rounding); one H200 (2026-12-03, `ab_kernels.py --family block-dual --candidates default,round --rounds 3`,
 # byte-exact) 85.4 / 85.4 / 89.9 / 88.5 (pre-round) -> 86.7 / 86.5 / 91.6 / 89.2% of memcpy.
-# dual's staged candidates (issue 57, 2026-12-03, not yet measured; NOTES.md): x copied to shared memory by cp.async in
+# dual's staged candidates (issue 57, 2026-12-03; dstage, dreread, dreread-c4 measured that night, level or slower,
+# the others not yet; NOTES.md): x copied to shared memory by cp.async in
 # the SwiGLU ops' swizzled layout (32 KB a CTA), one commit group per row. "dstage": the default plus the stage (bf16
 # outputs: round_bf16), the rows read back into registers as they land; "dstage-t2" / "dstage-t4" with 2 / 4 column
 # tiles a CTA (the next tile's copies in flight during this tile's stores); "dstage-c3" / "dstage-t2-c3" under the
