@@ -182,23 +182,23 @@ CANDIDATES = {
     "gather t256i4": {"order": "gather"},
     # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks a lane
     "rows t256i4": {"order": "rows"},
-    # (2026-12-03, not yet measured) dequant: whole-sector stores (ncu at 32768x2048: 16 of the 32 bytes of a stored
-    # sector used per store instruction, 4.87M sectors written to L2 for 4.19M). ptxas sm_90a: 53 registers (58).
-    # The fp8 outputs' code is the default's.
+    # (2026-12-03, not yet timed: byte-exact, memcheck / racecheck clean) dequant: whole-sector stores (ncu at
+    # 32768x2048: 16 of the 32 bytes of a stored sector used per store instruction, 4.87M sectors written to L2 for
+    # 4.19M). ptxas sm_90a: 53 registers (58). The fp8 outputs' code is the default's.
     "pair stores": {"pair_stores": True},
     # the same in the rows order (rows dequant was slower than scatter: long-scoreboard stalls, cause not found);
     # 40 registers
     "rows pair stores": {"order": "rows", "pair_stores": True},
-    # (2026-12-03, not yet measured) several tiles per CTA, tile j + 1's loads issued before tile j's stores: one
-    # table build (warp 0's scans, the CTA barrier) per 2 tiles of 4 chunks a lane (blocked rows 70 registers,
-    # dequant scatter 80: 3 CTAs per SM) or per 4 tiles of 2 chunks a lane (the same chunks a lane in flight as
-    # the default; blocked 58, dequant 54)
+    # (2026-12-03; blocked 2-5 points slower that night, dequant not timed) several tiles per CTA, tile j + 1's loads
+    # issued before tile j's stores: one table build (warp 0's scans, the CTA barrier) per 2 tiles of 4 chunks a lane
+    # (blocked rows 70 registers, dequant scatter 80: 3 CTAs per SM) or per 4 tiles of 2 chunks a lane (the same chunks
+    # a lane in flight as the default; blocked 58, dequant 54)
     "x2 tiles": {"tiles": 2},
     "x4 tiles i2": {"tiles": 4, "iters": 2},
     "pair stores x4 tiles i2": {"pair_stores": True, "tiles": 4, "iters": 2},
-    # (2026-12-03, not yet measured) warp 0's first counts loaded before the data loads (ncu at 32768x2048, blocked:
-    # 13.2 of the cycles per issued instruction stalled at the table's CTA barrier, 1.2 on loads); blocked 48
-    # registers, dequant 56, with pair stores 52
+    # (2026-12-03; blocked level that night, 82.0 -> 83.1% at 32768x2048, -2.4 at 8192, dequant not timed) warp 0's
+    # first counts loaded before the data loads (ncu at 32768x2048, blocked: 13.2 of the cycles per issued instruction
+    # stalled at the table's CTA barrier, 1.2 on loads); blocked 48 registers, dequant 56, with pair stores 52
     "counts first": {"counts_first": True},
     "pair stores counts first": {"pair_stores": True, "counts_first": True},
     "counts first x4 tiles i2": {"counts_first": True, "tiles": 4, "iters": 2},
