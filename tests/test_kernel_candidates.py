@@ -30,17 +30,21 @@ def test_default_keys_unchanged():
         "bfloat16-rceil-kgroups-float8_e4m3fn-lean-pamax-flat"
     assert config_32x1.Variant("bfloat16", "floor", "uniform", "bfloat16", lean=True, round_bf16=True).key == \
         "bfloat16-floor-uniform-bfloat16-g16-lean-round"
-    # permute: the fp8 outputs rows since 2026-11-28 (the A/B on the H200), dequant scatter with register staging
-    # since 2026-11-26 (the A/B on the H100); scatter and gather keep their keys
+    # permute: the fp8 outputs rows since 2026-11-28 (the A/B on the H200), dequant rows with pair stores since
+    # 2026-12-03 (the A/B on the H200; scatter with register staging before, its key unchanged); scatter and gather
+    # keep their keys
     assert config_permute.Variant("blocked").key == "blocked-float8_e4m3fn-t256i4b1024-rows"
     assert config_permute.Variant("plain").key == "plain-float8_e4m3fn-t256i4b1024-rows"
-    assert config_permute.Variant("dequant", "bfloat16").key == "dequant-bfloat16-t256i4b1024-scatter"
+    assert config_permute.Variant("dequant", "bfloat16").key == "dequant-bfloat16-t256i4b1024-rows-pairs"
+    assert config_permute.Variant("dequant", "float32").key == "dequant-float32-t256i4b1024-rows-pairs"
+    assert config_permute.Variant("dequant", "bfloat16", order="scatter", pair_stores=False).key == \
+        "dequant-bfloat16-t256i4b1024-scatter"
     assert config_permute.Variant("blocked", order="scatter").key == "blocked-float8_e4m3fn-t256i4b1024-scatter"
     assert config_permute.Variant("blocked", order="gather", staging="registers").key == \
         "blocked-float8_e4m3fn-t256i4b1024"
     # several tiles per CTA and the dequant pair stores (candidates, 2026-12-03); pair_stores leaves the fp8 outputs'
     # code as it is, so it is off there (one key, one compiled kernel)
-    assert config_permute.Variant("dequant", "float32", tiles=4, iters=2, pair_stores=True).key == \
+    assert config_permute.Variant("dequant", "float32", order="scatter", tiles=4, iters=2).key == \
         "dequant-float32-t256i2b1024-scatter-x4-pairs"
     assert config_permute.Variant("blocked", tiles=2).key == "blocked-float8_e4m3fn-t256i4b1024-rows-x2"
     for out in ("blocked", "plain"):

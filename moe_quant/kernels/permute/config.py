@@ -23,10 +23,11 @@ OUTS = ("dequant", "blocked", "plain")
 # l, l + 32, ...), so the row's destination (one table search) and its address math are done once per warp row
 # segment instead of once per chunk.
 ORDERS = ("gather", "scatter", "rows")
-# The default order of each output, measured (H200, 2026-11-28, scripts/ab_kernels.py, CANDIDATES below): rows for
-# the fp8 outputs (fewer instructions per chunk: the fp8 copy was issue-bound), scatter for dequant (rows wrote
-# the bf16 rows slower: long-scoreboard stalls, not instructions, bound it there).
-DEFAULT_ORDER = {"dequant": "scatter", "blocked": "rows", "plain": "rows"}
+# The default order of each output, measured (H200, scripts/ab_kernels.py, CANDIDATES below): rows for the fp8
+# outputs since 2026-11-28 (fewer instructions per chunk: the fp8 copy was issue-bound); for dequant rows with pair
+# stores since 2026-12-03 (scatter before: rows alone wrote the bf16 rows slower, long-scoreboard stalls that the
+# half-sector stores caused; with whole-sector stores rows is the faster order).
+DEFAULT_ORDER = {"dequant": "rows", "blocked": "rows", "plain": "rows"}
 # Where scatter holds its loaded chunks while the table is built: "registers" (16 bytes each), or "smem" (each
 # thread's chunks copied by cp.async into shared memory, no register held: fewer registers, more CTAs per SM).
 STAGINGS = ("registers", "smem")
@@ -60,9 +61,10 @@ class Variant:
     tiles: int = 1
     # dequant: the lanes of a pair (the two halves of a 32-element block) swap half their loaded words, so that
     # every 16-byte store instruction of the warp writes whole 32-byte sectors (each lane's own 32 or 64 output bytes
-    # take 2 or 4 stores at a 32 or 64-byte lane stride: half of each sector per instruction). The fp8 outputs
-    # store whole sectors already: off for them (normalized, so that a candidate's fields fit every output).
-    pair_stores: bool = False
+    # take 2 or 4 stores at a 32 or 64-byte lane stride: half of each sector per instruction). None: on for dequant
+    # (its default since 2026-12-03). The fp8 outputs store whole sectors already: off for them (normalized, so
+    # that a candidate's fields fit every output).
+    pair_stores: bool | None = None
     # Scatter and rows orders: warp 0 loads the counts of the first 64 (rank, expert) blocks before its data loads
     # (the table's first step otherwise waits for a count load issued behind the CTA's data loads), the later ones two
     # steps ahead.
@@ -76,8 +78,8 @@ class Variant:
             raise ValueError(f"out must be one of {OUTS}, got {self.out!r}")
         if not self.order:
             object.__setattr__(self, "order", DEFAULT_ORDER[self.out])
-        if self.out != "dequant":
-            object.__setattr__(self, "pair_stores", False)
+        if self.pair_stores is None or self.out != "dequant":
+            object.__setattr__(self, "pair_stores", self.out == "dequant" and self.pair_stores is not False)
         if self.out == "dequant":
             if self.out_dtype not in DEQUANT_DTYPES:
                 raise ValueError(f"dequant out_dtype must be one of {DEQUANT_DTYPES}, got {self.out_dtype!r}")
@@ -171,36 +173,38 @@ def all_variants() -> list[Variant]:
 # per block by every other lane: 72.1 / 81.6 / 86.4 / 90.8 against the default's 72.4 / 81.7 / 86.3 / 90.6 in the
 # same rounds. Byte-exact, memcheck 0 errors, racecheck 0 hazards; no gain: the scale stores were not what bounds
 # the blocked rows either (the per-CTA table is). Dropped (commit 9e7c9c7).
+# Since 2026-12-03 (H200, `ab_kernels.py --family perm-dequant,perm --rounds 3`, every candidate byte-exact; % of
+# memcpy, median of 3 interleaved rounds at 8192x2048 / 32768x2048 / 32768x7168 / 131072x7168) the dequant output's
+# default is rows with pair stores: dequant scatter (the default before) 72.4 / 84.8 / 90.3 / 92.8, scatter with pair
+# stores 74.9 / 87.3 / 92.9 / 95.0, **rows with pair stores 83.2 / 90.3 / 93.8 / 95.6**; with counts first (then on
+# scatter) 81.8 / 88.3 / 91.8 / 93.2, pair stores counts first 84.4 / 89.8 / 94.0 / 94.3; several tiles (scatter) 75.3 /
+# 83.3 / 87.4 / 89.7 (x2), 75.7 / 83.4 / 87.6 / 90.0 (x4 i2), 79.3 / 86.3 / 89.8 / 91.7 (pair stores x4 i2). The blocked
+# output in the same run: its default 69.7 / 83.4 / 86.4 / 90.5, counts first 69.9 / 83.5 / 86.3 / 90.3, x2 / x4 tiles
+# 2-5 points slower. The candidates below are fields on top of each output's current default: those that name no
+# order or pair stores (tiles, counts first) are rows with pair stores for dequant since that day, not yet timed so.
 CANDIDATES = {
-    # ptxas, sm_90a: rows 46 registers (blocked), scatter 58 (dequant bf16)
-    "default (rows for fp8 outputs, scatter for dequant)": {},
-    # 48 registers, 20 KB shared memory -> 5 CTAs per SM
-    "scatter t256i4 registers": {"order": "scatter"},
+    # ptxas, sm_90a: rows 46 registers (blocked), rows pair stores 40 (dequant bf16)
+    "default (rows; dequant with pair stores)": {},
+    # 48 registers, 20 KB shared memory -> 5 CTAs per SM; dequant: its default until 2026-12-03 (58 registers)
+    "scatter t256i4 registers": {"order": "scatter", "pair_stores": False},
     # the chunks staged in shared memory with cp.async: 40 registers, 36 KB -> 6 CTAs per SM
-    "scatter t256i4 smem": {"order": "scatter", "staging": "smem"},
+    "scatter t256i4 smem": {"order": "scatter", "staging": "smem", "pair_stores": False},
     # the default until 2026-11-25: 48 registers, 24 KB -> 5 CTAs per SM
-    "gather t256i4": {"order": "gather"},
-    # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks a lane
-    "rows t256i4": {"order": "rows"},
-    # (2026-12-03, not yet timed: byte-exact, memcheck / racecheck clean) dequant: whole-sector stores (ncu at
-    # 32768x2048: 16 of the 32 bytes of a stored sector used per store instruction, 4.87M sectors written to L2 for
-    # 4.19M). ptxas sm_90a: 53 registers (58). The fp8 outputs' code is the default's.
-    "pair stores": {"pair_stores": True},
-    # the same in the rows order (rows dequant was slower than scatter: long-scoreboard stalls, cause not found);
-    # 40 registers
-    "rows pair stores": {"order": "rows", "pair_stores": True},
-    # (2026-12-03; blocked 2-5 points slower that night, dequant not timed) several tiles per CTA, tile j + 1's loads
-    # issued before tile j's stores: one table build (warp 0's scans, the CTA barrier) per 2 tiles of 4 chunks a lane
-    # (blocked rows 70 registers, dequant scatter 80: 3 CTAs per SM) or per 4 tiles of 2 chunks a lane (the same chunks
-    # a lane in flight as the default; blocked 58, dequant 54)
+    "gather t256i4": {"order": "gather", "pair_stores": False},
+    # one warp per source row segment of 128 chunks: one table search and row address per 4 chunks a lane (blocked:
+    # its default; dequant: rows with the half-sector stores, long-scoreboard stalls: slower than scatter)
+    "rows t256i4": {"order": "rows", "pair_stores": False},
+    # dequant: whole-sector stores in the scatter order (ncu at 32768x2048 of scatter without them: 16 of the 32
+    # bytes of a stored sector used per store instruction, 4.87M sectors written to L2 for 4.19M); 53 registers
+    "pair stores": {"order": "scatter", "pair_stores": True},
+    # several tiles per CTA, tile j + 1's loads issued before tile j's stores: one table build (warp 0's scans, the
+    # CTA barrier) per 2 tiles of 4 chunks a lane (blocked rows 70 registers: 3 CTAs per SM) or per 4 tiles of 2
+    # chunks a lane (the same chunks a lane in flight as the default; blocked 58)
     "x2 tiles": {"tiles": 2},
     "x4 tiles i2": {"tiles": 4, "iters": 2},
-    "pair stores x4 tiles i2": {"pair_stores": True, "tiles": 4, "iters": 2},
-    # (2026-12-03; blocked level that night, 82.0 -> 83.1% at 32768x2048, -2.4 at 8192, dequant not timed) warp 0's
-    # first counts loaded before the data loads (ncu at 32768x2048, blocked: 13.2 of the cycles per issued instruction
-    # stalled at the table's CTA barrier, 1.2 on loads); blocked 48 registers, dequant 56, with pair stores 52
+    # warp 0's first counts loaded before the data loads (ncu at 32768x2048, blocked: 13.2 of the cycles per issued
+    # instruction stalled at the table's CTA barrier, 1.2 on loads); blocked 48 registers
     "counts first": {"counts_first": True},
-    "pair stores counts first": {"pair_stores": True, "counts_first": True},
     "counts first x4 tiles i2": {"counts_first": True, "tiles": 4, "iters": 2},
 }
 # The outputs whose candidate variants are compile-checked: the A/B's two (scripts/ab_kernels.py perm, perm-dequant).
