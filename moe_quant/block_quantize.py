@@ -70,7 +70,9 @@ def _separate_forms(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: 
     else:
         data, scales = q.quantize_rowwise(x, mode, offs)
         row = (rows_in_groups(data, offs), scales)
-    return row, colwise_kept(x, mode, offs, True) if fake and cols_fp8 else _colwise_form(x, mode, offs, fake)
+    if fake and cols_fp8:  # colwise_kept's form
+        return row, tuple(q.colwise_k_groups_plain(x, offs, mode))
+    return row, _colwise_form(x, mode, offs, fake)
 
 
 def _kernel_forms(outs: list, fake: bool):
