@@ -416,3 +416,55 @@ def test_dswiglu_cols_fp8_makes_the_colwise_forms_in_fp8(monkeypatch, concat):
             else:
                 assert col[0].dtype == torch.bfloat16 and len(col) == 2
         assert len(read) == 1 + (len(made) if on else 0)  # x's form, then each fp8 colwise form once
+
+
+def _kernel_like_dswiglu(grad_h, a, b, mode, offs, fake, stacked=False, cols_fp8=False):
+    """What ``block_dswiglu`` returns (its module doc), made by the reference quantizers on the CPU: with
+    ``cols_fp8``, per output the bf16 rowwise values, the colwise fp8 data and its K-groups blocked scales."""
+    assert fake and cols_fp8
+    rows, cols = [], []
+    for t in reference_dswiglu(grad_h, a, b):
+        rows.append(bq._separate_forms(t, mode, offs, True)[0][0])
+        cols.append(bq._separate_forms(t, mode, offs, False)[1])  # (data_t, blocked scales, poffs)
+    if stacked:
+        return [torch.cat(rows, dim=1), torch.cat([c[0] for c in cols]), cols[0][1], cols[1][1], cols[0][2]]
+    return [rows[0], *cols[0][:2], rows[1], *cols[1][:2], cols[0][2]]
+
+
+def reference_dswiglu(grad_h, a, b):
+    from moe_quant import reference
+
+    return reference.dswiglu(grad_h, a, b)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("m,r,offs_list", [(300, 96, [100, 100, 250]), (200, 64, [0, 0]), (40, 32, []),
+                                           (130, 160, [150, 5, 129])])
+def test_dswiglu_cols_fp8_reads_the_kernel_outputs_as_the_reference_forms(monkeypatch, stacked, m, r, offs_list):
+    """``block_quantize.dswiglu`` / ``dswiglu_stacked`` with ``cols_fp8`` on the kernels' outputs (here made by the
+    reference quantizers, in the op's layout: blocked K-groups scales) give the reference path's forms byte for byte:
+    the rowwise bf16 values, the colwise fp8 data, the blocked scales unblocked into the plain ones ``colwise_kept``
+    makes (stacked: both halves' concatenated), the padded offsets; and the op's fake outputs (what torch.compile
+    traces) have the kernels' shapes and dtypes."""
+    from moe_quant.kernels.block import ops as ops_block
+
+    g = torch.Generator().manual_seed(5)
+    grad_h, a, b = (torch.randn(m, r, generator=g).bfloat16() for _ in range(3))
+    offs = layouts.sanitize_offsets(torch.tensor(offs_list, dtype=torch.int32), m).to(torch.int32)
+    mode = ScaleMode.RCEIL
+    if stacked:
+        want = bq.dswiglu_stacked(grad_h, a, b, mode, offs, cols_fp8=True)
+    else:
+        want = bq.dswiglu(grad_h, a, b, mode, offs, True, cols_fp8=True)
+    outs = _kernel_like_dswiglu(grad_h, a, b, mode, offs, True, stacked, True)
+    fake = ops_block._fake_outputs("dswiglu", grad_h, offs, True, stacked, True)
+    assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in outs]
+    monkeypatch.setattr(bq, "_kernels_serve", lambda *t: True)
+    monkeypatch.setattr(ops_block, "block_dswiglu", lambda *args, **kw: _kernel_like_dswiglu(*args, **kw))
+    got = (bq.dswiglu_stacked(grad_h, a, b, mode, offs, cols_fp8=True) if stacked
+           else bq.dswiglu(grad_h, a, b, mode, offs, True, cols_fp8=True))
+    flat = lambda forms: [t for f in (forms if stacked else [f for pair in forms for f in pair]) for t in f]  # noqa: E731
+    assert len(flat(got)) == len(flat(want))
+    for x, y in zip(flat(got), flat(want)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
