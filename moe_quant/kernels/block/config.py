@@ -9,7 +9,8 @@ One kernel, three ops (docs/design.md, "The SwiGLU expert block"; :mod:`moe_quan
 * ``dswiglu`` -- ``grad_h``, ``a``, ``b`` read once; ``grad_a`` and ``grad_b`` of the SwiGLU written in
   both forms each. Its ``stacked`` variants (bf16 outputs only: the emulated GEMM of a concatenated gate-up
   weight) write the two rowwise forms as ``[grad_a | grad_b]``, the two halves of one ``(M, 2R)`` buffer
-  (row pitch ``2R``); every other variant's code is unchanged by the flag.
+  (row pitch ``2R``); every other variant's code is unchanged by the flag. Its ``cols_fp8`` variants (bf16 outputs:
+  the emulated GEMM's backward) write the colwise forms in fp8 and K-groups scales beside bf16 rowwise forms.
 
 Output kinds: ``float8_e4m3fn`` (data + e8m0 scales, the scaled GEMM's operands) or ``bfloat16``
 (the dequantized values, no scales: the emulated GEMM's operands).
