@@ -152,21 +152,22 @@ def test_fp8_colwise_forms_are_dequantized_each_after_the_gemm_before_it(compile
     assert order == want
 
 
-@pytest.mark.parametrize("fake", [True, False])
+@pytest.mark.parametrize("fake,cols_fp8", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("n_rows,n_cols", [(2, 2), (1, 1), (2, 0), (0, 2), (0, 1)])
-def test_forms_cross_the_backward_ops_as_they_were(fake, n_rows, n_cols):
+def test_forms_cross_the_backward_ops_as_they_were(fake, cols_fp8, n_rows, n_cols):
     """The backward ops' flat tensor lists give back the forms of grad_a and grad_b put in, for both GEMM backends
     (the scaled GEMM's forms are run nowhere on a CPU): rowwise ``(values,)`` / ``(data, scales)``, colwise
-    ``(values_t, poffs)`` / ``(data_t, scales, poffs)``, their padded offsets one tensor crossing once."""
+    ``(values_t, poffs)`` / ``(data_t, scales, poffs)`` (and the emulated GEMM's fp8 ones of ``dswiglu_cols_fp8``), their
+    padded offsets one tensor crossing once."""
     from moe_quant.autograd.swiglu_block_ops import _arity, _flat, _unflat
 
-    r, c = _arity(fake)
+    r, c = _arity(fake, cols_fp8)
     poffs = torch.arange(4)
     rows = [tuple(torch.full((2,), 10 * i + j) for j in range(r)) for i in range(n_rows)]
     cols = [(*(torch.full((3,), 100 + 10 * i + j) for j in range(c - 1)), poffs) for i in range(n_cols)]
     flat = _flat(rows, cols)
     assert len({id(t) for t in flat}) == len(flat)  # no tensor twice (an op may not return one twice)
-    back_rows, back_cols = _unflat(flat, n_rows, n_cols, fake)
+    back_rows, back_cols = _unflat(flat, n_rows, n_cols, fake, cols_fp8)
     assert [tuple(map(id, f)) for f in back_rows] == [tuple(map(id, f)) for f in rows]
     assert [tuple(map(id, f)) for f in back_cols] == [tuple(map(id, f)) for f in cols]
 
