@@ -1,7 +1,8 @@
 """Bandwidth of the SwiGLU expert block's fused quantization passes (``dual``, ``swiglu``, ``dswiglu``) against a
 memcpy and against the unfused passes they replace, measured in the same run.
 
-    python -m benchmarks.bench_block_kernels [--shapes 98304x1408x64,16384x7168x8] [--out fake,mxfp8] [--json PATH]
+    python -m benchmarks.bench_block_kernels [--shapes 98304x1408x64,16384x7168x8] [--out fake,mxfp8,fp8cols]
+        [--json PATH]
 
 Each shape is ``MxRxG``: M tokens in G ragged groups (``bench_quantize.group_offsets``), R columns (R = D for ``dual``'s x or grad_y, R = H for
 ``swiglu``'s and ``dswiglu``'s tensors; every op runs at every shape). The defaults are torchtitan's DeepSeek-V3
@@ -11,7 +12,9 @@ each call, inputs rotated), TB/s over the bytes it must move (inputs read once; 
 rowwise values or fp8 data + M-groups scales, colwise values or data + K-groups scales, padding included, and
 the padded offsets), % of a bf16 memcpy of an (M, R) tensor in the same run, and the unfused equivalent: the
 1x32 and 32x1 kernels of each output tensor (for ``swiglu`` / ``dswiglu`` after PyTorch's SwiGLU ops), the
-same bytes at the end.
+same bytes at the end. ``--out fp8cols``: ``dswiglu`` alone, its ``cols_fp8`` variant (the block's backward on the
+emulated GEMM since 2026-12-03: rowwise bf16 values, colwise fp8 data + K-groups scales), the kernel's op timed (its
+blocked scales, not unblocked).
 """
 
 from __future__ import annotations
@@ -49,30 +52,37 @@ def shapes_arg(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def form_bytes(m: int, r: int, g: int, fake: bool) -> int:
-    """Bytes one output tensor's two forms occupy: rowwise (M, R) and colwise (R, Mp), scales with padding."""
+def form_bytes(m: int, r: int, g: int, fake: bool, cols_fp8: bool = False) -> int:
+    """Bytes one output tensor's two forms occupy: rowwise (M, R) and colwise (R, Mp), scales with padding;
+    ``cols_fp8`` (with ``fake``): the colwise form fp8 data and K-groups scales."""
     mp = layouts.k_groups_padded_len(m, g)
-    if fake:
-        return 2 * m * r + 2 * r * mp
     rs, cs = layouts.m_groups_blocked_shape(m, r // BLOCK_SIZE, g), layouts.k_groups_blocked_shape(r, m, g)
+    if fake:
+        return 2 * m * r + (r * mp + cs[0] * cs[1] if cols_fp8 else 2 * r * mp)
     return m * r + rs[0] * rs[1] + r * mp + cs[0] * cs[1]
 
 
-def op_bytes(op: str, m: int, r: int, g: int, fake: bool) -> int:
-    return 2 * m * r * N_INPUTS[op] + N_OUTPUTS[op] * form_bytes(m, r, g, fake) + 4 * g
+def op_bytes(op: str, m: int, r: int, g: int, fake: bool, cols_fp8: bool = False) -> int:
+    return 2 * m * r * N_INPUTS[op] + N_OUTPUTS[op] * form_bytes(m, r, g, fake, cols_fp8) + 4 * g
 
 
-def fused(op: str, offs, fake: bool):
+def fused(op: str, offs, fake: bool, cols_fp8: bool = False):
+    if cols_fp8:  # the kernel's op (bq.dswiglu would unblock its scales too)
+        from moe_quant.kernels.block import ops as ops_block
+
+        return lambda t: ops_block.block_dswiglu(*t, MODE, offs, True, cols_fp8=True)
     fn = getattr(bq, op)
     return lambda t: fn(*t, MODE, offs, fake)
 
 
-def unfused(op: str, offs, fake: bool):
+def unfused(op: str, offs, fake: bool, cols_fp8: bool = False):
     """The same forms by PyTorch's SwiGLU ops and the per-GEMM quantizers (the 1x32 and the 32x1 kernel, one read
     each), as the per-GEMM path makes them: what the fused op replaces."""
     def forms(x, mode, offs, fake):
         if fake:
-            return q.fake_rowwise(x, mode, torch.bfloat16), q.fake_colwise_k_groups(x, offs, mode, torch.bfloat16)
+            col = q.colwise_k_groups(x, offs, mode) if cols_fp8 else q.fake_colwise_k_groups(x, offs, mode,
+                                                                                            torch.bfloat16)
+            return q.fake_rowwise(x, mode, torch.bfloat16), col
         return q.rowwise(x, mode, offs), q.colwise_k_groups(x, offs, mode)
 
     if op == "dual":
@@ -91,17 +101,19 @@ def time_shape(m: int, r: int, g: int, outs, with_unfused: bool = True) -> list[
     rot = Rotating(lambda: tuple(torch.randn(m, r, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
     record = []
     for out in outs:
-        fake = out == "fake"
+        fake, cols_fp8 = out in ("fake", "fp8cols"), out == "fp8cols"
         for op in OPS:
+            if cols_fp8 and op != "dswiglu":
+                continue
             n = N_INPUTS[op]
-            f = fused(op, offs, fake)
-            u = unfused(op, offs, fake) if with_unfused else None
+            f = fused(op, offs, fake, cols_fp8)
+            u = unfused(op, offs, fake, cols_fp8) if with_unfused else None
             f(rot.next()[:n])
             if u is not None:
                 u(rot.next()[:n])
             us = bench_us(lambda: f(rot.next()[:n]))
             uus = bench_us(lambda: u(rot.next()[:n])) if u is not None else None
-            nb = op_bytes(op, m, r, g, fake)
+            nb = op_bytes(op, m, r, g, fake, cols_fp8)
             record.append({"op": op, "m": m, "r": r, "g": g, "out": out, "us": us, "tbps": tbps(nb, us),
                            "pct_memcpy": 100 * tbps(nb, us) / cp, "unfused_us": uus, "memcpy_tbps": cp})
     del rot
@@ -125,8 +137,9 @@ def run(shapes, outs) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=prog_name(), description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=shapes_arg, default=list(DEFAULT_SHAPES))
-    p.add_argument("--out", type=cli.comma_choices("fake", "mxfp8"), default=["fake"],
-                   help="fake: the dequantized bf16 values (Hopper's emulated GEMM); mxfp8: fp8 data + scales")
+    p.add_argument("--out", type=cli.comma_choices("fake", "mxfp8", "fp8cols"), default=["fake"],
+                   help="fake: the dequantized bf16 values (Hopper's emulated GEMM); mxfp8: fp8 data + scales; "
+                        "fp8cols: dswiglu's cols_fp8 variant (bf16 rowwise, fp8 colwise forms)")
     p.add_argument("--json", type=cli.writable_file, default=None)
     args = p.parse_args(argv)
     require_cuda(argv)

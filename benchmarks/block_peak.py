@@ -48,7 +48,8 @@ KERNELS = [(q, name, "kernel:" + name) for name in (
     "dequantize_rows", "fake_3d", "scaled_3d")] + [(bq, name, "kernel:" + name) for name in (
         "dual", "swiglu", "dswiglu", "dswiglu_stacked")]
 GEMMS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")
-VARIANTS = {"bf16": bench_block.bf16_block, **{v: bench_block.VARIANTS[v] for v in ("unfused", "fused")}}
+VARIANTS = {"bf16": bench_block.bf16_block,
+            **{v: bench_block.VARIANTS[v] for v in ("unfused", "fused", "fused-bf16cols")}}
 
 
 def _swiglu_colwise_as_kernels(a, b, mode, offs, fake):

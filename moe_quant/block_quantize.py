@@ -14,7 +14,9 @@ that point:
   w2's wgrad operand); ``h`` itself is never written. :func:`swiglu_colwise` -- the same in the backward, for
   w2's wgrad operand alone (the block keeps ``a`` and ``b``, not h's colwise form).
 * :func:`dswiglu` -- the SwiGLU backward: ``grad_a`` and ``grad_b`` from ``grad_h``, ``a``, ``b``, each in
-  both forms (w1 / w3 dgrad and wgrad operands).
+  both forms (w1 / w3 dgrad and wgrad operands); for the emulated GEMM with ``cols_fp8`` the colwise forms in fp8
+  and scales as :func:`colwise_kept` makes them (H + H/32 bytes a padded row instead of 2H while the backward holds
+  them), each read back by :func:`colwise_operand` just before its GEMM.
 
 A *form* is a tuple of tensors, as the GEMM backend takes it:
 
@@ -59,14 +61,17 @@ def rows_in_groups(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, raw, torch.zeros((), dtype=raw.dtype, device=t.device)).view(t.dtype)
 
 
-def _separate_forms(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool):
+def _separate_forms(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool, cols_fp8: bool = False):
     """Both forms by the per-GEMM quantizers (:mod:`moe_quant.quantize`: the reference, or the 1x32 and
-    32x1 kernels where they serve): two reads of ``x``. The oracle of the fused kernels."""
+    32x1 kernels where they serve): two reads of ``x``. The oracle of the fused kernels. ``cols_fp8`` (with
+    ``fake``): the colwise form as :func:`colwise_kept` makes it (fp8, plain scales)."""
     if fake:
         row = (rows_in_groups(q.fake_quantize_rowwise(x, mode), offs),)
     else:
         data, scales = q.quantize_rowwise(x, mode, offs)
         row = (rows_in_groups(data, offs), scales)
+    if fake and cols_fp8:  # colwise_kept's form
+        return row, tuple(q.colwise_k_groups_plain(x, offs, mode))
     return row, _colwise_form(x, mode, offs, fake)
 
 
@@ -153,30 +158,52 @@ def swiglu_colwise(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torc
     return _colwise_form(reference.swiglu(a, b), mode, offs, fake)
 
 
+def _plain_scales(blocked: torch.Tensor, offs: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A colwise form's K-groups blocked scales (the kernels') as :func:`colwise_kept`'s plain ones, ``like`` the
+    ``(M, R)`` tensor the form is of (as :func:`moe_quant.quantize.colwise_k_groups_plain` unblocks the 32x1
+    kernel's)."""
+    return layouts.unblock_k_groups(blocked, offs, like.shape[1], like.shape[0])
+
+
 def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor,
-            fake: bool):
+            fake: bool, cols_fp8: bool = False):
     """``((rowwise, colwise) of grad_a, (rowwise, colwise) of grad_b)`` of the SwiGLU backward
-    (:func:`moe_quant.reference.dswiglu`), without writing ``grad_a`` or ``grad_b``."""
+    (:func:`moe_quant.reference.dswiglu`), without writing ``grad_a`` or ``grad_b``. ``cols_fp8`` (with ``fake``):
+    the colwise forms as :func:`colwise_kept` makes them, ``(data_t (R, Mp) e4m3, plain scales (R, Mp/32), poffs)``
+    (:func:`colwise_operand` gives the emulated GEMM's from it, the same values bit for bit), the rowwise forms
+    the bf16 values as without it."""
+    cols_fp8 = cols_fp8 and fake
     if _kernels_serve(grad_h, a, b):
         from .kernels.block import ops as ops_block
 
-        return tuple(_kernel_forms(ops_block.block_dswiglu(grad_h, a, b, mode, offs, fake), fake))
+        outs = ops_block.block_dswiglu(grad_h, a, b, mode, offs, fake, cols_fp8=cols_fp8)
+        if not cols_fp8:
+            return tuple(_kernel_forms(outs, fake))
+        poffs = outs[-1]  # per output [row values, col data, col blocked scales]
+        return tuple(((outs[i],), (outs[i + 1], _plain_scales(outs[i + 2], offs, grad_h), poffs)) for i in (0, 3))
     grad_a, grad_b = reference.dswiglu(grad_h, a, b)
-    return _separate_forms(grad_a, mode, offs, fake), _separate_forms(grad_b, mode, offs, fake)
+    return _separate_forms(grad_a, mode, offs, fake, cols_fp8), _separate_forms(grad_b, mode, offs, fake, cols_fp8)
 
 
-def dswiglu_stacked(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor):
+def dswiglu_stacked(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor,
+                    cols_fp8: bool = False):
     """:func:`dswiglu` on the emulated GEMM for a concatenated gate-up weight: ``(rowwise form, colwise form)``
     of ``[grad_a | grad_b]`` (dx's and dW13's operands), equal to :func:`concat_rowwise` and
     :func:`concat_colwise` of grad_a's and grad_b's forms; the kernel writes each half in place (no
-    concatenation copy)."""
+    concatenation copy). ``cols_fp8``: the colwise form ``(data_t (2R, Mp) e4m3, plain scales (2R, Mp/32),
+    poffs)`` (the halves' scales, unblocked, concatenated: 1/32 of the data's bytes)."""
     if _kernels_serve(grad_h, a, b):
         from .kernels.block import ops as ops_block
 
-        row, col, poffs = ops_block.block_dswiglu(grad_h, a, b, mode, offs, True, stacked=True)
-        return (row,), (col, poffs)
-    (row_a, col_a), (row_b, col_b) = dswiglu(grad_h, a, b, mode, offs, True)
-    return concat_rowwise(row_a, row_b), concat_colwise(col_a, col_b)
+        outs = ops_block.block_dswiglu(grad_h, a, b, mode, offs, True, stacked=True, cols_fp8=cols_fp8)
+        if not cols_fp8:
+            row, col, poffs = outs
+            return (row,), (col, poffs)
+        row, col, scales_a, scales_b, poffs = outs
+        scales = torch.cat([_plain_scales(s, offs, grad_h) for s in (scales_a, scales_b)])
+        return (row,), (col, scales, poffs)
+    (row_a, col_a), (row_b, col_b) = dswiglu(grad_h, a, b, mode, offs, True, cols_fp8)
+    return concat_rowwise(row_a, row_b), concat_colwise(col_a, col_b, cols_fp8)
 
 
 def concat_rowwise(a: tuple, b: tuple) -> tuple:
@@ -189,9 +216,12 @@ def concat_rowwise(a: tuple, b: tuple) -> tuple:
     return torch.cat([a[0], b[0]], dim=1), layouts.concat_blocked_cols(a[1], b[1], a[0].shape[1] // BLOCK_SIZE)
 
 
-def concat_colwise(a: tuple, b: tuple) -> tuple | None:
+def concat_colwise(a: tuple, b: tuple, plain: bool = False) -> tuple | None:
     """The emulated colwise form of ``[A | B]`` from those of ``A`` and ``B`` (values stacked along rows, same
-    padded offsets); None for scaled forms, whose K-groups scale buffer is group-major (no plain stacking)."""
+    padded offsets); ``plain``: of :func:`colwise_kept`'s forms (fp8 data and plain scales, each stacked along
+    rows); None for scaled forms, whose K-groups scale buffer is group-major (no plain stacking)."""
+    if plain:
+        return torch.cat([a[0], b[0]], dim=0), torch.cat([a[1], b[1]], dim=0), a[2]
     if len(a) != 2:
         return None
     return torch.cat([a[0], b[0]], dim=0), a[1]

@@ -149,6 +149,12 @@ def _(offs, total):
     return torch.empty_like(offs)
 
 
+def check_bool(name: str, value) -> None:
+    """``TypeError`` naming the option ``name`` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_grouped_mm_args(A, W_t, offs, out_dtype, validate_offsets: bool | None) -> torch.Tensor:
     """Inputs of ``mxfp8_grouped_mm``: A (M, K), W_t (E, K, N), offs (E,) int32; returns ``offs``
     as :func:`check_offsets` does."""

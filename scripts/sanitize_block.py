@@ -7,7 +7,8 @@ each also checked byte for byte against the reference.
 Ragged groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000, R % 128 != 0, rows past the
 last group. Without ``--candidate`` every op runs its default variants (since 2026-12-02: swiglu and dswiglu lean,
 dswiglu's two outputs in one CTA; since 2026-12-03 their signed residual, bf16 outputs rounded on the packed words,
-fp8 outputs' flat scale stores). ``--candidate NAME`` (of ``block.config.candidates``, e.g. ``pre-round``, the
+fp8 outputs' flat scale stores), and dswiglu its ``cols_fp8`` variants (bf16 rowwise, fp8 colwise forms: the block's
+backward on the emulated GEMM since 2026-12-03), stacked and not; ``--candidate`` leaves those as they are. ``--candidate NAME`` (of ``block.config.candidates``, e.g. ``pre-round``, the
 SwiGLU ops' former default with bf16 outputs): every block variant that has that A/B candidate launches it instead
 (``ops.candidate_in_place``).
 """
@@ -61,6 +62,16 @@ def case(name, m, r, offs_list, mode=ScaleMode.RCEIL):
             row, col, poffs = ops_block.block_dswiglu(g, a, b, mode, offs, True, stacked=True)
             ok &= same(row, torch.cat([ra[0], rb[0]], dim=1)) and same(col, torch.cat([ca[0], cb[0]]))
             ok &= same(poffs, ca[1])
+            # cols_fp8 (the block's backward on the emulated GEMM): bf16 rowwise values, fp8 colwise forms and
+            # K-groups scales (the fp8 reference's colwise forms), unstacked and stacked
+            fa, fb = (bq._separate_forms(t.cpu(), mode, clean, False)[1] for t in (grad_a, grad_b))
+            outs = ops_block.block_dswiglu(g, a, b, mode, offs, True, cols_fp8=True)
+            ok &= same_forms([outs[0:1], outs[1:3], outs[3:4], outs[4:6], outs[6:]],
+                             [ra, fa[:2], rb, fb[:2], fa[2:]])
+            row, col, scales_a, scales_b, poffs = ops_block.block_dswiglu(g, a, b, mode, offs, True, stacked=True,
+                                                                          cols_fp8=True)
+            ok &= same(row, torch.cat([ra[0], rb[0]], dim=1)) and same(col, torch.cat([fa[0], fb[0]]))
+            ok &= same(scales_a, fa[1]) and same(scales_b, fb[1]) and same(poffs, fa[2])
     torch.cuda.synchronize()
     print(f"{name:44s} {'ok' if ok else 'MISMATCH'}", flush=True)
     return ok

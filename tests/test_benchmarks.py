@@ -383,6 +383,20 @@ def test_block_kernel_bytes_are_the_ops_inputs_and_outputs(op, fake):
     assert bbk.op_bytes(op, m, r, g, fake) == 2 * m * r * len(xs) + written
 
 
+def test_block_kernel_bytes_of_the_cols_fp8_dswiglu_are_its_op_outputs():
+    """``--out fp8cols``: the cols_fp8 dswiglu op's bytes, its inputs once and every buffer it returns (the op's fake
+    outputs: bf16 rowwise values, fp8 colwise data, K-groups blocked scales, padded offsets)."""
+    from benchmarks import bench_block_kernels as bbk
+    from moe_quant.kernels.block import ops as ops_block
+
+    m, r, g = 300, 96, 5
+    offs = torch.tensor([0, 40, 41, 200, 300], dtype=torch.int32)
+    outs = ops_block._fake_outputs("dswiglu", torch.empty(m, r, dtype=torch.bfloat16), offs, True, False, True)
+    written = sum(t.numel() * t.element_size() for t in outs)
+    assert bbk.op_bytes("dswiglu", m, r, g, True, cols_fp8=True) == 2 * m * r * 3 + written
+    assert bbk.op_bytes("dswiglu", m, r, g, True, cols_fp8=True) < bbk.op_bytes("dswiglu", m, r, g, True)
+
+
 def test_block_kernel_shapes_argument():
     from benchmarks import bench_block_kernels as bbk
 

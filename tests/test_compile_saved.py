@@ -126,21 +126,48 @@ def test_backward_frees_a_b_and_x_form_before_the_gemms_that_do_not_read_them(co
     assert all(r() is None for r in ab + fp8)
 
 
-@pytest.mark.parametrize("fake", [True, False])
+@pytest.mark.parametrize("compile_backend,concat", [
+    ("aot_eager", False), ("inductor", False), ("aot_eager", True), ("inductor", True),
+])
+def test_fp8_colwise_forms_are_dequantized_each_after_the_gemm_before_it(compile_backend, concat):
+    """``dswiglu_cols_fp8`` (the default) compiled: grad_a's and grad_b's fp8 colwise forms (or the stacked one) are
+    each dequantized by an op of their own (``swiglu_block_bwd_cols_operand``: inside the GEMM's op the fp8 form would
+    live through the GEMM) that runs after the op before its weight gradient's (x's operand, made after dx's GEMMs;
+    then dW1's op), its GEMM's op next: the bf16 values never live beside a dx GEMM or the other weight's GEMM.
+    Inductor orders ops by their inputs alone, so the ops also take ``after`` inputs (x's operand, dW1) that pin this
+    order (without them inductor kept it too on torch 2.11 and 2.13, 2026-12-03: they guard against a scheduler that
+    moves an op whose inputs exist earlier, as it moved x's operand op once); this test fails where the block's order
+    changes (seen with both forms dequantized right after dSwiGLU)."""
+    x0, ws, offs = inputs(concat, True)
+    torch._dynamo.reset()
+    fn = torch.compile(block_of(concat), fullgraph=True, backend=compile_backend)
+    fn(x0.clone().requires_grad_(), *ws, offs).sum().backward()  # warm-up: forward and backward compiled
+    y = fn(x0.clone().requires_grad_(), *ws, offs)
+    with LiveAtEachGemm([]) as seen:
+        y.backward(torch.ones_like(y))
+    order = [name.split(".")[1].removeprefix("swiglu_block_bwd_") for name, _, _ in seen.calls
+             if "swiglu_block_bwd" in name]
+    per_weight = ["cols_operand", "wgrad"]
+    want = ["dswiglu"] + ["dgrad"] * (1 if concat else 2) + ["x_operand"] + per_weight * (1 if concat else 2)
+    assert order == want
+
+
+@pytest.mark.parametrize("fake,cols_fp8", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("n_rows,n_cols", [(2, 2), (1, 1), (2, 0), (0, 2), (0, 1)])
-def test_forms_cross_the_backward_ops_as_they_were(fake, n_rows, n_cols):
+def test_forms_cross_the_backward_ops_as_they_were(fake, cols_fp8, n_rows, n_cols):
     """The backward ops' flat tensor lists give back the forms of grad_a and grad_b put in, for both GEMM backends
     (the scaled GEMM's forms are run nowhere on a CPU): rowwise ``(values,)`` / ``(data, scales)``, colwise
-    ``(values_t, poffs)`` / ``(data_t, scales, poffs)``, their padded offsets one tensor crossing once."""
+    ``(values_t, poffs)`` / ``(data_t, scales, poffs)`` (and the emulated GEMM's fp8 ones of ``dswiglu_cols_fp8``), their
+    padded offsets one tensor crossing once."""
     from moe_quant.autograd.swiglu_block_ops import _arity, _flat, _unflat
 
-    r, c = _arity(fake)
+    r, c = _arity(fake, cols_fp8)
     poffs = torch.arange(4)
     rows = [tuple(torch.full((2,), 10 * i + j) for j in range(r)) for i in range(n_rows)]
     cols = [(*(torch.full((3,), 100 + 10 * i + j) for j in range(c - 1)), poffs) for i in range(n_cols)]
     flat = _flat(rows, cols)
     assert len({id(t) for t in flat}) == len(flat)  # no tensor twice (an op may not return one twice)
-    back_rows, back_cols = _unflat(flat, n_rows, n_cols, fake)
+    back_rows, back_cols = _unflat(flat, n_rows, n_cols, fake, cols_fp8)
     assert [tuple(map(id, f)) for f in back_rows] == [tuple(map(id, f)) for f in rows]
     assert [tuple(map(id, f)) for f in back_cols] == [tuple(map(id, f)) for f in cols]
 

@@ -254,17 +254,17 @@ def test_wire_bytes_per_token(ep2, ep4):
 def test_received_mxfp8_is_not_quantized_again(ep2):
     """The fused SwiGLU block runs on tokens that arrived in MXFP8 too and takes the received form as its x
     operand and the received output gradient as grad_y's rowwise form: 3 rowwise passes (h, grad_a,
-    grad_b) and 5 colwise ones (x once for w1 and w3, h, grad_y, grad_a, grad_b). Without the registry, or
-    with the bf16 wire, it quantizes x and grad_y itself (5 rowwise passes). (Before, received tokens took
-    the per-GEMM path: 3 rowwise but 6 colwise passes, x twice, and none of the fused passes.) The results
-    are bit-identical every way."""
+    grad_b) and 6 colwise ones (h in the forward and again in the backward, grad_y, and in fp8 x once for w1 and
+    w3, grad_a and grad_b: ``dswiglu_cols_fp8``). Without the registry, or with the bf16 wire, it quantizes x and
+    grad_y itself (5 rowwise passes). (Before, received tokens took the per-GEMM path: 3 rowwise but 6 colwise
+    passes, x twice, and none of the fused passes.) The results are bit-identical every way."""
     for r in ep2["mxfp8"]:
         assert r["fused_block_calls"] == 1, r
-        assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (3, 5), r
+        assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (3, 6), r
     for name in ("mxfp8_no_registry", "bf16_wire"):
         for r in ep2[name]:
             assert r["fused_block_calls"] == 1, (name, r)
-            assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (5, 5), (name, r)
+            assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (5, 6), (name, r)
             assert r["out_equal"] and r["xgrad_equal"], (name, r)
 
 

@@ -9,6 +9,7 @@ up as a mismatch.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -170,6 +171,59 @@ def test_dswiglu_stacked_long_tails_and_bad_offsets(m, r, offs_list):
         check_stacked(outs, g, a, b, offs, mode, f"stacked M={m} R={r} offs={offs_list}")
 
 
+def check_cols_fp8(outs, g, a, b, offs, mode, stacked, what):
+    """``block_dswiglu(..., True, stacked=stacked, cols_fp8=True)`` (the ``cols_fp8`` variants), every byte (the
+    buffers are poisoned): the rowwise forms the bf16 values of the reference (``(M, 2R)`` with ``stacked``), the
+    colwise forms the fp8 data and K-groups blocked scales of the reference's 32x1 quantizer (``quantize``'s K-groups,
+    padding and the scale tail included; data stacked along rows with ``stacked``), and the padded offsets."""
+    grad_a, grad_b = reference.dswiglu(g, a, b)
+    rows = [reference_forms(t, offs, mode, True)[0][0] for t in (grad_a, grad_b)]
+    cols = [reference_forms(t, offs, mode, False)[1] for t in (grad_a, grad_b)]  # (data_t, blocked scales, poffs)
+    if stacked:
+        assert len(outs) == 5, f"{what}: {len(outs)} outputs"
+        row, col, scales_a, scales_b, poffs = outs
+        assert_bytes_equal(row, torch.cat(rows, dim=1), f"{what} stacked rowwise")
+        assert_bytes_equal(col, torch.cat([cols[0][0], cols[1][0]]), f"{what} stacked colwise data")
+        got = [(scales_a, "grad_a"), (scales_b, "grad_b")]
+    else:
+        assert len(outs) == 7, f"{what}: {len(outs)} outputs"
+        poffs = outs[-1]
+        for o, name in enumerate(("grad_a", "grad_b")):
+            assert_bytes_equal(outs[3 * o], rows[o], f"{what} {name} rowwise values")
+            assert_bytes_equal(outs[3 * o + 1], cols[o][0], f"{what} {name} colwise data")
+        got = [(outs[2], "grad_a"), (outs[5], "grad_b")]
+    for (scales, name), want in zip(got, cols):
+        assert_bytes_equal(scales, want[1], f"{what} {name} colwise K-groups scales")
+    assert_bytes_equal(poffs, cols[0][2], f"{what} padded offs")
+
+
+@given(**{k: v for k, v in settings_common.items() if k != "fake"}, stacked=st.booleans())
+def test_dswiglu_cols_fp8(groups, r, dist, mode, seed, bad_offs, stacked):
+    offs, m = make_offs(*groups, bad_offs)
+    g, a, b = inputs(3, m, r, dist, seed)
+    outs = ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), True, stacked=stacked, cols_fp8=True)
+    check_cols_fp8(outs, g, a, b, offs, mode, stacked, "dswiglu cols_fp8")
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("m,r,offs_list", [
+    (0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1]),  # the zero-fill path, all groups empty
+    (1000, 96, [3, 3, 63]),  # 937 rows past the end: several tail chunks
+    (700, 544, [129]),  # R % 128 != 0, ragged tail tile
+    (300, 160, [100, 700, 50, -5, 10**6, 299]),  # offsets past M, decreasing, negative
+    (260, 32, [257, 256]),  # decreasing, 3 rows past the end
+])
+def test_dswiglu_cols_fp8_tails_degenerate_shapes_and_bad_offsets(stacked, m, r, offs_list):
+    """The cols_fp8 variants' tail CTAs: the bf16 rowwise rows past the last group's end zeroed (both halves of the
+    stacked buffer), the colwise data tail and the K-groups scale tail zeroed as the fp8 outputs' are, no M-groups
+    scales; M = 0, G = 0 and empty groups through the zero-fill path; whatever offs holds."""
+    offs = torch.tensor(offs_list, dtype=torch.int32)
+    for mode in ScaleMode:
+        g, a, b = inputs(3, m, r, "wide", m + r)
+        outs = ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), True, stacked=stacked, cols_fp8=True)
+        check_cols_fp8(outs, g, a, b, offs, mode, stacked, f"cols_fp8 M={m} R={r} offs={offs_list}")
+
+
 @pytest.mark.parametrize("op", ["dual", "swiglu", "dswiglu"])
 @pytest.mark.parametrize("m,r,sizes", [(0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1])])
 def test_degenerate_shapes(op, m, r, sizes):
@@ -199,7 +253,7 @@ def test_candidates_match_reference(cand):
     columns than one tile, on values whose ``a`` stays in the fast path's range (normal), crosses it (wide:
     magnitudes to 2^127), holds NaN and Inf, bf16 subnormals, and a tile of the range's ends (-80, -80.5, -0, bf16
     max, +-Inf), normal values on 6 column tiles; then offsets past M, negative and decreasing, long tails, and M =
-    0."""
+    0. With the default, the cols_fp8 dswiglu variants too (bf16 rowwise, fp8 colwise forms; stacked and not)."""
     import contextlib
 
     with contextlib.ExitStack() as stack:
@@ -214,6 +268,8 @@ def test_candidates_match_reference(cand):
         bf16_fields = config_block.candidates("dswiglu", "bfloat16").get(cand)
         stacked_checked = not fields or bf16_fields is not None and config_block.Variant(
             "dswiglu", "bfloat16", "rceil", "bfloat16", stacked=True, **bf16_fields) in config_block.candidate_variants()
+        # the cols_fp8 variants are no candidate's (ops.candidate_in_place leaves them): checked with the default
+        cols_fp8_checked = not fields
         sizes, tail, r = [0, 1, 127, 129, 300], 13, 288
         offs = offsets_from_sizes(sizes)
         m = sum(sizes) + tail
@@ -246,6 +302,10 @@ def test_candidates_match_reference(cand):
                 if "dswiglu" in served and stacked_checked:
                     outs = ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), True, stacked=True)
                     check_stacked(outs, g, a, b, offs, mode, f"dswiglu stacked {what}")
+                if "dswiglu" in served and cols_fp8_checked:  # the cols_fp8 variants (the default's: their own)
+                    for stacked in (False, True):
+                        outs = ops_block.block_dswiglu(g, a, b, mode, offs.cuda(), True, stacked=stacked, cols_fp8=True)
+                        check_cols_fp8(outs, g, a, b, offs, mode, stacked, f"dswiglu cols_fp8 {what}")
 
 
 @pytest.mark.parametrize("cand,out", [(name, o) for o in config_block.OUT_DTYPES
@@ -397,9 +457,10 @@ def test_swiglu_math_matches_pytorch_on_random_triples(seed):
 # ----------------------------------------------------------------------------- the block end to end
 
 
+@pytest.mark.parametrize("cols_fp8", [True, False])
 @pytest.mark.parametrize("backend", ["emulated", "auto"])
 @pytest.mark.parametrize("sizes,tail", [([300, 0, 129, 33], 7), ([1000], 0), ([0, 0], 3)])
-def test_block_equals_unfused_on_gpu(backend, sizes, tail):
+def test_block_equals_unfused_on_gpu(backend, sizes, tail, cols_fp8):
     g = torch.Generator().manual_seed(0)
     d, h, e = 256, 192, len(sizes)
     m = sum(sizes) + tail
@@ -409,7 +470,7 @@ def test_block_equals_unfused_on_gpu(backend, sizes, tail):
     gy = torch.randn(m, d, generator=g).bfloat16().cuda()
     offs = offsets_from_sizes(sizes, "cuda")
     res = []
-    for fn in (mxfp8_swiglu_experts, swiglu_experts_unfused):
+    for fn in (functools.partial(mxfp8_swiglu_experts, dswiglu_cols_fp8=cols_fp8), swiglu_experts_unfused):
         for t in (x, *ws):
             t.grad = None
         y = fn(x, *ws, offs, backend=backend)
@@ -443,9 +504,10 @@ def test_block_compiles_fullgraph_on_gpu(compile_backend):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
 
 
+@pytest.mark.parametrize("cols_fp8", [True, False])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("sizes,tail", [([300, 0, 129, 33], 7), ([0, 0], 3)])
-def test_w13_block_equals_its_per_gemm_form_on_gpu(compiled, sizes, tail):
+def test_w13_block_equals_its_per_gemm_form_on_gpu(compiled, sizes, tail, cols_fp8):
     """The concatenated-weight block (its dW13 from the stacked colwise form the kernel writes in place)
     against its per-GEMM form, eager and compiled (``fullgraph``: the stacked op's fake implementation)."""
     from moe_quant import mxfp8_swiglu_experts_w13, swiglu_experts_w13_unfused
@@ -458,7 +520,7 @@ def test_w13_block_equals_its_per_gemm_form_on_gpu(compiled, sizes, tail):
           for s in ((e, 2 * h, d), (e, d, h))]
     gy = torch.randn(m, d, generator=g).bfloat16().cuda()
     offs = offsets_from_sizes(sizes, "cuda")
-    block = mxfp8_swiglu_experts_w13
+    block = functools.partial(mxfp8_swiglu_experts_w13, dswiglu_cols_fp8=cols_fp8)
     if compiled:
         torch._dynamo.reset()
         block = torch.compile(block, fullgraph=True, backend="aot_eager")

@@ -419,6 +419,28 @@ def test_permute_variant_in_place_reaches_every_op(launches):
         assert log[-1] == cand, f"{v}: the op launched {log[-1]}"
 
 
+def test_block_cols_fp8_variants_are_their_own_and_refuse_what_they_cannot_do():
+    """``cols_fp8`` (dswiglu with bf16 outputs: fp8 colwise forms beside bf16 rowwise ones) is a variant of its own in
+    both modes, stacked and not (compile-checked in CI: ``all_variants``), with its own key: both forms quantized from
+    the words (no round_bf16), its colwise scale bytes by flat stores; the combinations it does not implement raise,
+    naming the field."""
+    own = [v for v in config_block.all_variants() if v.cols_fp8]
+    assert sorted((v.mode, v.stacked) for v in own) == [("floor", False), ("floor", True), ("rceil", False),
+                                                        ("rceil", True)]
+    v = config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", cols_fp8=True)
+    assert v.key == "dswiglu-bfloat16-rceil-bfloat16-staged-fastdiv-fused-lean-sres-flat-stageswizzled-fp8cols"
+    assert v.fake and v.fp8_cols and not v.round_bf16 and v.flat_scales and v.fused_grads
+    assert not config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16").fp8_cols
+    for kw, match in ((dict(op="swiglu"), "cols_fp8 writes fp8 colwise forms"),
+                      (dict(out_dtype="float8_e4m3fn"), "cols_fp8 writes fp8 colwise forms"),
+                      (dict(round_bf16=True), "round_bf16, gather_scales and colwise_smem must be off"),
+                      (dict(colwise_smem=True), "round_bf16, gather_scales and colwise_smem must be off"),
+                      (dict(gather_scales=True), "round_bf16, gather_scales and colwise_smem must be off")):
+        args = {**dict(op="dswiglu", in_dtype="bfloat16", mode="rceil", out_dtype="bfloat16", cols_fp8=True), **kw}
+        with pytest.raises(ValueError, match=match):
+            config_block.Variant(**args)
+
+
 def test_block_variant_in_place_reaches_every_op(launches):
     import torch
 
@@ -433,9 +455,9 @@ def test_block_variant_in_place_reaches_every_op(launches):
         cand = v.replace(staged=False, fast_div=False, lean=False, fused_grads=False, **config_block.PRE_1203)
         assert cand != v
         with ops_block.variant_in_place(cand, cpu):
-            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)
+            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked, v.cols_fp8)
         assert log[-1] == cand, f"{v}: the op launched {log[-1]}"
-        ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)
+        ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked, v.cols_fp8)
         assert log[-1] == v
 
 
@@ -489,16 +511,18 @@ def test_block_candidate_in_place_reaches_the_ops_that_have_it(launches, name):
         served = ops_block.candidate_in_place(stack, name, cpu)
         assert served
         for v in config_block.all_variants():
-            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked)
+            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked, v.cols_fp8)
             fields = config_block.candidates(v.op, v.out_dtype).get(name)
-            want = v.replace(**fields) if fields else v
-            if v.stacked and want.replace(mode="rceil") not in checked:
-                want = v
+            want = v
+            if fields and (not (v.stacked or v.cols_fp8) or ops_block._compile_checked(v, fields, checked)):
+                want = v.replace(**fields)
             assert log[-1] == want, (name, v, log[-1])
-    # the default's fused dswiglu runs where no candidate is put in place: dual's candidate, and the stacked op under
-    # registers (whose stacked variant is not compile-checked)
-    assert {v.fused_grads for v in log if v.op == "dswiglu" and not v.stacked} == {name == "lean-c3"}
-    assert {v.fused_grads for v in log if v.stacked} == {name in ("lean-c3", "registers")}
+    # the default's fused dswiglu runs where no candidate is put in place: dual's candidate, the stacked op under
+    # registers (whose stacked variant is not compile-checked), and the cols_fp8 ops under every candidate (none has one)
+    own = [v for v in log if v.op == "dswiglu" and not v.cols_fp8]
+    assert {v.fused_grads for v in own if not v.stacked} == {name == "lean-c3"}
+    assert {v.fused_grads for v in own if v.stacked} == {name in ("lean-c3", "registers")}
+    assert {v.fused_grads for v in log if v.cols_fp8} == {True}
 
 
 def test_block_stage_places_are_row_slots_coalesced_and_conflict_free():

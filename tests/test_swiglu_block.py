@@ -95,8 +95,9 @@ def test_block_path_taken_and_unfused_path_not(monkeypatch):
     calls.clear()
     run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
     # x: rowwise once for w1 and w3 and its colwise form kept (forward), read back once for their wgrads
-    # (backward); h's forms from a and b in forward, its colwise form again in backward; grad_y both at once
-    assert counts.n == {"rowwise": 1, "colwise": 0, "colwise_kept": 1, "colwise_operand": 1, "dual": 1, "swiglu": 1,
+    # (backward); h's forms from a and b in forward, its colwise form again in backward; grad_y both at once;
+    # grad_a's and grad_b's colwise forms made in fp8 by dSwiGLU and each read back once (dswiglu_cols_fp8)
+    assert counts.n == {"rowwise": 1, "colwise": 0, "colwise_kept": 1, "colwise_operand": 3, "dual": 1, "swiglu": 1,
                         "swiglu_colwise": 1, "dswiglu": 1}
     assert not calls
 
@@ -227,13 +228,14 @@ def test_double_backward_raises():
         (lambda a: a.update(offs=torch.tensor([5, 999], dtype=torch.int32)), ValueError, "past the number of rows"),
         (lambda a: a.update(scale_mode="nearest"), ValueError, "scale_mode"),
         (lambda a: a.update(backend="scaled"), ValueError, "backend='scaled'"),
+        (lambda a: a.update(dswiglu_cols_fp8=1), TypeError, "dswiglu_cols_fp8 must be a bool, got int"),
     ],
 )
 def test_bad_arguments(change, err, match):
     x, w1, w3, w2, offs, _ = make_block([10, 20], 0, 64, 32, 9)
     args = dict(x=x, w1=w1, w3=w3, w2=w2, offs=offs)
     change(args)
-    kw = {k: args.pop(k) for k in ("scale_mode", "backend") if k in args}
+    kw = {k: args.pop(k) for k in ("scale_mode", "backend", "dswiglu_cols_fp8") if k in args}
     with pytest.raises(err, match=match):
         mxfp8_swiglu_experts(args["x"], args["w1"], args["w3"], args["w2"], args["offs"], **kw)
 
@@ -332,11 +334,137 @@ def test_block_frees_a_and_b_once_dswiglu_read_them(monkeypatch):
     want = run(swiglu_experts_unfused, x, w1, w3, w2, offs, gy)
     got = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
     assert_bits_equal(got, want, 110)
-    assert alive_then == [[False, False]], alive_then
+    # x's form read back, then grad_a's and grad_b's fp8 colwise forms (dswiglu_cols_fp8)
+    assert alive_then == [[False, False]] * 3, alive_then
     seen.clear(), alive_then.clear()
     y = mxfp8_swiglu_experts(x, w1, w3, w2, offs)
     first = torch.autograd.grad(y, (x, w1, w3, w2), gy, retain_graph=True)
     second = torch.autograd.grad(y, (x, w1, w3, w2), gy)
-    assert alive_then == [[True, True], [False, False]], alive_then  # kept while the graph is retained
+    assert alive_then == [[True, True]] * 3 + [[False, False]] * 3, alive_then  # kept while the graph is retained
     assert_bits_equal([y.detach(), *first], want, 110)  # rows past the groups' end are unspecified
     assert_bits_equal([y.detach(), *second], want, 110)
+
+
+# ----------------------------------------------------------------------------- dswiglu_cols_fp8: grad_a's and grad_b's
+# colwise forms in fp8 until their weight gradients' GEMMs (issue 54)
+
+
+def _w13_block(x, w1, w3, w2, offs, **kw):
+    from moe_quant import mxfp8_swiglu_experts_w13
+
+    return mxfp8_swiglu_experts_w13(x, torch.cat([w1, w3], dim=1), w2, offs, **kw)
+
+
+@pytest.mark.parametrize("concat", [False, True])
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager", "inductor"])
+def test_dswiglu_cols_fp8_gives_the_same_bits_on_and_off(compile_backend, concat):
+    """The switch changes where grad_a's and grad_b's colwise forms are bf16 (from dSwiGLU on, or only from just before
+    their weight gradients' GEMMs), never a bit of the output or a gradient: eager and compiled, separate and
+    concatenated gate-up weights, an empty group and rows past the last group."""
+    block = _w13_block if concat else mxfp8_swiglu_experts
+    sizes, tail = [96, 0, 33, 160], 5
+    x, w1, w3, w2, offs, gy = make_block(sizes, tail, 64, 96, 3)
+    got = {}
+    for on in (True, False):
+        fn = block
+        if compile_backend:
+            torch._dynamo.reset()
+            fn = torch.compile(block, fullgraph=True, backend=compile_backend)
+        got[on] = run(fn, x, w1, w3, w2, offs, gy, dswiglu_cols_fp8=on)
+    assert got[True][2].abs().sum() > 0 and got[True][3].abs().sum() > 0  # precondition: dW1 and dW3 made
+    assert_bits_equal(got[True], got[False], sum(sizes))
+    if not concat:
+        assert_bits_equal(got[True], run(swiglu_experts_unfused, x, w1, w3, w2, offs, gy), sum(sizes))
+
+
+@pytest.mark.parametrize("concat", [False, True])
+def test_dswiglu_cols_fp8_makes_the_colwise_forms_in_fp8(monkeypatch, concat):
+    """With the switch (the default) the backward's dSwiGLU pass hands on grad_a's and grad_b's colwise forms (or the
+    stacked one) as fp8 data and plain e8m0 scales, as the block keeps x's (``colwise_kept``), and each is read back
+    (``colwise_operand``) once for its weight gradient; without it, bf16 values from dSwiGLU on, nothing read back but
+    x's form."""
+    made, read, depth = [], [], [0]
+    for name in ("dswiglu", "dswiglu_stacked"):
+        orig = getattr(bq, name)
+
+        def wrapped(*a, _orig=orig, _stacked=name == "dswiglu_stacked", **k):
+            depth[0] += 1
+            try:
+                out = _orig(*a, **k)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:  # the backward's call (the CPU's stacked reference calls dswiglu inside)
+                made.extend(f[1] for f in ([out] if _stacked else out))  # the colwise forms
+            return out
+
+        monkeypatch.setattr(bq, name, wrapped)
+    orig_operand = bq.colwise_operand
+    monkeypatch.setattr(bq, "colwise_operand", lambda kept, fake: read.append(kept) or orig_operand(kept, fake))
+    block = _w13_block if concat else mxfp8_swiglu_experts
+    x, w1, w3, w2, offs, gy = make_block([64, 0, 96], 3, 64, 96, 4)
+    m, h = x.shape[0], w1.shape[1] * (2 if concat else 1)
+    mp = layouts.k_groups_padded_len(m, 3)
+    for on in (True, False):
+        made.clear(), read.clear()
+        run(block, x, w1, w3, w2, offs, gy, dswiglu_cols_fp8=on)
+        assert len(made) == (1 if concat else 2), made
+        for col in made:
+            if on:
+                data_t, scales, _ = col
+                assert data_t.dtype == torch.float8_e4m3fn and tuple(data_t.shape) == (h, mp)
+                assert scales.dtype == torch.float8_e8m0fnu and tuple(scales.shape) == (h, mp // 32)
+            else:
+                assert col[0].dtype == torch.bfloat16 and len(col) == 2
+        assert len(read) == 1 + (len(made) if on else 0)  # x's form, then each fp8 colwise form once
+
+
+def _kernel_like_dswiglu(grad_h, a, b, mode, offs, fake, stacked=False, cols_fp8=False):
+    """What ``block_dswiglu`` returns (its module doc), made by the reference quantizers on the CPU: with
+    ``cols_fp8``, per output the bf16 rowwise values, the colwise fp8 data and its K-groups blocked scales."""
+    assert fake and cols_fp8
+    rows, cols = [], []
+    for t in reference_dswiglu(grad_h, a, b):
+        rows.append(bq._separate_forms(t, mode, offs, True)[0][0])
+        cols.append(bq._separate_forms(t, mode, offs, False)[1])  # (data_t, blocked scales, poffs)
+    if stacked:
+        return [torch.cat(rows, dim=1), torch.cat([c[0] for c in cols]), cols[0][1], cols[1][1], cols[0][2]]
+    return [rows[0], *cols[0][:2], rows[1], *cols[1][:2], cols[0][2]]
+
+
+def reference_dswiglu(grad_h, a, b):
+    from moe_quant import reference
+
+    return reference.dswiglu(grad_h, a, b)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("m,r,offs_list", [(300, 96, [100, 100, 250]), (200, 64, [0, 0]), (40, 32, []),
+                                           (130, 160, [150, 5, 129])])
+def test_dswiglu_cols_fp8_reads_the_kernel_outputs_as_the_reference_forms(monkeypatch, stacked, m, r, offs_list):
+    """``block_quantize.dswiglu`` / ``dswiglu_stacked`` with ``cols_fp8`` on the kernels' outputs (here made by the
+    reference quantizers, in the op's layout: blocked K-groups scales) give the reference path's forms byte for byte:
+    the rowwise bf16 values, the colwise fp8 data, the blocked scales unblocked into the plain ones ``colwise_kept``
+    makes (stacked: both halves' concatenated), the padded offsets; and the op's fake outputs (what torch.compile
+    traces) have the kernels' shapes and dtypes."""
+    from moe_quant.kernels.block import ops as ops_block
+
+    g = torch.Generator().manual_seed(5)
+    grad_h, a, b = (torch.randn(m, r, generator=g).bfloat16() for _ in range(3))
+    offs = layouts.sanitize_offsets(torch.tensor(offs_list, dtype=torch.int32), m).to(torch.int32)
+    mode = ScaleMode.RCEIL
+    if stacked:
+        want = bq.dswiglu_stacked(grad_h, a, b, mode, offs, cols_fp8=True)
+    else:
+        want = bq.dswiglu(grad_h, a, b, mode, offs, True, cols_fp8=True)
+    outs = _kernel_like_dswiglu(grad_h, a, b, mode, offs, True, stacked, True)
+    fake = ops_block._fake_outputs("dswiglu", grad_h, offs, True, stacked, True)
+    assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in outs]
+    monkeypatch.setattr(bq, "_kernels_serve", lambda *t: True)
+    monkeypatch.setattr(ops_block, "block_dswiglu", lambda *args, **kw: _kernel_like_dswiglu(*args, **kw))
+    got = (bq.dswiglu_stacked(grad_h, a, b, mode, offs, cols_fp8=True) if stacked
+           else bq.dswiglu(grad_h, a, b, mode, offs, True, cols_fp8=True))
+    flat = lambda forms: [t for f in (forms if stacked else [f for pair in forms for f in pair]) for t in f]  # noqa: E731
+    assert len(flat(got)) == len(flat(want))
+    for x, y in zip(flat(got), flat(want)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))

@@ -106,7 +106,8 @@ def test_the_settings_the_ranks_compare_are_recorded_on_the_experts():
     model = cfg.build()
     (experts,) = _experts(model)
     assert ranks.settings(experts) == {"scale_mode": "rceil", "backend": "auto", "out_dtype": None,
-                                       "allow_fallback": True, "fused_block": True, "dispatcher": False}
+                                       "allow_fallback": True, "fused_block": True, "dswiglu_cols_fp8": True,
+                                       "dispatcher": False}
     assert ranks.settings(copy.deepcopy(model).get_submodule(_fqn(model, experts))) == ranks.settings(experts)
     unconvert(model)
     assert ranks.EXTRA not in experts.__dict__

@@ -12,8 +12,9 @@ forward        ``rowwise(x)``: x's rowwise form (w1 and w3 fwd, quantized once);
 backward       ``swiglu_colwise(a, b)``: h's colwise form (w2 wgrad), made again;
                ``dual(grad_y)``: rowwise (w2 dgrad) and colwise (w2 wgrad);
                ``dW2``; ``grad_h``; ``dswiglu(grad_h, a, b)``: both forms of ``grad_a`` and
-               ``grad_b``; ``colwise_operand``: x's form as the GEMM reads it; ``dW1``, ``dW3``,
-               ``dx = grad_a W1 + grad_b W3``
+               ``grad_b`` (emulated GEMM, ``dswiglu_cols_fp8``: the colwise ones in fp8);
+               ``dx = grad_a W1 + grad_b W3``; ``colwise_operand``: x's form as the GEMM reads it;
+               ``dW1``, ``dW3`` (each colwise form in fp8 read back by ``colwise_operand`` just before)
 saved          ``a``, ``b`` (bf16) and x's colwise form in fp8 (``2H + 2H + D + D/32`` bytes a row):
                no ``x``, no ``h`` (the bf16 block keeps x, a, b, silu(a), h)
 =============  ==========================================================================
@@ -34,7 +35,7 @@ from .. import quantize as q
 from ..backends import GemmBackend, resolve_gemm_backend
 from ..layouts import row_major, sanitize_offsets
 from ..numerics import BLOCK_SIZE, ScaleMode
-from ..validation import check_swiglu_experts_args, check_swiglu_experts_w13_args
+from ..validation import check_bool, check_swiglu_experts_args, check_swiglu_experts_w13_args
 from .grouped_mm import _first_order_only, _mm_dgrad, _mm_fwd, _mm_wgrad, mxfp8_grouped_mm, weight_operand
 from .revision import source_revision
 from .saved import free_saved
@@ -126,12 +127,14 @@ def _per_weight(forms: list, concat: bool) -> list:
 
 
 def backward_dswiglu(grad_y, w2, offs, ab: list, concat: bool, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
-                     need_w2: bool, need_rows: bool, need_cols: bool) -> tuple:
+                     need_w2: bool, need_rows: bool, need_cols: bool, cols_fp8: bool = False) -> tuple:
     """The backward's first stage, the last to read ``a`` and ``b`` (``ab``: the forward's saved ``[a, b]`` or
     ``[[a | b]]``, emptied): ``(dw2, rows, cols)``. ``dw2`` (None unless ``need_w2``) from h's colwise form, made
     again from ``a`` and ``b``; ``rows`` and ``cols``, the rowwise (dx's operands, where ``need_rows``) and colwise
     (dW1's and dW3's, where ``need_cols``) forms of grad_a and grad_b made by dSwiGLU: ``[grad_a's, grad_b's]``,
-    or the one form of ``[grad_a | grad_b]`` (a concatenated weight on the emulated GEMM, written in place)."""
+    or the one form of ``[grad_a | grad_b]`` (a concatenated weight on the emulated GEMM, written in place);
+    ``cols_fp8`` (the emulated GEMM): the colwise forms in fp8 and scales (:func:`backward_cols_operand` reads each
+    back for its GEMM)."""
     a, b = _split_ab(*ab) if len(ab) == 1 else ab
     ab.clear()
     with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
@@ -143,9 +146,9 @@ def backward_dswiglu(grad_y, w2, offs, ab: list, concat: bool, mode: ScaleMode, 
         grad_h = _mm_dgrad(g_row, _w_dgrad(w2, mode, backend, scopes), offs)
         del g_row
         if concat and fake:  # [grad_a | grad_b]'s forms (dx's and dW13's operands) written in place, no copy
-            rows, cols = (list(forms) for forms in zip(bq.dswiglu_stacked(grad_h, a, b, mode, offs)))
+            rows, cols = (list(forms) for forms in zip(bq.dswiglu_stacked(grad_h, a, b, mode, offs, cols_fp8)))
         else:
-            rows, cols = (list(forms) for forms in zip(*bq.dswiglu(grad_h, a, b, mode, offs, fake)))
+            rows, cols = (list(forms) for forms in zip(*bq.dswiglu(grad_h, a, b, mode, offs, fake, cols_fp8)))
     return dw2, rows if need_rows else [], cols if need_cols else []
 
 
@@ -172,6 +175,19 @@ def backward_x_operand(x_kept: list, fake: bool) -> tuple:
         return bq.colwise_operand(kept, fake)
 
 
+def backward_cols_operand(cols: list) -> list:
+    """The emulated GEMM's colwise forms of grad_a or grad_b, or of both stacked, from dSwiGLU's fp8 ones
+    (``cols``, emptied; :func:`backward_dswiglu` with ``cols_fp8``): each dequantized
+    (:func:`moe_quant.block_quantize.colwise_operand`, the values of the bf16 form bit for bit) and its fp8 form
+    dropped then, just before the weight gradient's GEMM reads it."""
+    with torch.no_grad():
+        fp8, out = list(cols), []
+        cols.clear()
+        while fp8:
+            out.append(bq.colwise_operand(fp8.pop(0), True))
+        return out
+
+
 def backward_wgrad(cols: list, x_col: tuple, offs, backend: GemmBackend, w_dtype) -> torch.Tensor:
     """A gate-up weight's gradient in its dtype from grad_a's or grad_b's colwise form, or from the stacked form of
     both (``cols``, emptied), and x's (:func:`backward_x_operand`); ``dW13`` on the scaled GEMM from both halves'
@@ -186,27 +202,33 @@ def backward_wgrad(cols: list, x_col: tuple, offs, backend: GemmBackend, w_dtype
 
 class BackwardStages:
     """:func:`block_backward`'s stages, each the last reader of some of what the earlier ones made: ``dswiglu``
-    (of ``a`` and ``b``), ``dgrad`` (of a rowwise form), ``x_operand`` (of x's kept form), ``wgrad`` (of a colwise
-    form). Eager they run as they are; the compiled path runs each as a custom op (:mod:`.swiglu_block_ops`), so
-    that the compiled backward graph frees each input after the op that reads it last."""
+    (of ``a`` and ``b``), ``dgrad`` (of a rowwise form), ``x_operand`` (of x's kept form), ``cols_operand`` (of a
+    colwise form in fp8), ``wgrad`` (of a colwise form). Eager they run as they are; the compiled path runs each as
+    a custom op (:mod:`.swiglu_block_ops`), so that the compiled backward graph frees each input after the op that
+    reads it last."""
 
     dswiglu = staticmethod(backward_dswiglu)
     dgrad = staticmethod(backward_dgrad)
     x_operand = staticmethod(backward_x_operand)
+    cols_operand = staticmethod(backward_cols_operand)
     wgrad = staticmethod(backward_wgrad)
 
 
 def block_backward(grad_y, w1, w3, w2, offs, saved: list, mode: ScaleMode, backend: GemmBackend, scopes: tuple,
-                   needs: tuple, x_dtype: torch.dtype, free=_no_free, stages=BackwardStages) -> tuple:
+                   needs: tuple, x_dtype: torch.dtype, cols_fp8: bool, free=_no_free,
+                   stages=BackwardStages) -> tuple:
     """The block's backward: ``(dx, dw1, dw3, dw2)`` (None where ``needs``, the four input-grad flags, is False)
     from ``grad_y`` and :func:`block_forward`'s ``saved``, which it empties (the caller keeps no reference, so
     each saved tensor is freed once read: ``a`` and ``b`` after dSwiGLU, x's kept form once read back; ``free(i)``
     is called with the indices into ``saved`` of those it is done with, for autograd to drop them too:
-    :func:`.saved.free_saved`). dx runs before dW1 and dW3. The one home of the backward's order; its math is
-    in the ``stages`` (:class:`BackwardStages`, or the custom ops that run them under ``torch.compile``), each
-    handed lists it empties, so every transient is freed once its last reader returns."""
+    :func:`.saved.free_saved`). dx runs before dW1 and dW3. ``cols_fp8`` (``dswiglu_cols_fp8``; the emulated GEMM
+    only, the scaled one reads fp8 forms anyway): grad_a's and grad_b's colwise forms made in fp8 and each
+    dequantized just before its weight gradient's GEMM. The one home of the backward's order; its math is in the
+    ``stages`` (:class:`BackwardStages`, or the custom ops that run them under ``torch.compile``), each handed lists
+    it empties, so every transient is freed once its last reader returns."""
     need_x, need_w1, need_w3, need_w2 = needs
     concat = w3 is None
+    cols_fp8 = cols_fp8 and backend is GemmBackend.EMULATED
     n_ab = 1 if _one_gate_up_gemm(w3, backend) else 2
     ab, x_kept, n_saved = saved[:n_ab], saved[n_ab:], len(saved)
     saved.clear()
@@ -214,7 +236,7 @@ def block_backward(grad_y, w1, w3, w2, offs, saved: list, mode: ScaleMode, backe
     # summed in place: the peak stays near the bf16 block's
     with torch.no_grad():  # gradients of quantized operands: first order only (as mxfp8_grouped_mm)
         dw2, rows, cols = stages.dswiglu(grad_y, w2, offs, ab, concat, mode, backend, scopes, need_w2, need_x,
-                                         need_w1 or need_w3)
+                                         need_w1 or need_w3, cols_fp8)
         free(range(n_ab))
         weights = (w1,) if concat else (w1, w3)
         # dx first: its GEMMs (and their weight operands) run before dW1 and dW3 exist, and the rowwise forms
@@ -227,6 +249,8 @@ def block_backward(grad_y, w1, w3, w2, offs, saved: list, mode: ScaleMode, backe
             x_col = stages.x_operand(x_kept, backend is GemmBackend.EMULATED)
             free(range(n_ab, n_saved))
             for i, (w, forms, need) in enumerate(zip(weights, _per_weight(cols, concat), (need_w1, need_w3))):
+                if need and cols_fp8:  # the bf16 values made now (the fp8 form dropped), after the previous GEMM
+                    forms = stages.cols_operand(forms)
                 dws[i] = stages.wgrad(forms, x_col, offs, backend, w.dtype) if need else None
                 forms.clear()
     return dx, dws[0], dws[1], dw2
@@ -255,12 +279,13 @@ class _SwiGLUExperts(torch.autograd.Function):
     and free them at the same points."""
 
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend):
+    def forward(ctx, x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend, cols_fp8: bool):
         scopes = reuse.current()  # the reuse scopes this forward runs in serve its backward too
         keep_x = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         y, saved = block_forward(x, w1, w3, w2, offs, mode, backend, scopes, keep_x)
         ctx.save_for_backward(w1, w3, w2, offs, *saved)
         ctx.mode, ctx.backend, ctx.x_dtype, ctx.reuse_scopes = mode, backend, x.dtype, scopes
+        ctx.cols_fp8 = cols_fp8
         return y
 
     @staticmethod
@@ -273,15 +298,15 @@ class _SwiGLUExperts(torch.autograd.Function):
             free_saved(ctx, [4 + i for i in indices])
 
         grads = block_backward(grad_y, w1, w3, w2, offs, saved, ctx.mode, ctx.backend, ctx.reuse_scopes,
-                               ctx.needs_input_grad[:4], ctx.x_dtype, free)
-        return (*first_order_only(grads, grad_y, w1, w3, w2), None, None, None)
+                               ctx.needs_input_grad[:4], ctx.x_dtype, ctx.cols_fp8, free)
+        return (*first_order_only(grads, grad_y, w1, w3, w2), None, None, None, None)
 
 
 # the compiled block's revision (:func:`.revision.source_revision`): its forward op's argument that nothing reads
 COMPILED_REVISION = source_revision("swiglu_block.py", "swiglu_block_ops.py")
 
 
-def _apply(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend) -> torch.Tensor:
+def _apply(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend, cols_fp8: bool) -> torch.Tensor:
     """The block on checked arguments: the autograd function in eager; under ``torch.compile`` its custom ops
     (:mod:`.swiglu_block_ops`: AOTAutograd's partitioner would otherwise save x and the weights' backward
     operands instead of what the block keeps)."""
@@ -290,8 +315,8 @@ def _apply(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend) -> torch.
         # x's colwise form is kept where a weight gradient is to be computed
         keep_x = torch.is_grad_enabled() and (w1.requires_grad or (w3 is not None and w3.requires_grad))
         return torch.ops.moe_quant.swiglu_block_fwd.default(x, w1, w3, w2, offs, mode.value, backend.value,
-                                                            keep_x, COMPILED_REVISION)[0]
-    return _SwiGLUExperts.apply(x, w1, w3, w2, offs, mode, backend)
+                                                            keep_x, cols_fp8, COMPILED_REVISION)[0]
+    return _SwiGLUExperts.apply(x, w1, w3, w2, offs, mode, backend, cols_fp8)
 
 
 # ----------------------------------------------------------------------------- public entry points
@@ -338,6 +363,7 @@ def mxfp8_swiglu_experts(
     scale_mode: ScaleMode | str = ScaleMode.RCEIL,
     backend: GemmBackend | str = GemmBackend.AUTO,
     validate_offsets: bool | None = None,
+    dswiglu_cols_fp8: bool = True,
 ) -> torch.Tensor:
     """A SwiGLU expert block in MXFP8: ``y = (silu(x W1^T) * (x W3^T)) W2^T`` per token group, differentiable.
 
@@ -353,6 +379,11 @@ def mxfp8_swiglu_experts(
         offs: ``(E,)`` int32 cumulative group ends (any sizes, 0 included); rows past ``offs[-1]`` are not
             computed (their output and input gradient are unspecified), as in ``torch._grouped_mm``.
         scale_mode, backend, validate_offsets: as in :func:`moe_quant.mxfp8_grouped_mm`.
+        dswiglu_cols_fp8: on the emulated GEMM (Hopper), the backward makes grad_a's and grad_b's colwise forms (w1's
+            and w3's weight-gradient operands) in fp8 and scales and dequantizes each just before its GEMM: the
+            backward's peak (its second dx GEMM, where both are alive) ``2 (H - H/32)`` bytes a padded row lower,
+            for two dequantization passes over ``H + H/32`` bytes a row (default True). False: both in bf16 from
+            dSwiGLU on. The same bits either way; no effect on the scaled GEMM (its forms are fp8).
 
     Works under ``torch.compile(fullgraph=True)`` (the fused passes are ``torch.ops.moe_quant.block_*`` custom
     ops), activation checkpointing, ``no_grad`` and ``inference_mode``; double backward raises as for
@@ -364,11 +395,12 @@ def mxfp8_swiglu_experts(
     """
     mode = ScaleMode.parse(scale_mode)
     offs = check_swiglu_experts_args(x, w1, w3, w2, offs, validate_offsets)
+    check_bool("dswiglu_cols_fp8", dswiglu_cols_fp8)
     gemm = resolve_gemm_backend(backend, x.device)
     if _degenerate(x, w1):
         return swiglu_experts_unfused(x, w1, w3, w2, offs, scale_mode=mode, backend=gemm, validate_offsets=False)
     offs = sanitize_offsets(offs, x.shape[0]).to(torch.int32)
-    return _apply(row_major(x), w1, w3, w2, offs, mode, gemm)
+    return _apply(row_major(x), w1, w3, w2, offs, mode, gemm, dswiglu_cols_fp8)
 
 
 def swiglu_experts_w13_unfused(x, w13, w2, offs, *, scale_mode: ScaleMode | str = ScaleMode.RCEIL,
@@ -389,6 +421,7 @@ def mxfp8_swiglu_experts_w13(
     scale_mode: ScaleMode | str = ScaleMode.RCEIL,
     backend: GemmBackend | str = GemmBackend.AUTO,
     validate_offsets: bool | None = None,
+    dswiglu_cols_fp8: bool = True,
 ) -> torch.Tensor:
     """:func:`mxfp8_swiglu_experts` with the gate and up weights concatenated, as transformers' experts store
     them (``gate_up_proj``): ``gate, up = (x W13^T).chunk(2, -1)``, ``y = (silu(gate) * up) W2^T`` per group.
@@ -402,13 +435,15 @@ def mxfp8_swiglu_experts_w13(
         w13: ``(E, 2H, D)``: rows ``[:H]`` the gate projection (silu's input), ``[H:]`` the up projection;
             H a multiple of 32. Any strides (a transposed ``(E, D, 2H)`` parameter's ``.transpose(-2, -1)``).
         w2: ``(E, D, H)``.
-        offs, scale_mode, backend, validate_offsets: as in :func:`mxfp8_swiglu_experts`.
+        offs, scale_mode, backend, validate_offsets, dswiglu_cols_fp8: as in :func:`mxfp8_swiglu_experts` (here
+            the one colwise form of ``[grad_gate | grad_up]``, ``2 H`` rows, in fp8 until dW13's GEMM).
 
     Returns:
         ``(M, D)`` bf16.
     """
     mode = ScaleMode.parse(scale_mode)
     offs = check_swiglu_experts_w13_args(x, w13, w2, offs, validate_offsets)
+    check_bool("dswiglu_cols_fp8", dswiglu_cols_fp8)
     gemm = resolve_gemm_backend(backend, x.device)
     h_scale_cols = w13.shape[1] // 2 // BLOCK_SIZE
     if _degenerate(x, w13) or (gemm is GemmBackend.SCALED and not layouts.whole_scale_tiles(h_scale_cols)):
@@ -416,7 +451,7 @@ def mxfp8_swiglu_experts_w13(
         # which needs grad_gate's scale columns in whole tiles; otherwise the per-GEMM form (the same bits)
         return swiglu_experts_w13_unfused(x, w13, w2, offs, scale_mode=mode, backend=gemm, validate_offsets=False)
     offs = sanitize_offsets(offs, x.shape[0]).to(torch.int32)
-    return _apply(row_major(x), w13, None, w2, offs, mode, gemm)
+    return _apply(row_major(x), w13, None, w2, offs, mode, gemm, dswiglu_cols_fp8)
 
 
 __all__ = ["mxfp8_swiglu_experts", "mxfp8_swiglu_experts_w13", "swiglu_experts_unfused", "swiglu_experts_w13_unfused"]

@@ -13,6 +13,7 @@ import torch
 from .._torchao import AOBaseConfig
 from ..backends import GemmBackend
 from ..numerics import ScaleMode
+from ..validation import check_bool
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -36,6 +37,11 @@ class MXFP8MoEConfig(AOBaseConfig):
             when False, three :func:`moe_quant.mxfp8_grouped_mm` calls. The same bits either way; the fused
             block quantizes x once for w1 and w3 and fuses the SwiGLU passes, the per-GEMM path makes each
             operand's forms separately (more passes, and at its peak holds fewer transient forms).
+        dswiglu_cols_fp8: the fused block's backward on the emulated GEMM (Hopper) makes the colwise forms of
+            grad_a and grad_b (w1's and w3's weight-gradient operands) in fp8 and scales and dequantizes each just
+            before its GEMM (True, default: the backward's peak about ``2 H`` bytes a routed row lower, for two
+            dequantization passes; :func:`moe_quant.mxfp8_swiglu_experts`), or in bf16 from dSwiGLU on (False).
+            The same bits either way; no effect on the scaled GEMM or the per-GEMM path.
 
     Use it as ``quantize_(model, MXFP8MoEConfig(...), filter_fn=...)``. The handler converts each
     matched expert module in place: its class becomes a generated subclass whose forward runs the
@@ -62,13 +68,12 @@ class MXFP8MoEConfig(AOBaseConfig):
     out_dtype: Optional[torch.dtype] = None
     allow_fallback: bool = True
     fused_block: bool = True
+    dswiglu_cols_fp8: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "scale_mode", ScaleMode.parse(self.scale_mode, "scale_mode"))
         object.__setattr__(self, "backend", GemmBackend.parse(self.backend, "backend"))
         if self.out_dtype is not None and self.out_dtype not in OUT_DTYPES:
             raise ValueError(f"out_dtype must be None, torch.bfloat16 or torch.float32, got {self.out_dtype!r}")
-        if not isinstance(self.allow_fallback, bool):
-            raise TypeError(f"allow_fallback must be a bool, got {type(self.allow_fallback).__name__}")
-        if not isinstance(self.fused_block, bool):
-            raise TypeError(f"fused_block must be a bool, got {type(self.fused_block).__name__}")
+        for name in ("allow_fallback", "fused_block", "dswiglu_cols_fp8"):
+            check_bool(name, getattr(self, name))

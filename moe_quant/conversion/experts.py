@@ -43,7 +43,7 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     if block_serves(x, w1, w3, w2, offs, config):
         # looked up on each call: tests and tools may wrap it
         return _autograd.mxfp8_swiglu_experts(x, w1, w3, w2, offs, scale_mode=config.scale_mode,
-                                              backend=config.backend)
+                                              backend=config.backend, dswiglu_cols_fp8=config.dswiglu_cols_fp8)
     return swiglu_of_gemms(lambda A, W_t: grouped_mm(A, W_t, offs, config), x, w1, w3, w2)
 
 
@@ -54,7 +54,7 @@ def swiglu_experts_w13(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, off
     where it serves, else two grouped GEMMs around ``chunk`` and silu (the same bits)."""
     if block_serves(x, w13, None, w2, offs, config):
         return _autograd.mxfp8_swiglu_experts_w13(x, w13, w2, offs, scale_mode=config.scale_mode,
-                                                  backend=config.backend)
+                                                  backend=config.backend, dswiglu_cols_fp8=config.dswiglu_cols_fp8)
     return swiglu_w13_of_gemms(lambda A, W_t: grouped_mm(A, W_t, offs, config), x, w13, w2)
 
 

@@ -99,13 +99,14 @@ def _routing(model: MoE, x: torch.Tensor, case: CheckCase, n_experts: int):
 
 @contextlib.contextmanager
 def _count_passes(counter: dict):
-    """Counts the emulated GEMMs' quantization passes (``fake_rowwise``: 1x32, ``fake_colwise_k_groups``:
-    32x1) and the fused SwiGLU block's calls (``moe_quant.autograd.mxfp8_swiglu_experts``, which the
-    conversion looks up on each call)."""
+    """Counts the emulated GEMMs' quantization passes (``fake_rowwise``: 1x32, ``fake_colwise_k_groups`` and
+    ``colwise_k_groups_plain``: 32x1, the latter the fp8 forms the fused block keeps of x and, with
+    ``dswiglu_cols_fp8``, makes of grad_a and grad_b) and the fused SwiGLU block's calls
+    (``moe_quant.autograd.mxfp8_swiglu_experts``, which the conversion looks up on each call)."""
     from .. import autograd
 
     patched = [(q, "fake_rowwise", "rowwise"), (q, "fake_colwise_k_groups", "colwise"),
-               (autograd, "mxfp8_swiglu_experts", "block")]
+               (q, "colwise_k_groups_plain", "colwise"), (autograd, "mxfp8_swiglu_experts", "block")]
     originals = [getattr(owner, name) for owner, name, _ in patched]
     for (owner, name, key), original in zip(patched, originals):
         counter[key] = 0

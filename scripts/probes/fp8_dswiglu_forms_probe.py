@@ -24,6 +24,8 @@ divided by 256; ``--d 896 --h 256 --experts 4 --rows 192 --scale-to 7168,2048,64
   eager block, eager and compiled) before any peak is printed.
 
 Results (2026-12-03, torch 2.13): docs/lab/performance_log.md, "fp8 dSwiGLU forms and the fused block's peak".
+Decided: the colwise forms alone in fp8 are the block's default since (``dswiglu_cols_fp8``, the ``cols_fp8`` dswiglu
+kernel variants); the probe patches the block with that switch off (its "today").
 
 Each peak is printed as block_peak scales it (``xF``: every byte times the shape's factor) and ``padded``: each
 allocation of a colwise form, ``(R, Mp)`` with ``Mp = M + 32 E`` padded rows, weighed at the GPU shape's padding
@@ -58,6 +60,9 @@ DGRAD, WGRAD, COLWISE_OPERAND = sb.backward_dgrad, sb.backward_wgrad, bq.colwise
 COLWISE_RANGES = ("kernel:fake_colwise_k_groups", "kernel:colwise_k_groups_plain", "kernel:colwise_operand",
                   "kernel:dequantize_colwise")
 PATCHES = ("today", "fp8-forms", "fp8-colwise")
+# the block the patches apply to: as it was when the probe was written ("today": its colwise forms of grad_a and grad_b
+# in bf16), i.e. with dswiglu_cols_fp8 off; the block's default since then is what "fp8-colwise" patches in
+BLOCK = bench_block.VARIANTS["fused-bf16cols"]
 
 
 def _fp8_rowwise(t, mode, offs):
@@ -73,7 +78,7 @@ def fp8_dswiglu(rows_fp8: bool):
     """``block_quantize.dswiglu`` on the emulated GEMM writing the colwise forms (and the rowwise ones where
     ``rows_fp8``) in fp8 and plain scales."""
 
-    def dswiglu(grad_h, a, b, mode, offs, fake):
+    def dswiglu(grad_h, a, b, mode, offs, fake, cols_fp8=False):
         assert fake, "the probe patches the emulated GEMM's forms"
         grads = reference.dswiglu(grad_h, a, b)
         row = _fp8_rowwise if rows_fp8 else _bf16_rowwise
@@ -135,7 +140,7 @@ def ops_stages(rows_fp8: bool):
 
     def dswiglu(self, *args):
         self.probe_dw = None
-        with mock.patch.object(sbo, "_arity", lambda fake: arity):
+        with mock.patch.object(sbo, "_arity", lambda fake, cols_fp8=False: arity):
             return OPS_DSWIGLU(self, *args)
 
     def dgrad(self, rows, w, offs, mode, backend, scopes, x_dtype, acc):
@@ -178,7 +183,8 @@ def patched(which: str, in_op: bool = False):
             if in_op:
                 stack.enter_context(mock.patch.object(sbo, "backward_wgrad", wgrad))
                 # tensors a form has across the ops: (rowwise, colwise); the emulated GEMM's are (1, 2)
-                stack.enter_context(mock.patch.object(sbo, "_arity", lambda fake: (2 if rows_fp8 else 1, 3)))
+                stack.enter_context(mock.patch.object(sbo, "_arity",
+                                                      lambda fake, cols_fp8=False: (2 if rows_fp8 else 1, 3)))
                 if rows_fp8:
                     stack.enter_context(mock.patch.object(sbo, "backward_dgrad", dgrad))
             else:
@@ -211,12 +217,12 @@ def grads(fn, m, d, h, e) -> list:
 def check_bits(m, d, h, e, modes, backend, in_op: bool) -> None:
     """Raise unless every patch gives today's eager gradients bit for bit, in every mode."""
     with patched("today"):
-        want = grads(sb.mxfp8_swiglu_experts, m, d, h, e)
+        want = grads(BLOCK, m, d, h, e)
     assert all(g is not None and g.abs().sum() > 0 for g in want), "a gradient is missing or zero"
     for which in PATCHES:
         for mode in modes:
             with patched(which, in_op):
-                fn = sb.mxfp8_swiglu_experts if mode == "eager" else _fresh_compiled(sb.mxfp8_swiglu_experts, backend)
+                fn = BLOCK if mode == "eager" else _fresh_compiled(BLOCK, backend)
                 got = grads(fn, m, d, h, e)
             for name, g, w in zip(("dx", "dW1", "dW3", "dW2"), got, want):
                 if not torch.equal(g, w):
@@ -256,7 +262,7 @@ def main(argv=None) -> int:
     runs = [("bf16", None)] + [("fused", which) for which in PATCHES]
     for mode in args.modes:
         for name, which in runs:
-            fn = bench_block.bf16_block if which is None else sb.mxfp8_swiglu_experts
+            fn = bench_block.bf16_block if which is None else BLOCK
             with patched(which or "today", args.in_op):
                 fn = fn if mode == "eager" else _fresh_compiled(fn, args.backend)
                 plain = block_peak.step_peak(fn, m, d, h, e)

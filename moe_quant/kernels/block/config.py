@@ -9,7 +9,8 @@ One kernel, three ops (docs/design.md, "The SwiGLU expert block"; :mod:`moe_quan
 * ``dswiglu`` -- ``grad_h``, ``a``, ``b`` read once; ``grad_a`` and ``grad_b`` of the SwiGLU written in
   both forms each. Its ``stacked`` variants (bf16 outputs only: the emulated GEMM of a concatenated gate-up
   weight) write the two rowwise forms as ``[grad_a | grad_b]``, the two halves of one ``(M, 2R)`` buffer
-  (row pitch ``2R``); every other variant's code is unchanged by the flag.
+  (row pitch ``2R``); every other variant's code is unchanged by the flag. Its ``cols_fp8`` variants (bf16 outputs:
+  the emulated GEMM's backward) write the colwise forms in fp8 and K-groups scales beside bf16 rowwise forms.
 
 Output kinds: ``float8_e4m3fn`` (data + e8m0 scales, the scaled GEMM's operands) or ``bfloat16``
 (the dequantized values, no scales: the emulated GEMM's operands).
@@ -117,6 +118,13 @@ class Variant:
     # it uses them (kernel.py ``StagedWords``: volatile ld.shared), so ptxas keeps far fewer live (78 instead of 125
     # with round_bf16)
     reread: bool = False
+    # dswiglu with bf16 outputs (the emulated GEMM's): the colwise forms (w1's and w3's weight-gradient operands) in
+    # fp8 e4m3 and K-groups blocked scales, as the fp8 outputs write them (the 32x1 kernel's bytes), the rowwise forms
+    # the bf16 values as ever: the backward keeps each colwise form at H + H/32 bytes a padded row instead of 2H until
+    # its weight gradient's GEMM dequantizes it (issue 54: the fused block's peak is its second dx GEMM, where both
+    # are alive). Both forms quantized from the packed words (no round_bf16), the colwise scale bytes by flat stores.
+    # Its own variants (all_variants), not a candidate: the op writes other buffers
+    cols_fp8: bool = False
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -127,6 +135,13 @@ class Variant:
         for name, allowed in (("op", OPS), ("in_dtype", IN_DTYPES), ("mode", MODES), ("out_dtype", OUT_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.cols_fp8 and (self.op != "dswiglu" or self.out_dtype != "bfloat16"):
+            raise ValueError(f"cols_fp8 writes fp8 colwise forms beside bf16 rowwise ones: op must be 'dswiglu' with "
+                             f"out_dtype 'bfloat16', got {self.op!r} with {self.out_dtype!r}")
+        if self.cols_fp8 and (self.round_bf16 or self.gather_scales or self.colwise_smem):
+            raise ValueError(f"cols_fp8 quantizes both forms from the words and stores its colwise scale bytes where "
+                             f"they are made: round_bf16, gather_scales and colwise_smem must be off, got round_bf16="
+                             f"{self.round_bf16}, gather_scales={self.gather_scales}, colwise_smem={self.colwise_smem}")
         if self.stacked and (self.op != "dswiglu" or self.out_dtype != "bfloat16"):
             raise ValueError(f"stacked rowwise outputs exist for op 'dswiglu' with bfloat16 outputs only, got "
                              f"{self.op!r} with {self.out_dtype!r}")
@@ -140,8 +155,8 @@ class Variant:
         if self.stage_order is None:
             object.__setattr__(self, "stage_order", "swizzled" if self.staged else "thread")
         swiglu = self.op in SWIGLU_OPS
-        for name, default in (("round_bf16", self.fake), ("signed_residual", self.fast_div),
-                              ("flat_scales", swiglu and not self.fake), ("gather_scales", False),
+        for name, default in (("round_bf16", self.fake and not self.cols_fp8), ("signed_residual", self.fast_div),
+                              ("flat_scales", swiglu and self.fp8_cols), ("gather_scales", False),
                               ("colwise_smem", False)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
@@ -157,9 +172,10 @@ class Variant:
         if self.round_bf16 and self.out_dtype != "bfloat16":
             raise ValueError(f"round_bf16 rounds the dequantized bf16 outputs: out_dtype must be 'bfloat16', got "
                              f"{self.out_dtype!r}")
-        if self.flat_scales and (self.fake or self.op not in SWIGLU_OPS):
+        if self.flat_scales and (not self.fp8_cols or self.op not in SWIGLU_OPS):
             raise ValueError(f"flat_scales stores the fp8 outputs' scale bytes of the SwiGLU ops: op must be 'swiglu' or "
-                             f"'dswiglu' with out_dtype 'float8_e4m3fn', got {self.op!r} with {self.out_dtype!r}")
+                             f"'dswiglu' with out_dtype 'float8_e4m3fn' (or cols_fp8), got {self.op!r} with "
+                             f"{self.out_dtype!r}")
         if self.gather_scales and (self.fake or self.op not in SWIGLU_OPS):
             raise ValueError(f"gather_scales gathers the fp8 outputs' scale bytes of the SwiGLU ops (dual's always are): "
                              f"op must be 'swiglu' or 'dswiglu' with out_dtype 'float8_e4m3fn', got {self.op!r} with "
@@ -185,7 +201,13 @@ class Variant:
 
     @property
     def fake(self) -> bool:
+        """The rowwise forms are bf16 values (no scales); the colwise ones too unless :attr:`cols_fp8`."""
         return self.out_dtype != "float8_e4m3fn"
+
+    @property
+    def fp8_cols(self) -> bool:
+        """The colwise forms are fp8 data and K-groups scales: fp8 outputs, or ``cols_fp8``."""
+        return not self.fake or self.cols_fp8
 
     @property
     def key(self) -> str:
@@ -198,7 +220,7 @@ class Variant:
                 + ("" if self.stage_order == "thread" else f"-stage{self.stage_order}")
                 + ("-gather" if self.gather_scales else "")
                 + (f"-t{self.tiles_per_cta}" if self.tiles_per_cta != 1 else "") + ("-reread" if self.reread else "")
-                + ("-cwsmem" if self.colwise_smem else ""))
+                + ("-cwsmem" if self.colwise_smem else "") + ("-fp8cols" if self.cols_fp8 else ""))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -206,7 +228,9 @@ class Variant:
 
 def all_variants() -> list[Variant]:
     return ([Variant(op, i, m, o) for op in OPS for i in IN_DTYPES for m in MODES for o in OUT_DTYPES]
-            + [Variant("dswiglu", i, m, "bfloat16", stacked=True) for i in IN_DTYPES for m in MODES])
+            + [Variant("dswiglu", i, m, "bfloat16", stacked=True) for i in IN_DTYPES for m in MODES]
+            + [Variant("dswiglu", i, m, "bfloat16", stacked=s, cols_fp8=True) for i in IN_DTYPES for m in MODES
+               for s in (False, True)])
 
 
 # A/B candidates of the SwiGLU ops (scripts/ab_kernels.py, families block-*): name -> fields that differ from the

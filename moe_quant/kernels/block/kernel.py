@@ -54,6 +54,11 @@ row, so 7 groups are always newer than the row waited for; zero fills where ther
 (fused) frees a's slots as each row is read, grad_h's and b's once both outputs' tiles are read back. A redo of
 the math (an ``a`` out of the fast range) reads its inputs from global memory (the stage holds the next tile).
 
+``cols_fp8`` (dswiglu with bf16 outputs, its own variants: the block's backward on the emulated GEMM, issue 54): the
+rowwise forms the bf16 values as the bf16 outputs write them, the colwise forms fp8 and K-groups scales as the fp8
+outputs write them (the same quantization code, each form's stores picked by its kind: ``row_fake`` and ``fake``),
+no M-groups scales; so no ``round_bf16`` (which rounds both forms on the packed words).
+
 ``colwise_smem`` (candidates, 2026-12-03): the colwise form's 8-token pieces go to the CTA's colwise tile in shared
 memory (:func:`line_place`; dswiglu with one tile a CTA over input a's staged slots) instead of global memory, and
 after a barrier :meth:`QuantizeBlockKernel.write_lines` writes each column's 128 tokens as whole 128-byte lines (16
@@ -364,7 +369,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
     ``(M, R)`` (``None`` where unused); per output tensor (``1`` only for ``dswiglu``): rowwise data
     ``(M, R)``, M-groups scales ``(M + 128 G, 4 ceil(R/128))`` uint8, colwise data ``(R, Mp)`` with
     ``Mp = round_up(M, 32) + 32 G``, K-groups scales ``(round_up(R, 128), ceil(M/32) + 4 G)`` uint8
-    (scales ``None`` for bf16 outputs); ``offs`` int32 ``(G,)``; ``poffs`` int32 ``(G,)`` (written).
+    (scales ``None`` for bf16 outputs; ``cols_fp8``: colwise data e4m3 with its K-groups scales, no M-groups
+    scales); ``offs`` int32 ``(G,)``; ``poffs`` int32 ``(G,)`` (written).
     ``stacked``: ``rd0`` is the ``(M, 2R)`` rowwise buffer of both outputs and ``rd1`` is ``None``.
     """
 
@@ -374,7 +380,10 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.rceil = variant.mode == "rceil"
         self.in_f32 = False  # bf16 inputs only (config); read by the inherited helpers
         self.kgroups = True
-        self.fake = variant.fake
+        # the colwise forms' kind (bf16 values or fp8 and scales: the inherited store_tokens reads it) and the rowwise
+        # forms' (config cols_fp8: dswiglu's rowwise forms bf16, its colwise forms fp8)
+        self.fake = not variant.fp8_cols
+        self.row_fake = variant.fake
         self.fake_f32 = False
         self.n_out = N_OUTPUTS[variant.op]
         self.stacked = variant.stacked  # rowwise outputs in one (M, 2R) buffer (row pitch 2R)
@@ -419,6 +428,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if cutlass.const_expr(not self.fake):
             rp = Int32(cs0.shape[0])
             sw = Int32(cs0.shape[1])
+        if cutlass.const_expr(not self.row_fake):
             buf_rows = Int32(rs0.shape[0])
         self.kernel(x0, x1, x2, rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1, offs, poffs, Int32(x0.shape[0]),
                     Int32(r), n_groups, row_stride, rp, sw, buf_rows, nx, Int32(ny)).launch(
@@ -570,8 +580,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if cutlass.const_expr(self.round):  # bf16 outputs: each element rounded on the packed words (config)
             self.round_forms(o_cta, words, row_out, col_out, where, tile, ltile)
         else:
-            # lean: the bytes of a NaN block's e4m3 words are replaced by the dequantization (bf16 outputs): no select
-            quant = dict(short=self.lean, nan_words=not (self.lean and self.fake))
+            # lean: the bytes of a NaN block's e4m3 words are replaced by the dequantization (bf16 forms): no select
+            quant = dict(short=self.lean, nan_words=not (self.lean and self.fake))  # the colwise forms'
+            row_quant = dict(short=self.lean, nan_words=not (self.lean and self.row_fake))
             # colwise: per column, 8 tokens of one 32-token block; the magnitudes' max of a column pair on the packed
             # words (one max.u16x2 per token for two columns)
             col_max = None
@@ -590,6 +601,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             if cutlass.const_expr(running):
                 col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
             flat = self.v.flat_scales  # fp8, SwiGLU ops: predicated scale stores at constant offsets (config)
+            row_flat = flat and not self.row_fake  # cols_fp8: the colwise scale bytes alone
             col_sc0 = row_sc0 = None
             if cutlass.const_expr(flat):
                 # the thread's first scale byte of each form; its 8 columns' (tokens') bytes follow 16 bytes apart
@@ -600,7 +612,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     row_sc0 = mtile + cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)
                 else:
                     col_sc0 = col_sc + (scale_base + Int64(cu.tile_byte(tile_col, blk)))
-                    row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
+                    if cutlass.const_expr(row_flat):
+                        row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
             for c in cutlass.range_constexpr(COLS_PER_THREAD):
                 col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
                 amax = None  # column c's half of its pair's packed max, widened (or quantize_block8's own)
@@ -636,17 +649,17 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     row_max = cu.absmax_bf16x2(words[i])
                     amax = cutlass.max(row_max << 16, row_max & Int32(-65536))
                 q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, ROW_LANES, amax=amax,
-                                                       **quant)
+                                                       **row_quant)
                 if col_ok & (t0 + i < n_real):
                     dst = self.row_element(o_cta, src0 + Int64(t0 + i), r, col0)
-                    if cutlass.const_expr(self.fake):
+                    if cutlass.const_expr(self.row_fake):
                         cu.st_global_words(row_out + dst, cu.dequantize8(q0, q1, s, is_nan, False))
                     else:
                         cu.st_global_v2(row_out + dst, q0, q1)
-                if cutlass.const_expr(flat):
+                if cutlass.const_expr(row_flat):
                     if (tail == 0) & ((lane // 4) % 4 == i // 2):  # one lane of the block's four writes its scale
                         cu.st_global_u8(row_sc0 + 16 * i, s)
-                elif cutlass.const_expr(not self.fake):
+                elif cutlass.const_expr(not self.row_fake):
                     if tail == 0:
                         if (lane // 4) % 4 == i // 2:  # one lane of the block's four writes its scale
                             rr = t0 + i
@@ -1008,7 +1021,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     info[7] = mx
             cute.arch.sync_threads()
         end = Int32(info[7])
-        esize = 2 if self.fake else 1
+        esize = 2 if self.row_fake else 1
         step = 16 // esize
         if cutlass.const_expr(self.stacked):
             # rows [end, M) of the (M, 2R) buffer: one contiguous range of (M - end) R / 4 16-byte stores
@@ -1025,12 +1038,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
                 e0 = Int64(end) * Int64(r) + Int64(w) * Int64(step)
                 cu.st_global_v4(rd + e0, 0, 0, 0, 0)
-        if cutlass.const_expr(not self.fake):
+        if cutlass.const_expr(not self.row_fake):
             # M-groups scale rows [128 chunk_total, buf_rows): 4-byte stores (a row is 4 ny bytes)
             s_first = Int64(chunk_total) * Int64(TILE_ROWS) * Int64(4) * Int64(ny)
             n4 = Int32((Int64(buf_rows) * Int64(4) * Int64(ny) - s_first) // 4)
             for w in cutlass.range(q * THREADS + tid, n4, n_tail * THREADS):
                 cu.st_global_u32(rs + (s_first + Int64(w) * Int64(4)), 0)
+        if cutlass.const_expr(not self.fake):
             self.zero_scale_tail(cs, chunk_total, rp, sw, q, n_tail, tid)
 
 
@@ -1044,7 +1058,8 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
     mp = cute.sym_int32(divisibility=K_GROUP_ALIGN, symbol="Mp")
     g = cute.sym_int32(symbol="G")
     in_dtype = cu.CUTLASS_DTYPES[variant.in_dtype]
-    out_dtype = cu.CUTLASS_DTYPES[variant.out_dtype]
+    out_dtype = cu.CUTLASS_DTYPES[variant.out_dtype]  # the rowwise forms'
+    col_dtype = cu.CUTLASS_DTYPES["float8_e4m3fn" if variant.fp8_cols else variant.out_dtype]
 
     def mat(dtype, rows, cols):
         return make_fake_compact_tensor(dtype, (rows, cols), stride_order=(1, 0), assumed_align=16)
@@ -1058,11 +1073,12 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
         rs = cs = None
         if not variant.fake:
             rs = mat(cutlass.Uint8, cute.sym_int32(symbol=f"RS{o}_rows"), cute.sym_int32(symbol=f"RS{o}_cols"))
+        if variant.fp8_cols:
             cs = mat(cutlass.Uint8, cute.sym_int32(symbol=f"CS{o}_rows"), cute.sym_int32(symbol=f"CS{o}_cols"))
         rd = mat(out_dtype, m, r)
         if variant.stacked:  # one (M, 2R) rowwise buffer for both outputs, passed as rd0
             rd = mat(out_dtype, m, cute.sym_int32(divisibility=2 * BLOCK_SIZE, symbol="R2")) if o == 0 else None
-        outs += [rd, rs, mat(out_dtype, r, mp), cs]
+        outs += [rd, rs, mat(col_dtype, r, mp), cs]
     offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
     poffs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()

@@ -27,33 +27,46 @@ from .config import N_OUTPUTS, Variant
 _FP8 = torch.float8_e4m3fn
 
 
-def _key(op: str, mode: str, out: str, stacked: bool) -> tuple:
+def _key(op: str, mode: str, out: str, stacked: bool, cols_fp8: bool = False) -> tuple:
     """The ops' kernel key (``compile_cache.kernel_for``) of the default variant with these fields."""
-    return ("block", op, mode, out, stacked)
+    return ("block", op, mode, out, stacked) + (("cols_fp8",) if cols_fp8 else ())
 
 
-def _kernel(op: str, mode: str, fake: bool, device: torch.device, stacked: bool = False) -> cc.Compiled:
+def _kernel(op: str, mode: str, fake: bool, device: torch.device, stacked: bool = False,
+            cols_fp8: bool = False) -> cc.Compiled:
     out = "bfloat16" if fake else "float8_e4m3fn"
-    return cc.kernel_for(_key(op, mode, out, stacked), lambda: Variant(op, "bfloat16", mode, out, stacked=stacked),
-                         device)
+    return cc.kernel_for(_key(op, mode, out, stacked, cols_fp8),
+                         lambda: Variant(op, "bfloat16", mode, out, stacked=stacked, cols_fp8=cols_fp8), device)
 
 
 def variant_in_place(variant: Variant, device: torch.device):
-    """Context manager: within it, the op that launches the default variant with ``variant``'s op, mode, output
-    and ``stacked`` on ``device`` launches ``variant`` (an A/B candidate, ``config.CANDIDATES``) instead."""
-    return cc.in_place_of(_key(variant.op, variant.mode, variant.out_dtype, variant.stacked), variant, device)
+    """Context manager: within it, the op that launches the default variant with ``variant``'s op, mode, output,
+    ``stacked`` and ``cols_fp8`` on ``device`` launches ``variant`` (an A/B candidate, ``config.CANDIDATES``)
+    instead."""
+    return cc.in_place_of(_key(variant.op, variant.mode, variant.out_dtype, variant.stacked, variant.cols_fp8),
+                          variant, device)
+
+
+def _compile_checked(v: Variant, fields: dict, checked: set) -> bool:
+    """Whether ``v`` (rceil) with a candidate's ``fields`` is a compile-checked variant (``config.candidate_variants``;
+    False where those fields do not combine with ``v``'s)."""
+    try:
+        return v.replace(mode="rceil", **fields) in checked
+    except ValueError:
+        return False
 
 
 def candidate_in_place(stack, name: str, device: torch.device, ops=config.OPS) -> list[str]:
     """Enter (on the ``contextlib.ExitStack`` ``stack``) :func:`variant_in_place` of candidate ``name``
     (``config.candidates``) for every default variant of ``ops`` that has it: both modes and outputs, and the
-    stacked dswiglu variant where the candidate's stacked variant is compile-checked (``config.candidate_variants``).
+    stacked (and ``cols_fp8``) dswiglu variants where the candidate's is compile-checked
+    (``config.candidate_variants``).
     Returns the ops it was put in place for (how the GPU tests and ``scripts/sanitize_block.py`` run a candidate)."""
     checked = set(config.candidate_variants())
     served = []
     for v in config.all_variants():
         fields = config.candidates(v.op, v.out_dtype).get(name)
-        if v.op not in ops or not fields or (v.stacked and v.replace(mode="rceil", **fields) not in checked):
+        if v.op not in ops or not fields or ((v.stacked or v.cols_fp8) and not _compile_checked(v, fields, checked)):
             continue
         stack.enter_context(variant_in_place(v.replace(**fields), device))
         served.append(v.op)
@@ -66,12 +79,14 @@ def _shapes(m: int, r: int, g: int):
             layouts.k_groups_blocked_shape(r, m, g))
 
 
-def _alloc(like: torch.Tensor, g: int, fake: bool, empty, stacked: bool = False):
-    """One output tensor's buffers; ``stacked``: no data buffers (the caller's stacked ones serve)."""
+def _alloc(like: torch.Tensor, g: int, fake: bool, empty, stacked: bool = False, cols_fp8: bool = False):
+    """One output tensor's buffers; ``stacked``: no data buffers (the caller's stacked ones serve); ``cols_fp8``
+    (with ``fake``): the colwise data e4m3 with its K-groups scales."""
     rd, rs, cd, cs = _shapes(like.shape[0], like.shape[1], g)
     dt = torch.bfloat16 if fake else _FP8
+    col_fp8 = not fake or cols_fp8
     return [None if stacked else empty(rd, dt), None if fake else empty(rs, torch.uint8),
-            None if stacked else empty(cd, dt), None if fake else empty(cs, torch.uint8)]
+            None if stacked else empty(cd, _FP8 if col_fp8 else dt), empty(cs, torch.uint8) if col_fp8 else None]
 
 
 def _stacked_shapes(m: int, r: int, g: int):
@@ -79,20 +94,21 @@ def _stacked_shapes(m: int, r: int, g: int):
     return (m, 2 * r), (2 * r, layouts.k_groups_padded_len(m, g))
 
 
-def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, stacked: bool = False):
+def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, stacked: bool = False,
+          cols_fp8: bool = False):
     x = inputs[0]
     m, r = x.shape
     g = offs.shape[0]
     outs = []
     for _ in range(N_OUTPUTS[op]):
-        outs += _alloc(x, g, fake, lambda s, d: cc.empty(s, d, x.device), stacked)
+        outs += _alloc(x, g, fake, lambda s, d: cc.empty(s, d, x.device), stacked, cols_fp8)
     if stacked:
         # one (M, 2R) rowwise buffer, grad_a's values in columns [:R], grad_b's in [R:] (the kernel's row pitch
         # 2R; passed once, as output 0's rowwise data), and one (2R, Mp) colwise buffer whose two row halves
         # (each contiguous) are the two outputs' colwise data
         row_shape, col_shape = _stacked_shapes(m, r, g)
         row = cc.empty(row_shape, torch.bfloat16, x.device)
-        col = cc.empty(col_shape, torch.bfloat16, x.device)
+        col = cc.empty(col_shape, _FP8 if cols_fp8 else torch.bfloat16, x.device)
         outs[0], outs[2], outs[6] = row, col[:r], col[r:]
     for t in outs:
         if t is not None and t.dtype == torch.uint8 and t.numel() > cc.INT32_MAX:
@@ -100,26 +116,29 @@ def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, sta
     poffs = cc.empty((g,), torch.int32, x.device)
     if m * r and g:
         args = [cc.aligned(t) for t in inputs] + [None] * (3 - len(inputs)) + outs + [None] * (8 - len(outs))
-        cc.launch(_kernel(op, mode, fake, x.device, stacked), *args, offs, poffs)
+        cc.launch(_kernel(op, mode, fake, x.device, stacked, cols_fp8), *args, offs, poffs)
     else:  # nothing to read: the padded offsets and all-zero outputs follow from the shapes
         poffs.copy_(layouts.padded_group_offsets(offs, m))
         for t in outs:
             if t is not None:
                 t.view(torch.uint8).zero_()
+    scales = [t.view(torch.float8_e8m0fnu) for t in outs if t is not None and t.dtype == torch.uint8]
     if stacked:
-        return [row, col, poffs]
+        return [row, col, *scales, poffs]
     return [t.view(torch.float8_e8m0fnu) if t.dtype == torch.uint8 else t for t in outs if t is not None] + [poffs]
 
 
-def _fake_outputs(op: str, x: torch.Tensor, offs: torch.Tensor, fake: bool, stacked: bool = False):
-    if stacked:  # [row data (M, 2R), col data (2R, Mp), poffs]
-        return [x.new_empty(s) for s in _stacked_shapes(x.shape[0], x.shape[1], offs.shape[0])] + [
-            offs.new_empty(offs.shape)]
+def _fake_outputs(op: str, x: torch.Tensor, offs: torch.Tensor, fake: bool, stacked: bool = False,
+                  cols_fp8: bool = False):
     outs = []
     for _ in range(N_OUTPUTS[op]):
         outs += _alloc(x, offs.shape[0], fake, lambda s, d: x.new_empty(s, dtype=torch.float8_e8m0fnu
-                                                                      if d == torch.uint8 else d))
-    return [t for t in outs if t is not None] + [offs.new_empty(offs.shape)]
+                                                                      if d == torch.uint8 else d), stacked, cols_fp8)
+    outs = [t for t in outs if t is not None]
+    if stacked:  # [row data (M, 2R), col data (2R, Mp), (cols_fp8: both outputs' colwise scales,) poffs]
+        row_shape, col_shape = _stacked_shapes(x.shape[0], x.shape[1], offs.shape[0])
+        outs = [x.new_empty(row_shape), x.new_empty(col_shape, dtype=_FP8 if cols_fp8 else x.dtype), *outs]
+    return outs + [offs.new_empty(offs.shape)]
 
 
 # ----------------------------------------------------------------------------- torch.library ops
@@ -149,14 +168,14 @@ def _(a, b, mode, offs, fake):
 @torch.library.custom_op("moe_quant::block_dswiglu", mutates_args=(), device_types="cuda")
 def _block_dswiglu_op(
     grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: str, offs: torch.Tensor, fake: bool,
-    stacked: bool
+    stacked: bool, cols_fp8: bool
 ) -> list[torch.Tensor]:
-    return _impl("dswiglu", (grad_h, a, b), mode, offs, fake, stacked)
+    return _impl("dswiglu", (grad_h, a, b), mode, offs, fake, stacked, cols_fp8)
 
 
 @_block_dswiglu_op.register_fake
-def _(grad_h, a, b, mode, offs, fake, stacked):
-    return _fake_outputs("dswiglu", grad_h, offs, fake, stacked)
+def _(grad_h, a, b, mode, offs, fake, stacked, cols_fp8):
+    return _fake_outputs("dswiglu", grad_h, offs, fake, stacked, cols_fp8)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -197,11 +216,16 @@ def block_swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode | str, offs: 
 
 
 def block_dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode | str,
-                  offs: torch.Tensor, fake: bool, stacked: bool = False):
+                  offs: torch.Tensor, fake: bool, stacked: bool = False, cols_fp8: bool = False):
     """Both forms of ``grad_a``, then of ``grad_b`` (the SwiGLU backward), then ``poffs``; ``stacked`` (with
     ``fake``): ``[row_data (M, 2R), col_data (2R, Mp), poffs]``, both forms of ``[grad_a | grad_b]`` (see the
-    module doc)."""
+    module doc). ``cols_fp8`` (with ``fake``; config ``cols_fp8``): the colwise forms in fp8 and K-groups blocked
+    scales, the rowwise ones bf16 values: per output ``[row_data, col_data, col_scales]``; with ``stacked``
+    ``[row_data (M, 2R), col_data (2R, Mp) e4m3, grad_a's col_scales, grad_b's col_scales, poffs]``."""
     if stacked and not fake:
         raise ValueError("block_dswiglu: stacked colwise forms exist for fake=True (bf16 values) only: the "
                          "K-groups scale buffer is group-major, two of them do not stack")
-    return _run("dswiglu", (grad_h, a, b), mode, offs, fake, stacked)
+    if cols_fp8 and not fake:
+        raise ValueError("block_dswiglu: cols_fp8 writes bf16 rowwise forms beside fp8 colwise ones: it needs "
+                         "fake=True (with fake=False both forms are fp8 already)")
+    return _run("dswiglu", (grad_h, a, b), mode, offs, fake, stacked, cols_fp8)
