@@ -13,10 +13,10 @@ what the forward keeps for the backward.
 weights one ``(E, 2H, D)`` weight (transformers' experts); their ratio is to ``bf16-w13``. ``fused+reuse-fp8`` and
 ``fused+reuse-bf16`` (not in the default list): the reuse scope with ``hold="fp8"`` (both weight operands of the
 emulated GEMM in fp8, dequantized per GEMM) or ``hold="bf16"`` (both as bf16 values) instead of its default
-(``"bf16-fwd"``: the forward operand as bf16 values, the dgrad operand made at each backward). ``fused-bf16cols``
-and ``fused-w13-bf16cols`` (not in the default list): the fused block with ``dswiglu_cols_fp8=False`` (grad_a's and
-grad_b's colwise forms in bf16 from dSwiGLU on, as before 2026-12-03; the default makes them in fp8 and dequantizes
-each just before its weight gradient's GEMM).
+(``"bf16-fwd"``: the forward operand as bf16 values, the dgrad operand made at each backward). ``fused-fp8cols``
+and ``fused-w13-fp8cols`` (not in the default list): the fused block with ``dswiglu_cols_fp8=True`` (grad_a's and
+grad_b's colwise forms made in fp8 and scales, each dequantized just before its weight gradient's GEMM; the default
+keeps them in bf16 from dSwiGLU on).
 
 Shapes: ``dsv3`` D = 7168, H = 2048 (w1/w3 ``(E, 2048, 7168)``, i.e. w13 ``(E, 4096, 7168)``; w2
 ``(E, 7168, 2048)``); ``llama4`` D = 5120, H = 8192; ``qwen3`` D = 2048, H = 768 (Qwen3-30B-A3B's experts, with
@@ -75,10 +75,10 @@ VARIANTS = {"bf16": bf16_block, "unfused": swiglu_experts_unfused, "fused": mxfp
             "bf16-w13": bf16_block_w13, "unfused-w13": swiglu_experts_w13_unfused, "fused-w13": mxfp8_swiglu_experts_w13,
             "fused-w13+reuse": mxfp8_swiglu_experts_w13, "fused+reuse-fp8": mxfp8_swiglu_experts,
             "fused+reuse-bf16": mxfp8_swiglu_experts,
-            "fused-bf16cols": functools.partial(mxfp8_swiglu_experts, dswiglu_cols_fp8=False),
-            "fused-w13-bf16cols": functools.partial(mxfp8_swiglu_experts_w13, dswiglu_cols_fp8=False)}
-DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("fused+reuse-fp8", "fused+reuse-bf16", "fused-bf16cols",
-                                                     "fused-w13-bf16cols")]
+            "fused-fp8cols": functools.partial(mxfp8_swiglu_experts, dswiglu_cols_fp8=True),
+            "fused-w13-fp8cols": functools.partial(mxfp8_swiglu_experts_w13, dswiglu_cols_fp8=True)}
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("fused+reuse-fp8", "fused+reuse-bf16", "fused-fp8cols",
+                                                     "fused-w13-fp8cols")]
 MODES = ("eager", "compiled")
 
 

@@ -49,7 +49,7 @@ KERNELS = [(q, name, "kernel:" + name) for name in (
         "dual", "swiglu", "dswiglu", "dswiglu_stacked")]
 GEMMS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")
 VARIANTS = {"bf16": bench_block.bf16_block,
-            **{v: bench_block.VARIANTS[v] for v in ("unfused", "fused", "fused-bf16cols")}}
+            **{v: bench_block.VARIANTS[v] for v in ("unfused", "fused", "fused-fp8cols")}}
 
 
 def _swiglu_colwise_as_kernels(a, b, mode, offs, fake):

@@ -114,7 +114,7 @@ def test_compiled_block_peak_at_most_bf16_compiled():
     assert peaks["fused"] <= peaks["bf16"] + slack, {k: v / 2**30 for k, v in peaks.items()}
 
 
-@pytest.mark.parametrize("variant", ["unfused", "fused", "fused-bf16cols"])
+@pytest.mark.parametrize("variant", ["unfused", "fused", "fused-fp8cols"])
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_cpu_model_predicts_the_cuda_peak(variant, mode):
     """``benchmarks.block_peak`` (the CPU allocator's events, each quantization pass's temporaries left out) gives

@@ -52,14 +52,14 @@ LAST_WGRAD = 2 * X + 2 * D * MP + 2 * H * MP + 3 * W  # y, dx, 3 weight gradient
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_block_holds_the_gradients_colwise_forms_in_fp8_through_dx(compiled):
-    """The fused block (``dswiglu_cols_fp8``, the default) holds grad_a's and grad_b's colwise forms in fp8 and scales
+    """The fused block with ``dswiglu_cols_fp8`` (``fused-fp8cols``) holds grad_a's and grad_b's colwise forms in fp8 and scales
     through its dx GEMMs, ``(H + H/32) Mp`` each instead of ``2 H Mp``: its second dx GEMM holds y, both dx products,
     x's kept fp8 form, dW2, w3's dequantized dgrad operand, grad_b's rowwise form and those (``3 X + X_kept + 2 W + Hh
     + 2 (H + H/32) Mp``), and it peaks (at this shape, a quarter of the rows padding) at its last weight gradient's
     GEMM, which the fp8 forms leave as it is: y, dx, the three weight gradients, x's and grad_b's bf16 colwise
-    operands. Before (``fused-bf16cols``, the next test) the second dx GEMM held both forms in bf16, its peak."""
+    operands. Without it (the default, the next test) the second dx GEMM holds both forms in bf16, its peak."""
     assert SECOND_DX_FP8 < LAST_WGRAD < 3 * X + X_KEPT + 2 * W + Hh + 2 * COL_H
-    got = peak("fused", compiled)
+    got = peak("fused-fp8cols", compiled)
     assert LAST_WGRAD <= got.bytes <= LAST_WGRAD + SMALL, (got.bytes, LAST_WGRAD, got.stage)
     assert "aten::_grouped_mm" in got.stage[-1], got.stage
     assert any(SECOND_DX_FP8 <= b <= SECOND_DX_FP8 + SMALL for _, b, _ in got.stages), got.stages
@@ -67,11 +67,11 @@ def test_fused_block_holds_the_gradients_colwise_forms_in_fp8_through_dx(compile
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_block_peaks_at_its_second_dx_gemm(compiled):
-    """With ``dswiglu_cols_fp8=False`` (``fused-bf16cols``) the fused block peaks at its second dx GEMM: y, the first
+    """With ``dswiglu_cols_fp8=False`` (the default) the fused block peaks at its second dx GEMM: y, the first
     dx product and the second, x's kept fp8 form, dW2, w3's dequantized dgrad operand, grad_b's rowwise form and both
     colwise forms in bf16 (``3 X + X_kept + 2 W + Hh + 2 cols``), below the bf16 block's eager peak at this shape
     (``4 X + Hh + 3 W``: x, y, both dx products, grad_a and the three weight gradients)."""
-    got = peak("fused-bf16cols", compiled)
+    got = peak("fused", compiled)
     want = 3 * X + X_KEPT + 2 * W + Hh + 2 * COL_H
     assert want <= got.bytes <= want + SMALL, (got.bytes, want, got.stage)
     assert "aten::_grouped_mm" in got.stage[-1], got.stage
@@ -107,12 +107,12 @@ def test_fp8_dswiglu_forms_lower_the_fused_peak_with_the_same_bits(compiled):
     each instead of ``2 H Mp``; the colwise forms alone in fp8 (``fp8-colwise``) give the same. At this shape
     (a quarter of the rows padding) the block then peaks at its last weight gradient's GEMM, which the fp8 forms
     leave as it is: y, dx, the three weight gradients, x's and grad_b's bf16 colwise operands. (The probe patches the
-    block as it was, ``dswiglu_cols_fp8=False``; its "fp8-colwise" is what the switch does since.)"""
+    block with ``dswiglu_cols_fp8=False``, the default; its "fp8-colwise" is what the switch does.)"""
     probe = _probe()
     probe.check_bits(M, D, H, E, ["compiled" if compiled else "eager"], "aot_eager", in_op=False)
     second_dx, last_wgrad = SECOND_DX_FP8, LAST_WGRAD
     for which in ("fp8-forms", "fp8-colwise"):
         with probe.patched(which):
-            got = peak("fused-bf16cols", compiled)  # the probe patches the block as it was (its "today")
+            got = peak("fused", compiled)  # the probe patches the block as it is by default (its "today")
         assert last_wgrad <= got.bytes <= last_wgrad + SMALL, (which, got.bytes, last_wgrad, got.stage)
         assert any(second_dx <= b <= second_dx + SMALL for _, b, _ in got.stages), (which, got.stages)

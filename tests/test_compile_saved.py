@@ -28,11 +28,11 @@ def inputs(concat: bool, train_weights: bool):
     return x, ws, torch.tensor(SIZES).cumsum(0).to(torch.int32)
 
 
-def block_of(concat: bool):
+def block_of(concat: bool, **kw):
     block = mxfp8_swiglu_experts_w13 if concat else mxfp8_swiglu_experts
 
     def fn(x, *ws_offs):
-        return block(x * 1, *ws_offs)  # x * 1: a routed copy, which only the block could keep
+        return block(x * 1, *ws_offs, **kw)  # x * 1: a routed copy, which only the block could keep
 
     return fn
 
@@ -130,7 +130,7 @@ def test_backward_frees_a_b_and_x_form_before_the_gemms_that_do_not_read_them(co
     ("aot_eager", False), ("inductor", False), ("aot_eager", True), ("inductor", True),
 ])
 def test_fp8_colwise_forms_are_dequantized_each_after_the_gemm_before_it(compile_backend, concat):
-    """``dswiglu_cols_fp8`` (the default) compiled: grad_a's and grad_b's fp8 colwise forms (or the stacked one) are
+    """``dswiglu_cols_fp8=True`` compiled: grad_a's and grad_b's fp8 colwise forms (or the stacked one) are
     each dequantized by an op of their own (``swiglu_block_bwd_cols_operand``: inside the GEMM's op the fp8 form would
     live through the GEMM) that runs after the op before its weight gradient's (x's operand, made after dx's GEMMs;
     then dW1's op), its GEMM's op next: the bf16 values never live beside a dx GEMM or the other weight's GEMM.
@@ -140,7 +140,7 @@ def test_fp8_colwise_forms_are_dequantized_each_after_the_gemm_before_it(compile
     changes (seen with both forms dequantized right after dSwiGLU)."""
     x0, ws, offs = inputs(concat, True)
     torch._dynamo.reset()
-    fn = torch.compile(block_of(concat), fullgraph=True, backend=compile_backend)
+    fn = torch.compile(block_of(concat, dswiglu_cols_fp8=True), fullgraph=True, backend=compile_backend)
     fn(x0.clone().requires_grad_(), *ws, offs).sum().backward()  # warm-up: forward and backward compiled
     y = fn(x0.clone().requires_grad_(), *ws, offs)
     with LiveAtEachGemm([]) as seen:

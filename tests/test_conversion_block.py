@@ -102,18 +102,19 @@ def test_fused_block_off_takes_the_per_gemm_path_with_the_same_bits(block_calls,
 
 
 def test_dswiglu_cols_fp8_reaches_the_block_with_the_same_bits(monkeypatch):
-    """``MXFP8MoEConfig(dswiglu_cols_fp8=...)`` is what the converted experts' block is called with (default True);
+    """``MXFP8MoEConfig(dswiglu_cols_fp8=...)`` is what the converted experts' block is called with (default False);
     the same bits either way; anything but a bool raises, naming it."""
     from moe_quant import autograd
 
     seen, real = [], autograd.mxfp8_swiglu_experts
     monkeypatch.setattr(autograd, "mxfp8_swiglu_experts", lambda *a, **k: seen.append(k["dswiglu_cols_fp8"]) or real(*a, **k))
     torch.manual_seed(0)
-    on = convert(GroupedExperts(D, H, E).to(torch.bfloat16), MXFP8MoEConfig())
-    off = convert(copy.deepcopy(on), MXFP8MoEConfig(dswiglu_cols_fp8=False))
+    off = convert(GroupedExperts(D, H, E).to(torch.bfloat16), MXFP8MoEConfig())
+    on = convert(copy.deepcopy(off), MXFP8MoEConfig(dswiglu_cols_fp8=True))
     x = torch.randn(int(COUNTS.sum()), D, dtype=torch.bfloat16)
     for a, b in zip(_run(on, x, COUNTS), _run(off, x, COUNTS)):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert seen == [True, False]
+    assert not MXFP8MoEConfig().dswiglu_cols_fp8
     with pytest.raises(TypeError, match="dswiglu_cols_fp8 must be a bool, got str"):
         MXFP8MoEConfig(dswiglu_cols_fp8="no")

@@ -95,8 +95,13 @@ def test_block_path_taken_and_unfused_path_not(monkeypatch):
     calls.clear()
     run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
     # x: rowwise once for w1 and w3 and its colwise form kept (forward), read back once for their wgrads
-    # (backward); h's forms from a and b in forward, its colwise form again in backward; grad_y both at once;
-    # grad_a's and grad_b's colwise forms made in fp8 by dSwiGLU and each read back once (dswiglu_cols_fp8)
+    # (backward); h's forms from a and b in forward, its colwise form again in backward; grad_y both at once
+    assert counts.n == {"rowwise": 1, "colwise": 0, "colwise_kept": 1, "colwise_operand": 1, "dual": 1, "swiglu": 1,
+                        "swiglu_colwise": 1, "dswiglu": 1}
+    assert not calls
+    counts.n.update(dict.fromkeys(counts.n, 0))
+    run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy, dswiglu_cols_fp8=True)
+    # dswiglu_cols_fp8: grad_a's and grad_b's colwise forms made in fp8 by dSwiGLU and each read back once too
     assert counts.n == {"rowwise": 1, "colwise": 0, "colwise_kept": 1, "colwise_operand": 3, "dual": 1, "swiglu": 1,
                         "swiglu_colwise": 1, "dswiglu": 1}
     assert not calls
@@ -332,12 +337,12 @@ def test_block_frees_a_and_b_once_dswiglu_read_them(monkeypatch):
     monkeypatch.setattr(bq, "colwise_operand", spy_operand)
     x, w1, w3, w2, offs, gy = make_block([40, 0, 70], 5, 64, 96, 11)
     want = run(swiglu_experts_unfused, x, w1, w3, w2, offs, gy)
-    got = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
+    got = run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy, dswiglu_cols_fp8=True)
     assert_bits_equal(got, want, 110)
     # x's form read back, then grad_a's and grad_b's fp8 colwise forms (dswiglu_cols_fp8)
     assert alive_then == [[False, False]] * 3, alive_then
     seen.clear(), alive_then.clear()
-    y = mxfp8_swiglu_experts(x, w1, w3, w2, offs)
+    y = mxfp8_swiglu_experts(x, w1, w3, w2, offs, dswiglu_cols_fp8=True)
     first = torch.autograd.grad(y, (x, w1, w3, w2), gy, retain_graph=True)
     second = torch.autograd.grad(y, (x, w1, w3, w2), gy)
     assert alive_then == [[True, True]] * 3 + [[False, False]] * 3, alive_then  # kept while the graph is retained

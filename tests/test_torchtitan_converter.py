@@ -106,7 +106,7 @@ def test_the_settings_the_ranks_compare_are_recorded_on_the_experts():
     model = cfg.build()
     (experts,) = _experts(model)
     assert ranks.settings(experts) == {"scale_mode": "rceil", "backend": "auto", "out_dtype": None,
-                                       "allow_fallback": True, "fused_block": True, "dswiglu_cols_fp8": True,
+                                       "allow_fallback": True, "fused_block": True, "dswiglu_cols_fp8": False,
                                        "dispatcher": False}
     assert ranks.settings(copy.deepcopy(model).get_submodule(_fqn(model, experts))) == ranks.settings(experts)
     unconvert(model)

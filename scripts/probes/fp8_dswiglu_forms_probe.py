@@ -24,8 +24,9 @@ divided by 256; ``--d 896 --h 256 --experts 4 --rows 192 --scale-to 7168,2048,64
   eager block, eager and compiled) before any peak is printed.
 
 Results (2026-12-03, torch 2.13): docs/lab/performance_log.md, "fp8 dSwiGLU forms and the fused block's peak".
-Decided: the colwise forms alone in fp8 are the block's default since (``dswiglu_cols_fp8``, the ``cols_fp8`` dswiglu
-kernel variants); the probe patches the block with that switch off (its "today").
+Built since as the block's switch ``dswiglu_cols_fp8`` (the colwise forms alone in fp8, the ``cols_fp8`` dswiglu kernel
+variants; off by default: on one H200 it cost the block's step 2.5-4%); the probe patches the block with the switch off
+(its "today").
 
 Each peak is printed as block_peak scales it (``xF``: every byte times the shape's factor) and ``padded``: each
 allocation of a colwise form, ``(R, Mp)`` with ``Mp = M + 32 E`` padded rows, weighed at the GPU shape's padding
@@ -60,9 +61,9 @@ DGRAD, WGRAD, COLWISE_OPERAND = sb.backward_dgrad, sb.backward_wgrad, bq.colwise
 COLWISE_RANGES = ("kernel:fake_colwise_k_groups", "kernel:colwise_k_groups_plain", "kernel:colwise_operand",
                   "kernel:dequantize_colwise")
 PATCHES = ("today", "fp8-forms", "fp8-colwise")
-# the block the patches apply to: as it was when the probe was written ("today": its colwise forms of grad_a and grad_b
-# in bf16), i.e. with dswiglu_cols_fp8 off; the block's default since then is what "fp8-colwise" patches in
-BLOCK = bench_block.VARIANTS["fused-bf16cols"]
+# the block the patches apply to: its colwise forms of grad_a and grad_b in bf16 ("today"), dswiglu_cols_fp8 off (the
+# default); "fp8-colwise" patches in what the switch does
+BLOCK = bench_block.VARIANTS["fused"]
 
 
 def _fp8_rowwise(t, mode, offs):
