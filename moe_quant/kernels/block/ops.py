@@ -122,9 +122,9 @@ def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, sta
         for t in outs:
             if t is not None:
                 t.view(torch.uint8).zero_()
-    scales = [t.view(torch.float8_e8m0fnu) for t in outs if t is not None and t.dtype == torch.uint8]
-    if stacked:
-        return [row, col, *scales, poffs]
+    if stacked:  # cols_fp8: the two outputs' colwise scales after the data
+        return [row, col, *(t.view(torch.float8_e8m0fnu) for t in outs if t is not None and t.dtype == torch.uint8),
+                poffs]
     return [t.view(torch.float8_e8m0fnu) if t.dtype == torch.uint8 else t for t in outs if t is not None] + [poffs]
 
 
