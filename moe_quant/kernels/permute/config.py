@@ -78,8 +78,10 @@ class Variant:
             raise ValueError(f"out must be one of {OUTS}, got {self.out!r}")
         if not self.order:
             object.__setattr__(self, "order", DEFAULT_ORDER[self.out])
-        if self.pair_stores is None or self.out != "dequant":
-            object.__setattr__(self, "pair_stores", self.out == "dequant" and self.pair_stores is not False)
+        if self.out != "dequant":
+            object.__setattr__(self, "pair_stores", False)
+        elif self.pair_stores is None:
+            object.__setattr__(self, "pair_stores", True)
         if self.out == "dequant":
             if self.out_dtype not in DEQUANT_DTYPES:
                 raise ValueError(f"dequant out_dtype must be one of {DEQUANT_DTYPES}, got {self.out_dtype!r}")
