@@ -13,8 +13,9 @@ rowwise values or fp8 data + M-groups scales, colwise values or data + K-groups 
 the padded offsets), % of a bf16 memcpy of an (M, R) tensor in the same run, and the unfused equivalent: the
 1x32 and 32x1 kernels of each output tensor (for ``swiglu`` / ``dswiglu`` after PyTorch's SwiGLU ops), the
 same bytes at the end. ``--out fp8cols``: ``dswiglu`` alone, its ``cols_fp8`` variant (the block's backward on the
-emulated GEMM since 2026-12-03: rowwise bf16 values, colwise fp8 data + K-groups scales), the kernel's op timed (its
-blocked scales, not unblocked).
+emulated GEMM since 2026-12-03: rowwise bf16 values, colwise fp8 data + plain K-groups scales ``(R, Mp/32)``, the
+kernel's own since issue 54's follow-up), against the 32x1 kernel's plain form (``quantize.colwise_k_groups_plain``:
+its blocked scales unblocked by torch ops).
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ def shapes_arg(text: str) -> list[tuple[int, int, int]]:
 
 def form_bytes(m: int, r: int, g: int, fake: bool, cols_fp8: bool = False) -> int:
     """Bytes one output tensor's two forms occupy: rowwise (M, R) and colwise (R, Mp), scales with padding;
-    ``cols_fp8`` (with ``fake``): the colwise form fp8 data and K-groups scales."""
+    ``cols_fp8`` (with ``fake``): the colwise form fp8 data and plain K-groups scales."""
     mp = layouts.k_groups_padded_len(m, g)
     rs, cs = layouts.m_groups_blocked_shape(m, r // BLOCK_SIZE, g), layouts.k_groups_blocked_shape(r, m, g)
     if fake:
-        return 2 * m * r + (r * mp + cs[0] * cs[1] if cols_fp8 else 2 * r * mp)
+        ps = layouts.k_groups_plain_shape(r, m, g)
+        return 2 * m * r + (r * mp + ps[0] * ps[1] if cols_fp8 else 2 * r * mp)
     return m * r + rs[0] * rs[1] + r * mp + cs[0] * cs[1]
 
 
@@ -67,7 +69,7 @@ def op_bytes(op: str, m: int, r: int, g: int, fake: bool, cols_fp8: bool = False
 
 
 def fused(op: str, offs, fake: bool, cols_fp8: bool = False):
-    if cols_fp8:  # the kernel's op (bq.dswiglu would unblock its scales too)
+    if cols_fp8:  # the kernel's op (bq.dswiglu takes its outputs as they are)
         from moe_quant.kernels.block import ops as ops_block
 
         return lambda t: ops_block.block_dswiglu(*t, MODE, offs, True, cols_fp8=True)
@@ -80,8 +82,8 @@ def unfused(op: str, offs, fake: bool, cols_fp8: bool = False):
     each), as the per-GEMM path makes them: what the fused op replaces."""
     def forms(x, mode, offs, fake):
         if fake:
-            col = q.colwise_k_groups(x, offs, mode) if cols_fp8 else q.fake_colwise_k_groups(x, offs, mode,
-                                                                                            torch.bfloat16)
+            col = q.colwise_k_groups_plain(x, offs, mode) if cols_fp8 else q.fake_colwise_k_groups(x, offs, mode,
+                                                                                                  torch.bfloat16)
             return q.fake_rowwise(x, mode, torch.bfloat16), col
         return q.rowwise(x, mode, offs), q.colwise_k_groups(x, offs, mode)
 

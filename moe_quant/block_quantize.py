@@ -158,13 +158,6 @@ def swiglu_colwise(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torc
     return _colwise_form(reference.swiglu(a, b), mode, offs, fake)
 
 
-def _plain_scales(blocked: torch.Tensor, offs: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A colwise form's K-groups blocked scales (the kernels') as :func:`colwise_kept`'s plain ones, ``like`` the
-    ``(M, R)`` tensor the form is of (as :func:`moe_quant.quantize.colwise_k_groups_plain` unblocks the 32x1
-    kernel's)."""
-    return layouts.unblock_k_groups(blocked, offs, like.shape[1], like.shape[0])
-
-
 def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor,
             fake: bool, cols_fp8: bool = False):
     """``((rowwise, colwise) of grad_a, (rowwise, colwise) of grad_b)`` of the SwiGLU backward
@@ -179,8 +172,8 @@ def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleM
         outs = ops_block.block_dswiglu(grad_h, a, b, mode, offs, fake, cols_fp8=cols_fp8)
         if not cols_fp8:
             return tuple(_kernel_forms(outs, fake))
-        poffs = outs[-1]  # per output [row values, col data, col blocked scales]
-        return tuple(((outs[i],), (outs[i + 1], _plain_scales(outs[i + 2], offs, grad_h), poffs)) for i in (0, 3))
+        poffs = outs[-1]  # per output [row values, col data, col plain scales]: colwise_kept's form as it is
+        return tuple(((outs[i],), (outs[i + 1], outs[i + 2], poffs)) for i in (0, 3))
     grad_a, grad_b = reference.dswiglu(grad_h, a, b)
     return _separate_forms(grad_a, mode, offs, fake, cols_fp8), _separate_forms(grad_b, mode, offs, fake, cols_fp8)
 
@@ -191,7 +184,8 @@ def dswiglu_stacked(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode
     of ``[grad_a | grad_b]`` (dx's and dW13's operands), equal to :func:`concat_rowwise` and
     :func:`concat_colwise` of grad_a's and grad_b's forms; the kernel writes each half in place (no
     concatenation copy). ``cols_fp8``: the colwise form ``(data_t (2R, Mp) e4m3, plain scales (2R, Mp/32),
-    poffs)`` (the halves' scales, unblocked, concatenated: 1/32 of the data's bytes)."""
+    poffs)`` (the halves' scales stacked along rows as the data: 1/32 of the data's bytes; the kernel writes them in
+    place too)."""
     if _kernels_serve(grad_h, a, b):
         from .kernels.block import ops as ops_block
 
@@ -199,8 +193,7 @@ def dswiglu_stacked(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode
         if not cols_fp8:
             row, col, poffs = outs
             return (row,), (col, poffs)
-        row, col, scales_a, scales_b, poffs = outs
-        scales = torch.cat([_plain_scales(s, offs, grad_h) for s in (scales_a, scales_b)])
+        row, col, scales, poffs = outs
         return (row,), (col, scales, poffs)
     (row_a, col_a), (row_b, col_b) = dswiglu(grad_h, a, b, mode, offs, True, cols_fp8)
     return concat_rowwise(row_a, row_b), concat_colwise(col_a, col_b, cols_fp8)

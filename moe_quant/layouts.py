@@ -110,6 +110,20 @@ def k_groups_blocked_shape(rows: int, m: int, n_groups: int) -> tuple[int, int]:
     return round_up(rows, TILE_ROWS), ceil_div(m, BLOCK_SIZE) + TILE_COLS * n_groups
 
 
+def k_groups_plain_shape(rows: int, m: int, n_groups: int) -> tuple[int, int]:
+    """Shape of the plain K-groups scales of per-group-padded data: ``(R, Mp/32)``, ``Mp = k_groups_padded_len(m,
+    G)``: row r that of column r of the ``(M, R)`` tensor, column j that of padded tokens ``[32 j, 32 j + 32)`` (zero
+    outside groups; :func:`moe_quant.reference.quantize_colwise_k_groups_plain`, :func:`unblock_k_groups`)."""
+    return rows, k_groups_padded_len(m, n_groups) // BLOCK_SIZE
+
+
+def k_groups_plain_offset(r, token, mp):
+    """Byte of the scale of (column ``r``, padded token ``token``) in the plain K-groups scales
+    (:func:`k_groups_plain_shape`) of data padded to ``mp`` tokens: plain integer arithmetic (ints, index tensors,
+    CuTe-DSL integers: the ``cols_fp8`` block kernels write their scales by it)."""
+    return r * (mp // BLOCK_SIZE) + token // BLOCK_SIZE
+
+
 # ----------------------------------------------------------------------------- groups
 
 
@@ -345,7 +359,7 @@ def _k_groups_columns(rows: int, m: int, offs: torch.Tensor):
     ``[P_g/32, P_g/32 + c_g)`` with ``c_g = ceil(m_g/32)``, blocked on its own with
     ``ceil(c_g/4)`` column tiles at byte ``S_g * Rp``, ``S_g = sum_{j<g} 4 ceil(c_j/4)``.
     """
-    n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
+    n_cols = k_groups_plain_shape(rows, m, offs.numel())[1]
     _, sizes, pstarts, pends = group_bounds(offs, m, K_GROUP_ALIGN)
     c_g = ceil_div(sizes, BLOCK_SIZE)
     tiles_g = ceil_div(c_g, TILE_COLS)
@@ -382,7 +396,7 @@ def to_blocked_k_groups(scales: torch.Tensor, offs: torch.Tensor, m: int) -> tor
     _group_offsets(offs, s, m)
     rows = s.shape[0]
     v.check_shape(
-        "scales", s, (rows, k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE),
+        "scales", s, k_groups_plain_shape(rows, m, offs.numel()),
         f"(R, (round_up(m, 32) + 32 G) / 32) for m={m}, G={offs.numel()}",
     )
     shape = k_groups_blocked_shape(rows, m, offs.numel())
@@ -418,7 +432,7 @@ def unblock_k_groups(blocked: torch.Tensor, offs: torch.Tensor, rows: int, m: in
     broadcast multiply and two adds (int32 where the buffer allows) and the bytes one gather; a column outside every
     group reads a 512-byte zero pad past the buffer (``tile_row`` < 512)."""
     b = _as_bytes(blocked).reshape(-1)
-    n_cols = k_groups_padded_len(m, offs.numel()) // BLOCK_SIZE
+    n_cols = k_groups_plain_shape(rows, m, offs.numel())[1]
     if offs.numel() == 0:
         return _like(torch.zeros(rows, n_cols, dtype=torch.uint8, device=b.device), blocked)
     col_base, col_stride, tile_row = _k_groups_source(rows, m, offs, b.numel())

@@ -2,7 +2,7 @@
 ``swiglu``, ``dswiglu``; fp8 and bf16 outputs; the stacked dSwiGLU outputs of a concatenated gate-up weight);
 each also checked byte for byte against the reference.
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_block.py [--quick] [--candidate NAME]
+    compute-sanitizer --tool memcheck python scripts/sanitize_block.py [--quick] [--candidate NAME] [--cols-fp8]
 
 Ragged groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000, R % 128 != 0, rows past the
 last group. Without ``--candidate`` every op runs its default variants (since 2026-12-02: swiglu and dswiglu lean,
@@ -10,7 +10,8 @@ dswiglu's two outputs in one CTA; since 2026-12-03 their signed residual, bf16 o
 fp8 outputs' flat scale stores), and dswiglu its ``cols_fp8`` variants (bf16 rowwise, fp8 colwise forms: the block's
 backward on the emulated GEMM since 2026-12-03), stacked and not; ``--candidate`` leaves those as they are. ``--candidate NAME`` (of ``block.config.candidates``, e.g. ``pre-round``, the
 SwiGLU ops' former default with bf16 outputs): every block variant that has that A/B candidate launches it instead
-(``ops.candidate_in_place``).
+(``ops.candidate_in_place``). ``--cols-fp8``: the ``cols_fp8`` variants alone (their plain K-groups scales since
+issue 54's follow-up).
 """
 
 import contextlib
@@ -42,14 +43,27 @@ def same_forms(got, want) -> bool:
     return all(same(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
 
 
+def cols_fp8_case(g, a, b, mode, offs, clean) -> bool:
+    """dswiglu's cols_fp8 variants (the block's backward on the emulated GEMM), unstacked and stacked: bf16 rowwise
+    values, fp8 colwise data and plain K-groups scales (colwise_kept's form), against the reference's."""
+    (ra, fa), (rb, fb) = (bq._separate_forms(t.cpu(), mode, clean, True, cols_fp8=True)
+                          for t in reference.dswiglu(g, a, b))
+    outs = ops_block.block_dswiglu(g, a, b, mode, offs, True, cols_fp8=True)
+    ok = len(outs) == 7 and same_forms([outs[0:1], outs[1:3], outs[3:4], outs[4:6], outs[6:]],
+                                       [ra, fa[:2], rb, fb[:2], fa[2:]])
+    row, col, scales, poffs = ops_block.block_dswiglu(g, a, b, mode, offs, True, stacked=True, cols_fp8=True)
+    ok &= same(row, torch.cat([ra[0], rb[0]], dim=1)) and same(col, torch.cat([fa[0], fb[0]]))
+    return ok and same(scales, torch.cat([fa[1], fb[1]])) and same(poffs, fa[2])
+
+
 def case(name, m, r, offs_list, mode=ScaleMode.RCEIL):
     offs_cpu = torch.tensor(offs_list, dtype=torch.int32)
     offs = offs_cpu.cuda()
     clean = layouts.sanitize_offsets(offs_cpu, m).to(torch.int32)
     g, a, b = ((torch.zeros(m, r) if m * r == 0 else make_values((m, r), "wide", m + r + i)).bfloat16().cuda()
                for i in range(3))
-    ok = True
-    for fake in (False, True):
+    ok = cols_fp8_case(g, a, b, mode, offs, clean)
+    for fake in (() if "--cols-fp8" in sys.argv else (False, True)):
         got = bq._kernel_forms(ops_block.block_dual(g, mode, offs, fake), fake)[0]
         ok &= same_forms(got, bq._separate_forms(g.cpu(), mode, clean, fake))
         got = bq._kernel_forms(ops_block.block_swiglu(a, b, mode, offs, fake), fake)[0]
@@ -62,16 +76,6 @@ def case(name, m, r, offs_list, mode=ScaleMode.RCEIL):
             row, col, poffs = ops_block.block_dswiglu(g, a, b, mode, offs, True, stacked=True)
             ok &= same(row, torch.cat([ra[0], rb[0]], dim=1)) and same(col, torch.cat([ca[0], cb[0]]))
             ok &= same(poffs, ca[1])
-            # cols_fp8 (the block's backward on the emulated GEMM): bf16 rowwise values, fp8 colwise forms and
-            # K-groups scales (the fp8 reference's colwise forms), unstacked and stacked
-            fa, fb = (bq._separate_forms(t.cpu(), mode, clean, False)[1] for t in (grad_a, grad_b))
-            outs = ops_block.block_dswiglu(g, a, b, mode, offs, True, cols_fp8=True)
-            ok &= same_forms([outs[0:1], outs[1:3], outs[3:4], outs[4:6], outs[6:]],
-                             [ra, fa[:2], rb, fb[:2], fa[2:]])
-            row, col, scales_a, scales_b, poffs = ops_block.block_dswiglu(g, a, b, mode, offs, True, stacked=True,
-                                                                          cols_fp8=True)
-            ok &= same(row, torch.cat([ra[0], rb[0]], dim=1)) and same(col, torch.cat([fa[0], fb[0]]))
-            ok &= same(scales_a, fa[1]) and same(scales_b, fb[1]) and same(poffs, fa[2])
     torch.cuda.synchronize()
     print(f"{name:44s} {'ok' if ok else 'MISMATCH'}", flush=True)
     return ok

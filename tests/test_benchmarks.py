@@ -385,7 +385,7 @@ def test_block_kernel_bytes_are_the_ops_inputs_and_outputs(op, fake):
 
 def test_block_kernel_bytes_of_the_cols_fp8_dswiglu_are_its_op_outputs():
     """``--out fp8cols``: the cols_fp8 dswiglu op's bytes, its inputs once and every buffer it returns (the op's fake
-    outputs: bf16 rowwise values, fp8 colwise data, K-groups blocked scales, padded offsets)."""
+    outputs: bf16 rowwise values, fp8 colwise data, plain K-groups scales, padded offsets)."""
     from benchmarks import bench_block_kernels as bbk
     from moe_quant.kernels.block import ops as ops_block
 

@@ -47,10 +47,11 @@ def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str):
                              f"got {g[i].tolist()} want {w[i].tolist()}")
 
 
-def reference_forms(t_gpu: torch.Tensor, offs_cpu: torch.Tensor, mode: ScaleMode, fake: bool):
-    """Both forms of a tensor by the CPU reference quantizers (offsets sanitized as the kernel does)."""
+def reference_forms(t_gpu: torch.Tensor, offs_cpu: torch.Tensor, mode: ScaleMode, fake: bool, cols_fp8: bool = False):
+    """Both forms of a tensor by the CPU reference quantizers (offsets sanitized as the kernel does); ``cols_fp8``
+    (with ``fake``): the colwise form as ``block_quantize.colwise_kept`` makes it (fp8 data, plain scales)."""
     offs = layouts.sanitize_offsets(offs_cpu, t_gpu.shape[0]).to(torch.int32)
-    return bq._separate_forms(t_gpu.cpu(), mode, offs, fake)
+    return bq._separate_forms(t_gpu.cpu(), mode, offs, fake, cols_fp8)
 
 
 def check_forms(got, want, what: str):
@@ -174,26 +175,26 @@ def test_dswiglu_stacked_long_tails_and_bad_offsets(m, r, offs_list):
 def check_cols_fp8(outs, g, a, b, offs, mode, stacked, what):
     """``block_dswiglu(..., True, stacked=stacked, cols_fp8=True)`` (the ``cols_fp8`` variants), every byte (the
     buffers are poisoned): the rowwise forms the bf16 values of the reference (``(M, 2R)`` with ``stacked``), the
-    colwise forms the fp8 data and K-groups blocked scales of the reference's 32x1 quantizer (``quantize``'s K-groups,
-    padding and the scale tail included; data stacked along rows with ``stacked``), and the padded offsets."""
+    colwise forms the fp8 data and plain K-groups scales ``(R, Mp/32)`` of the reference's 32x1 quantizer
+    (``colwise_kept``'s form: every padded 32-token block of the data, the zeros past the last group included; data
+    and scales stacked along rows with ``stacked``), and the padded offsets."""
     grad_a, grad_b = reference.dswiglu(g, a, b)
     rows = [reference_forms(t, offs, mode, True)[0][0] for t in (grad_a, grad_b)]
-    cols = [reference_forms(t, offs, mode, False)[1] for t in (grad_a, grad_b)]  # (data_t, blocked scales, poffs)
+    # (data_t, plain scales, poffs)
+    cols = [reference_forms(t, offs, mode, True, cols_fp8=True)[1] for t in (grad_a, grad_b)]
     if stacked:
-        assert len(outs) == 5, f"{what}: {len(outs)} outputs"
-        row, col, scales_a, scales_b, poffs = outs
+        assert len(outs) == 4, f"{what}: {len(outs)} outputs"
+        row, col, scales, poffs = outs
         assert_bytes_equal(row, torch.cat(rows, dim=1), f"{what} stacked rowwise")
         assert_bytes_equal(col, torch.cat([cols[0][0], cols[1][0]]), f"{what} stacked colwise data")
-        got = [(scales_a, "grad_a"), (scales_b, "grad_b")]
+        assert_bytes_equal(scales, torch.cat([cols[0][1], cols[1][1]]), f"{what} stacked colwise plain scales")
     else:
         assert len(outs) == 7, f"{what}: {len(outs)} outputs"
         poffs = outs[-1]
         for o, name in enumerate(("grad_a", "grad_b")):
             assert_bytes_equal(outs[3 * o], rows[o], f"{what} {name} rowwise values")
             assert_bytes_equal(outs[3 * o + 1], cols[o][0], f"{what} {name} colwise data")
-        got = [(outs[2], "grad_a"), (outs[5], "grad_b")]
-    for (scales, name), want in zip(got, cols):
-        assert_bytes_equal(scales, want[1], f"{what} {name} colwise K-groups scales")
+            assert_bytes_equal(outs[3 * o + 2], cols[o][1], f"{what} {name} colwise plain scales")
     assert_bytes_equal(poffs, cols[0][2], f"{what} padded offs")
 
 
@@ -215,8 +216,9 @@ def test_dswiglu_cols_fp8(groups, r, dist, mode, seed, bad_offs, stacked):
 ])
 def test_dswiglu_cols_fp8_tails_degenerate_shapes_and_bad_offsets(stacked, m, r, offs_list):
     """The cols_fp8 variants' tail CTAs: the bf16 rowwise rows past the last group's end zeroed (both halves of the
-    stacked buffer), the colwise data tail and the K-groups scale tail zeroed as the fp8 outputs' are, no M-groups
-    scales; M = 0, G = 0 and empty groups through the zero-fill path; whatever offs holds."""
+    stacked buffer), the colwise data tail zeroed as the fp8 outputs' is and the plain scales' columns past the last
+    group's padded end zero (written by the tail CTAs), no M-groups scales; M = 0, G = 0 and empty groups through the
+    zero-fill path; whatever offs holds."""
     offs = torch.tensor(offs_list, dtype=torch.int32)
     for mode in ScaleMode:
         g, a, b = inputs(3, m, r, "wide", m + r)

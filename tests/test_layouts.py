@@ -147,6 +147,36 @@ def test_unblock_k_groups_reads_the_bytes_of_the_full_size_index(sizes, rows, se
                        expect)
 
 
+@given(sizes=group_sizes(), rows=st.integers(1, 100), seed=st.integers(0, 99))
+def test_k_groups_plain_offset_indexes_the_plain_scales(sizes, rows, seed):
+    """The plain K-groups scales (what the emulated GEMM's dequantization reads, and the ``cols_fp8`` block kernels
+    write by ``k_groups_plain_offset``): the reference's ``(R, Mp/32)`` (``k_groups_plain_shape``), scale (r, j) at byte
+    ``k_groups_plain_offset(r, t, Mp)`` for every padded token t of block j, a group's blocks at its padded tokens (the
+    group's first token's scale is that of its first 32 tokens alone)."""
+    from moe_quant import reference
+    from moe_quant.numerics import ScaleMode
+
+    sizes, tail = sizes
+    m = sum(sizes) + tail
+    offs = offsets_from_sizes(sizes)
+    x = torch.randn(m, rows, generator=torch.Generator().manual_seed(seed)) * torch.rand(m, 1) * 100
+    data_t, scales, poffs = reference.quantize_colwise_k_groups_plain(x, offs, ScaleMode.RCEIL)
+    mp = data_t.shape[1]
+    assert tuple(scales.shape) == layouts.k_groups_plain_shape(rows, m, len(sizes)) == (rows, mp // 32)
+    r = torch.arange(rows).unsqueeze(1)
+    t = torch.arange(mp).unsqueeze(0)
+    flat = scales.view(torch.uint8).reshape(-1)
+    assert torch.equal(flat[layouts.k_groups_plain_offset(r, t, mp)], scales.view(torch.uint8).repeat_interleave(32, 1))
+    assert layouts.k_groups_plain_offset(rows - 1, mp - 1, mp) == scales.numel() - 1 if mp else True
+    for g, (end, pend, size) in enumerate(zip(offs.tolist(), poffs.tolist(), sizes)):  # each group's first block
+        if size:
+            first = x[end - size:end - size + min(size, 32)]
+            want = reference.quantize_colwise_k_groups_plain(first, offs.new_tensor([first.shape[0]]), ScaleMode.RCEIL)
+            pstart = pend - 32 * math.ceil(size / 32)
+            got = flat[layouts.k_groups_plain_offset(torch.arange(rows), pstart, mp)]
+            assert torch.equal(got, want[1].view(torch.uint8)[:, 0]), g
+
+
 @given(e=st.integers(1, 4), rows=st.integers(1, 200), cols=st.integers(1, 9), seed=st.integers(0, 99))
 def test_3d(e, rows, cols, seed):
     s = torch.randint(0, 256, (e, rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))

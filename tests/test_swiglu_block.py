@@ -12,7 +12,7 @@ from mx_strategies import group_sizes, offsets_from_sizes
 
 from benchmarks.bench_block import bf16_block
 from moe_quant import block_quantize as bq
-from moe_quant import layouts
+from moe_quant import layouts, reference
 from moe_quant import mxfp8_swiglu_experts, swiglu_experts_unfused
 from moe_quant.autograd import grouped_mm as gm
 from moe_quant.numerics import ScaleMode
@@ -424,21 +424,21 @@ def test_dswiglu_cols_fp8_makes_the_colwise_forms_in_fp8(monkeypatch, concat):
 
 
 def _kernel_like_dswiglu(grad_h, a, b, mode, offs, fake, stacked=False, cols_fp8=False):
-    """What ``block_dswiglu`` returns (its module doc), made by the reference quantizers on the CPU: with
-    ``cols_fp8``, per output the bf16 rowwise values, the colwise fp8 data and its K-groups blocked scales."""
+    """What ``block_dswiglu`` returns (its doc), made by the reference quantizers on the CPU: with ``cols_fp8``, per
+    output the bf16 rowwise values, the colwise fp8 data and its plain K-groups scales (R, Mp/32) (stacked: the two
+    outputs' data and scales each stacked along rows)."""
     assert fake and cols_fp8
     rows, cols = [], []
     for t in reference_dswiglu(grad_h, a, b):
         rows.append(bq._separate_forms(t, mode, offs, True)[0][0])
-        cols.append(bq._separate_forms(t, mode, offs, False)[1])  # (data_t, blocked scales, poffs)
+        data_t, scales, poffs = reference.quantize_colwise_k_groups_plain(t, offs, mode)
+        cols.append((data_t, scales, poffs))
     if stacked:
-        return [torch.cat(rows, dim=1), torch.cat([c[0] for c in cols]), cols[0][1], cols[1][1], cols[0][2]]
+        return [torch.cat(rows, dim=1), torch.cat([c[0] for c in cols]), torch.cat([c[1] for c in cols]), cols[0][2]]
     return [rows[0], *cols[0][:2], rows[1], *cols[1][:2], cols[0][2]]
 
 
 def reference_dswiglu(grad_h, a, b):
-    from moe_quant import reference
-
     return reference.dswiglu(grad_h, a, b)
 
 
@@ -447,10 +447,10 @@ def reference_dswiglu(grad_h, a, b):
                                            (130, 160, [150, 5, 129])])
 def test_dswiglu_cols_fp8_reads_the_kernel_outputs_as_the_reference_forms(monkeypatch, stacked, m, r, offs_list):
     """``block_quantize.dswiglu`` / ``dswiglu_stacked`` with ``cols_fp8`` on the kernels' outputs (here made by the
-    reference quantizers, in the op's layout: blocked K-groups scales) give the reference path's forms byte for byte:
-    the rowwise bf16 values, the colwise fp8 data, the blocked scales unblocked into the plain ones ``colwise_kept``
-    makes (stacked: both halves' concatenated), the padded offsets; and the op's fake outputs (what torch.compile
-    traces) have the kernels' shapes and dtypes."""
+    reference quantizers, in the op's layout: plain K-groups scales, as ``colwise_kept`` makes them) give the reference
+    path's forms byte for byte: the rowwise bf16 values, the colwise fp8 data, the plain scales as they are (stacked:
+    both halves' stacked), the padded offsets; and the op's fake outputs (what torch.compile traces) have the kernels'
+    shapes and dtypes."""
     from moe_quant.kernels.block import ops as ops_block
 
     g = torch.Generator().manual_seed(5)

@@ -119,11 +119,13 @@ class Variant:
     # with round_bf16)
     reread: bool = False
     # dswiglu with bf16 outputs (the emulated GEMM's): the colwise forms (w1's and w3's weight-gradient operands) in
-    # fp8 e4m3 and K-groups blocked scales, as the fp8 outputs write them (the 32x1 kernel's bytes), the rowwise forms
-    # the bf16 values as ever: the backward keeps each colwise form at H + H/32 bytes a padded row instead of 2H until
-    # its weight gradient's GEMM dequantizes it (issue 54: the fused block's peak is its second dx GEMM, where both
-    # are alive). Both forms quantized from the packed words (no round_bf16), the colwise scale bytes by flat stores.
-    # Its own variants (all_variants), not a candidate: the op writes other buffers
+    # fp8 e4m3, as the fp8 outputs write them (the 32x1 kernel's bytes), with plain K-groups scales (R, Mp/32) (the
+    # form the emulated GEMM's dequantization reads: no unblocking on the host side, issue 54's follow-up), the rowwise
+    # forms the bf16 values as ever: the backward keeps each colwise form at H + H/32 bytes a padded row instead of 2H
+    # until its weight gradient's GEMM dequantizes it (issue 54: the fused block's peak is its second dx GEMM, where
+    # both are alive). Both forms quantized from the packed words (no round_bf16), each colwise scale byte by one store
+    # predicated on the lane that owns it (flat_scales' kind of store, at the plain layout's offsets). Its own variants
+    # (all_variants), not a candidate: the op writes other buffers
     cols_fp8: bool = False
 
     family = "block"

@@ -55,9 +55,12 @@ row, so 7 groups are always newer than the row waited for; zero fills where ther
 the math (an ``a`` out of the fast range) reads its inputs from global memory (the stage holds the next tile).
 
 ``cols_fp8`` (dswiglu with bf16 outputs, its own variants: the block's backward on the emulated GEMM, issue 54): the
-rowwise forms the bf16 values as the bf16 outputs write them, the colwise forms fp8 and K-groups scales as the fp8
-outputs write them (the same quantization code, each form's stores picked by its kind: ``row_fake`` and ``fake``),
-no M-groups scales; so no ``round_bf16`` (which rounds both forms on the packed words).
+rowwise forms the bf16 values as the bf16 outputs write them, the colwise forms fp8 data as the fp8 outputs write it
+(the same quantization code, each form's stores picked by its kind: ``row_fake`` and ``fake``), no M-groups scales;
+so no ``round_bf16`` (which rounds both forms on the packed words). Their colwise scales are the plain K-groups ones
+``(R, Mp/32)`` that the emulated GEMM's dequantization reads (``layouts.k_groups_plain_offset``), not the blocked
+layout: each scale byte stored by the lane that owns it, where its 32-token block is written (tail CTAs included: their
+zero blocks' scale is 0, the plain form's bytes past the last group), so no blocked scale tail to zero.
 
 ``colwise_smem`` (candidates, 2026-12-03): the colwise form's 8-token pieces go to the CTA's colwise tile in shared
 memory (:func:`line_place`; dswiglu with one tile a CTA over input a's staged slots) instead of global memory, and
@@ -74,6 +77,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 from cutlass.memory import SmemAllocator
 
+from ... import layouts
 from ...layouts import K_GROUP_ALIGN, TILE_BYTES, TILE_ROWS
 from ...numerics import BLOCK_SIZE
 from .. import cute_utils as cu
@@ -369,8 +373,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
     ``(M, R)`` (``None`` where unused); per output tensor (``1`` only for ``dswiglu``): rowwise data
     ``(M, R)``, M-groups scales ``(M + 128 G, 4 ceil(R/128))`` uint8, colwise data ``(R, Mp)`` with
     ``Mp = round_up(M, 32) + 32 G``, K-groups scales ``(round_up(R, 128), ceil(M/32) + 4 G)`` uint8
-    (scales ``None`` for bf16 outputs; ``cols_fp8``: colwise data e4m3 with its K-groups scales, no M-groups
-    scales); ``offs`` int32 ``(G,)``; ``poffs`` int32 ``(G,)`` (written).
+    (scales ``None`` for bf16 outputs; ``cols_fp8``: colwise data e4m3 with its plain K-groups scales ``(R, Mp/32)``
+    uint8, no M-groups scales); ``offs`` int32 ``(G,)``; ``poffs`` int32 ``(G,)`` (written).
     ``stacked``: ``rd0`` is the ``(M, 2R)`` rowwise buffer of both outputs and ``rd1`` is ``None``.
     """
 
@@ -384,6 +388,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         # forms' (config cols_fp8: dswiglu's rowwise forms bf16, its colwise forms fp8)
         self.fake = not variant.fp8_cols
         self.row_fake = variant.fake
+        # cols_fp8: the colwise scales in the plain K-groups layout (layouts.k_groups_plain_offset: what the emulated
+        # GEMM's dequantization reads), every byte written by the CTA whose tokens it covers (tail CTAs included)
+        self.plain_cols = variant.cols_fp8
         self.fake_f32 = False
         self.n_out = N_OUTPUTS[variant.op]
         self.stacked = variant.stacked  # rowwise outputs in one (M, 2R) buffer (row pitch 2R)
@@ -603,7 +610,10 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             flat = self.v.flat_scales  # fp8, SwiGLU ops: predicated scale stores at constant offsets (config)
             row_flat = flat and not self.row_fake  # cols_fp8: the colwise scale bytes alone
             col_sc0 = row_sc0 = None
-            if cutlass.const_expr(flat):
+            if cutlass.const_expr(self.plain_cols):  # the thread's first scale byte; column c's Mp/32 c bytes further
+                col_sc0 = col_sc + layouts.k_groups_plain_offset(Int64(col0), out_base + Int64(blk * BLOCK_SIZE),
+                                                                 Int64(row_stride))
+            elif cutlass.const_expr(flat):
                 # the thread's first scale byte of each form; its 8 columns' (tokens') bytes follow 16 bytes apart
                 # (tile_byte: 16 (r % 32) + ..., and r % 32 + 7 < 32 for the 8 columns or tokens of a thread); in the
                 # gathered tiles (gather_scales) at the same offsets
@@ -630,7 +640,14 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                                           q0, q1, s, is_nan)
                 if cutlass.const_expr(running):
                     col_ptr = col_ptr + Int64(row_stride)
-                if cutlass.const_expr(flat):
+                if cutlass.const_expr(self.plain_cols):
+                    # the plain scales have no padding rows or columns: the bytes of the tile's columns and 32-token
+                    # blocks (write), tail CTAs' too (their blocks are zero tokens: scale 0, the plain form's zeros
+                    # past the last group)
+                    if write & (quad == c // 2):
+                        cu.st_global_u8(col_sc0 + layouts.k_groups_plain_offset(Int64(c), Int64(0), Int64(row_stride)),
+                                        s)
+                elif cutlass.const_expr(flat):
                     if (tail == 0) & (quad == c // 2):
                         cu.st_global_u8(col_sc0 + 16 * c, s)
                 elif cutlass.const_expr(not self.fake):
@@ -1044,7 +1061,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             n4 = Int32((Int64(buf_rows) * Int64(4) * Int64(ny) - s_first) // 4)
             for w in cutlass.range(q * THREADS + tid, n4, n_tail * THREADS):
                 cu.st_global_u32(rs + (s_first + Int64(w) * Int64(4)), 0)
-        if cutlass.const_expr(not self.fake):
+        if cutlass.const_expr(not self.fake and not self.plain_cols):  # plain scales: the tail CTAs' blocks (emit)
             self.zero_scale_tail(cs, chunk_total, rp, sw, q, n_tail, tid)
 
 

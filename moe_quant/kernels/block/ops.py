@@ -80,18 +80,23 @@ def _shapes(m: int, r: int, g: int):
 
 
 def _alloc(like: torch.Tensor, g: int, fake: bool, empty, stacked: bool = False, cols_fp8: bool = False):
-    """One output tensor's buffers; ``stacked``: no data buffers (the caller's stacked ones serve); ``cols_fp8``
-    (with ``fake``): the colwise data e4m3 with its K-groups scales."""
-    rd, rs, cd, cs = _shapes(like.shape[0], like.shape[1], g)
+    """One output tensor's buffers; ``stacked``: no data buffers (the caller's stacked ones serve; with ``cols_fp8``
+    no scale buffer either); ``cols_fp8`` (with ``fake``): the colwise data e4m3 with its plain K-groups scales
+    ``(R, Mp/32)``."""
+    m, r = like.shape
+    rd, rs, cd, cs = _shapes(m, r, g)
     dt = torch.bfloat16 if fake else _FP8
-    col_fp8 = not fake or cols_fp8
+    if cols_fp8:
+        return [None if stacked else empty(rd, dt), None, None if stacked else empty(cd, _FP8),
+                None if stacked else empty(layouts.k_groups_plain_shape(r, m, g), torch.uint8)]
     return [None if stacked else empty(rd, dt), None if fake else empty(rs, torch.uint8),
-            None if stacked else empty(cd, _FP8 if col_fp8 else dt), empty(cs, torch.uint8) if col_fp8 else None]
+            None if stacked else empty(cd, dt), None if fake else empty(cs, torch.uint8)]
 
 
 def _stacked_shapes(m: int, r: int, g: int):
-    """(row data, col data) shapes of ``[grad_a | grad_b]``: ``(M, 2R)`` and ``(2R, Mp)``."""
-    return (m, 2 * r), (2 * r, layouts.k_groups_padded_len(m, g))
+    """(row data, col data, col plain scales) shapes of ``[grad_a | grad_b]``: ``(M, 2R)``, ``(2R, Mp)`` and (the
+    ``cols_fp8`` variants') ``(2R, Mp/32)``."""
+    return (m, 2 * r), (2 * r, layouts.k_groups_padded_len(m, g)), layouts.k_groups_plain_shape(2 * r, m, g)
 
 
 def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, stacked: bool = False,
@@ -105,11 +110,14 @@ def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, sta
     if stacked:
         # one (M, 2R) rowwise buffer, grad_a's values in columns [:R], grad_b's in [R:] (the kernel's row pitch
         # 2R; passed once, as output 0's rowwise data), and one (2R, Mp) colwise buffer whose two row halves
-        # (each contiguous) are the two outputs' colwise data
-        row_shape, col_shape = _stacked_shapes(m, r, g)
+        # (each contiguous) are the two outputs' colwise data; cols_fp8: likewise one (2R, Mp/32) plain scale buffer
+        row_shape, col_shape, scale_shape = _stacked_shapes(m, r, g)
         row = cc.empty(row_shape, torch.bfloat16, x.device)
         col = cc.empty(col_shape, _FP8 if cols_fp8 else torch.bfloat16, x.device)
         outs[0], outs[2], outs[6] = row, col[:r], col[r:]
+        if cols_fp8:
+            col_scales = cc.empty(scale_shape, torch.uint8, x.device)
+            outs[3], outs[7] = col_scales[:r], col_scales[r:]
     for t in outs:
         if t is not None and t.dtype == torch.uint8 and t.numel() > cc.INT32_MAX:
             raise ValueError(f"block_{op}: scale buffer of {t.numel()} bytes exceeds the int32 index range")
@@ -122,9 +130,8 @@ def _impl(op: str, inputs: tuple, mode: str, offs: torch.Tensor, fake: bool, sta
         for t in outs:
             if t is not None:
                 t.view(torch.uint8).zero_()
-    if stacked:  # cols_fp8: the two outputs' colwise scales after the data
-        return [row, col, *(t.view(torch.float8_e8m0fnu) for t in outs if t is not None and t.dtype == torch.uint8),
-                poffs]
+    if stacked:
+        return [row, col, col_scales.view(torch.float8_e8m0fnu), poffs] if cols_fp8 else [row, col, poffs]
     return [t.view(torch.float8_e8m0fnu) if t.dtype == torch.uint8 else t for t in outs if t is not None] + [poffs]
 
 
@@ -135,9 +142,10 @@ def _fake_outputs(op: str, x: torch.Tensor, offs: torch.Tensor, fake: bool, stac
         outs += _alloc(x, offs.shape[0], fake, lambda s, d: x.new_empty(s, dtype=torch.float8_e8m0fnu
                                                                       if d == torch.uint8 else d), stacked, cols_fp8)
     outs = [t for t in outs if t is not None]
-    if stacked:  # [row data (M, 2R), col data (2R, Mp), (cols_fp8: both outputs' colwise scales,) poffs]
-        row_shape, col_shape = _stacked_shapes(x.shape[0], x.shape[1], offs.shape[0])
-        outs = [x.new_empty(row_shape), x.new_empty(col_shape, dtype=_FP8 if cols_fp8 else x.dtype), *outs]
+    if stacked:  # [row data (M, 2R), col data (2R, Mp), (cols_fp8: col plain scales (2R, Mp/32),) poffs]
+        row_shape, col_shape, scale_shape = _stacked_shapes(x.shape[0], x.shape[1], offs.shape[0])
+        outs = [x.new_empty(row_shape), x.new_empty(col_shape, dtype=_FP8 if cols_fp8 else x.dtype)]
+        outs += [x.new_empty(scale_shape, dtype=torch.float8_e8m0fnu)] if cols_fp8 else []
     return outs + [offs.new_empty(offs.shape)]
 
 
@@ -219,9 +227,10 @@ def block_dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: 
                   offs: torch.Tensor, fake: bool, stacked: bool = False, cols_fp8: bool = False):
     """Both forms of ``grad_a``, then of ``grad_b`` (the SwiGLU backward), then ``poffs``; ``stacked`` (with
     ``fake``): ``[row_data (M, 2R), col_data (2R, Mp), poffs]``, both forms of ``[grad_a | grad_b]`` (see the
-    module doc). ``cols_fp8`` (with ``fake``; config ``cols_fp8``): the colwise forms in fp8 and K-groups blocked
-    scales, the rowwise ones bf16 values: per output ``[row_data, col_data, col_scales]``; with ``stacked``
-    ``[row_data (M, 2R), col_data (2R, Mp) e4m3, grad_a's col_scales, grad_b's col_scales, poffs]``."""
+    module doc). ``cols_fp8`` (with ``fake``; config ``cols_fp8``): the colwise forms in fp8 and plain K-groups
+    scales ``(R, Mp/32)`` (``layouts.k_groups_plain_shape``: what ``block_quantize.colwise_kept`` makes for the
+    emulated GEMM), the rowwise ones bf16 values: per output ``[row_data, col_data, col_scales]``; with ``stacked``
+    ``[row_data (M, 2R), col_data (2R, Mp) e4m3, col_scales (2R, Mp/32), poffs]`` (grad_a's rows, then grad_b's)."""
     if stacked and not fake:
         raise ValueError("block_dswiglu: stacked colwise forms exist for fake=True (bf16 values) only: the "
                          "K-groups scale buffer is group-major, two of them do not stack")
