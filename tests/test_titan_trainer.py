@@ -274,6 +274,10 @@ def test_config_functions_and_the_moe_quant_section(monkeypatch, capsys):
     (d,) = [r.token_dispatcher for r in routed(free)]
     assert type(d) is dispatcher_config_class() and (d.capacity_factor, d.max_tokens) == (2.0, 2 * 64)
     assert parse("deepseek_v3_debug_mxfp8", "--moe_quant.variant", "bf16").moe_quant.variant == "bf16"
+    assert not any(r.dswiglu_cols_fp8 for r in routed(conv))  # the experts' MXFP8MoEConfig switch: off unless asked
+    for variant in ("converted", "mxfp8", "mxfp8_sync_free"):
+        on = parse(f"deepseek_v3_debug_{variant}", "--moe_quant.dswiglu_cols_fp8")
+        assert on.moe_quant.dswiglu_cols_fp8 and routed(on) and all(r.dswiglu_cols_fp8 for r in routed(on))
     with pytest.raises(SystemExit):  # tyro reports the config's ValueError and exits
         parse("deepseek_v3_16b_mxfp8", "--moe_quant.layers", "28")
     err = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro's box, wrapped

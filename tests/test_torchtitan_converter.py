@@ -61,14 +61,17 @@ def test_converting_twice_with_the_same_settings_changes_nothing():
 
 def test_converting_again_takes_the_new_settings():
     cfg = _convert(_config(), scale_mode="rceil", wire="mxfp8")
-    _convert(cfg, scale_mode="floor", wire="bf16", capacity_factor=2.0, max_tokens=64)
+    (experts,) = _experts(cfg.build())
+    assert not experts._mxfp8_config.dswiglu_cols_fp8
+    _convert(cfg, scale_mode="floor", wire="bf16", capacity_factor=2.0, max_tokens=64, dswiglu_cols_fp8=True)
     (routed,) = _routed(cfg)
-    assert routed.scale_mode == "floor"
+    assert routed.scale_mode == "floor" and routed.dswiglu_cols_fp8
     d = routed.token_dispatcher
     assert (d.scale_mode, d.wire, d.capacity_factor, d.max_tokens) == ("floor", "bf16", 2.0, 64)
     assert (d.num_experts, d.top_k) == (8, 3)
     (experts,) = _experts(cfg.build())
-    assert experts._mxfp8_config.scale_mode.value == "floor"
+    assert experts._mxfp8_config.scale_mode.value == "floor" and experts._mxfp8_config.dswiglu_cols_fp8
+    assert _routed(pickle.loads(pickle.dumps(cfg)))[0].dswiglu_cols_fp8  # the field travels with the config
 
 
 def test_experts_only_keeps_the_models_dispatcher():
@@ -92,6 +95,8 @@ def test_experts_only_keeps_the_models_dispatcher():
     assert pickle.dumps(ours) == before
     with pytest.raises(TypeError, match="dispatcher must be True or False"):
         converter_config(dispatcher="no").build()
+    with pytest.raises(TypeError, match="dswiglu_cols_fp8 must be True or False, got 1"):
+        converter_config(dswiglu_cols_fp8=1).build()
 
 
 def test_the_settings_the_ranks_compare_are_recorded_on_the_experts():

@@ -31,10 +31,9 @@ activation checkpointing; seed 0; the synthetic stream of :mod:`examples.titan.d
 ``<dump_folder>/metrics/rank<r>.jsonl`` (:mod:`examples.titan.metrics`); DCP checkpoints when
 ``--checkpoint.enable`` (every ``--checkpoint.interval`` steps, full state, the last one too).
 
-``--moe_quant.*`` (``layers``, ``variant``, ``scale_mode``, ``wire``, ``capacity_factor``, ``attention``,
-``memory_gib``: a cap on the allocator, to test that a run fits a smaller GPU; ``wire_gbps``: every EP
-all-to-all held to a slower wire, the same for every variant) rebuild
-the model spec after the command line is read (:class:`MoEQuantTrainerConfig`). ``--moe_quant.attention
+``--moe_quant.*`` (``layers``, ``variant``, ``scale_mode``, ``dswiglu_cols_fp8``, ``wire``, ``capacity_factor``,
+``attention``, ``memory_gib``: a cap on the allocator, to test that a run fits a smaller GPU; ``wire_gbps``: every
+EP all-to-all held to a slower wire, the same for every variant) rebuild the model spec after the command line is read (:class:`MoEQuantTrainerConfig`). ``--moe_quant.attention
 sdpa`` swaps torchtitan's flex attention for causal SDPA, the same attention for these one-document sequences;
 ``auto`` (default) picks sdpa where flex cannot run (no CUDA: its backward; torch 2.11: torchtitan calls
 ``create_block_mask(separate_full_blocks=...)``, which 2.11 lacks).
@@ -73,6 +72,9 @@ class MoEQuantOptions:
     """Keep the first N transformer blocks (block 0 is dense, the others MoE)."""
     variant: Literal["bf16", "converted", "mxfp8", "mxfp8_sync_free"] = "mxfp8"
     scale_mode: Literal["rceil", "floor"] = "rceil"
+    dswiglu_cols_fp8: bool = False
+    """MXFP8 variants: the experts' ``MXFP8MoEConfig(dswiglu_cols_fp8=...)`` (Hopper: w1's and w3's weight-gradient
+    operands kept in fp8 until their GEMMs)."""
     wire: Literal["mxfp8", "bf16"] = "mxfp8"
     """moe_quant's dispatcher: what the dispatch forward and combine backward legs send."""
     capacity_factor: float | None = None
@@ -147,12 +149,13 @@ def model_spec(options: MoEQuantOptions, *, ep_degree: int, tokens_per_rank: int
     """torchtitan's DeepSeek-V3 model spec of ``options`` (the flavour cut to ``options.layers`` blocks)."""
     if options.variant not in VARIANTS:
         raise ValueError(f"moe_quant.variant must be one of {list(VARIANTS)}, got {options.variant!r}")
+    experts = {"scale_mode": options.scale_mode, "dswiglu_cols_fp8": options.dswiglu_cols_fp8}
     converters = {
         "bf16": None,
-        "converted": [converter_config(scale_mode=options.scale_mode, dispatcher=False)],
-        "mxfp8": [converter_config(scale_mode=options.scale_mode, wire=options.wire)],
+        "converted": [converter_config(**experts, dispatcher=False)],
+        "mxfp8": [converter_config(**experts, wire=options.wire)],
         "mxfp8_sync_free": [converter_config(
-            scale_mode=options.scale_mode, wire=options.wire, max_tokens=tokens_per_rank,
+            **experts, wire=options.wire, max_tokens=tokens_per_rank,
             capacity_factor=float(ep_degree) if options.capacity_factor is None else options.capacity_factor)],
     }[options.variant]
     spec = model_registry(options.flavor, converters=converters)

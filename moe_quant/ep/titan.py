@@ -51,12 +51,15 @@ def converter_class():
 
 
 def converter_config(*, scale_mode: str = "rceil", wire: str = "mxfp8", capacity_factor: float | None = None,
-                     overflow: str = "error", max_tokens: int | None = None, dispatcher: bool = True):
+                     overflow: str = "error", max_tokens: int | None = None, dispatcher: bool = True,
+                     dswiglu_cols_fp8: bool = False):
     """``MXFP8MoEConverter.Config(...)``, for torchtitan's ``model_registry(..., converters=[...])``
     (``capacity_factor``, ``overflow``, ``max_tokens``: the dispatcher's sync-free mode; ``dispatcher=False``:
-    convert the experts only, keep the model's token dispatcher)."""
+    convert the experts only, keep the model's token dispatcher; ``dswiglu_cols_fp8``: the experts'
+    ``MXFP8MoEConfig`` switch of that name)."""
     return converter_class().Config(scale_mode=scale_mode, wire=wire, capacity_factor=capacity_factor,
-                                    overflow=overflow, max_tokens=max_tokens, dispatcher=dispatcher)
+                                    overflow=overflow, max_tokens=max_tokens, dispatcher=dispatcher,
+                                    dswiglu_cols_fp8=dswiglu_cols_fp8)
 
 
 __all__ = ["dispatcher_class", "dispatcher_config", "dispatcher_config_class", "converter_class", "converter_config"]

@@ -116,7 +116,8 @@ def _build_converted(self, **kwargs):
     plain = parent(**{f.name: getattr(self, f.name) for f in dataclasses.fields(parent) if f.init})
     module = plain.build(**kwargs)
     experts = module.inner_experts
-    quantize_(experts, MXFP8MoEConfig(scale_mode=self.scale_mode), filter_fn=lambda mod, fqn: mod is experts)
+    config = MXFP8MoEConfig(scale_mode=self.scale_mode, dswiglu_cols_fp8=self.dswiglu_cols_fp8)
+    quantize_(experts, config, filter_fn=lambda mod, fqn: mod is experts)
     if not is_converted(experts):  # e.g. experts without 3-D weights: conversion warned, nothing converted
         raise TypeError(f"MXFP8MoEConverter: {type(experts).__name__} built from "
                         f"{type(self.inner_experts).__qualname__} was not converted (see the warning above)")
@@ -133,8 +134,8 @@ def _reduce(self):
 
 @functools.cache  # keyed by the class object: two classes of the same name get their own subclass
 def routed_config_class(parent: type) -> type:
-    """The converted ``Config`` of a ``RoutedExperts.Config`` class: a dataclass subclass with a ``scale_mode`` field
-    and a ``converter`` field (the :class:`MXFP8MoEConverter` settings in effect besides ``scale_mode``, which the
+    """The converted ``Config`` of a ``RoutedExperts.Config`` class: a dataclass subclass with ``scale_mode`` and
+    ``dswiglu_cols_fp8`` fields (the experts' :class:`~moe_quant.MXFP8MoEConfig` settings) and a ``converter`` field (the :class:`MXFP8MoEConverter` settings in effect besides ``scale_mode``, which the
     ranks compare when the model is parallelized; None: not made by the converter) whose ``build()`` builds the
     routed experts and converts their experts module. Its ``inner_experts`` and ``token_dispatcher`` stay the
     configs torchtitan and its overrides know. Given a converted one, returns it (conversion never stacks)."""
@@ -146,7 +147,8 @@ def routed_config_class(parent: type) -> type:
     namespace = {
         "__module__": __name__, "__qualname__": f"MXFP8{parent.__qualname__.replace('.', '')}",
         "__doc__": f"{parent.__qualname__} whose build() converts the experts to MXFP8 (moe_quant).",
-        "__annotations__": {"scale_mode": str, "converter": dict | None}, "scale_mode": "rceil", "converter": None,
+        "__annotations__": {"scale_mode": str, "dswiglu_cols_fp8": bool, "converter": dict | None},
+        "scale_mode": "rceil", "dswiglu_cols_fp8": False, "converter": None,
         "_mxfp8_parent": parent, "build": _build_converted, "__reduce__": _reduce,
     }
     cls = type(namespace["__qualname__"], (parent,), namespace)
@@ -199,12 +201,17 @@ class MXFP8MoEConverter(ModelConfigConverter):
         """True: moe_quant's dispatcher in place of torchtitan's local and all-to-all ones (others are kept, said
         once in the log). False: convert the experts only and keep the model's own token dispatcher (torchtitan's
         all-to-all under EP, bf16 on the wire); the dispatcher settings above are then unused."""
+        dswiglu_cols_fp8: bool = False
+        """The experts' ``MXFP8MoEConfig(dswiglu_cols_fp8=...)``: on Hopper's emulated GEMM, the fused block's
+        backward keeps w1's and w3's weight-gradient operands in fp8 until their GEMMs (less memory at the
+        backward's peak, two dequantization passes more; the same bits)."""
 
     def __init__(self, config):
         # the dispatcher's own argument checks, now rather than when the model is built
         MXFP8TokenDispatcher(1, 1, group=_LOCAL, **_dispatcher_settings(config))
-        if not isinstance(config.dispatcher, bool):
-            raise TypeError(f"dispatcher must be True or False, got {config.dispatcher!r}")
+        for name in ("dispatcher", "dswiglu_cols_fp8"):
+            if not isinstance(getattr(config, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(config, name)!r}")
         self.config = config
 
     def convert(self, model_config):
@@ -233,6 +240,7 @@ class MXFP8MoEConverter(ModelConfigConverter):
             elif c.dispatcher:
                 _note_kept(cfg.token_dispatcher)
             values["scale_mode"] = c.scale_mode
+            values["dswiglu_cols_fp8"] = c.dswiglu_cols_fp8
             values["converter"] = _converter_settings(c, ours)
             if type(cfg) is cls and cfg.scale_mode != c.scale_mode:
                 logger.info("re-configured %s: scale_mode %s -> %s", cls.__qualname__, cfg.scale_mode, c.scale_mode)
