@@ -141,6 +141,7 @@ def test_the_trainer_built_moe_quant_behind_fsdp_and_ep(checks):
     for rank in (0, 1):
         setup = json.loads((out / "ref_mxfp8_eager" / "setup" / f"rank{rank}.json").read_text())
         assert setup["experts_converted"] == [True] and setup["dispatchers"] == ["TitanMXFP8TokenDispatcher"]
+        assert setup["experts_dswiglu_cols_fp8"] == [False]
         assert setup["ep_sizes"] == [2] and setup["dispatcher_settings"][0]["wire"] == "mxfp8"
         assert setup["fsdp_modules"] >= 4 and setup["force_sum_modules"] == setup["fsdp_modules"]
         assert setup["attention"] == ["ScaledDotProductAttention"] and "cpu device" in setup["launcher_shims"]
@@ -350,7 +351,7 @@ def test_bench_peak_device_memory_adds_what_the_allocator_does_not_hold(tmp_path
     (tmp_path / "metrics").mkdir()
     for r, steps in rows.items():
         lines = [{"step": i + 1, "throughput(tps)": 1.0, "time_metrics/end_to_end(s)": 1.0, "loss_metrics/global_avg_loss":
-                  5.0, "memory/max_reserved(GiB)": res, "memory/max_active(GiB)": res, out: o,
+                  5.0, "memory/max_reserved(GiB)": res, "memory/max_active(GiB)": res - 1.0, out: o,
                   bench.RETRIES: 3 * i + r}
                  for i, (res, o) in enumerate(steps)]
         (tmp_path / "metrics" / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -360,15 +361,32 @@ def test_bench_peak_device_memory_adds_what_the_allocator_does_not_hold(tmp_path
     record = {"torch": "2.99", "nproc": 2, "flavor": "16B", "layers": 2, "steps": 3, "warmup": 0, "tail": 1,
               "device": "Some GPU", "results": [res | {"variant": "bf16"}]}
     assert res["alloc_retries"] == 6  # cumulative: the last step's, the most of the ranks
-    assert "| 12.0, 11.5 | 12.5 | 6 | 5.0000 |" in bench.table(record)
+    assert "| 11.00 | 12.0, 11.5 | 12.5 | 6 | 5.0000 |" in bench.table(record)  # allocated: the most of the ranks
     for r in rows:  # no outside figure: no device peak
         path = tmp_path / "metrics" / f"rank{r}.jsonl"
         path.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if k != out}) + "\n"
                                 for x in path.read_text().splitlines()))
     res = bench.summarize(args, "bf16", "eager", str(tmp_path), SimpleNamespace(rc=0, seconds=1.0, log="x"))
     assert res["peak_device_gib"] == {0: None, 1: None}
-    assert "| 12.0, 11.5 | n/a | 6 | 5.0000 |" in bench.table(record | {"results": [res]})
-    assert "| 12.0, 11.5 | n/a | n/a | 5.0000 |" in bench.table(record | {"results": [res | {"alloc_retries": None}]})
+    assert "| 11.00 | 12.0, 11.5 | n/a | 6 | 5.0000 |" in bench.table(record | {"results": [res]})
+    assert "| 11.00 | 12.0, 11.5 | n/a | n/a | 5.0000 |" in bench.table(record | {"results": [res | {"alloc_retries": None}]})
+
+
+def test_jobs_run_with_torchtitans_allocator_setting(monkeypatch):
+    """Every job starts with ``PYTORCH_ALLOC_CONF=expandable_segments:True`` (what torchtitan's ``run_train.sh`` sets),
+    unless the caller chose an allocator setting (either variable's name), which is kept; the bench records it."""
+    from examples.titan import runs
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    env = runs._env({"X": "1"})
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True" and runs.alloc_conf(env) == runs.ALLOC_CONF
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.setenv(name, "max_split_size_mb:64")
+        env = runs._env(None)
+        assert env[name] == "max_split_size_mb:64" and runs.alloc_conf(env) == "max_split_size_mb:64"
+        assert env.get("PYTORCH_ALLOC_CONF", "max_split_size_mb:64") == "max_split_size_mb:64"
+        monkeypatch.delenv(name)
 
 
 def test_bench_table_gives_time_per_step_against_bf16():

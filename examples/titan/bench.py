@@ -263,9 +263,10 @@ def table(record: dict) -> str:
     lines = [f"torchtitan trainer, DeepSeek-V3 {record['flavor']} x {record['layers']} layers, {record['nproc']} x "
              f"{record['device']}, torch {record['torch']}, {record['steps']} steps; tokens/s per GPU: median over "
              f"steps {record['warmup'] + 1}.. and ranks (min-max); final loss: mean of the last {record['tail']} steps",
-             "", "| variant | mode | tokens/s/GPU (min-max) | time vs bf16 | peak reserved GiB/GPU | peak device GiB (max) "
-             "| allocator retries | final loss | vs bf16 | a2a ms: dispatch / combine / combine bwd / dispatch bwd "
-             "(counts) | D2H copies / host syncs, profiled step (max of ranks) | job s |", "|" + "---|" * 12]
+             "", "| variant | mode | tokens/s/GPU (min-max) | time vs bf16 | peak allocated GiB (max) | peak reserved "
+             "GiB/GPU | peak device GiB (max) | allocator retries | final loss | vs bf16 | a2a ms: dispatch / combine / "
+             "combine bwd / dispatch bwd (counts) | D2H copies / host syncs, profiled step (max of ranks) | job s |",
+             "|" + "---|" * 13]
     for r in rows:
         t, b = r["tokens_per_s_per_gpu"], base.get(r["mode"])
         # time per step against bf16's, as every ratio of the docs: bf16's tokens/s over this variant's
@@ -278,8 +279,10 @@ def table(record: dict) -> str:
                 + f" ({_fmt(a2a.get('counts'), '.2f')})")
         peak = ", ".join(_fmt(v, ".1f") for _, v in sorted(r["peak_reserved_gib"].items()))
         device = [v for v in (r.get("peak_device_gib") or {}).values() if v is not None]
+        active = [v for v in (r.get("peak_active_gib") or {}).values() if _known(v) is not None]
         lines.append(f"| {r['variant']} | {r['mode']} | {_fmt(t['median'])} ({_fmt(t['min'])}-{_fmt(t['max'])}) | "
-                     f"{_fmt(time, '.3f')} | {peak} | {_fmt(max(device) if device else None, '.1f')} | "
+                     f"{_fmt(time, '.3f')} | {_fmt(max(active) if active else None, '.2f')} | {peak} | "
+                     f"{_fmt(max(device) if device else None, '.1f')} | "
                      f"{_fmt(_known(r.get('alloc_retries')), 'd')} | "
                      f"{_fmt(r['final_loss'], '.4f')} | "
                      f"{'n/a' if dloss is None else f'{100 * dloss:+.2f}%'} | {legs} | {_syncs(r)} | "
@@ -366,9 +369,10 @@ def main(argv=None) -> int:
     record.update({"torch": torch.__version__, "nproc": args.nproc, "flavor": args.flavor, "layers": args.layers,
                    "steps": args.steps, "warmup": args.warmup, "tail": args.tail, "extra": args.extra,
                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                   "command": " ".join([sys.executable, "-m", "examples.titan.bench", *sys.argv[1:]])})
+                   "command": " ".join([sys.executable, "-m", "examples.titan.bench", *sys.argv[1:]]),
+                   "alloc_conf": runs.alloc_conf(runs._env(None))})
     todo = [(m, v) for m in args.modes for v in args.variants]
-    config = {k: record[k] for k in ("torch", "nproc", "flavor", "layers", "steps", "extra", "device")}
+    config = {k: record[k] for k in ("torch", "nproc", "flavor", "layers", "steps", "extra", "device", "alloc_conf")}
     done = {(r["mode"], r["variant"]) for r in record["results"] if r["rc"] == 0 and r.get("config") == config}
     if not args.redo:
         skipped = [t for t in todo if t in done]

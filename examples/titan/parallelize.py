@@ -136,6 +136,8 @@ def describe(model, fn, *, force_sum: int, compile_config) -> dict:
         "experts_converted": [is_converted(m) for m in model.modules() if isinstance(m, GroupedExperts)],
         "experts_scale_mode": [str(m._mxfp8_config.scale_mode.value) for m in model.modules()
                                if isinstance(m, GroupedExperts) and is_converted(m)],
+        "experts_dswiglu_cols_fp8": [m._mxfp8_config.dswiglu_cols_fp8 for m in model.modules()
+                                     if isinstance(m, GroupedExperts) and is_converted(m)],
         "dispatchers": [type(d).__name__ for d in dispatchers],
         "ep_sizes": [_ep_size(d) for d in dispatchers],
         "dispatcher_settings": [{k: (str(getattr(d, k).value) if hasattr(getattr(d, k), "value") else getattr(d, k))

@@ -3,7 +3,9 @@
 
 A job is ``torchrun --standalone --nproc_per_node N -m examples.titan.launch --module examples.titan.config_registry
 --config <fn> --dump_folder <dir> ...`` from the repository root (``examples.titan.launch`` is
-``torchtitan.train`` plus the shims a released torch lacks). What a job leaves in its dump folder:
+``torchtitan.train`` plus the shims a released torch lacks), with ``PYTORCH_ALLOC_CONF=expandable_segments:True``
+as torchtitan's own ``run_train.sh`` launches every job (:data:`ALLOC_CONF`; an allocator setting of the caller's,
+``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF``, is kept instead). What a job leaves in its dump folder:
 ``metrics/rank<r>.jsonl`` (every logged step), ``setup/rank<r>.json`` (what was built), ``checkpoint/step-<n>``.
 """
 
@@ -87,8 +89,18 @@ class Job:
     log: str
 
 
+ALLOC_CONF = "expandable_segments:True"  # what torchtitan's run_train.sh sets for its jobs
+
+
+def alloc_conf(env: dict) -> str:
+    """The CUDA caching allocator's settings a job started with ``env`` runs with."""
+    return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+
+
 def _env(extra: dict | None) -> dict:
     env = dict(os.environ)
+    if not alloc_conf(env):
+        env["PYTORCH_ALLOC_CONF"] = ALLOC_CONF
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(extra or {})
     return env
