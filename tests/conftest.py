@@ -135,3 +135,15 @@ def mxfp8_calls(monkeypatch, block_calls):
 
     monkeypatch.setattr(moe_quant.autograd, "mxfp8_swiglu_experts", spy)
     return calls
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where a session ran kernels (the GPU suite): how many it compiled and loaded from the disk cache, and the
+    seconds each took (``compile_cache.STATS``), so a slow GPU run says whether compiling was its time."""
+    import sys
+
+    cache = sys.modules.get("moe_quant.kernels.compile_cache")
+    if cache is not None and (cache.STATS["compiled"] or cache.STATS["disk_hits"]):
+        s = cache.STATS
+        terminalreporter.write_line(f"moe_quant kernels: {s['compiled']} compiled in {s['compile_s']:.1f} s, "
+                                    f"{s['disk_hits']} loaded from {cache.cache_dir()} in {s['load_s']:.1f} s")
