@@ -382,8 +382,8 @@ def mxfp8_swiglu_experts(
         dswiglu_cols_fp8: on the emulated GEMM (Hopper), the backward makes grad_a's and grad_b's colwise forms (w1's
             and w3's weight-gradient operands) in fp8 and scales and dequantizes each just before its GEMM: the
             backward's peak (its second dx GEMM, where both are alive) ``2 (H - H/32)`` bytes a padded row lower,
-            for two dequantization passes over ``H + H/32`` bytes a row and two scale layout changes (on one H200,
-            DeepSeek-V3 16B's experts at 98304 rows: peak 2.79 -> 2.54 GiB, the step 2.5-4% slower). False
+            for two dequantization passes over ``H + H/32`` bytes a row (on one H200, DeepSeek-V3 16B's experts at
+            98304 rows: peak 2.79 -> 2.54 GiB, the step 2-3.5% slower, 2026-12-03). False
             (default): both in bf16 from dSwiGLU on. The same bits either way; no effect on the scaled GEMM (its
             forms are fp8).
 

@@ -39,10 +39,10 @@ class MXFP8MoEConfig(AOBaseConfig):
             operand's forms separately (more passes, and at its peak holds fewer transient forms).
         dswiglu_cols_fp8: the fused block's backward on the emulated GEMM (Hopper) makes the colwise forms of
             grad_a and grad_b (w1's and w3's weight-gradient operands) in fp8 and scales and dequantizes each just
-            before its GEMM (True: the backward's peak about ``2 H`` bytes a routed row lower, for two
-            dequantization passes and two scale layout changes; :func:`moe_quant.mxfp8_swiglu_experts`), or in
-            bf16 from dSwiGLU on (False, default: on one H200 the block's step was 2.5-4% slower with True,
-            docs/performance.md). The same bits either way; no effect on the scaled GEMM or the per-GEMM path.
+            before its GEMM (True: the block's backward peak about ``2 H`` bytes a routed row lower, for two
+            dequantization passes; :func:`moe_quant.mxfp8_swiglu_experts`), or in bf16 from dSwiGLU on (False,
+            default: on one H200 the block's step was 2-3.5% slower with True, and torchtitan's trainer's peak,
+            which is not in a block's backward, the same; docs/limitations.md). The same bits either way; no effect on the scaled GEMM or the per-GEMM path.
 
     Use it as ``quantize_(model, MXFP8MoEConfig(...), filter_fn=...)``. The handler converts each
     matched expert module in place: its class becomes a generated subclass whose forward runs the
