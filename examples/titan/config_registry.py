@@ -33,10 +33,10 @@ activation checkpointing; seed 0; the synthetic stream of :mod:`examples.titan.d
 
 ``--moe_quant.*`` (``layers``, ``variant``, ``scale_mode``, ``dswiglu_cols_fp8``, ``wire``, ``capacity_factor``,
 ``attention``, ``memory_gib``: a cap on the allocator, to test that a run fits a smaller GPU; ``wire_gbps``: every
-EP all-to-all held to a slower wire, the same for every variant) rebuild the model spec after the command line is read (:class:`MoEQuantTrainerConfig`). ``--moe_quant.attention
-sdpa`` swaps torchtitan's flex attention for causal SDPA, the same attention for these one-document sequences;
-``auto`` (default) picks sdpa where flex cannot run (no CUDA: its backward; torch 2.11: torchtitan calls
-``create_block_mask(separate_full_blocks=...)``, which 2.11 lacks).
+EP all-to-all held to a slower wire, the same for every variant) rebuild the model spec after the command line is
+read (:class:`MoEQuantTrainerConfig`). ``--moe_quant.attention sdpa`` swaps torchtitan's flex attention for causal
+SDPA, the same attention for these one-document sequences; ``auto`` (default) picks sdpa where flex cannot run (no
+CUDA: its backward; torch 2.11: torchtitan calls ``create_block_mask(separate_full_blocks=...)``, which 2.11 lacks).
 """
 
 from __future__ import annotations

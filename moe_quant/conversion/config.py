@@ -42,7 +42,8 @@ class MXFP8MoEConfig(AOBaseConfig):
             before its GEMM (True: the block's backward peak about ``2 H`` bytes a routed row lower, for two
             dequantization passes; :func:`moe_quant.mxfp8_swiglu_experts`), or in bf16 from dSwiGLU on (False,
             default: on one H200 the block's step was 2-3.5% slower with True, and torchtitan's trainer's peak,
-            which is not in a block's backward, the same; docs/limitations.md). The same bits either way; no effect on the scaled GEMM or the per-GEMM path.
+            which is not in a block's backward, the same; docs/limitations.md). The same bits either way; no
+            effect on the scaled GEMM or the per-GEMM path.
 
     Use it as ``quantize_(model, MXFP8MoEConfig(...), filter_fn=...)``. The handler converts each
     matched expert module in place: its class becomes a generated subclass whose forward runs the

@@ -135,9 +135,10 @@ def _reduce(self):
 @functools.cache  # keyed by the class object: two classes of the same name get their own subclass
 def routed_config_class(parent: type) -> type:
     """The converted ``Config`` of a ``RoutedExperts.Config`` class: a dataclass subclass with ``scale_mode`` and
-    ``dswiglu_cols_fp8`` fields (the experts' :class:`~moe_quant.MXFP8MoEConfig` settings) and a ``converter`` field (the :class:`MXFP8MoEConverter` settings in effect besides ``scale_mode``, which the
-    ranks compare when the model is parallelized; None: not made by the converter) whose ``build()`` builds the
-    routed experts and converts their experts module. Its ``inner_experts`` and ``token_dispatcher`` stay the
+    ``dswiglu_cols_fp8`` fields (the experts' :class:`~moe_quant.MXFP8MoEConfig` settings) and a ``converter`` field
+    (the :class:`MXFP8MoEConverter` settings in effect besides those, which the ranks compare when the model is
+    parallelized; None: not made by the converter) whose ``build()`` builds the routed experts and converts their
+    experts module. Its ``inner_experts`` and ``token_dispatcher`` stay the
     configs torchtitan and its overrides know. Given a converted one, returns it (conversion never stacks)."""
     if not (isinstance(parent, type) and issubclass(parent, RoutedExperts.Config)):
         raise TypeError(f"MXFP8MoEConverter converts RoutedExperts (a RoutedExperts.Config), got "
