@@ -33,7 +33,9 @@ from examples.titan import bench
 
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Every other option goes to each round's python -m examples.titan.bench (its --help "
+                                       "lists them), and what follows -- to the trainer.")
     p.add_argument("--out", help="the rounds' folders (round0, round1, ...) and the summary")
     p.add_argument("--rounds", type=int, default=3, help="bench runs, the variants' order reversed every other one")
     p.add_argument("--summarize", nargs="+", metavar="RECORD", help="bench.json files or folders: summarize, run nothing")
