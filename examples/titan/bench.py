@@ -253,6 +253,20 @@ def summarize(args, variant: str, mode: str, dump: str, job) -> dict:
     return res
 
 
+def time_ratio(result: dict, reference: dict | None) -> float | None:
+    """``result``'s time per step against ``reference``'s (a job of the same run), as every ratio of the docs: the
+    reference's median tokens/s over the result's; None where either is missing or zero."""
+    t = result["tokens_per_s_per_gpu"]["median"]
+    b = reference["tokens_per_s_per_gpu"]["median"] if reference else None
+    return b / t if b and t else None
+
+
+def peak_allocated_gib(result: dict) -> float | None:
+    """The most peak allocated (torchtitan's ``max_active``) GiB over a job's ranks; None where the device has none."""
+    active = [v for v in (result.get("peak_active_gib") or {}).values() if _known(v) is not None]
+    return max(active) if active else None
+
+
 def _fmt(x, spec=".0f"):
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
@@ -269,9 +283,7 @@ def table(record: dict) -> str:
              "|" + "---|" * 13]
     for r in rows:
         t, b = r["tokens_per_s_per_gpu"], base.get(r["mode"])
-        # time per step against bf16's, as every ratio of the docs: bf16's tokens/s over this variant's
-        time = (b["tokens_per_s_per_gpu"]["median"] / t["median"]
-                if b and t["median"] and b["tokens_per_s_per_gpu"]["median"] else None)
+        time = time_ratio(r, b)
         dloss = (r["final_loss"] / b["final_loss"] - 1 if b and r["final_loss"] and b["final_loss"] else None)
         a2a = r.get("a2a_ms")
         legs = ("n/a" if not a2a else " / ".join(_fmt(a2a.get(k), ".2f") for k in
@@ -279,9 +291,8 @@ def table(record: dict) -> str:
                 + f" ({_fmt(a2a.get('counts'), '.2f')})")
         peak = ", ".join(_fmt(v, ".1f") for _, v in sorted(r["peak_reserved_gib"].items()))
         device = [v for v in (r.get("peak_device_gib") or {}).values() if v is not None]
-        active = [v for v in (r.get("peak_active_gib") or {}).values() if _known(v) is not None]
         lines.append(f"| {r['variant']} | {r['mode']} | {_fmt(t['median'])} ({_fmt(t['min'])}-{_fmt(t['max'])}) | "
-                     f"{_fmt(time, '.3f')} | {_fmt(max(active) if active else None, '.2f')} | {peak} | "
+                     f"{_fmt(time, '.3f')} | {_fmt(peak_allocated_gib(r), '.2f')} | {peak} | "
                      f"{_fmt(max(device) if device else None, '.1f')} | "
                      f"{_fmt(_known(r.get('alloc_retries')), 'd')} | "
                      f"{_fmt(r['final_loss'], '.4f')} | "
@@ -290,9 +301,9 @@ def table(record: dict) -> str:
                      + ("" if r["rc"] == 0 else f" failed (rc {r['rc']})"))
     plain = {r["mode"]: r for r in rows if r["variant"] == PLAIN}
     for mode, p in plain.items():  # the trainer's bf16 against the plain bf16 loop of the same model and batch
-        b, t = base.get(mode), p["tokens_per_s_per_gpu"]["median"]
-        if b and t and b["tokens_per_s_per_gpu"]["median"]:
-            lines.append(f"\nbf16 {mode}: {t / b['tokens_per_s_per_gpu']['median']:.3f}x the time per step of the plain "
+        ratio = time_ratio(base[mode], p) if mode in base else None
+        if ratio is not None:
+            lines.append(f"\nbf16 {mode}: {ratio:.3f}x the time per step of the plain "
                          f"bf16 loop ({PLAIN}, examples.titan.plain_loop; its tokens/s over bf16's)")
     return "\n".join(lines) + "\n"
 

@@ -78,15 +78,18 @@ def summarize(records: list[dict]) -> list[dict]:
     A record's job that failed, or a mode without a bf16 job, gives no ratio."""
     groups: dict = {}
     for rec in records:
-        ok = [r for r in rec["results"] if r["rc"] == 0 and r["tokens_per_s_per_gpu"]["median"]]
-        base = {r["mode"]: r["tokens_per_s_per_gpu"]["median"] for r in ok if r["variant"] == "bf16"}
+        ok = [r for r in rec["results"] if r["rc"] == 0]
+        base = {r["mode"]: r for r in ok if r["variant"] == "bf16"}
         for r in ok:
-            if r["mode"] not in base:
+            ratio = bench.time_ratio(r, base.get(r["mode"]))
+            if ratio is None:
                 continue
             g = groups.setdefault((rec["layers"], r["mode"], r["variant"]), {"ratios": [], "allocated": [], "bf16": []})
-            g["ratios"].append(base[r["mode"]] / r["tokens_per_s_per_gpu"]["median"])
-            g["bf16"].append(base[r["mode"]])
-            g["allocated"] += [v for v in (r.get("peak_active_gib") or {}).values() if v is not None and v >= 0]
+            g["ratios"].append(ratio)
+            g["bf16"].append(base[r["mode"]]["tokens_per_s_per_gpu"]["median"])
+            allocated = bench.peak_allocated_gib(r)
+            if allocated is not None:
+                g["allocated"].append(allocated)
     rows = []
     for (layers, mode, variant), g in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "bf16",
                                                                             kv[0][2])):
