@@ -14,6 +14,7 @@ from moe_quant.kernels import compile_cache as cc
 from moe_quant.kernels import compile_check
 from moe_quant.kernels.block import config as config_block
 from moe_quant.kernels.permute import config as config_permute
+from moe_quant.kernels.permute import ops as ops_permute
 from moe_quant.kernels.quantize_32x1 import config as config_32x1
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def test_in_place_variants_cover_every_mode_and_output_a_candidate_is_put_in_pla
                 assert config_32x1.with_candidate(v, fields) in every, (fields, v)
     # permute: a candidate for every output of the op
     for fields in config_permute.CANDIDATES.values():
-        for out, name in __import__("moe_quant.kernels.permute.ops", fromlist=["OPS"]).OPS:
+        for out, name in ops_permute.OPS:
             assert config_permute.Variant(out, name, **fields) in every, (fields, out)
     assert len(every) > len(listed)
 
