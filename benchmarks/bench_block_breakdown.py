@@ -7,11 +7,11 @@ of its kernels (the device's idle time), and each weight pass's bytes against a 
 
 By operand pass (one step, per micro-batch): the benchmark marks each call of the block's quantization entry points
 (:data:`SPANS`: a weight's forward or dgrad operand, and inside it the reuse scope's fp8 form made or read back and
-the byte fingerprint; x's rowwise, colwise-kept and read-back passes; ``dual(grad_y)``, ``swiglu``,
-``swiglu_colwise``, ``dswiglu``) with CUDA events on the stream (:class:`Spans`; the host's clock on the CPU): each
-pass's time is the device time between its marks, less the passes nested in it; ``outside`` is the rest of the
-step (the GEMMs, torch's ops, idle time). They add up to the marked step. By kernel family (torch.profiler, one
-step): the CuTe-DSL kernels by class (1x32, 32x1, block, the permute kernel's dequantization, fingerprint), the
+the byte fingerprint; x's rowwise, colwise-kept (or both in one pass) and read-back passes; ``dual(grad_y)``,
+``swiglu`` (``swiglu_rowwise``), ``swiglu_colwise``, ``dswiglu``) with CUDA events on the stream (:class:`Spans`; the
+host's clock on the CPU): each pass's time is the device time between its marks, less the passes nested in it;
+``outside`` is the rest of the step (the GEMMs, torch's ops, idle time). They add up to the marked step. By kernel
+family (torch.profiler, one step): the CuTe-DSL kernels by class (1x32, 32x1, block, the permute kernel's dequantization, fingerprint), the
 grouped GEMMs, the rest by name (on the CPU: the aten ops' self time). (Not by profiler ranges: torch 2.11's
 profiler linked no kernel to its launching op on the H200, 2026-12-02.) ``wall``: ``do_bench`` median;
 ``idle`` = marked step - kernel sum (one stream: time the device waited); ``host``: the Python time to enqueue a
@@ -51,11 +51,13 @@ SPANS = (
     (grouped_mm, "_kept_weight", "fp8 form made"),
     (grouped_mm, "_read_kept", "fp8 form read back"),
     (reuse, "fingerprint", "fingerprint"),
+    (block_quantize, "rowwise_and_kept", "x rowwise and kept"),
     (block_quantize, "rowwise", "x rowwise"),
     (block_quantize, "colwise_kept", "x colwise kept"),
     (block_quantize, "colwise_operand", "x colwise read back"),
     (block_quantize, "dual", "grad_y dual"),
     (block_quantize, "swiglu", "swiglu"),
+    (block_quantize, "swiglu_rowwise", "swiglu"),
     (block_quantize, "swiglu_colwise", "swiglu colwise"),
     (block_quantize, "dswiglu", "dswiglu"),
     (block_quantize, "dswiglu_stacked", "dswiglu"),

@@ -12,10 +12,12 @@ each call, inputs rotated), TB/s over the bytes it must move (inputs read once; 
 rowwise values or fp8 data + M-groups scales, colwise values or data + K-groups scales, padding included, and
 the padded offsets), % of a bf16 memcpy of an (M, R) tensor in the same run, and the unfused equivalent: the
 1x32 and 32x1 kernels of each output tensor (for ``swiglu`` / ``dswiglu`` after PyTorch's SwiGLU ops), the
-same bytes at the end. ``--out fp8cols``: ``dswiglu`` alone, its ``cols_fp8`` variant (the block's backward on the
-emulated GEMM since 2026-12-03: rowwise bf16 values, colwise fp8 data + plain K-groups scales ``(R, Mp/32)``, the
-kernel's own since issue 54's follow-up), against the 32x1 kernel's plain form (``quantize.colwise_k_groups_plain``:
-its blocked scales unblocked by torch ops).
+same bytes at the end. ``swiglu rows`` / ``swiglu cols``: the one-form swiglu variants (the block's forward writes h's
+rowwise form alone, its backward the colwise one), against PyTorch's SwiGLU and that form's kernel. ``--out
+fp8cols``: ``dual`` and ``dswiglu`` alone, their ``cols_fp8`` variants (dswiglu's the block's backward on the emulated
+GEMM since 2026-12-03, dual's its forward since that night: rowwise bf16 values, colwise fp8 data + plain K-groups
+scales ``(R, Mp/32)``), against the 1x32 kernel and the 32x1 kernel's plain form
+(``quantize.colwise_k_groups_plain``: its blocked scales unblocked by torch ops).
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ from moe_quant.numerics import BLOCK_SIZE, ScaleMode
 
 MODE = ScaleMode.RCEIL
 DEFAULT_SHAPES = [(98304, 1408, 64), (98304, 2048, 64), (16384, 2048, 8), (16384, 7168, 8)]
-OPS = ("dual", "swiglu", "dswiglu")
-N_INPUTS = {"dual": 1, "swiglu": 2, "dswiglu": 3}
-N_OUTPUTS = {"dual": 1, "swiglu": 1, "dswiglu": 2}
+# "swiglu rows" / "swiglu cols": the one-form swiglu variants (block_quantize.swiglu_rowwise, the block's forward,
+# and swiglu_colwise, its backward)
+OPS = ("dual", "swiglu", "swiglu rows", "swiglu cols", "dswiglu")
+N_INPUTS = {"dual": 1, "swiglu": 2, "swiglu rows": 2, "swiglu cols": 2, "dswiglu": 3}
+N_OUTPUTS = {"dual": 1, "swiglu": 1, "swiglu rows": 1, "swiglu cols": 1, "dswiglu": 2}
+FORMS = {"swiglu rows": "rows", "swiglu cols": "cols"}  # the forms an op writes ("both" where not named)
+FP8COLS_OPS = ("dual", "dswiglu")  # the ops with a cols_fp8 variant (--out fp8cols)
+FUSED = {"swiglu rows": "swiglu_rowwise", "swiglu cols": "swiglu_colwise"}  # block_quantize's function of an op
 
 
 def shapes_arg(text: str) -> list[tuple[int, int, int]]:
@@ -53,27 +60,33 @@ def shapes_arg(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def form_bytes(m: int, r: int, g: int, fake: bool, cols_fp8: bool = False) -> int:
-    """Bytes one output tensor's two forms occupy: rowwise (M, R) and colwise (R, Mp), scales with padding;
-    ``cols_fp8`` (with ``fake``): the colwise form fp8 data and plain K-groups scales."""
+def form_bytes(m: int, r: int, g: int, fake: bool, cols_fp8: bool = False, forms: str = "both") -> int:
+    """Bytes one output tensor's forms occupy: rowwise (M, R) and colwise (R, Mp), scales with padding (``forms``
+    "rows" / "cols": that one alone); ``cols_fp8`` (with ``fake``): the colwise form fp8 data and plain K-groups
+    scales."""
     mp = layouts.k_groups_padded_len(m, g)
     rs, cs = layouts.m_groups_blocked_shape(m, r // BLOCK_SIZE, g), layouts.k_groups_blocked_shape(r, m, g)
     if fake:
         ps = layouts.k_groups_plain_shape(r, m, g)
-        return 2 * m * r + (r * mp + ps[0] * ps[1] if cols_fp8 else 2 * r * mp)
-    return m * r + rs[0] * rs[1] + r * mp + cs[0] * cs[1]
+        row, col = 2 * m * r, (r * mp + ps[0] * ps[1] if cols_fp8 else 2 * r * mp)
+    else:
+        row, col = m * r + rs[0] * rs[1], r * mp + cs[0] * cs[1]
+    return (row if forms != "cols" else 0) + (col if forms != "rows" else 0)
 
 
 def op_bytes(op: str, m: int, r: int, g: int, fake: bool, cols_fp8: bool = False) -> int:
-    return 2 * m * r * N_INPUTS[op] + N_OUTPUTS[op] * form_bytes(m, r, g, fake, cols_fp8) + 4 * g
+    forms = FORMS.get(op, "both")
+    return 2 * m * r * N_INPUTS[op] + N_OUTPUTS[op] * form_bytes(m, r, g, fake, cols_fp8, forms) + 4 * g
 
 
 def fused(op: str, offs, fake: bool, cols_fp8: bool = False):
-    if cols_fp8:  # the kernel's op (bq.dswiglu takes its outputs as they are)
+    if cols_fp8:  # the kernel's op (block_quantize takes its outputs as they are)
         from moe_quant.kernels.block import ops as ops_block
 
+        if op == "dual":
+            return lambda t: ops_block.block_dual(*t, MODE, offs, True, cols_fp8=True)
         return lambda t: ops_block.block_dswiglu(*t, MODE, offs, True, cols_fp8=True)
-    fn = getattr(bq, op)
+    fn = getattr(bq, FUSED.get(op, op))
     return lambda t: fn(*t, MODE, offs, fake)
 
 
@@ -91,6 +104,9 @@ def unfused(op: str, offs, fake: bool, cols_fp8: bool = False):
         return lambda t: forms(t[0], MODE, offs, fake)
     if op == "swiglu":
         return lambda t: forms(reference.swiglu(t[0], t[1]), MODE, offs, fake)
+    if op in FORMS:  # the one form's quantizer alone after PyTorch's SwiGLU
+        one = {"rows": lambda h: bq.rowwise(h, MODE, offs, fake), "cols": lambda h: bq.colwise(h, MODE, offs, fake)}
+        return lambda t: one[FORMS[op]](reference.swiglu(t[0], t[1]))
     return lambda t: [forms(x, MODE, offs, fake) for x in reference.dswiglu(*t)]
 
 
@@ -105,7 +121,7 @@ def time_shape(m: int, r: int, g: int, outs, with_unfused: bool = True) -> list[
     for out in outs:
         fake, cols_fp8 = out in ("fake", "fp8cols"), out == "fp8cols"
         for op in OPS:
-            if cols_fp8 and op != "dswiglu":
+            if cols_fp8 and op not in FP8COLS_OPS:
                 continue
             n = N_INPUTS[op]
             f = fused(op, offs, fake, cols_fp8)
@@ -141,7 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", type=shapes_arg, default=list(DEFAULT_SHAPES))
     p.add_argument("--out", type=cli.comma_choices("fake", "mxfp8", "fp8cols"), default=["fake"],
                    help="fake: the dequantized bf16 values (Hopper's emulated GEMM); mxfp8: fp8 data + scales; "
-                        "fp8cols: dswiglu's cols_fp8 variant (bf16 rowwise, fp8 colwise forms)")
+                        "fp8cols: dual's and dswiglu's cols_fp8 variants (bf16 rowwise, fp8 colwise forms)")
     p.add_argument("--json", type=cli.writable_file, default=None)
     args = p.parse_args(argv)
     require_cuda(argv)

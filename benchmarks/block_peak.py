@@ -13,8 +13,7 @@ those write temporaries (fp32 copies, masks) a kernel does not; so every functio
 (:data:`KERNELS`, and ``torch._grouped_mm``) runs inside a profiler range, and an allocation made in such a range
 and freed before it ends is that pass's temporary, not counted: the model's live bytes are the kernels' inputs and
 outputs, as on the GPU. The empty-expert zeroing pass the CPU GEMM needs and Hopper's does not is left out (uniform
-groups: it changes no value), and ``swiglu_colwise`` runs as the kernels do (the SwiGLU pass, its rowwise form
-dropped).
+groups: it changes no value).
 
 Scaling: with uniform groups of ``--rows`` (a multiple of 32: no padding) the peak is a sum of ``(M, D)``, ``(M, H)``
 and ``(E, D, H)`` tensors, so a shape with the same ``H / D`` and ``rows / D`` scales by one factor: the default
@@ -46,24 +45,18 @@ from moe_quant.autograd import grouped_mm as gm
 KERNELS = [(q, name, "kernel:" + name) for name in (
     "fake_rowwise", "rowwise", "fake_colwise_k_groups", "colwise_k_groups", "colwise_k_groups_plain",
     "dequantize_rows", "fake_3d", "scaled_3d")] + [(bq, name, "kernel:" + name) for name in (
-        "dual", "swiglu", "dswiglu", "dswiglu_stacked")]
+        "dual", "swiglu", "swiglu_rowwise", "swiglu_colwise", "rowwise_and_kept", "dswiglu", "dswiglu_stacked")]
 GEMMS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")
 VARIANTS = {"bf16": bench_block.bf16_block,
             **{v: bench_block.VARIANTS[v] for v in ("unfused", "fused", "fused-fp8cols")}}
 
 
-def _swiglu_colwise_as_kernels(a, b, mode, offs, fake):
-    """:func:`moe_quant.block_quantize.swiglu_colwise` as on the kernels: the SwiGLU pass, its rowwise form dropped."""
-    return bq.swiglu(a, b, mode, offs, fake)[1]
-
-
 @contextlib.contextmanager
 def as_on_gpu():
-    """Within it, each pass of :data:`KERNELS` runs in a ``kernel:`` profiler range, ``swiglu_colwise`` makes both
-    forms, and the weight gradients skip the empty-expert zeroing (Hopper's GEMM writes the zeros itself)."""
+    """Within it, each pass of :data:`KERNELS` runs in a ``kernel:`` profiler range, and the weight gradients skip the
+    empty-expert zeroing (Hopper's GEMM writes the zeros itself)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched_around(KERNELS, torch.profiler.record_function))
-        stack.enter_context(mock.patch.object(bq, "swiglu_colwise", _swiglu_colwise_as_kernels))
         # (the weight-gradient GEMMs of both paths: grouped_mm's)
         stack.enter_context(mock.patch.object(gm, "grouped_mm_zero_fills_empty_groups", lambda device: True))
         yield

@@ -5,14 +5,14 @@ that point:
 
 * :func:`rowwise` -- ``x`` (forward): its rowwise 1x32 form (the fwd operand of w1 and w3, made once for
   both; where ``x`` arrived in MXFP8 -- expert parallelism's wire -- the received form, no pass);
-  :func:`colwise_kept` -- ``x`` again (forward): its colwise 32x1 K-groups form (their wgrad operand) in fp8 and
-  scales, which the block keeps for the backward instead of ``x`` (:func:`colwise_operand` reads it back into
-  the GEMM's form there).
+  :func:`colwise_kept` -- its colwise 32x1 K-groups form (their wgrad operand) in fp8 and scales, which the block
+  keeps for the backward instead of ``x`` (:func:`colwise_operand` reads it back into the GEMM's form there);
+  :func:`rowwise_and_kept` -- both in one read of ``x`` (the forward, where a weight gradient is needed).
 * :func:`dual` -- ``grad_out`` (backward): the rowwise 1x32 form (dgrad operand) and the colwise 32x1
   K-groups form (wgrad operand); where it arrived in MXFP8, the received rowwise form and one colwise pass.
-* :func:`swiglu` -- ``h = silu(a) * b`` computed and quantized in both forms (w2's forward operand and
-  w2's wgrad operand); ``h`` itself is never written. :func:`swiglu_colwise` -- the same in the backward, for
-  w2's wgrad operand alone (the block keeps ``a`` and ``b``, not h's colwise form).
+* :func:`swiglu_rowwise` -- ``h = silu(a) * b`` computed and quantized in its rowwise form (w2's forward operand);
+  ``h`` itself is never written. :func:`swiglu_colwise` -- the same in the backward, for w2's wgrad operand (the
+  block keeps ``a`` and ``b``, not h's colwise form); :func:`swiglu` writes both forms in one pass.
 * :func:`dswiglu` -- the SwiGLU backward: ``grad_a`` and ``grad_b`` from ``grad_h``, ``a``, ``b``, each in
   both forms (w1 / w3 dgrad and wgrad operands); for the emulated GEMM with ``cols_fp8`` the colwise forms in fp8
   and scales as :func:`colwise_kept` makes them (H + H/32 bytes a padded row instead of 2H while the backward holds
@@ -61,15 +61,20 @@ def rows_in_groups(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, raw, torch.zeros((), dtype=raw.dtype, device=t.device)).view(t.dtype)
 
 
+def _rowwise_form(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
+    """The rowwise form by the per-GEMM 1x32 quantizer (the reference, or the kernel where it serves), its rows past
+    the last group's end zero bytes as the fused kernels write them: the rowwise half of :func:`_separate_forms`."""
+    if fake:
+        return (rows_in_groups(q.fake_quantize_rowwise(x, mode), offs),)
+    data, scales = q.quantize_rowwise(x, mode, offs)
+    return rows_in_groups(data, offs), scales
+
+
 def _separate_forms(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool, cols_fp8: bool = False):
     """Both forms by the per-GEMM quantizers (:mod:`moe_quant.quantize`: the reference, or the 1x32 and
     32x1 kernels where they serve): two reads of ``x``. The oracle of the fused kernels. ``cols_fp8`` (with
     ``fake``): the colwise form as :func:`colwise_kept` makes it (fp8, plain scales)."""
-    if fake:
-        row = (rows_in_groups(q.fake_quantize_rowwise(x, mode), offs),)
-    else:
-        data, scales = q.quantize_rowwise(x, mode, offs)
-        row = (rows_in_groups(data, offs), scales)
+    row = _rowwise_form(x, mode, offs, fake)
     if fake and cols_fp8:  # colwise_kept's form
         return row, tuple(q.colwise_k_groups_plain(x, offs, mode))
     return row, _colwise_form(x, mode, offs, fake)
@@ -106,6 +111,24 @@ def colwise_kept(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: boo
     ``(data_t (R, Mp) e4m3, K-groups blocked scales, poffs)``; for the emulated GEMM ``(data_t, plain scales
     (R, Mp/32), poffs)``, which :func:`colwise_operand` dequantizes when the GEMM runs."""
     return tuple((q.colwise_k_groups_plain if fake else q.colwise_k_groups)(x, offs, mode))
+
+
+def rowwise_and_kept(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
+    """``(rowwise form, kept colwise form)`` of ``x``: what the block's forward makes of ``x`` where a weight gradient
+    will be needed, :func:`rowwise` (w1's and w3's forward operand) and :func:`colwise_kept` (what the block keeps),
+    the same values; in one read of ``x`` where the ``block`` kernels serve (``dual``, on the emulated GEMM its
+    ``cols_fp8`` variant) and ``x``'s rowwise form is not known already (expert parallelism's received MXFP8 rows:
+    the known form and the colwise pass). The rowwise form's rows past the last group's end are zeros there (no GEMM
+    reads them)."""
+    if pq.lookup(x, mode) is None and _kernels_serve(x):
+        from .kernels.block import ops as ops_block
+
+        outs = ops_block.block_dual(x, mode, offs, fake, cols_fp8=fake)
+        if fake:
+            row, col, scales, poffs = outs
+            return (row,), (col, scales, poffs)
+        return _kernel_forms(outs, fake)[0]
+    return rowwise(x, mode, offs, fake), colwise_kept(x, mode, offs, fake)
 
 
 def colwise_operand(kept: tuple, fake: bool) -> tuple:
@@ -149,12 +172,30 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor
     return _separate_forms(reference.swiglu(a, b), mode, offs, fake)
 
 
+def _one_form(outs: list, fake: bool, poffs_too: bool) -> tuple:
+    """``block_swiglu``'s one form (``forms`` "rows" or "cols": its data, scales unless ``fake``, then ``poffs``) as
+    the GEMM takes it: the colwise one with ``poffs`` (``poffs_too``), the rowwise one without."""
+    return tuple(outs) if poffs_too else tuple(outs[:-1])
+
+
+def swiglu_rowwise(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
+    """The rowwise form of ``h = silu(a) * b`` alone (w2's forward operand): the block's forward, which keeps ``a``
+    and ``b`` rather than h's colwise form (:func:`swiglu_colwise` makes it again). One pass, writing that form only
+    (``forms`` "rows")."""
+    if _kernels_serve(a, b):
+        from .kernels.block import ops as ops_block
+
+        return _one_form(ops_block.block_swiglu(a, b, mode, offs, fake, forms="rows"), fake, False)
+    return _rowwise_form(reference.swiglu(a, b), mode, offs, fake)
+
+
 def swiglu_colwise(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
     """The colwise form of ``h = silu(a) * b`` alone (w2's wgrad operand), made again in the backward from the kept
-    ``a`` and ``b`` instead of kept from the forward: the :func:`swiglu` pass, its rowwise form dropped at once on
-    the kernels (no colwise-only variant yet), not made on the reference."""
+    ``a`` and ``b`` instead of kept from the forward. One pass, writing that form only (``forms`` "cols")."""
     if _kernels_serve(a, b):
-        return swiglu(a, b, mode, offs, fake)[1]
+        from .kernels.block import ops as ops_block
+
+        return _one_form(ops_block.block_swiglu(a, b, mode, offs, fake, forms="cols"), fake, True)
     return _colwise_form(reference.swiglu(a, b), mode, offs, fake)
 
 

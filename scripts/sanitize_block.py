@@ -8,7 +8,9 @@ Ragged groups, offsets past M / negative / decreasing, G = 0, M = 0, G = 1000, R
 last group. Without ``--candidate`` every op runs its default variants (since 2026-12-02: swiglu and dswiglu lean,
 dswiglu's two outputs in one CTA; since 2026-12-03 their signed residual, bf16 outputs rounded on the packed words,
 fp8 outputs' flat scale stores), and dswiglu its ``cols_fp8`` variants (bf16 rowwise, fp8 colwise forms: the block's
-backward on the emulated GEMM since 2026-12-03), stacked and not; ``--candidate`` leaves those as they are. ``--candidate NAME`` (of ``block.config.candidates``, e.g. ``pre-round``, the
+backward on the emulated GEMM since 2026-12-03), stacked and not, swiglu its one-form variants (``forms`` rows and
+cols: the block's forward and backward since 2026-12-03 (late)) and dual its ``cols_fp8`` variants (the block's forward on the
+emulated GEMM); ``--candidate`` leaves those as they are. ``--candidate NAME`` (of ``block.config.candidates``, e.g. ``pre-round``, the
 SwiGLU ops' former default with bf16 outputs): every block variant that has that A/B candidate launches it instead
 (``ops.candidate_in_place``). ``--cols-fp8``: the ``cols_fp8`` variants alone (their plain K-groups scales since
 issue 54's follow-up).
@@ -40,7 +42,8 @@ def same(a, b) -> bool:
 
 
 def same_forms(got, want) -> bool:
-    return all(same(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+    return len(got) == len(want) and all(len(g) == len(w) and all(same(a, b) for a, b in zip(g, w))
+                                         for g, w in zip(got, want))
 
 
 def cols_fp8_case(g, a, b, mode, offs, clean) -> bool:
@@ -67,7 +70,14 @@ def case(name, m, r, offs_list, mode=ScaleMode.RCEIL):
         got = bq._kernel_forms(ops_block.block_dual(g, mode, offs, fake), fake)[0]
         ok &= same_forms(got, bq._separate_forms(g.cpu(), mode, clean, fake))
         got = bq._kernel_forms(ops_block.block_swiglu(a, b, mode, offs, fake), fake)[0]
-        ok &= same_forms(got, bq._separate_forms(reference.swiglu(a, b).cpu(), mode, clean, fake))
+        w_row, w_col = bq._separate_forms(reference.swiglu(a, b).cpu(), mode, clean, fake)
+        ok &= same_forms(got, (w_row, w_col))
+        # one form alone (the block's forward: rowwise, its backward: colwise), then poffs
+        ok &= same_forms([ops_block.block_swiglu(a, b, mode, offs, fake, forms="rows")], [(*w_row, w_col[-1])])
+        ok &= same_forms([ops_block.block_swiglu(a, b, mode, offs, fake, forms="cols")], [w_col])
+        if fake:  # dual's cols_fp8: x's rowwise values and its kept colwise form (fp8, plain scales) in one read
+            x_row, x_kept = bq._separate_forms(g.cpu(), mode, clean, True, cols_fp8=True)
+            ok &= same_forms([ops_block.block_dual(g, mode, offs, True, cols_fp8=True)], [(*x_row, *x_kept)])
         got_a, got_b = bq._kernel_forms(ops_block.block_dswiglu(g, a, b, mode, offs, fake), fake)
         grad_a, grad_b = reference.dswiglu(g, a, b)
         (ra, ca), (rb, cb) = (bq._separate_forms(t.cpu(), mode, clean, fake) for t in (grad_a, grad_b))

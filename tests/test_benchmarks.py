@@ -366,7 +366,7 @@ def test_bench_block_reuse_variants_quantize_weights_once_per_step(variant, monk
 
 
 @pytest.mark.parametrize("fake", [True, False])
-@pytest.mark.parametrize("op", ["dual", "swiglu", "dswiglu"])
+@pytest.mark.parametrize("op", ["dual", "swiglu", "swiglu rows", "swiglu cols", "dswiglu"])
 def test_block_kernel_bytes_are_the_ops_inputs_and_outputs(op, fake):
     """bench_block_kernels' byte count is every input once plus every output the op returns (its reference path
     on the CPU returns the same tensors as the kernel), padding included: TB/s over the right bytes."""
@@ -376,25 +376,30 @@ def test_block_kernel_bytes_are_the_ops_inputs_and_outputs(op, fake):
     m, r, g = 300, 96, 5
     offs = torch.tensor([0, 40, 41, 200, 300], dtype=torch.int32)
     xs = [torch.randn(m, r, dtype=torch.bfloat16) for _ in range(bbk.N_INPUTS[op])]
-    got = getattr(bq, op)(*xs, bbk.MODE, offs, fake)
-    forms = [got] if op != "dswiglu" else list(got)
-    assert len(forms) == bbk.N_OUTPUTS[op]
-    written = sum(t.numel() * t.element_size() for row, col in forms for t in (*row, *col[:-1])) + 4 * g
+    got = getattr(bq, bbk.FUSED.get(op, op))(*xs, bbk.MODE, offs, fake)
+    if op in bbk.FORMS:  # one form: the rowwise one without the padded offsets, the colwise one with them
+        tensors = got if op == "swiglu rows" else got[:-1]
+    else:
+        forms = [got] if op != "dswiglu" else list(got)
+        assert len(forms) == bbk.N_OUTPUTS[op]
+        tensors = [t for row, col in forms for t in (*row, *col[:-1])]
+    written = sum(t.numel() * t.element_size() for t in tensors) + 4 * g
     assert bbk.op_bytes(op, m, r, g, fake) == 2 * m * r * len(xs) + written
 
 
-def test_block_kernel_bytes_of_the_cols_fp8_dswiglu_are_its_op_outputs():
-    """``--out fp8cols``: the cols_fp8 dswiglu op's bytes, its inputs once and every buffer it returns (the op's fake
+def test_block_kernel_bytes_of_the_cols_fp8_ops_are_their_outputs():
+    """``--out fp8cols``: the cols_fp8 ops' bytes (dual, dswiglu), their inputs once and every buffer each returns (its fake
     outputs: bf16 rowwise values, fp8 colwise data, plain K-groups scales, padded offsets)."""
     from benchmarks import bench_block_kernels as bbk
     from moe_quant.kernels.block import ops as ops_block
 
     m, r, g = 300, 96, 5
     offs = torch.tensor([0, 40, 41, 200, 300], dtype=torch.int32)
-    outs = ops_block._fake_outputs("dswiglu", torch.empty(m, r, dtype=torch.bfloat16), offs, True, False, True)
-    written = sum(t.numel() * t.element_size() for t in outs)
-    assert bbk.op_bytes("dswiglu", m, r, g, True, cols_fp8=True) == 2 * m * r * 3 + written
-    assert bbk.op_bytes("dswiglu", m, r, g, True, cols_fp8=True) < bbk.op_bytes("dswiglu", m, r, g, True)
+    for op in bbk.FP8COLS_OPS:
+        outs = ops_block._fake_outputs(op, torch.empty(m, r, dtype=torch.bfloat16), offs, True, False, True)
+        written = sum(t.numel() * t.element_size() for t in outs)
+        assert bbk.op_bytes(op, m, r, g, True, cols_fp8=True) == 2 * m * r * bbk.N_INPUTS[op] + written
+        assert bbk.op_bytes(op, m, r, g, True, cols_fp8=True) < bbk.op_bytes(op, m, r, g, True)
 
 
 def test_block_kernel_shapes_argument():
@@ -528,7 +533,7 @@ def test_bench_block_breakdown_attributes_the_step_to_its_operand_passes(tmp_pat
     ops = {v: {c["operand"] for c in r["operands"]} for v, r in steps.items()}
     calls = {v: {c["operand"]: c["calls"] for c in r["operands"]} for v, r in steps.items()}
     assert ops["bf16"] == {bbd.OUTSIDE}
-    passes = {"weights fwd", "weights dgrad", "x rowwise", "x colwise kept", "x colwise read back", "grad_y dual",
+    passes = {"weights fwd", "weights dgrad", "x rowwise and kept", "x colwise read back", "grad_y dual",
               "swiglu", "swiglu colwise", "dswiglu"}
     assert ops["fused"] == passes | {bbd.OUTSIDE}
     assert calls["fused"]["weights fwd"] == calls["fused"]["weights dgrad"] == 3  # w1, w3, w2

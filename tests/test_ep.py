@@ -254,17 +254,19 @@ def test_wire_bytes_per_token(ep2, ep4):
 def test_received_mxfp8_is_not_quantized_again(ep2):
     """The fused SwiGLU block runs on tokens that arrived in MXFP8 too and takes the received form as its x
     operand and the received output gradient as grad_y's rowwise form: 3 rowwise passes (h, grad_a,
-    grad_b) and 6 colwise ones (h in the forward and again in the backward, grad_y, grad_a, grad_b, and x once for
-    w1 and w3, in fp8: its kept form; with ``dswiglu_cols_fp8`` grad_a's and grad_b's in fp8 too). Without the registry, or with the bf16 wire, it quantizes x and
-    grad_y itself (5 rowwise passes). (Before, received tokens took the per-GEMM path: 3 rowwise but 6 colwise
-    passes, x twice, and none of the fused passes.) The results are bit-identical every way."""
+    grad_b) and 5 colwise ones (h in the backward -- the forward writes its rowwise form alone since 2026-12-03 (late) --,
+    grad_y, grad_a, grad_b, and x once for w1 and w3, in fp8: its kept form; with ``dswiglu_cols_fp8`` grad_a's and
+    grad_b's in fp8 too). Without the registry, or with the bf16 wire, it quantizes x and grad_y itself (5 rowwise
+    passes; x's two forms are one pass on the kernels, two on this reference path). (Before, received tokens took the
+    per-GEMM path: 3 rowwise but 6 colwise passes, x twice, and none of the fused passes.) The results are
+    bit-identical every way."""
     for r in ep2["mxfp8"]:
         assert r["fused_block_calls"] == 1, r
-        assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (3, 6), r
+        assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (3, 5), r
     for name in ("mxfp8_no_registry", "bf16_wire"):
         for r in ep2[name]:
             assert r["fused_block_calls"] == 1, (name, r)
-            assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (5, 6), (name, r)
+            assert (r["gemm_rowwise_quantizations"], r["gemm_colwise_quantizations"]) == (5, 5), (name, r)
             assert r["out_equal"] and r["xgrad_equal"], (name, r)
 
 

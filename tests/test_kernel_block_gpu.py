@@ -226,6 +226,85 @@ def test_dswiglu_cols_fp8_tails_degenerate_shapes_and_bad_offsets(stacked, m, r,
         check_cols_fp8(outs, g, a, b, offs, mode, stacked, f"cols_fp8 M={m} R={r} offs={offs_list}")
 
 
+def check_one_form(outs, want: tuple, forms: str, what: str):
+    """``block_swiglu(..., forms=forms)``: the one form's buffers then ``poffs``, every byte (poisoned buffers), against
+    the reference's ``(rowwise form, colwise form)`` ``want`` (the rowwise one without ``poffs``)."""
+    w_row, w_col = want
+    expect = (*w_row, w_col[-1]) if forms == "rows" else w_col
+    assert len(outs) == len(expect), f"{what}: {len(outs)} outputs, want {len(expect)}"
+    for i, (a, b) in enumerate(zip(outs, expect)):
+        assert_bytes_equal(a, b, f"{what} {forms} output {i}")
+
+
+@given(**settings_common, forms=st.sampled_from(["rows", "cols"]))
+def test_swiglu_one_form(groups, r, dist, mode, fake, seed, bad_offs, forms):
+    """The ``forms`` variants (the block's forward writes h's rowwise form alone, its backward the colwise one): the
+    bytes of that form as the both-forms op writes them (tails, padding and scales included), no other buffer."""
+    offs, m = make_offs(*groups, bad_offs)
+    a, b = inputs(2, m, r, dist, seed)
+    outs = ops_block.block_swiglu(a, b, mode, offs.cuda(), fake, forms=forms)
+    check_one_form(outs, reference_forms(reference.swiglu(a, b), offs, mode, fake), forms, "swiglu")
+
+
+@pytest.mark.parametrize("forms", ["rows", "cols"])
+@pytest.mark.parametrize("m,r,offs_list", [
+    (0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1]),  # the zero-fill path, all groups empty
+    (1000, 96, [3, 3, 63]),  # 937 rows past the end: several tail chunks
+    (700, 544, [129]),  # R % 128 != 0, ragged tail tile (fp8: 4 column tiles a CTA, the last CTA's partly real)
+    (300, 160, [100, 700, 50, -5, 10**6, 299]),  # offsets past M, decreasing, negative
+])
+def test_swiglu_one_form_tails_degenerate_shapes_and_bad_offsets(forms, m, r, offs_list):
+    offs = torch.tensor(offs_list, dtype=torch.int32)
+    for mode in ScaleMode:
+        for fake in (False, True):
+            a, b = inputs(2, m, r, "wide", m + r)
+            outs = ops_block.block_swiglu(a, b, mode, offs.cuda(), fake, forms=forms)
+            check_one_form(outs, reference_forms(reference.swiglu(a, b), offs, mode, fake), forms,
+                           f"swiglu M={m} R={r} offs={offs_list} {mode} fake={fake}")
+
+
+@given(**{k: v for k, v in settings_common.items() if k != "fake"})
+def test_dual_cols_fp8(groups, r, dist, mode, seed, bad_offs):
+    """dual's ``cols_fp8`` variants (the block's forward on the emulated GEMM: x's rowwise bf16 values and the colwise
+    form it keeps, fp8 and plain scales, in one read): every byte against the 1x32 and ``colwise_kept`` references."""
+    offs, m = make_offs(*groups, bad_offs)
+    (x,) = inputs(1, m, r, dist, seed)
+    row, col, scales, poffs = ops_block.block_dual(x, mode, offs.cuda(), True, cols_fp8=True)
+    check_forms(((row,), (col, scales, poffs)), reference_forms(x, offs, mode, True, cols_fp8=True), "dual cols_fp8")
+
+
+@pytest.mark.parametrize("m,r,offs_list", [
+    (0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1]), (1000, 96, [3, 3, 63]), (700, 544, [129]),
+    (300, 160, [100, 700, 50, -5, 10**6, 299]), (260, 32, [257, 256]),
+])
+def test_dual_cols_fp8_tails_degenerate_shapes_and_bad_offsets(m, r, offs_list):
+    offs = torch.tensor(offs_list, dtype=torch.int32)
+    for mode in ScaleMode:
+        (x,) = inputs(1, m, r, "wide", m + r)
+        row, col, scales, poffs = ops_block.block_dual(x, mode, offs.cuda(), True, cols_fp8=True)
+        check_forms(((row,), (col, scales, poffs)), reference_forms(x, offs, mode, True, cols_fp8=True),
+                    f"dual cols_fp8 M={m} R={r} offs={offs_list} {mode}")
+
+
+@given(groups=group_sizes(max_groups=5, max_size=200), r=dims_r, mode=st.sampled_from(list(ScaleMode)),
+       fake=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_rowwise_and_kept_equals_its_two_passes(groups, r, mode, fake, seed):
+    """The block's forward forms of x in one read (``block_quantize.rowwise_and_kept``: dual, ``cols_fp8`` on the
+    emulated GEMM) are the 1x32 pass's and ``colwise_kept``'s bytes (the rowwise form's rows past the last group's end
+    are zeros, no GEMM reads them)."""
+    sizes, tail = groups
+    offs = offsets_from_sizes(sizes).cuda()
+    (x,) = inputs(1, sum(sizes) + tail, r, "normal", seed)
+    (got_row, got_kept), end = bq.rowwise_and_kept(x, mode, offs, fake), sum(sizes)
+    want_row, want_kept = bq.rowwise(x, mode, offs, fake), bq.colwise_kept(x, mode, offs, fake)
+    assert_bytes_equal(got_row[0][:end], want_row[0][:end], "rowwise data")
+    for i in range(1, len(want_row)):  # the blocked scales
+        assert_bytes_equal(got_row[i], want_row[i], "rowwise scales")
+    assert len(got_kept) == len(want_kept)
+    for i, (a, b) in enumerate(zip(got_kept, want_kept)):
+        assert_bytes_equal(a, b, f"kept colwise form {i}")
+
+
 @pytest.mark.parametrize("op", ["dual", "swiglu", "dswiglu"])
 @pytest.mark.parametrize("m,r,sizes", [(0, 64, [0, 0]), (5, 64, []), (300, 32, [0, 0, 0]), (1, 32, [1])])
 def test_degenerate_shapes(op, m, r, sizes):

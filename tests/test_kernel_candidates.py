@@ -424,7 +424,7 @@ def test_block_cols_fp8_variants_are_their_own_and_refuse_what_they_cannot_do():
     both modes, stacked and not (compile-checked in CI: ``all_variants``), with its own key: both forms quantized from
     the words (no round_bf16), its colwise scale bytes by flat stores; the combinations it does not implement raise,
     naming the field."""
-    own = [v for v in config_block.all_variants() if v.cols_fp8]
+    own = [v for v in config_block.all_variants() if v.cols_fp8 and v.op == "dswiglu"]
     assert sorted((v.mode, v.stacked) for v in own) == [("floor", False), ("floor", True), ("rceil", False),
                                                         ("rceil", True)]
     v = config_block.Variant("dswiglu", "bfloat16", "rceil", "bfloat16", cols_fp8=True)
@@ -455,9 +455,11 @@ def test_block_variant_in_place_reaches_every_op(launches):
         cand = v.replace(staged=False, fast_div=False, lean=False, fused_grads=False, **config_block.PRE_1203)
         assert cand != v
         with ops_block.variant_in_place(cand, cpu):
-            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked, v.cols_fp8)
+            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked, v.cols_fp8,
+                            v.forms)
         assert log[-1] == cand, f"{v}: the op launched {log[-1]}"
-        ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked, v.cols_fp8)
+        ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked, v.cols_fp8,
+                        v.forms)
         assert log[-1] == v
 
 
@@ -511,10 +513,12 @@ def test_block_candidate_in_place_reaches_the_ops_that_have_it(launches, name):
         served = ops_block.candidate_in_place(stack, name, cpu)
         assert served
         for v in config_block.all_variants():
-            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked, v.cols_fp8)
+            ops_block._impl(v.op, (x,) * config_block.N_INPUTS[v.op], v.mode, offs, v.fake, v.stacked, v.cols_fp8,
+                            v.forms)
             fields = config_block.candidates(v.op, v.out_dtype).get(name)
             want = v
-            if fields and (not (v.stacked or v.cols_fp8) or ops_block._compile_checked(v, fields, checked)):
+            if fields and (not (v.stacked or v.cols_fp8 or v.forms != "both")
+                           or ops_block._compile_checked(v, fields, checked)):
                 want = v.replace(**fields)
             assert log[-1] == want, (name, v, log[-1])
     # the default's fused dswiglu runs where no candidate is put in place: dual's candidate, the stacked op under
@@ -522,7 +526,11 @@ def test_block_candidate_in_place_reaches_the_ops_that_have_it(launches, name):
     own = [v for v in log if v.op == "dswiglu" and not v.cols_fp8]
     assert {v.fused_grads for v in own if not v.stacked} == {name == "lean-c3"}
     assert {v.fused_grads for v in own if v.stacked} == {name in ("lean-c3", "registers")}
-    assert {v.fused_grads for v in log if v.cols_fp8} == {True}
+    assert {v.fused_grads for v in log if v.cols_fp8 and v.op == "dswiglu"} == {True}
+    # the one-form swiglu ops and dual's cols_fp8 ops: their defaults under every candidate (none has one)
+    assert [v.forms for v in log if v.op == "swiglu" and v.forms != "both"] == ["rows", "cols"] * 4
+    assert all(v == config_block.Variant(v.op, v.in_dtype, v.mode, v.out_dtype, cols_fp8=True)
+               for v in log if v.op == "dual" and v.cols_fp8)
 
 
 def test_block_stage_places_are_row_slots_coalesced_and_conflict_free():

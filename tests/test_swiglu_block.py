@@ -53,8 +53,8 @@ class Counts:
     """How often each fused pass and mxfp8_grouped_mm ran (the MXFP8 block path was taken)."""
 
     def __init__(self, monkeypatch):
-        self.n = {"rowwise": 0, "colwise": 0, "colwise_kept": 0, "colwise_operand": 0, "dual": 0, "swiglu": 0,
-                  "swiglu_colwise": 0, "dswiglu": 0}
+        self.n = {"rowwise": 0, "colwise": 0, "colwise_kept": 0, "rowwise_and_kept": 0, "colwise_operand": 0,
+                  "dual": 0, "swiglu": 0, "swiglu_rowwise": 0, "swiglu_colwise": 0, "dswiglu": 0}
         for name in self.n:
             orig = getattr(bq, name)
 
@@ -94,16 +94,17 @@ def test_block_path_taken_and_unfused_path_not(monkeypatch):
     counts.n = dict.fromkeys(counts.n, 0)
     calls.clear()
     run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy)
-    # x: rowwise once for w1 and w3 and its colwise form kept (forward), read back once for their wgrads
-    # (backward); h's forms from a and b in forward, its colwise form again in backward; grad_y both at once
-    assert counts.n == {"rowwise": 1, "colwise": 0, "colwise_kept": 1, "colwise_operand": 1, "dual": 1, "swiglu": 1,
-                        "swiglu_colwise": 1, "dswiglu": 1}
+    # x: rowwise once for w1 and w3 and its colwise form kept (forward: one pass where the kernels serve, here the
+    # reference's two inside it), read back once for their wgrads (backward); h's rowwise form from a and b in
+    # forward, its colwise form in backward; grad_y both at once
+    once = {"rowwise": 1, "colwise": 0, "colwise_kept": 1, "rowwise_and_kept": 1, "colwise_operand": 1, "dual": 1,
+            "swiglu": 0, "swiglu_rowwise": 1, "swiglu_colwise": 1, "dswiglu": 1}
+    assert counts.n == once
     assert not calls
     counts.n.update(dict.fromkeys(counts.n, 0))
     run(mxfp8_swiglu_experts, x, w1, w3, w2, offs, gy, dswiglu_cols_fp8=True)
     # dswiglu_cols_fp8: grad_a's and grad_b's colwise forms made in fp8 by dSwiGLU and each read back once too
-    assert counts.n == {"rowwise": 1, "colwise": 0, "colwise_kept": 1, "colwise_operand": 3, "dual": 1, "swiglu": 1,
-                        "swiglu_colwise": 1, "dswiglu": 1}
+    assert counts.n == {**once, "colwise_operand": 3}
     assert not calls
 
 
@@ -323,7 +324,7 @@ def test_block_frees_a_and_b_once_dswiglu_read_them(monkeypatch):
     import weakref
 
     seen, alive_then = [], []
-    swiglu, operand = bq.swiglu, bq.colwise_operand  # the forward's h pass sees a and b first
+    swiglu, operand = bq.swiglu_rowwise, bq.colwise_operand  # the forward's h pass sees a and b first
 
     def spy_swiglu(a, b, *args):
         seen.append((weakref.ref(a), weakref.ref(b)))
@@ -333,7 +334,7 @@ def test_block_frees_a_and_b_once_dswiglu_read_them(monkeypatch):
         alive_then.append([r() is not None for r in seen[0]])
         return operand(*args)
 
-    monkeypatch.setattr(bq, "swiglu", spy_swiglu)
+    monkeypatch.setattr(bq, "swiglu_rowwise", spy_swiglu)
     monkeypatch.setattr(bq, "colwise_operand", spy_operand)
     x, w1, w3, w2, offs, gy = make_block([40, 0, 70], 5, 64, 96, 11)
     want = run(swiglu_experts_unfused, x, w1, w3, w2, offs, gy)

@@ -263,7 +263,19 @@ def test_stacked_block_variants_are_their_own_and_the_others_keep_their_keys():
     from moe_quant.kernels.block.config import Variant, all_variants
 
     keys = [v.key for v in all_variants()]
-    assert len(keys) == len(set(keys)) == 18
+    # 12 defaults (3 ops x 2 modes x 2 outputs), 2 stacked, 4 dswiglu cols_fp8, 2 dual cols_fp8, 8 swiglu forms
+    assert len(keys) == len(set(keys)) == 28
+    assert sorted(k for k in keys if k.endswith(("-rowsonly", "-colsonly"))) == sorted(
+        f"{Variant('swiglu', 'bfloat16', m, o).key}-{f}only" for m in ("rceil", "floor")
+        for o in ("bfloat16", "float8_e4m3fn") for f in ("rows", "cols"))
+    assert [k for k in keys if k.startswith("dual") and "-fp8cols" in k] == [
+        "dual-bfloat16-rceil-bfloat16-fp8cols", "dual-bfloat16-floor-bfloat16-fp8cols"]
+    with pytest.raises(ValueError, match="forms 'rows' / 'cols' write one form of h: op must be 'swiglu'"):
+        Variant("dswiglu", "bfloat16", "rceil", "bfloat16", forms="cols")
+    with pytest.raises(ValueError, match="forms must be one of"):
+        Variant("swiglu", "bfloat16", "rceil", "bfloat16", forms="row")
+    with pytest.raises(ValueError, match="op must be 'dual' or 'dswiglu' with out_dtype 'bfloat16'"):
+        Variant("dual", "bfloat16", "rceil", "float8_e4m3fn", cols_fp8=True)
     assert [k for k in keys if "-stacked" in k and "-fp8cols" not in k] == [
         "dswiglu-bfloat16-rceil-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres-stageswizzled",
         "dswiglu-bfloat16-floor-bfloat16-stacked-staged-fastdiv-fused-lean-round-sres-stageswizzled"]
@@ -309,3 +321,15 @@ def test_stacked_colwise_forms_need_fake_values():
     t = torch.zeros(4, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="stacked colwise forms exist for fake=True"):
         ops_block.block_dswiglu(t, t, t, "rceil", torch.tensor([4], dtype=torch.int32), False, stacked=True)
+
+
+def test_one_form_and_cols_fp8_ops_refuse_what_they_cannot_write():
+    """``block_swiglu``'s ``forms`` names one of both / rows / cols, and dual's ``cols_fp8`` (bf16 rowwise values
+    beside fp8 colwise data) needs ``fake``: clear errors before any launch."""
+    from moe_quant.kernels.block import ops as ops_block
+
+    t, offs = torch.zeros(4, 32, dtype=torch.bfloat16), torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_swiglu: forms must be one of \('both', 'rows', 'cols'\), got 'row'"):
+        ops_block.block_swiglu(t, t, "rceil", offs, True, forms="row")
+    with pytest.raises(ValueError, match="block_dual: cols_fp8 writes bf16 rowwise values beside fp8 colwise data"):
+        ops_block.block_dual(t, "rceil", offs, False, cols_fp8=True)

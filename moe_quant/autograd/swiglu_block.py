@@ -5,10 +5,10 @@ Every GEMM has exactly the MXFP8 numerics of :func:`moe_quant.mxfp8_grouped_mm`;
 often and where the operands are quantized (:mod:`moe_quant.block_quantize`):
 
 =============  ==========================================================================
-forward        ``rowwise(x)``: x's rowwise form (w1 and w3 fwd, quantized once);
+forward        ``rowwise_and_kept(x)``: x's rowwise form (w1 and w3 fwd, quantized once) and its colwise
+               form (w1 / w3 wgrad) in fp8, kept instead of x, in one read of x;
                ``a = x W1^T``, ``b = x W3^T``;
-               ``swiglu(a, b)``: h's rowwise form (w2 fwd); ``y = h W2^T``;
-               ``colwise_kept(x)``: x's colwise form (w1 / w3 wgrad) in fp8, kept instead of x
+               ``swiglu_rowwise(a, b)``: h's rowwise form (w2 fwd); ``y = h W2^T``
 backward       ``swiglu_colwise(a, b)``: h's colwise form (w2 wgrad), made again;
                ``dual(grad_y)``: rowwise (w2 dgrad) and colwise (w2 wgrad);
                ``dW2``; ``grad_h``; ``dswiglu(grad_h, a, b)``: both forms of ``grad_a`` and
@@ -101,15 +101,15 @@ def block_forward(x, w1, w3, w2, offs, mode: ScaleMode, backend: GemmBackend, sc
     ``keep_x`` (w1's and w3's weight gradients are needed). The one home of the forward's math: the autograd
     function's forward and the compiled path's forward op (:mod:`.swiglu_block_ops`) call it."""
     fake = backend is GemmBackend.EMULATED
-    x_row = bq.rowwise(x, mode, offs, fake)
+    # x's colwise form (w1's and w3's wgrad operand) in fp8 instead of x: x itself is not kept (its routed copy is
+    # the caller's only for the forward); made in the same read of x as its rowwise form, nothing where no weight
+    # gradient is needed
+    x_row, x_kept = bq.rowwise_and_kept(x, mode, offs, fake) if keep_x else (bq.rowwise(x, mode, offs, fake), ())
     ab = _gate_up_fwd(x_row, w1, w3, offs, mode, backend, scopes)
     del x_row
-    h_row, _ = bq.swiglu(*(_split_ab(*ab) if len(ab) == 1 else ab), mode, offs, fake)
+    h_row = bq.swiglu_rowwise(*(_split_ab(*ab) if len(ab) == 1 else ab), mode, offs, fake)
     y = _mm_fwd(h_row, _w_fwd(w2, mode, backend, scopes), offs)
     del h_row
-    # x's colwise form (w1's and w3's wgrad operand) in fp8 instead of x: x itself is not kept (its routed
-    # copy is the caller's only for the forward); nothing where no weight gradient is needed
-    x_kept = bq.colwise_kept(x, mode, offs, fake) if keep_x else ()
     return y, [*ab, *x_kept]
 
 

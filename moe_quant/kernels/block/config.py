@@ -3,9 +3,12 @@
 One kernel, three ops (docs/design.md, "The SwiGLU expert block"; :mod:`moe_quant.block_quantize`):
 
 * ``dual`` -- ``x (M, R)`` read once; written in the rowwise 1x32 form (``(M, R)``, M-groups blocked
-  scales) and the colwise 32x1 K-groups form (``(R, Mp)``, K-groups blocked scales).
+  scales) and the colwise 32x1 K-groups form (``(R, Mp)``, K-groups blocked scales). Its ``cols_fp8`` variants
+  (bf16 outputs: the block's forward on the emulated GEMM) write the rowwise bf16 values beside the colwise form in
+  fp8 and plain K-groups scales (what the block keeps of x).
 * ``swiglu`` -- ``a``, ``b`` read once; ``h = silu(a) * b`` (PyTorch's CUDA silu, instruction for
-  instruction: kernels/block/NOTES.md) written in both forms, ``h`` itself never.
+  instruction: kernels/block/NOTES.md) written in both forms, ``h`` itself never; its ``forms`` variants write one
+  form alone (the block's forward the rowwise one, its backward the colwise one).
 * ``dswiglu`` -- ``grad_h``, ``a``, ``b`` read once; ``grad_a`` and ``grad_b`` of the SwiGLU written in
   both forms each. Its ``stacked`` variants (bf16 outputs only: the emulated GEMM of a concatenated gate-up
   weight) write the two rowwise forms as ``[grad_a | grad_b]``, the two halves of one ``(M, 2R)`` buffer
@@ -33,6 +36,7 @@ N_OUTPUTS = {"dual": 1, "swiglu": 1, "dswiglu": 2}  # tensors written in both fo
 STAGE_ORDERS = ("thread", "row", "swizzled")  # the staged inputs' shared-memory layout (Variant.stage_order)
 TILES_PER_CTA = (1, 2, 4)  # tiles_per_cta choices
 CTAS_PER_SM = (2, 3, 4)  # min_blocks_per_mp choices (the defaults and the dual candidates, compile-checked in CI)
+FORMS = ("both", "rows", "cols")  # Variant.forms: which forms of the op's outputs are written
 
 
 @dataclass(frozen=True)
@@ -124,9 +128,17 @@ class Variant:
     # forms the bf16 values as ever: the backward keeps each colwise form at H + H/32 bytes a padded row instead of 2H
     # until its weight gradient's GEMM dequantizes it (issue 54: the fused block's peak is its second dx GEMM, where
     # both are alive). Both forms quantized from the packed words (no round_bf16), each colwise scale byte by one store
-    # predicated on the lane that owns it (flat_scales' kind of store, at the plain layout's offsets). Its own variants
-    # (all_variants), not a candidate: the op writes other buffers
+    # predicated on the lane that owns it (flat_scales' kind of store, at the plain layout's offsets). dual with bf16
+    # outputs likewise (the block's forward on the emulated GEMM, issue 54): x's rowwise bf16 values (w1's and w3's
+    # forward operand) and the colwise form the block keeps of x, in one read of x instead of a 1x32 and a 32x1 pass.
+    # Its own variants (all_variants), not a candidate: the op writes other buffers
     cols_fp8: bool = False
+    # swiglu only: the forms of h written. "both" (the tests' and benchmarks' op); "rows" (the block's forward: w2's
+    # forward operand alone, its colwise form made again in the backward) and "cols" (the backward: w2's weight-gradient
+    # operand alone), issue 54: each drops the other form's stores, 2 (bf16) or 1 + 1/32 (fp8) bytes an element of h,
+    # its amax and rounding code, and its tail zeroing. Its own variants (all_variants), not a candidate: the op writes
+    # other buffers
+    forms: str = "both"
 
     family = "block"
     kernel_module = "block.kernel"  # compiled by compile_cache.compile_variant (never imported here)
@@ -137,9 +149,13 @@ class Variant:
         for name, allowed in (("op", OPS), ("in_dtype", IN_DTYPES), ("mode", MODES), ("out_dtype", OUT_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.cols_fp8 and (self.op != "dswiglu" or self.out_dtype != "bfloat16"):
-            raise ValueError(f"cols_fp8 writes fp8 colwise forms beside bf16 rowwise ones: op must be 'dswiglu' with "
-                             f"out_dtype 'bfloat16', got {self.op!r} with {self.out_dtype!r}")
+        if self.cols_fp8 and (self.op not in ("dual", "dswiglu") or self.out_dtype != "bfloat16"):
+            raise ValueError(f"cols_fp8 writes fp8 colwise forms beside bf16 rowwise ones: op must be 'dual' or "
+                             f"'dswiglu' with out_dtype 'bfloat16', got {self.op!r} with {self.out_dtype!r}")
+        if self.forms not in FORMS:
+            raise ValueError(f"forms must be one of {FORMS}, got {self.forms!r}")
+        if self.forms != "both" and self.op != "swiglu":
+            raise ValueError(f"forms 'rows' / 'cols' write one form of h: op must be 'swiglu', got {self.op!r}")
         if self.cols_fp8 and (self.round_bf16 or self.gather_scales or self.colwise_smem):
             raise ValueError(f"cols_fp8 quantizes both forms from the words and stores its colwise scale bytes where "
                              f"they are made: round_bf16, gather_scales and colwise_smem must be off, got round_bf16="
@@ -207,6 +223,16 @@ class Variant:
         return self.out_dtype != "float8_e4m3fn"
 
     @property
+    def rows(self) -> bool:
+        """The rowwise forms are written (:attr:`forms`)."""
+        return self.forms != "cols"
+
+    @property
+    def cols(self) -> bool:
+        """The colwise forms are written (:attr:`forms`)."""
+        return self.forms != "rows"
+
+    @property
     def fp8_cols(self) -> bool:
         """The colwise forms are fp8 data and K-groups scales: fp8 outputs, or ``cols_fp8``."""
         return not self.fake or self.cols_fp8
@@ -222,7 +248,8 @@ class Variant:
                 + ("" if self.stage_order == "thread" else f"-stage{self.stage_order}")
                 + ("-gather" if self.gather_scales else "")
                 + (f"-t{self.tiles_per_cta}" if self.tiles_per_cta != 1 else "") + ("-reread" if self.reread else "")
-                + ("-cwsmem" if self.colwise_smem else "") + ("-fp8cols" if self.cols_fp8 else ""))
+                + ("-cwsmem" if self.colwise_smem else "") + ("-fp8cols" if self.cols_fp8 else "")
+                + ("" if self.forms == "both" else f"-{self.forms}only"))
 
     def replace(self, **kw) -> "Variant":
         return dataclasses.replace(self, **kw)
@@ -232,7 +259,10 @@ def all_variants() -> list[Variant]:
     return ([Variant(op, i, m, o) for op in OPS for i in IN_DTYPES for m in MODES for o in OUT_DTYPES]
             + [Variant("dswiglu", i, m, "bfloat16", stacked=True) for i in IN_DTYPES for m in MODES]
             + [Variant("dswiglu", i, m, "bfloat16", stacked=s, cols_fp8=True) for i in IN_DTYPES for m in MODES
-               for s in (False, True)])
+               for s in (False, True)]
+            + [Variant("dual", i, m, "bfloat16", cols_fp8=True) for i in IN_DTYPES for m in MODES]
+            + [Variant("swiglu", i, m, o, forms=f) for i in IN_DTYPES for m in MODES for o in OUT_DTYPES
+               for f in FORMS[1:]])
 
 
 # A/B candidates of the SwiGLU ops (scripts/ab_kernels.py, families block-*): name -> fields that differ from the

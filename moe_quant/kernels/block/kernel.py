@@ -417,6 +417,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         self.esize = 2 if self.fake else 1  # bytes of an output element
         self.lines_over_stage = self.lines and self.op == "dswiglu" and self.staged and self.n_tiles == 1
         self.lines_wait = self.lines_over_stage or self.fused or self.n_tiles > 1
+        # which forms are written (config forms: swiglu's forward writes h's rowwise form alone, its backward the
+        # colwise one); the other form's buffers are None, its stores, amax and tail zeroing not generated
+        self.rows, self.cols = variant.rows, variant.cols
 
     # ------------------------------------------------------------------ host
 
@@ -426,16 +429,21 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         r = x0.shape[1]
         ny = (r + (TILE_COLS - 1)) // TILE_COLS
         n_groups = Int32(offs.shape[0])
-        row_stride = Int32(cd0.shape[1])  # Mp
+        # Mp (layouts.k_groups_padded_len): the colwise data's row length, or where none is written its formula
+        row_stride = Int32(0)
+        if cutlass.const_expr(self.cols):
+            row_stride = Int32(cd0.shape[1])
+        else:
+            row_stride = cu.round_up_block(Int32(x0.shape[0])) + K_GROUP_ALIGN * n_groups
         # real chunks + tail chunks <= (Mp + 127 G + 127) / 128; one more so a tail CTA always exists
         nx = (row_stride + (TILE_TOKENS - 1) * n_groups + (TILE_TOKENS - 1)) // TILE_TOKENS + 1
         rp = Int32(0)
         sw = Int32(0)
         buf_rows = Int32(0)
-        if cutlass.const_expr(not self.fake):
+        if cutlass.const_expr(not self.fake and self.cols):
             rp = Int32(cs0.shape[0])
             sw = Int32(cs0.shape[1])
-        if cutlass.const_expr(not self.row_fake):
+        if cutlass.const_expr(not self.row_fake and self.rows):
             buf_rows = Int32(rs0.shape[0])
         self.kernel(x0, x1, x2, rd0, rs0, cd0, cs0, rd1, rs1, cd1, cs1, offs, poffs, Int32(x0.shape[0]),
                     Int32(r), n_groups, row_stride, rp, sw, buf_rows, nx, Int32(ny)).launch(
@@ -600,7 +608,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             # pointer live across the columns: under dual's 3-CTA cap ptxas spills it on sm_100a, so there it is not;
             # nor in dswiglu's fused fp8 floor variant, where it spilled 12 / 24 bytes on sm_90a / sm_100a, 2026-12-02,
             # nor with its scale bytes gathered: 12 bytes on sm_90a, 2026-12-03)
-            running = self.lean and self.v.ctas_per_sm == 2 and not self.lines and not (
+            running = self.cols and self.lean and self.v.ctas_per_sm == 2 and not self.lines and not (
                 self.fused and not self.fake and (not self.rceil or self.v.gather_scales))
             col_ptr = col_lines = None
             if cutlass.const_expr(self.lines):  # column c is 128 c elements further (line_place: the same permutation
@@ -608,9 +616,12 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
             if cutlass.const_expr(running):
                 col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
             flat = self.v.flat_scales  # fp8, SwiGLU ops: predicated scale stores at constant offsets (config)
-            row_flat = flat and not self.row_fake  # cols_fp8: the colwise scale bytes alone
+            row_flat = flat and not self.row_fake and self.rows  # cols_fp8: the colwise scale bytes alone
             col_sc0 = row_sc0 = None
-            if cutlass.const_expr(self.plain_cols):  # the thread's first scale byte; column c's Mp/32 c bytes further
+            if cutlass.const_expr(not self.cols):  # forms "rows": no colwise scale bytes
+                if cutlass.const_expr(row_flat):
+                    row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
+            elif cutlass.const_expr(self.plain_cols):  # the thread's first scale byte; column c's Mp/32 c bytes further
                 col_sc0 = col_sc + layouts.k_groups_plain_offset(Int64(col0), out_base + Int64(blk * BLOCK_SIZE),
                                                                  Int64(row_stride))
             elif cutlass.const_expr(flat):
@@ -624,7 +635,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                     col_sc0 = col_sc + (scale_base + Int64(cu.tile_byte(tile_col, blk)))
                     if cutlass.const_expr(row_flat):
                         row_sc0 = row_sc + (mg_base + Int64(cu.tile_byte(t0, (warp % 2) * 2 + lane // 16)))
-            for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            for c in cutlass.range_constexpr(COLS_PER_THREAD if self.cols else 0):  # (forms "rows": none)
                 col = [self.col_value(words[i], c) for i in range(TOKENS_PER_THREAD)]
                 amax = None  # column c's half of its pair's packed max, widened (or quantize_block8's own)
                 if cutlass.const_expr(self.packed_amax):
@@ -659,8 +670,8 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                                 cu.st_global_u8(ctile + byte, s)
                             else:
                                 cu.st_global_u8(col_sc + (scale_base + Int64(byte)), s)
-            # rowwise: per token, 8 columns of one 32-column block
-            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            # rowwise: per token, 8 columns of one 32-column block (forms "cols": none)
+            for i in cutlass.range_constexpr(TOKENS_PER_THREAD if self.rows else 0):
                 amax = None
                 if cutlass.const_expr(self.packed_amax):
                     row_max = cu.absmax_bf16x2(words[i])
@@ -760,10 +771,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         hi = lo = None
         # the rowwise rows by one add each from the first (with fused_grads, per-token addresses hoisted out of the
         # loop over the two outputs spilled in the stacked variant)
-        row_ptr = row_out + self.row_element(o_cta, src0 + Int64(t0), r, col0)
+        row_ptr = None
+        if cutlass.const_expr(self.rows):
+            row_ptr = row_out + self.row_element(o_cta, src0 + Int64(t0), r, col0)
         pitch = Int64(r) * Int64(2 if self.stacked else 1)
         n_left = n_real - t0  # the thread's real tokens
-        for j in cutlass.range_constexpr(TOKENS_PER_THREAD // 2):  # rowwise: tokens 2 j and 2 j + 1
+        # rowwise: tokens 2 j and 2 j + 1 (forms "cols": none)
+        for j in cutlass.range_constexpr(TOKENS_PER_THREAD // 2 if self.rows else 0):
             amax2 = self.row_amax2(row_max, j)
             hi, lo = cu.grid_track(hi, lo, amax2)
             t2, sat2 = cu.grid_params(amax2, self.rceil)
@@ -776,7 +790,9 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 if col_ok & (n_left > i):
                     cu.st_global_words(row_ptr, ys)
                 row_ptr = row_ptr + pitch
-        if cutlass.const_expr(ltile is None):
+        if cutlass.const_expr(not self.cols):  # forms "rows"
+            pass
+        elif cutlass.const_expr(ltile is None):
             col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
             hi, lo = self.round_columns(words, col_max, col_ptr, row_stride, write, hi, lo)
         else:  # colwise_smem: every column and token into the shared tile (written out predicated)
@@ -796,17 +812,21 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         col_amax = [cu.quad_max_u16x2(c, (1, 2)) for c in col_max]
         quant = dict(short=self.lean, nan_words=False)  # dequantize8 replaces a NaN block's words
         # addresses by one add per row or column, as in round_forms (no per-token address hoisted out of a loop)
-        row_ptr = row_out + self.row_element(o_cta, src0 + Int64(t0), r, col0)
+        row_ptr = None
+        if cutlass.const_expr(self.rows):
+            row_ptr = row_out + self.row_element(o_cta, src0 + Int64(t0), r, col0)
         pitch = Int64(r) * Int64(2 if self.stacked else 1)
         n_left = n_real - t0  # the thread's real tokens
-        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD if self.rows else 0):
             amax16 = (row_amax[i // 2] >> (16 * (i % 2))) & Int32(0xFFFF)
             if cu.grid_exception(amax16) & col_ok & (n_left > i):
                 q0, q1, s, is_nan = cu.quantize_block8(self.row_values(words[i]), self.rceil, (), amax=amax16 << 16,
                                                        **quant)
                 cu.st_global_words(row_ptr, cu.dequantize8(q0, q1, s, is_nan, False))
             row_ptr = row_ptr + pitch
-        if cutlass.const_expr(ltile is None):
+        if cutlass.const_expr(not self.cols):  # forms "rows"
+            pass
+        elif cutlass.const_expr(ltile is None):
             col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))
             self.round_column_exceptions(words, col_amax, col_ptr, row_stride, write)
         else:  # colwise_smem: over the rounded values in the shared tile, before the barrier that writes it out
@@ -1020,48 +1040,50 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         (``stacked``: the ``o``-th half of the rows past the end of the one ``(M, 2R)`` rowwise buffer).
         ``fused_grads`` (both outputs in one CTA): the end is found for output 0 and kept for output 1 (written
         once, behind a barrier); ``tiles_per_cta``: for the CTA's first tile ``t`` = 0 and kept for the others."""
-        find = Int32(1)
-        if cutlass.const_expr(self.fused):
-            find = Int32(cutlass.select_(o == 0, Int32(1), Int32(0)))
-        if cutlass.const_expr(self.n_tiles > 1):
-            find = find & Int32(cutlass.select_(t == 0, Int32(1), Int32(0)))
-        if find != 0:
-            if warp == 0:  # the last group's sanitized end: clamp(max(offs), 0, M)
-                mx = Int32(0)
-                for sub in cutlass.range(0, (n_groups + 31) // 32, 1):
-                    g = sub * 32 + lane
-                    if g < n_groups:
-                        mx = cutlass.max(mx, cutlass.min(Int32(offs[g]), m))
-                for d in cutlass.range_constexpr(5):
-                    mx = cutlass.max(mx, cute.arch.shuffle_sync_bfly(mx, offset=16 >> d))
-                if lane == 0:
-                    info[7] = mx
-            cute.arch.sync_threads()
-        end = Int32(info[7])
-        esize = 2 if self.row_fake else 1
-        step = 16 // esize
-        if cutlass.const_expr(self.stacked):
-            # rows [end, M) of the (M, 2R) buffer: one contiguous range of (M - end) R / 4 16-byte stores
-            # (bf16), half of them per output, as many as one unstacked output's (R % 32 == 0: both halves
-            # aligned, the count even)
-            n16 = Int32((Int64(m) - Int64(end)) * Int64(r) // Int64(8))
-            e_first = Int64(end) * (Int64(r) * Int64(2)) + Int64(o) * Int64(n16) * Int64(step)
-            for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
-                cu.st_global_v4(rd + (e_first + Int64(w) * Int64(step)), 0, 0, 0, 0)
-        else:
-            # rowwise data rows [end, M): 16-byte stores (R % 32 == 0 keeps them aligned)
-            first = Int64(end) * Int64(r) * Int64(esize)
-            n16 = Int32((Int64(m) * Int64(r) * Int64(esize) - first) // 16)
-            for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
-                e0 = Int64(end) * Int64(r) + Int64(w) * Int64(step)
-                cu.st_global_v4(rd + e0, 0, 0, 0, 0)
-        if cutlass.const_expr(not self.row_fake):
-            # M-groups scale rows [128 chunk_total, buf_rows): 4-byte stores (a row is 4 ny bytes)
-            s_first = Int64(chunk_total) * Int64(TILE_ROWS) * Int64(4) * Int64(ny)
-            n4 = Int32((Int64(buf_rows) * Int64(4) * Int64(ny) - s_first) // 4)
-            for w in cutlass.range(q * THREADS + tid, n4, n_tail * THREADS):
-                cu.st_global_u32(rs + (s_first + Int64(w) * Int64(4)), 0)
-        if cutlass.const_expr(not self.fake and not self.plain_cols):  # plain scales: the tail CTAs' blocks (emit)
+        if cutlass.const_expr(self.rows):  # (forms "cols": no rowwise form)
+            find = Int32(1)
+            if cutlass.const_expr(self.fused):
+                find = Int32(cutlass.select_(o == 0, Int32(1), Int32(0)))
+            if cutlass.const_expr(self.n_tiles > 1):
+                find = find & Int32(cutlass.select_(t == 0, Int32(1), Int32(0)))
+            if find != 0:
+                if warp == 0:  # the last group's sanitized end: clamp(max(offs), 0, M)
+                    mx = Int32(0)
+                    for sub in cutlass.range(0, (n_groups + 31) // 32, 1):
+                        g = sub * 32 + lane
+                        if g < n_groups:
+                            mx = cutlass.max(mx, cutlass.min(Int32(offs[g]), m))
+                    for d in cutlass.range_constexpr(5):
+                        mx = cutlass.max(mx, cute.arch.shuffle_sync_bfly(mx, offset=16 >> d))
+                    if lane == 0:
+                        info[7] = mx
+                cute.arch.sync_threads()
+            end = Int32(info[7])
+            esize = 2 if self.row_fake else 1
+            step = 16 // esize
+            if cutlass.const_expr(self.stacked):
+                # rows [end, M) of the (M, 2R) buffer: one contiguous range of (M - end) R / 4 16-byte stores
+                # (bf16), half of them per output, as many as one unstacked output's (R % 32 == 0: both halves
+                # aligned, the count even)
+                n16 = Int32((Int64(m) - Int64(end)) * Int64(r) // Int64(8))
+                e_first = Int64(end) * (Int64(r) * Int64(2)) + Int64(o) * Int64(n16) * Int64(step)
+                for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
+                    cu.st_global_v4(rd + (e_first + Int64(w) * Int64(step)), 0, 0, 0, 0)
+            else:
+                # rowwise data rows [end, M): 16-byte stores (R % 32 == 0 keeps them aligned)
+                first = Int64(end) * Int64(r) * Int64(esize)
+                n16 = Int32((Int64(m) * Int64(r) * Int64(esize) - first) // 16)
+                for w in cutlass.range(q * THREADS + tid, n16, n_tail * THREADS):
+                    e0 = Int64(end) * Int64(r) + Int64(w) * Int64(step)
+                    cu.st_global_v4(rd + e0, 0, 0, 0, 0)
+            if cutlass.const_expr(not self.row_fake):
+                # M-groups scale rows [128 chunk_total, buf_rows): 4-byte stores (a row is 4 ny bytes)
+                s_first = Int64(chunk_total) * Int64(TILE_ROWS) * Int64(4) * Int64(ny)
+                n4 = Int32((Int64(buf_rows) * Int64(4) * Int64(ny) - s_first) // 4)
+                for w in cutlass.range(q * THREADS + tid, n4, n_tail * THREADS):
+                    cu.st_global_u32(rs + (s_first + Int64(w) * Int64(4)), 0)
+        # (plain scales: the tail CTAs' blocks, emit)
+        if cutlass.const_expr(not self.fake and not self.plain_cols and self.cols):
             self.zero_scale_tail(cs, chunk_total, rp, sw, q, n_tail, tid)
 
 
@@ -1095,7 +1117,12 @@ def make_fake_args(variant: Variant, tvm_ffi: bool):
         rd = mat(out_dtype, m, r)
         if variant.stacked:  # one (M, 2R) rowwise buffer for both outputs, passed as rd0
             rd = mat(out_dtype, m, cute.sym_int32(divisibility=2 * BLOCK_SIZE, symbol="R2")) if o == 0 else None
-        outs += [rd, rs, mat(col_dtype, r, mp), cs]
+        cd = mat(col_dtype, r, mp)
+        if not variant.rows:  # forms "cols": no rowwise buffers
+            rd = rs = None
+        if not variant.cols:  # forms "rows": no colwise buffers
+            cd = cs = None
+        outs += [rd, rs, cd, cs]
     offs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
     poffs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True) if tvm_ffi else make_fake_stream()
