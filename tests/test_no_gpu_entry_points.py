@@ -55,7 +55,8 @@ def test_ab_kernels_names_a_candidate_no_family_has():
                                     "cache_timing.py", "ab_kernels.py", "fixed_cost_fit.py", "ab_commits.py",
                                     "ncu_block.py",
                                     "probes/gemm_dequant_probe.py", "probes/before_kernel_probe.py",
-                                    "probes/row_copy_probe.py", "probes/topk_sum_probe.py"])
+                                    "probes/row_copy_probe.py", "probes/topk_sum_probe.py",
+                                    "probes/dual_cols_fp8_probe.py"])
 def test_gpu_scripts_run_from_repo_root_and_say_they_need_a_gpu(script):
     proc = run(f"scripts/{script}", pythonpath=False)
     assert proc.returncode == 2, proc.stderr[-3000:]

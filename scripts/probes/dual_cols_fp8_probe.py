@@ -21,7 +21,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from benchmarks.bench_block_kernels import op_bytes  # noqa: E402
 from benchmarks.bench_quantize import group_offsets  # noqa: E402
-from benchmarks.timing import Rotating, bench_us, device_name, memcpy_call, print_table, tbps  # noqa: E402
+from benchmarks.timing import (Rotating, bench_us, device_name, memcpy_call, print_table, require_cuda,  # noqa: E402
+                               tbps)
 from moe_quant.kernels import compile_cache as cc  # noqa: E402
 from moe_quant.kernels.block import ops as ops_block  # noqa: E402
 from moe_quant.kernels.block.config import Variant  # noqa: E402
@@ -43,9 +44,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("dual_cols_fp8_probe: needs a CUDA GPU")
-        return 2
+    require_cuda()
     dev = torch.device("cuda", torch.cuda.current_device())
     cc.POISON_OUTPUTS = True  # bytes no one writes show up
     exact = {}
