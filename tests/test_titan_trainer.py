@@ -63,7 +63,7 @@ _MAKE = {  # the torchrun jobs of this module's tests (titan_checks.JOBS' keys)
     **{f"ac_{ac}": _trainer_job("mxfp8", f"activation-checkpoint:{ac}") for ac in ("selective", "full")},
     "plain_loop": lambda out: ([sys.executable, "-m", "examples.titan.plain_loop", "--dump-folder", out, "--flavor",
                                 "debugmodel", "--layers", "2", "--steps", "2", "--local-batch-size", "1", "--seq-len",
-                                "16"], 600.0),
+                                "16", "--profile"], 600.0),
 }
 _READS = {  # test -> the jobs it reads, in the order of the tests in this file ("all": titan_checks.all_checks)
     "test_every_check_passes": ["all"],
@@ -416,8 +416,11 @@ def test_bench_plain_loop_row(tmp_path):
                              "--steps", "20", "--flavor", "debugmodel"])
     cmd = bench.plain_command(args, "compiled", "d")
     assert cmd[cmd.index("-m", 3) + 1] == "examples.titan.plain_loop" and cmd[-1] == "--compile", cmd
-    assert " ".join(cmd).endswith("--dump-folder d --flavor debugmodel --layers 3 --steps 20 --compile")
+    # the bench profiles its last step by default (torchtitan's profiler), the plain loop's too
+    assert " ".join(cmd).endswith("--dump-folder d --flavor debugmodel --layers 3 --steps 20 --profile --compile")
     assert "--compile" not in bench.plain_command(args, "eager", "d")
+    args.profile = False
+    assert "--profile" not in bench.plain_command(args, "eager", "d")
 
     def result(variant, tps, loss):
         return {"variant": variant, "mode": "eager", "rc": 0, "wall_s": 1.0, "final_loss": loss, "losses": [loss],
@@ -656,7 +659,8 @@ def test_report_only_takes_the_final_loss_again_over_another_tail(tmp_path, caps
 
 def test_plain_loop_trains_the_bf16_model_in_bf16():
     """``examples.titan.plain_loop`` (the bench's ``plain_bf16`` row) at debug size: every step logged with the keys the
-    bench reads, the parameters bf16, no FSDP, the loss finite."""
+    bench reads, the parameters bf16, no FSDP, the loss finite; ``--profile``: the last step's trace where torchtitan
+    writes its own, holding that step's ops (the optimizer's among them) and not the first step's."""
     tmp_path, _ = _job("plain_loop", "test_plain_loop_trains_the_bf16_model_in_bf16")
     rows = [json.loads(line) for line in (tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -665,6 +669,12 @@ def test_plain_loop_trains_the_bf16_model_in_bf16():
         assert r["time_metrics/end_to_end(s)"] > 0 and "memory/max_reserved(GiB)" in r, r
     setup = json.loads((tmp_path / "setup" / "rank0.json").read_text())
     assert setup["param_dtypes"] == ["torch.bfloat16"] and setup["fsdp_modules"] == 0, setup
+    (trace,) = (tmp_path / "profiling" / "traces").glob("iteration_*/rank0_trace.json")
+    assert trace.parent.name == "iteration_2", trace
+    names = [e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]]
+    assert any("ProfilerStep#1" in n for n in names) and not any("ProfilerStep#0" in n for n in names), \
+        sorted({n for n in names if n.startswith("ProfilerStep")})
+    assert any("Optimizer.step" in n or "adam" in n.lower() for n in names)
 
 
 def test_activation_checkpointing_trains_the_same_steps():

@@ -135,8 +135,10 @@ def job_args(args, mode: str) -> list[str]:
 
 def plain_command(args, mode: str, dump: str) -> list[str]:
     """The :data:`PLAIN` row's job: :mod:`examples.titan.plain_loop` on one GPU with the bench's flavour, layers and
-    steps (the arguments after ``--`` are torchtitan's: not passed)."""
+    steps, its profiler on the last step where the trainer's is (the arguments after ``--`` are torchtitan's: not
+    passed)."""
     a = ["--dump-folder", dump, "--flavor", args.flavor, "--layers", str(args.layers), "--steps", str(args.steps)]
+    a += ["--profile"] if args.profile else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
             "-m", "examples.titan.plain_loop", *a] + (["--compile"] if mode == "compiled" else [])
 

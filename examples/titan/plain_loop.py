@@ -1,7 +1,7 @@
 """A plain bf16 training loop of the trainer's model on one GPU: the speed the bf16 variant of
 :mod:`examples.titan.bench` should come near (a benchmark row, ``--variants plain_bf16``)::
 
-    python -m examples.titan.plain_loop --dump-folder out/plain [--compile]   # (or under torchrun, one rank)
+    python -m examples.titan.plain_loop --dump-folder out/plain [--compile] [--profile]   # (or under torchrun)
 
 The same model as the configs' ``bf16`` variant (:func:`examples.titan.config_registry.model_spec`: DeepSeek-V3
 ``--flavor`` cut to ``--layers`` blocks, the same attention choice, torchtitan's ``init_weights``, seed 0), the same
@@ -16,6 +16,10 @@ Every step is written to ``<dump-folder>/metrics/rank0.jsonl`` with the keys the
 own rows (:mod:`examples.titan.metrics`): ``throughput(tps)`` (tokens / step wall time, the step ending at the
 loss's host read), ``time_metrics/end_to_end(s)``, ``memory/max_reserved(GiB)`` and ``memory/max_active(GiB)``
 (the step's peaks), ``loss_metrics/global_avg_loss``; what was built goes to ``<dump-folder>/setup/rank0.json``.
+``--profile``: ``torch.profiler`` records the last step (the one before it warms it up), as the bench has torchtitan's
+profiler do, and writes its trace where torchtitan writes its own,
+``<dump-folder>/profiling/traces/iteration_<steps>/rank0_trace.json`` (``scripts/ep_timeline.py --traces`` compares
+it with the trainer's).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
     p.add_argument("--compile", action="store_true", help="torchtitan's apply_compile: each block compiled")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over the last step; its trace in profiling/traces/iteration_<steps>/")
     args = p.parse_args(argv)
     if args.steps < 1 or args.layers < 1:
         p.error("--steps and --layers must be positive")
@@ -55,6 +61,27 @@ def _memory() -> dict:
     torch.cuda.reset_peak_memory_stats()
     return {"memory/max_reserved(GiB)": stats.get("reserved_bytes.all.peak", 0) / 2**30,
             "memory/max_active(GiB)": stats.get("active_bytes.all.peak", 0) / 2**30}
+
+
+def _profiler(args):
+    """``--profile``: a ``torch.profiler.profile`` that records step ``args.steps`` (the step before it its warm-up) and
+    writes its trace as torchtitan's profiler does; else a do-nothing stand-in with the same ``step()``."""
+    import contextlib
+
+    if not args.profile:
+        return contextlib.nullcontext(type("NoProfiler", (), {"step": lambda self: None})())
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    folder = os.path.join(args.dump_folder, "profiling", "traces", f"iteration_{args.steps}")
+
+    def write(prof):
+        os.makedirs(folder, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(folder, "rank0_trace.json"))
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    warm = 1 if args.steps >= 2 else 0
+    return profile(activities=activities, on_trace_ready=write,
+                   schedule=schedule(wait=args.steps - 1 - warm, warmup=warm, active=1, repeat=1))
 
 
 def main(argv=None) -> int:
@@ -74,7 +101,6 @@ def main(argv=None) -> int:
 
     from examples.titan import config_registry as reg
     from examples.titan.data import AffineDataLoader, AffineTokenizer
-    from examples.titan.metrics import outside_allocator_gib
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -131,6 +157,17 @@ def main(argv=None) -> int:
                                           for b in model.layers.values()), "fsdp_modules": 0}, f, indent=1)
     metrics = open(os.path.join(args.dump_folder, "metrics", "rank0.jsonl"), "w", encoding="utf-8")
     _memory()
+    with _profiler(args) as prof:
+        _train(args, model, optimizers, loss_fn, data, device, flex, metrics, prof)
+    metrics.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def _train(args, model, optimizers, loss_fn, data, device, flex, metrics, prof) -> None:
+    """The steps, each logged (``main``'s loop); ``prof.step()`` after each."""
+    from examples.titan.metrics import outside_allocator_gib
+
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         input_dict, labels = next(data)
@@ -155,9 +192,7 @@ def main(argv=None) -> int:
             row["moe_quant/outside_allocator(GiB)"] = outside
         metrics.write(json.dumps(row) + "\n")
         metrics.flush()
-    metrics.close()
-    dist.destroy_process_group()
-    return 0
+        prof.step()
 
 
 if __name__ == "__main__":
