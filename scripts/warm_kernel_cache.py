@@ -1,7 +1,7 @@
 """Precompile kernel variants for one GPU architecture into the on-disk kernel cache, on any machine (no GPU needed),
 so that a GPU machine given the directory loads them instead of compiling (``moe_quant.kernels.compile_cache``:
 an object file per variant, named by the variant, the architecture and a hash of the family's sources; a stale
-file is never loaded).
+file is never loaded; no shared library beside it, which would point at this machine's runtime libraries).
 
     CUTE_DSL_ARCH=sm_90a MOE_QUANT_CACHE_DIR=DIR python scripts/warm_kernel_cache.py sm_90a [--in-place] [--match W ...]
     # then on the GPU machine: MOE_QUANT_CACHE_DIR=DIR (a writable copy)
@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--match", nargs="+", default=[], metavar="W",
                    help="only the variants whose name (family/key, e.g. fp/...) contains every W")
     args = p.parse_args(argv)
+    cc.LINK_SHARED = False  # object files only: the cache is for another machine (compile_cache.LINK_SHARED)
     todo = [v for v in variants(args.in_place) if all(w in compile_check.variant_name(v) for w in args.match)]
     print(f"{len(todo)} variants for {args.arch} into {cc.cache_dir()}", flush=True)
     t0, failed = time.time(), 0

@@ -63,5 +63,7 @@ def test_a_run_fills_a_cache_the_next_run_finds(tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     assert "1 variants for sm_90a" in first.stdout and "(compiled 1, already cached 0)" in first.stdout, first.stdout
     assert any(p.suffix == ".o" for p in tmp_path.iterdir())
+    # object files only (no shared library linked against this machine's runtime libraries)
+    assert not any(p.suffix == ".so" for p in tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
     second = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "(compiled 0, already cached 1)" in second.stdout, second.stdout + second.stderr

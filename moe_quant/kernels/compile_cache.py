@@ -149,6 +149,10 @@ class Compiled:
 _LOCK = threading.Lock()
 _KERNELS: dict = {}
 STATS = {"compiled": 0, "disk_hits": 0, "compile_s": 0.0, "load_s": 0.0}
+# _save_to_disk links a shared library beside each object file where a C compiler is found; off for a cache that is
+# filled for another machine (scripts/warm_kernel_cache.py): the library would point at this machine's runtime
+# libraries, and the object file loads there anyway
+LINK_SHARED = True
 
 
 def get_kernel(variant, arch: str) -> Compiled:
@@ -203,7 +207,7 @@ def _save_to_disk(fn, stem: Path, name: str) -> None:
     obj = stem.with_suffix(".o")
     tmp_obj = stem.parent / (stem.name + tag + ".o")
     fn.export_to_c(str(tmp_obj), function_name=name)
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")) if LINK_SHARED else None
     if cc:
         try:
             from cutlass.runtime import find_runtime_libraries
