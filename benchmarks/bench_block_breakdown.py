@@ -11,9 +11,10 @@ the byte fingerprint; x's rowwise, colwise-kept (or both in one pass) and read-b
 ``swiglu`` (``swiglu_rowwise``), ``swiglu_colwise``, ``dswiglu``) with CUDA events on the stream (:class:`Spans`; the
 host's clock on the CPU): each pass's time is the device time between its marks, less the passes nested in it;
 ``outside`` is the rest of the step (the GEMMs, torch's ops, idle time). They add up to the marked step. By kernel
-family (torch.profiler, one step): the CuTe-DSL kernels by class (1x32, 32x1, block, the permute kernel's dequantization, fingerprint), the
-grouped GEMMs, the rest by name (on the CPU: the aten ops' self time). (Not by profiler ranges: torch 2.11's
-profiler linked no kernel to its launching op on the H200, 2026-12-02.) ``wall``: ``do_bench`` median;
+family (torch.profiler, one step): the CuTe-DSL kernels by class (1x32, 32x1, block, the permute kernel's
+dequantization, fingerprint), the grouped GEMMs, the rest by name (on the CPU: the aten ops' self time). (Not by
+profiler ranges: torch 2.11's profiler linked no kernel to its launching op on the H200, 2026-12-02.) ``wall``:
+``do_bench`` median;
 ``idle`` = marked step - kernel sum (one stream: time the device waited); ``host``: the Python time to enqueue a
 step. The weight passes' table times each pass alone on the block's weights and gives its bytes (read + written)
 against a memcpy of as many bytes in the same run: the floor of a pass that must move them.

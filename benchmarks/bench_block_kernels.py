@@ -83,9 +83,7 @@ def fused(op: str, offs, fake: bool, cols_fp8: bool = False):
     if cols_fp8:  # the kernel's op (block_quantize takes its outputs as they are)
         from moe_quant.kernels.block import ops as ops_block
 
-        if op == "dual":
-            return lambda t: ops_block.block_dual(*t, MODE, offs, True, cols_fp8=True)
-        return lambda t: ops_block.block_dswiglu(*t, MODE, offs, True, cols_fp8=True)
+        return lambda t: getattr(ops_block, f"block_{op}")(*t, MODE, offs, True, cols_fp8=True)
     fn = getattr(bq, FUSED.get(op, op))
     return lambda t: fn(*t, MODE, offs, fake)
 

@@ -80,14 +80,19 @@ def _separate_forms(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: 
     return row, _colwise_form(x, mode, offs, fake)
 
 
-def _kernel_forms(outs: list, fake: bool):
+def _kernel_forms(outs: list, fake: bool, cols_fp8: bool = False):
     """The ops' outputs (per tensor ``[row_data, col_data]``, with scales ``[row_data, row_scales,
-    col_data, col_scales]``; then ``poffs``) -> ``[(rowwise form, colwise form), ...]``, one per tensor."""
-    poffs, per = outs[-1], 2 if fake else 4
+    col_data, col_scales]``, with ``cols_fp8`` ``[row_data, col_data, col_plain_scales]``; then ``poffs``) ->
+    ``[(rowwise form, colwise form), ...]``, one per tensor (``cols_fp8``: the colwise form as :func:`colwise_kept`
+    makes it)."""
+    poffs, per = outs[-1], 3 if cols_fp8 else 2 if fake else 4
     forms = []
     for i in range(0, len(outs) - 1, per):
         t = outs[i:i + per]
-        forms.append(((t[0],), (t[1], poffs)) if fake else ((t[0], t[1]), (t[2], t[3], poffs)))
+        if cols_fp8:
+            forms.append(((t[0],), (t[1], t[2], poffs)))
+        else:
+            forms.append(((t[0],), (t[1], poffs)) if fake else ((t[0], t[1]), (t[2], t[3], poffs)))
     return forms
 
 
@@ -123,11 +128,7 @@ def rowwise_and_kept(x: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake:
     if pq.lookup(x, mode) is None and _kernels_serve(x):
         from .kernels.block import ops as ops_block
 
-        outs = ops_block.block_dual(x, mode, offs, fake, cols_fp8=fake)
-        if fake:
-            row, col, scales, poffs = outs
-            return (row,), (col, scales, poffs)
-        return _kernel_forms(outs, fake)[0]
+        return _kernel_forms(ops_block.block_dual(x, mode, offs, fake, cols_fp8=fake), fake, fake)[0]
     return rowwise(x, mode, offs, fake), colwise_kept(x, mode, offs, fake)
 
 
@@ -172,12 +173,6 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor
     return _separate_forms(reference.swiglu(a, b), mode, offs, fake)
 
 
-def _one_form(outs: list, fake: bool, poffs_too: bool) -> tuple:
-    """``block_swiglu``'s one form (``forms`` "rows" or "cols": its data, scales unless ``fake``, then ``poffs``) as
-    the GEMM takes it: the colwise one with ``poffs`` (``poffs_too``), the rowwise one without."""
-    return tuple(outs) if poffs_too else tuple(outs[:-1])
-
-
 def swiglu_rowwise(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torch.Tensor, fake: bool) -> tuple:
     """The rowwise form of ``h = silu(a) * b`` alone (w2's forward operand): the block's forward, which keeps ``a``
     and ``b`` rather than h's colwise form (:func:`swiglu_colwise` makes it again). One pass, writing that form only
@@ -185,7 +180,8 @@ def swiglu_rowwise(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torc
     if _kernels_serve(a, b):
         from .kernels.block import ops as ops_block
 
-        return _one_form(ops_block.block_swiglu(a, b, mode, offs, fake, forms="rows"), fake, False)
+        # [data, (scales,) poffs]: the rowwise form is the GEMM's without the padded offsets
+        return tuple(ops_block.block_swiglu(a, b, mode, offs, fake, forms="rows")[:-1])
     return _rowwise_form(reference.swiglu(a, b), mode, offs, fake)
 
 
@@ -195,7 +191,7 @@ def swiglu_colwise(a: torch.Tensor, b: torch.Tensor, mode: ScaleMode, offs: torc
     if _kernels_serve(a, b):
         from .kernels.block import ops as ops_block
 
-        return _one_form(ops_block.block_swiglu(a, b, mode, offs, fake, forms="cols"), fake, True)
+        return tuple(ops_block.block_swiglu(a, b, mode, offs, fake, forms="cols"))  # [data, (scales,) poffs]
     return _colwise_form(reference.swiglu(a, b), mode, offs, fake)
 
 
@@ -210,11 +206,8 @@ def dswiglu(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: ScaleM
     if _kernels_serve(grad_h, a, b):
         from .kernels.block import ops as ops_block
 
-        outs = ops_block.block_dswiglu(grad_h, a, b, mode, offs, fake, cols_fp8=cols_fp8)
-        if not cols_fp8:
-            return tuple(_kernel_forms(outs, fake))
-        poffs = outs[-1]  # per output [row values, col data, col plain scales]: colwise_kept's form as it is
-        return tuple(((outs[i],), (outs[i + 1], outs[i + 2], poffs)) for i in (0, 3))
+        return tuple(_kernel_forms(ops_block.block_dswiglu(grad_h, a, b, mode, offs, fake, cols_fp8=cols_fp8), fake,
+                                   cols_fp8))
     grad_a, grad_b = reference.dswiglu(grad_h, a, b)
     return _separate_forms(grad_a, mode, offs, fake, cols_fp8), _separate_forms(grad_b, mode, offs, fake, cols_fp8)
 

@@ -333,3 +333,46 @@ def test_one_form_and_cols_fp8_ops_refuse_what_they_cannot_write():
         ops_block.block_swiglu(t, t, "rceil", offs, True, forms="row")
     with pytest.raises(ValueError, match="block_dual: cols_fp8 writes bf16 rowwise values beside fp8 colwise data"):
         ops_block.block_dual(t, "rceil", offs, False, cols_fp8=True)
+
+
+@pytest.mark.parametrize("fake", [True, False])
+def test_the_kernel_path_unpacks_the_block_ops_outputs_into_the_reference_forms(monkeypatch, fake):
+    """``block_quantize``'s kernel path (the forward's x forms and one-form h passes, dSwiGLU with and without
+    ``cols_fp8``) turns the ops' output lists into the forms the GEMMs take: the same tensors' shapes and dtypes, in
+    the same places, as the reference path's (here the ops' fake implementations stand in for the launches, so the
+    unpacking runs on the CPU)."""
+    from moe_quant.kernels.block import ops as ops_block
+    from moe_quant.layouts import sanitize_offsets
+    from moe_quant.numerics import ScaleMode
+
+    m, r = 300, 96
+    offs = sanitize_offsets(torch.tensor([0, 40, 41, 200, 300], dtype=torch.int32), m).to(torch.int32)
+    g, a, b = (torch.randn(m, r, dtype=torch.bfloat16) for _ in range(3))
+    mode = ScaleMode.RCEIL
+    calls = {
+        "rowwise_and_kept": lambda: bq.rowwise_and_kept(g, mode, offs, fake),
+        "swiglu_rowwise": lambda: bq.swiglu_rowwise(a, b, mode, offs, fake),
+        "swiglu_colwise": lambda: bq.swiglu_colwise(a, b, mode, offs, fake),
+        "dswiglu": lambda: bq.dswiglu(g, a, b, mode, offs, fake),
+        "dswiglu cols_fp8": lambda: bq.dswiglu(g, a, b, mode, offs, fake, cols_fp8=True),
+    }
+    want = {name: fn() for name, fn in calls.items()}  # the reference path (no kernels on the CPU)
+    launched = []
+
+    def fake_run(op, inputs, mode_, offs_, fake_, extra):
+        launched.append(op)
+        return ops_block._fake_outputs(op, inputs[0], offs_, fake_, **extra)
+
+    monkeypatch.setattr(bq, "_kernels_serve", lambda *ts: True)
+    monkeypatch.setattr(ops_block, "_run", fake_run)
+    for name, fn in calls.items():
+        launched.clear()
+        got = fn()
+        assert launched, name  # precondition: the kernel path ran
+
+        def layout(forms):
+            if isinstance(forms, torch.Tensor):
+                return (tuple(forms.shape), forms.dtype)
+            return tuple(layout(f) for f in forms)
+
+        assert layout(got) == layout(want[name]), name
