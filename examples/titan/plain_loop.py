@@ -67,9 +67,10 @@ def _profiler(args):
     """``--profile``: a ``torch.profiler.profile`` that records step ``args.steps`` (the step before it its warm-up) and
     writes its trace as torchtitan's profiler does; else a do-nothing stand-in with the same ``step()``."""
     import contextlib
+    import types
 
     if not args.profile:
-        return contextlib.nullcontext(type("NoProfiler", (), {"step": lambda self: None})())
+        return contextlib.nullcontext(types.SimpleNamespace(step=lambda: None))
     from torch.profiler import ProfilerActivity, profile, schedule
 
     folder = os.path.join(args.dump_folder, "profiling", "traces", f"iteration_{args.steps}")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_block_kernels import op_bytes  # noqa: E402
 from benchmarks.bench_quantize import group_offsets  # noqa: E402
