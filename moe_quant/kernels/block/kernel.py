@@ -434,7 +434,7 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
         if cutlass.const_expr(self.cols):
             row_stride = Int32(cd0.shape[1])
         else:
-            row_stride = cu.round_up_block(Int32(x0.shape[0])) + K_GROUP_ALIGN * n_groups
+            row_stride = layouts.k_groups_padded_len(Int32(x0.shape[0]), n_groups)
         # real chunks + tail chunks <= (Mp + 127 G + 127) / 128; one more so a tail CTA always exists
         nx = (row_stride + (TILE_TOKENS - 1) * n_groups + (TILE_TOKENS - 1)) // TILE_TOKENS + 1
         rp = Int32(0)
@@ -790,14 +790,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                 if col_ok & (n_left > i):
                     cu.st_global_words(row_ptr, ys)
                 row_ptr = row_ptr + pitch
-        if cutlass.const_expr(not self.cols):  # forms "rows"
-            pass
-        elif cutlass.const_expr(ltile is None):
-            col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
-            hi, lo = self.round_columns(words, col_max, col_ptr, row_stride, write, hi, lo)
-        else:  # colwise_smem: every column and token into the shared tile (written out predicated)
-            hi, lo = self.round_columns(words, col_max, ltile + self.line_word(tile_col, t0), Int32(TILE_TOKENS // 2),
-                                        True, hi, lo)
+        if cutlass.const_expr(self.cols):  # not for forms "rows"
+            if cutlass.const_expr(ltile is None):
+                col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))  # column 0's 8 tokens
+                hi, lo = self.round_columns(words, col_max, col_ptr, row_stride, write, hi, lo)
+            else:  # colwise_smem: every column and token into the shared tile (written out predicated)
+                hi, lo = self.round_columns(words, col_max, ltile + self.line_word(tile_col, t0),
+                                            Int32(TILE_TOKENS // 2), True, hi, lo)
         if cute.arch.vote_any_sync(cu.grid_any_exception(hi, lo)):
             self.round_exceptions(o_cta, words, row_out, col_out, where, tile, ltile)
 
@@ -824,14 +823,13 @@ class QuantizeBlockKernel(Quantize32x1Kernel):
                                                        **quant)
                 cu.st_global_words(row_ptr, cu.dequantize8(q0, q1, s, is_nan, False))
             row_ptr = row_ptr + pitch
-        if cutlass.const_expr(not self.cols):  # forms "rows"
-            pass
-        elif cutlass.const_expr(ltile is None):
-            col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))
-            self.round_column_exceptions(words, col_amax, col_ptr, row_stride, write)
-        else:  # colwise_smem: over the rounded values in the shared tile, before the barrier that writes it out
-            self.round_column_exceptions(words, col_amax, ltile + self.line_word(tile_col, t0), Int32(TILE_TOKENS // 2),
-                                         True)
+        if cutlass.const_expr(self.cols):  # not for forms "rows"
+            if cutlass.const_expr(ltile is None):
+                col_ptr = col_out + (out_base + Int64(col0) * Int64(row_stride) + Int64(t0))
+                self.round_column_exceptions(words, col_amax, col_ptr, row_stride, write)
+            else:  # colwise_smem: over the rounded values in the shared tile, before the barrier that writes it out
+                self.round_column_exceptions(words, col_amax, ltile + self.line_word(tile_col, t0),
+                                             Int32(TILE_TOKENS // 2), True)
 
     def pick(self, o, t0, t1):
         """The data pointer of output ``o``'s buffer: ``t0``'s or ``t1``'s (``o`` a run-time value; ``t1``
