@@ -9,6 +9,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _parallelize_fn(name: str):
@@ -21,6 +22,23 @@ def _parallelize_fn(name: str):
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 
     return parallelize_deepseekv3
+
+
+class _FlatOps(TorchDispatchMode):
+    """Counts the ops run on 1-D float tensors of over 10,000 elements (FSDP's flat gradient buffers; the model's
+    own tensors are 2-D or more), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 1 and t.is_floating_point()
+                and t.numel() > 10_000]
+        if flat:
+            name = str(func.overloadpacket)
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def run(variant: str, fn: str) -> dict:
@@ -55,7 +73,8 @@ def run(variant: str, fn: str) -> dict:
         model = cfg.build()
     model = _parallelize_fn(fn)(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                                 compile_config=CompileConfig(), ac_config=None, dump_folder=tempfile.mkdtemp())
-    parallelize.force_sum_on_gloo(model)
+    parallelize.force_sum_on_gloo(model)  # what parallelize.for_this_torch does after either function
+    parallelize.no_division_on_one_rank(model)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -79,14 +98,16 @@ def run(variant: str, fn: str) -> dict:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=g)
     loss_fn = CrossEntropyLoss.Config().build(compile_config=CompileConfig())
+    flat = _FlatOps()
     with dist_utils.get_spmd_context(parallel_dims=parallel_dims)():
         pred = model(tokens[:, :-1])
         loss, _ = loss_fn(pred, tokens[:, 1:], torch.tensor(64))
-        loss.backward()
+        with flat:
+            loss.backward()
     grads = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
     params = {str(p.dtype) for p in model.parameters()}
     return {"seen": {k: sorted(v) for k, v in seen.items()}, "master_dtypes": sorted(params),
-            "grad_dtypes": sorted(grads), "loss": float(loss)}
+            "grad_dtypes": sorted(grads), "loss": float(loss), "flat_ops": flat.counts}
 
 
 __all__ = ["run"]
