@@ -33,9 +33,8 @@ class _FlatOps(TorchDispatchMode):
         self.counts: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        flat = [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 1 and t.is_floating_point()
-                and t.numel() > 10_000]
-        if flat:
+        if any(isinstance(t, torch.Tensor) and t.dim() == 1 and t.is_floating_point() and t.numel() > 10_000
+               for t in args):
             name = str(func.overloadpacket)
             self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
@@ -73,8 +72,7 @@ def run(variant: str, fn: str) -> dict:
         model = cfg.build()
     model = _parallelize_fn(fn)(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                                 compile_config=CompileConfig(), ac_config=None, dump_folder=tempfile.mkdtemp())
-    parallelize.force_sum_on_gloo(model)  # what parallelize.for_this_torch does after either function
-    parallelize.no_division_on_one_rank(model)
+    parallelize.finish_fsdp(model)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)

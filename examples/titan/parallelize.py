@@ -133,6 +133,14 @@ def no_division_on_one_rank(model) -> int:
     return len(modules)
 
 
+def finish_fsdp(model) -> int:
+    """What :func:`for_this_torch` does to the FSDP modules after either function: :func:`force_sum_on_gloo`, then
+    :func:`no_division_on_one_rank`; returns how many modules the first set."""
+    forced = force_sum_on_gloo(model)
+    no_division_on_one_rank(model)
+    return forced
+
+
 def describe(model, fn, *, force_sum: int, compile_config) -> dict:
     """What :func:`for_this_torch`'s function built (JSON-ready)."""
     from torch.distributed.fsdp import FSDPModule
@@ -186,14 +194,13 @@ def allocator_cap_gib() -> float | None:
 
 def for_this_torch(torchtitan_fn):
     """``torchtitan_fn`` where this torch runs it, else :func:`parallelize_without_per_param_mesh`; then
-    :func:`force_sum_on_gloo` (a no-op on NCCL) and the setup file (see the module doc)."""
+    :func:`finish_fsdp` (gloo's sum reduction, no division on one rank) and the setup file (see the module doc)."""
     fn = torchtitan_fn if torch_has_per_param_fsdp_mesh() else parallelize_without_per_param_mesh
 
     @functools.wraps(fn)
     def parallelize(model, **kwargs):
         model = fn(model, **kwargs)
-        forced = force_sum_on_gloo(model)
-        no_division_on_one_rank(model)
+        forced = finish_fsdp(model)
         setup = describe(model, fn, force_sum=forced, compile_config=kwargs["compile_config"])
         rank = dist.get_rank() if dist.is_initialized() else 0
         folder = os.path.join(kwargs["dump_folder"], "setup")
